@@ -1,0 +1,43 @@
+"""Attention over the paged KV cache.
+
+Every forward first writes the new keys and values into the cache by slot, then attends:
+prefill over the padded prompt batch (prompt.py), decode over a flat list of KV blocks (flat.py).
+"""
+from typing import NamedTuple
+
+import torch
+
+from engine.attention.flat import flat_attention
+from engine.attention.prompt import prompt_attention
+
+
+class PrefillMetadata(NamedTuple):
+    slots: torch.Tensor  # [batch * seq] cache slot of every token; padding writes to block 0
+
+
+class DecodeMetadata(NamedTuple):
+    slots: torch.Tensor          # [batch] cache slot of each row's new token
+    block_list: torch.Tensor     # [num_blocks] KV blocks of all rows, concatenated
+    block_mapping: torch.Tensor  # [num_blocks, batch] one-hot owner row (all zero for padding)
+    block_groups: torch.Tensor   # [num_blocks] owner row (0 for padding blocks)
+    block_bias: torch.Tensor     # [num_blocks, block_size] 0 where valid, a large negative past usage
+
+
+AttentionMetadata = PrefillMetadata | DecodeMetadata
+
+
+def write_kv(cache: tuple[torch.Tensor, torch.Tensor], slots, k, v) -> None:
+    key_cache, value_cache = cache
+    key_cache.index_copy_(0, slots, k.reshape(-1, *key_cache.shape[1:]))
+    value_cache.index_copy_(0, slots, v.reshape(-1, *value_cache.shape[1:]))
+
+
+def attention(q, k, v, cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [..., heads, head_dim]; k, v: [..., kv_heads, head_dim]. Returns q's shape."""
+    write_kv(cache, meta.slots, k, v)
+    if isinstance(meta, PrefillMetadata):
+        return prompt_attention(q, k, v, scale)
+    key_cache, value_cache = cache
+    return flat_attention(
+        q, key_cache, value_cache, meta.block_list, meta.block_mapping, meta.block_groups, meta.block_bias, scale
+    )

@@ -1,0 +1,83 @@
+"""Flat paged attention for decode (one new token per row).
+
+The blocks of every row are concatenated into one flat block list. Each block is attended on its
+own (a block-local softmax), then the blocks of a row are merged with the usual log-sum-exp
+rescaling. Cost follows the number of blocks actually used, not the longest row times the batch.
+All inputs are tensors, so one graph serves every batch of the same bucket.
+"""
+import torch
+import torch.nn.functional as F
+
+PADDING_BLOCK = 0
+
+
+def flat_attention(
+    q: torch.Tensor,              # [batch, heads, dim]
+    key_cache: torch.Tensor,      # [num_slots, kv_heads, dim]
+    value_cache: torch.Tensor,    # [num_slots, kv_heads, dim]
+    block_list: torch.Tensor,     # [num_blocks]
+    block_mapping: torch.Tensor,  # [num_blocks, batch] one-hot, zero rows for padding blocks
+    block_groups: torch.Tensor,   # [num_blocks] owner row (0 for padding blocks)
+    block_bias: torch.Tensor,     # [num_blocks, block_size]
+    scale: float,
+) -> torch.Tensor:
+    batch, heads, dim = q.shape
+    num_blocks, block_size = block_bias.shape
+    kv_heads = key_cache.shape[1]
+    group = heads // kv_heads
+
+    # Each block gets its owner's query: [blocks, kv_heads, group, dim].
+    qb = (block_mapping @ (q * scale).reshape(batch, heads * dim)).view(num_blocks, kv_heads, group, dim)
+    keys = key_cache.view(-1, block_size, kv_heads, dim).index_select(0, block_list).transpose(1, 2)
+    values = value_cache.view(-1, block_size, kv_heads, dim).index_select(0, block_list).transpose(1, 2)
+
+    scores = qb @ keys.transpose(-1, -2) + block_bias.view(num_blocks, 1, 1, block_size)
+    block_max = scores.amax(dim=-1)                                # [blocks, kv_heads, group]
+    probs = torch.exp(scores - block_max.unsqueeze(-1))
+    block_sum = probs.sum(dim=-1)
+    block_out = probs @ values                                     # [blocks, kv_heads, group, dim]
+
+    row_max = _row_max(block_max, block_groups, batch)                   # [batch, kv_heads, group]
+    rescale = torch.exp(block_max - row_max.index_select(0, block_groups))
+    mapping_t = block_mapping.t()
+    numerator = mapping_t @ (block_out * rescale.unsqueeze(-1)).reshape(num_blocks, -1)
+    denominator = mapping_t @ (block_sum * rescale).reshape(num_blocks, -1)
+    # Real rows always have denominator >= 1 (their maximal score contributes exp(0)); the clamp
+    # only keeps padded rows, which own no block, at 0 instead of 0/0.
+    out = numerator.view(batch, kv_heads, group, dim) / denominator.clamp_min(1e-30).view(batch, kv_heads, group, 1)
+    return out.reshape(batch, heads, dim)
+
+
+def _row_max(block_max: torch.Tensor, block_groups: torch.Tensor, batch: int) -> torch.Tensor:
+    """Largest block maximum of each row.
+
+    Padding blocks are attributed to row 0, which is harmless: every position of a padding block
+    carries the large negative bias, so its maximum never exceeds a real row's.
+    """
+    index = block_groups.view(-1, 1, 1).expand_as(block_max)
+    floor = torch.full((batch, *block_max.shape[1:]), torch.finfo(block_max.dtype).min, dtype=block_max.dtype, device=block_max.device)
+    return floor.scatter_reduce(0, index, block_max, reduce="amax")
+
+
+def flat_block_tensors(row_blocks: list[list[int]], row_lengths: list[int], num_blocks: int, block_size: int):
+    """block_list, block_groups (-1 for padding) and block_usage for rows whose KV lives in
+    `row_blocks` and holds `row_lengths` tokens, padded with the reserved block to num_blocks."""
+    block_list, groups, usage = [], [], []
+    for row, (blocks, length) in enumerate(zip(row_blocks, row_lengths)):
+        block_list += blocks
+        groups += [row] * len(blocks)
+        usage += [block_size] * (len(blocks) - 1) + [length - (len(blocks) - 1) * block_size]
+    padding = num_blocks - len(block_list)
+    return (torch.tensor(block_list + [PADDING_BLOCK] * padding), torch.tensor(groups + [-1] * padding),
+            torch.tensor(usage + [0] * padding))
+
+
+def flat_mask(block_groups: torch.Tensor, block_usage: torch.Tensor, batch: int, block_size: int, dtype: torch.dtype):
+    """block_mapping (one-hot owner, zero rows for padding), owner rows clamped for indexing, and the
+    bias that masks every position past a block's usage."""
+    owned = (block_groups >= 0).unsqueeze(1)
+    mapping = F.one_hot(block_groups.clamp(min=0), batch) * owned
+    # A large but finite bias: a padding block is fully masked, and -inf there would give NaN.
+    masked = torch.finfo(dtype).min / 2
+    bias = torch.where(torch.arange(block_size) < block_usage.unsqueeze(1), 0.0, masked)
+    return mapping.to(dtype), block_groups.clamp(min=0), bias.to(dtype)

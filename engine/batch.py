@@ -1,0 +1,122 @@
+"""Plain dataclasses mirroring the generate.v3 protocol messages (see DESIGN.md section 3).
+
+The shard works on these; the gRPC server only translates them to and from protobuf.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class FinishReason(IntEnum):
+    LENGTH = 0
+    EOS_TOKEN = 1
+    STOP_SEQUENCE = 2
+
+
+class GrammarType(IntEnum):
+    NONE = 0
+    JSON = 1
+    REGEX = 2
+
+
+@dataclass
+class NextTokenChooserParameters:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    do_sample: bool = False
+    seed: int = 0
+    repetition_penalty: float = 1.0
+    watermark: bool = False
+    frequency_penalty: float = 0.0
+    grammar: str = ""
+    grammar_type: GrammarType = GrammarType.NONE
+
+
+@dataclass
+class StoppingCriteriaParameters:
+    max_new_tokens: int = 20
+    stop_sequences: list[str] = field(default_factory=list)
+    ignore_eos_token: bool = False
+
+
+@dataclass
+class Request:
+    id: int
+    inputs: str
+    truncate: int = 0  # 0: keep the whole prompt; else keep its last `truncate` tokens
+    parameters: NextTokenChooserParameters = field(default_factory=NextTokenChooserParameters)
+    stopping_parameters: StoppingCriteriaParameters = field(default_factory=StoppingCriteriaParameters)
+    prefill_logprobs: bool = False
+    top_n_tokens: int = 0
+    blocks: list[int] = field(default_factory=list)  # router-assigned KV blocks; empty: shard allocates
+    slots: list[int] = field(default_factory=list)
+    adapter_id: str | None = None
+    cache_len: int = 0
+    add_special_tokens: bool = True
+    chunk_len: int | None = None
+
+
+@dataclass
+class Batch:
+    id: int
+    requests: list[Request]
+    size: int = 0
+    max_tokens: int = 0
+    max_blocks: int = 0
+
+
+@dataclass
+class CachedBatch:
+    id: int
+    request_ids: list[int]
+    size: int
+    max_tokens: int
+    current_tokens: int
+
+
+@dataclass
+class Tokens:
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    is_special: list[bool] = field(default_factory=list)
+
+
+@dataclass
+class GeneratedText:
+    text: str
+    generated_tokens: int
+    finish_reason: FinishReason
+    seed: int | None = None
+
+
+@dataclass
+class Generation:
+    request_id: int
+    prefill_tokens: Tokens | None
+    tokens: Tokens
+    generated_text: GeneratedText | None = None
+    top_tokens: list[Tokens] = field(default_factory=list)
+
+
+@dataclass
+class InfoResponse:
+    requires_padding: bool
+    dtype: str
+    device_type: str
+    window_size: int | None
+    speculate: int
+    support_chunking: bool
+    use_prefix_caching: bool
+    attention_impl: str
+    block_size: int
+
+
+@dataclass
+class WarmupResult:
+    max_supported_total_tokens: int
+    max_input_tokens: int
+    max_total_tokens: int

@@ -1,0 +1,100 @@
+"""`python -m engine bench --compare transformers`: one workload through bucketserve and through
+transformers' batched generate, in the same process, on the same weights."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.batch import Request, StoppingCriteriaParameters
+from engine.buckets import PaddingStats
+from engine.generate import run_requests, warm_for
+from engine.shard import Shard
+
+# Any text works: it is only cut into prompts of the wanted token lengths.
+SOURCE_TEXT = (
+    "The river rose slowly through the night, and by morning the low fields near the old mill were "
+    "under water. Farmers moved their animals to the hills, children watched from the bridge, and the "
+    "miller counted sacks of grain that he had carried upstairs before the rain began. "
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_prompts: int = 32
+    min_tokens: int = 16
+    max_tokens: int = 256
+    new_tokens: int = 64
+
+
+def make_prompts(tokenizer, workload: Workload) -> list[str]:
+    """Prompts whose lengths are spread evenly over [min_tokens, max_tokens], each cut at its own offset."""
+    ids = tokenizer(SOURCE_TEXT * (workload.max_tokens // 40 + 2), add_special_tokens=False)["input_ids"]
+    span = workload.max_tokens - workload.min_tokens
+    prompts = []
+    for i in range(workload.num_prompts):
+        length = workload.min_tokens + span * i // max(workload.num_prompts - 1, 1)
+        offset = (7 * i) % 40
+        prompts.append(tokenizer.decode(ids[offset : offset + length]))
+    return prompts
+
+
+def run_bucketserve(shard: Shard, prompts: list[str], workload: Workload) -> dict:
+    start = time.perf_counter()
+    warm_for(shard, prompts, workload.new_tokens, add_special_tokens=True)
+    warmup_s = time.perf_counter() - start
+    stopping = StoppingCriteriaParameters(max_new_tokens=workload.new_tokens, ignore_eos_token=True)
+    requests = [Request(i, p, stopping_parameters=stopping) for i, p in enumerate(prompts)]
+    shard.runner.padding = PaddingStats()  # count serving only, not warmup
+    start = time.perf_counter()
+    done = run_requests(shard, requests)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for c in done.values())
+    plan = shard.runner.plan
+    return {"tokens": tokens, "seconds": seconds, "warmup_s": warmup_s, "buckets": len(plan.prefill) + len(plan.decode),
+            "padding": shard.runner.padding.as_dict()}
+
+
+def run_transformers(model_path, prompts: list[str], workload: Workload, dtype) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    kwargs = dict(do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    with torch.inference_mode():
+        model.generate(**tokenizer(prompts[:2], return_tensors="pt", padding=True), max_new_tokens=2, **kwargs)
+        start = time.perf_counter()
+        # min_new_tokens keeps every row generating, like ignore_eos_token on our side.
+        out = model.generate(**batch, max_new_tokens=workload.new_tokens, min_new_tokens=workload.new_tokens, **kwargs)
+        seconds = time.perf_counter() - start
+    tokens = (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0]
+    return {"tokens": tokens, "seconds": seconds}
+
+
+def report(shard: Shard, prompts: list[str], workload: Workload, ours: dict, peer: dict | None) -> str:
+    prompt_tokens = sum(len(shard.tokenizer(p)["input_ids"]) for p in prompts)
+    ours_tps = ours["tokens"] / ours["seconds"]
+    pad = ours["padding"]
+    lines = [
+        f"workload: {len(prompts)} prompts of {workload.min_tokens}-{workload.max_tokens} tokens ({prompt_tokens} in all), "
+        f"{workload.new_tokens} new tokens each, greedy, {shard.dtype}, {shard.adapter.name}",
+        f"bucketserve:  {ours['tokens']} tokens in {ours['seconds']:.2f}s = {ours_tps:.1f} tok/s "
+        f"(warmup {ours['warmup_s']:.1f}s, {ours['buckets']} buckets; padding waste prefill "
+        f"{pad['prefill']['waste']:.1%}, decode {pad['decode']['waste']:.1%})",
+    ]
+    if peer:
+        peer_tps = peer["tokens"] / peer["seconds"]
+        lines.append(f"transformers: {peer['tokens']} tokens in {peer['seconds']:.2f}s = {peer_tps:.1f} tok/s")
+        lines.append(f"ratio: {ours_tps / peer_tps:.2f}x transformers")
+    return "\n".join(lines)
+
+
+def bench(shard: Shard, workload: Workload, compare: str | None) -> str:
+    prompts = make_prompts(shard.tokenizer, workload)
+    ours = run_bucketserve(shard, prompts, workload)
+    peer = run_transformers(shard.model_path, prompts, workload, shard.dtype) if compare else None
+    return report(shard, prompts, workload, ours, peer)

@@ -1,0 +1,368 @@
+"""Shape buckets: the few (batch, length) shapes a graph-compiling accelerator is warmed on.
+
+A graph compiler is only fast on shapes it has compiled before, so every batch is padded
+up to one of a small set of "buckets" that warmup ran. A prefill bucket is
+(batch_size, seq_len). A decode bucket is (batch_size, num_blocks) where num_blocks is
+the TOTAL number of KV blocks of the whole batch, because flat paged attention
+concatenates all sequences' blocks into one list.
+
+Pure standard library on purpose: the scheduler and the CLI plan buckets without
+importing torch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+
+def _require_positive(name: str, value: object) -> None:
+    # bool is an int subclass; True as a batch size is always a bug upstream.
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_range_args(min_value: int, step: int, max_value: int) -> None:
+    _require_positive("min_value", min_value)
+    _require_positive("step", step)
+    _require_positive("max_value", max_value)
+    if min_value > max_value:
+        raise ValueError(f"min_value ({min_value}) must be <= max_value ({max_value})")
+
+
+# ---------------------------------------------------------------------------------------
+# Range strategies: the values one dimension (batch, length, blocks) is bucketed on.
+# ---------------------------------------------------------------------------------------
+
+def linear_range(min_value: int, step: int, max_value: int) -> list[int]:
+    """vLLM-Gaudi's "warmup_range": double from min_value while below step, then add step.
+
+    Small values double because padding 3 rows to 32 would waste most of the batch;
+    large values go up by step so padding never exceeds one step. max_value is always
+    the last value so that the longest allowed input has a bucket.
+    e.g. linear_range(1, 32, 128) == [1, 2, 4, 8, 16, 32, 64, 96, 128]
+    """
+    _check_range_args(min_value, step, max_value)
+    values = [min_value]
+    # Ramp values stay strictly below step (and below max_value, appended last).
+    while values[-1] * 2 < min(step, max_value):
+        values.append(values[-1] * 2)
+    # Next multiple of step strictly above the last value: aligns the linear part on
+    # step even when min_value is not a power-of-two fraction of it.
+    value = (values[-1] // step + 1) * step
+    while value < max_value:
+        values.append(value)
+        value += step
+    if values[-1] != max_value:
+        values.append(max_value)
+    return values
+
+
+def _covers(candidate: int, min_value: int, max_value: int, i: int, n_minus_1: int) -> bool:
+    """Exactly: candidate >= min * (max/min) ** (i / n_minus_1).
+
+    Raised to the n_minus_1-th power this is pure integer arithmetic; floats get it
+    wrong (32 ** (4/5) == 16.000000000000004 would round up to 17, not 16).
+    """
+    return candidate ** n_minus_1 * min_value ** i >= max_value ** i * min_value ** n_minus_1
+
+
+def _exponential_point(min_value: int, step: int, max_value: int, i: int, n_minus_1: int) -> int:
+    """The i-th exponential point rounded up to a multiple of step, clamped to max_value."""
+    estimate = min_value * (max_value / min_value) ** (i / n_minus_1)
+    k = max(1, math.ceil(estimate / step))
+    # The float estimate is off by at most one step; the exact test settles it.
+    while k > 1 and _covers((k - 1) * step, min_value, max_value, i, n_minus_1):
+        k -= 1
+    while not _covers(k * step, min_value, max_value, i, n_minus_1):
+        k += 1
+    return min(k * step, max_value)
+
+
+def exponential_range(min_value: int, step: int, max_value: int, count: int | None = None) -> list[int]:
+    """vLLM-Gaudi's exponential strategy: count points spaced geometrically from min to max.
+
+    Point i is min * (max/min) ** (i/(count-1)), rounded up to a multiple of step (shapes
+    aligned on step compile to better kernels) and clamped to max_value. Duplicates are
+    dropped, so fewer than count values may come back. Geometric spacing bounds the
+    padding ratio instead of the padding amount, which suits long sequence ranges.
+    Default count: ceil(log2(max_value)) + 1, at least 2.
+    """
+    _check_range_args(min_value, step, max_value)
+    if count is not None:
+        _require_positive("count", count)
+    if min_value == max_value:
+        return [max_value]
+    # (max-1).bit_length() == ceil(log2(max)) for max >= 1, without float log.
+    n = count if count is not None else max(2, (max_value - 1).bit_length() + 1)
+    if n < 2:
+        raise ValueError(f"count must be >= 2 when min_value ({min_value}) < max_value ({max_value}), got {n}")
+    values = {min_value, max_value}
+    for i in range(1, n - 1):
+        values.add(_exponential_point(min_value, step, max_value, i, n - 1))
+    return sorted(values)
+
+
+STRATEGIES: dict[str, Callable[[int, int, int], list[int]]] = {
+    "linear": linear_range,
+    "exponential": exponential_range,
+}
+
+
+# ---------------------------------------------------------------------------------------
+# Buckets and limits
+# ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PrefillBucket:
+    batch_size: int   # prompts (rows) in the padded batch
+    seq_len: int      # every prompt is padded to this length
+
+    def __post_init__(self) -> None:
+        _require_positive("batch_size", self.batch_size)
+        _require_positive("seq_len", self.seq_len)
+
+    @property
+    def tokens(self) -> int:
+        """Padded tokens the forward computes: what prefill cost and memory scale with."""
+        return self.batch_size * self.seq_len
+
+
+@dataclass(frozen=True)
+class DecodeBucket:
+    batch_size: int   # sequences (rows) in the padded batch
+    num_blocks: int   # KV blocks of the whole batch (flat paged attention)
+
+    def __post_init__(self) -> None:
+        _require_positive("batch_size", self.batch_size)
+        _require_positive("num_blocks", self.num_blocks)
+
+
+@dataclass(frozen=True)
+class BucketLimits:
+    max_batch_size: int        # most sequences in one forward
+    max_input_tokens: int      # longest prompt
+    max_total_tokens: int      # prompt + generated, per sequence
+    max_prefill_tokens: int    # budget: batch_size*seq_len of any prefill bucket <= this
+    block_size: int            # tokens per KV block
+    max_kv_blocks: int         # usable KV blocks (block 0 is reserved and not counted)
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_input_tokens", "max_total_tokens",
+                     "max_prefill_tokens", "block_size", "max_kv_blocks"):
+            _require_positive(name, getattr(self, name))
+        # A prompt must leave room for at least one generated token.
+        if self.max_input_tokens >= self.max_total_tokens:
+            raise ValueError(f"max_input_tokens ({self.max_input_tokens}) must be < "
+                             f"max_total_tokens ({self.max_total_tokens})")
+        # Otherwise the longest allowed prompt could not be prefilled even alone.
+        if self.max_input_tokens > self.max_prefill_tokens:
+            raise ValueError(f"max_input_tokens ({self.max_input_tokens}) must be <= "
+                             f"max_prefill_tokens ({self.max_prefill_tokens})")
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        """KV blocks one sequence of max_total_tokens needs."""
+        return -(-self.max_total_tokens // self.block_size)
+
+
+@dataclass(frozen=True)
+class StrategySteps:
+    """The step of each dimension; the min values are derived from the limits.
+
+    The defaults are the linear strategy's published ones. The exponential strategy uses the step
+    only to round its points, so default_steps() gives it fine steps.
+    """
+    prefill_batch_step: int = 32
+    prefill_seq_step: int = 128
+    decode_batch_step: int = 32
+    decode_block_step: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_batch_step", "prefill_seq_step", "decode_batch_step", "decode_block_step"):
+            _require_positive(name, getattr(self, name))
+
+
+# ---------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BucketPlan:
+    prefill: tuple[PrefillBucket, ...]
+    decode: tuple[DecodeBucket, ...]
+
+    def __post_init__(self) -> None:
+        # Tuples keep the frozen plan hashable and immune to a caller's list edits.
+        object.__setattr__(self, "prefill", tuple(self.prefill))
+        object.__setattr__(self, "decode", tuple(self.decode))
+
+    @property
+    def max_prefill_batch(self) -> int:
+        return max((b.batch_size for b in self.prefill), default=0)
+
+    @property
+    def max_prefill_seq_len(self) -> int:
+        return max((b.seq_len for b in self.prefill), default=0)
+
+    @property
+    def max_decode_batch(self) -> int:
+        return max((b.batch_size for b in self.decode), default=0)
+
+    @property
+    def max_decode_blocks(self) -> int:
+        return max((b.num_blocks for b in self.decode), default=0)
+
+    def prefill_bucket(self, batch_size: int, seq_len: int) -> PrefillBucket | None:
+        """The bucket holding batch_size prompts of at most seq_len tokens with the fewest
+        padded tokens (ties: smaller batch), or None if no bucket holds it."""
+        _require_positive("batch_size", batch_size)
+        _require_positive("seq_len", seq_len)
+        holding = [b for b in self.prefill if b.batch_size >= batch_size and b.seq_len >= seq_len]
+        return min(holding, key=lambda b: (b.tokens, b.batch_size), default=None)
+
+    def decode_bucket(self, batch_size: int, num_blocks: int) -> DecodeBucket | None:
+        """The bucket holding batch_size sequences with num_blocks blocks in total: fewest
+        padded rows first (every row costs a full forward row), then fewest padded blocks."""
+        _require_positive("batch_size", batch_size)
+        _require_positive("num_blocks", num_blocks)
+        holding = [b for b in self.decode if b.batch_size >= batch_size and b.num_blocks >= num_blocks]
+        return min(holding, key=lambda b: (b.batch_size, b.num_blocks), default=None)
+
+    def split_prefill(self, seq_lens: list[int]) -> list[list[int]]:
+        """Partition prompt indices into groups that each fit a prefill bucket.
+
+        Longest first, so each group's first prompt fixes its padded length and the
+        shorter ones that join it are similar in length (little padding). A group grows
+        while a bucket still holds it. Indices inside a group come back in ascending order.
+        """
+        # Every prompt must fit alone: otherwise no split can run it, whatever its group.
+        for i, length in enumerate(seq_lens):
+            _require_positive("seq_len", length)
+            if self.prefill_bucket(1, length) is None:
+                raise ValueError(f"prompt {i} has {length} tokens, more than the longest "
+                                 f"prefill bucket ({self.max_prefill_seq_len} tokens)")
+        order = sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i))
+        groups: list[list[int]] = []
+        for i in order:
+            # groups[-1][0] is the group's longest prompt: it fixes the padded length.
+            if groups and self.prefill_bucket(len(groups[-1]) + 1, seq_lens[groups[-1][0]]) is not None:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        return [sorted(g) for g in groups]
+
+    def split_decode(self, block_counts: list[int]) -> list[list[int]]:
+        """Partition sequence indices, in their original order, into consecutive groups
+        that each fit a decode bucket; a group grows while a bucket still holds it."""
+        # Every sequence must fit alone: otherwise no split can run it, whatever its group.
+        for i, count in enumerate(block_counts):
+            _require_positive("block count", count)
+            if self.decode_bucket(1, count) is None:
+                raise ValueError(f"sequence {i} holds {count} KV blocks, more than the largest "
+                                 f"decode bucket ({self.max_decode_blocks} blocks)")
+        groups: list[list[int]] = []
+        total = 0
+        for i, count in enumerate(block_counts):
+            if groups and self.decode_bucket(len(groups[-1]) + 1, total + count) is not None:
+                groups[-1].append(i)
+                total += count
+            else:
+                groups.append([i])
+                total = count
+        return groups
+
+
+def _strategy(name: str) -> Callable[[int, int, int], list[int]]:
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown bucket strategy {name!r}; known: {', '.join(sorted(STRATEGIES))}")
+    return STRATEGIES[name]
+
+
+def _prefill_buckets(limits: BucketLimits, strategy: Callable, steps: StrategySteps) -> list[PrefillBucket]:
+    batch_sizes = strategy(1, steps.prefill_batch_step, limits.max_batch_size)
+    # Prompts shorter than a block still occupy one block, so start there.
+    shortest = min(limits.block_size, limits.max_input_tokens)
+    seq_lens = strategy(shortest, steps.prefill_seq_step, limits.max_input_tokens)
+    # A batch whose rounded-up shape is over the budget is split by split_prefill instead:
+    # adding a bucket for every budget corner would cost a warmup graph per batch size.
+    return [PrefillBucket(bs, seq) for bs in batch_sizes for seq in seq_lens
+            if bs * seq <= limits.max_prefill_tokens]
+
+
+def _decode_buckets(limits: BucketLimits, strategy: Callable, steps: StrategySteps) -> list[DecodeBucket]:
+    # Every sequence holds at least one block, so a batch never has more rows than
+    # blocks. Capping the batch range (rather than dropping batch sizes above the cap)
+    # keeps a bucket for batches of up to max_kv_blocks sequences.
+    top_batch = min(limits.max_batch_size, limits.max_kv_blocks)
+    buckets = []
+    for bs in strategy(1, steps.decode_batch_step, top_batch):
+        top = min(bs * limits.blocks_per_sequence, limits.max_kv_blocks)
+        buckets += [DecodeBucket(bs, n) for n in strategy(bs, steps.decode_block_step, top)]
+    return buckets
+
+
+def default_steps(strategy: str, block_size: int) -> StrategySteps:
+    if strategy == "exponential":
+        # Powers of two for batch sizes and block counts, lengths aligned on whole KV blocks.
+        return StrategySteps(prefill_batch_step=1, prefill_seq_step=block_size, decode_batch_step=1, decode_block_step=1)
+    return StrategySteps()
+
+
+def plan_buckets(limits: BucketLimits, strategy: str = "exponential", steps: StrategySteps | None = None) -> BucketPlan:
+    """All buckets to warm up. Guarantees: every prompt of L <= max_input_tokens has a bucket, and a
+    batch of them whose rounded-up shape fits max_prefill_tokens too (others split_prefill);
+    n <= max_batch_size sequences holding T blocks in total, n <= T <= min(n * blocks_per_sequence,
+    max_kv_blocks), have a decode bucket."""
+    range_of = _strategy(strategy)
+    steps = steps or default_steps(strategy, limits.block_size)
+    return BucketPlan(prefill=tuple(_prefill_buckets(limits, range_of, steps)),
+                      decode=tuple(_decode_buckets(limits, range_of, steps)))
+
+
+# ---------------------------------------------------------------------------------------
+# Padding accounting
+# ---------------------------------------------------------------------------------------
+
+PHASES = ("prefill", "decode")
+
+
+class PaddingStats:
+    """Real vs padded work per phase, to see what bucketing costs.
+
+    Phase-agnostic about units: prefill callers record tokens, decode callers record
+    rows (real sequences vs the bucket's batch_size).
+    """
+
+    def __init__(self) -> None:
+        self._real = dict.fromkeys(PHASES, 0)
+        self._padded = dict.fromkeys(PHASES, 0)
+
+    def _check_phase(self, phase: str) -> None:
+        # A typo'd phase would silently start a third, never-reported account.
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; known: {', '.join(PHASES)}")
+
+    def record(self, phase: str, real_tokens: int, padded_tokens: int) -> None:
+        self._check_phase(phase)
+        if not 0 <= real_tokens <= padded_tokens:
+            raise ValueError(f"need 0 <= real ({real_tokens}) <= padded ({padded_tokens}) for {phase}")
+        self._real[phase] += real_tokens
+        self._padded[phase] += padded_tokens
+
+    def real(self, phase: str) -> int:
+        self._check_phase(phase)
+        return self._real[phase]
+
+    def padded(self, phase: str) -> int:
+        self._check_phase(phase)
+        return self._padded[phase]
+
+    def waste(self, phase: str) -> float:
+        """Fraction of computed work that was padding; 0.0 before anything is recorded."""
+        padded = self.padded(phase)
+        return 1.0 - self._real[phase] / padded if padded else 0.0
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        return {p: {"real": self._real[p], "padded": self._padded[p], "waste": self.waste(p)}
+                for p in PHASES}

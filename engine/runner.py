@@ -1,0 +1,119 @@
+"""Builds bucket-padded tensors for a batch, runs the model through the device adapter, and
+returns logits for the real rows only."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import DecodeMetadata, PrefillMetadata
+from engine.attention.flat import flat_block_tensors, flat_mask
+from engine.buckets import BucketPlan, DecodeBucket, PaddingStats, PrefillBucket
+from engine.devices.base import DeviceAdapter
+from engine.kv_cache import RESERVED_BLOCK, KVCache
+
+
+@dataclass
+class PrefillInput:
+    token_ids: list[int]
+    slots: list[int]       # one cache slot per token
+
+
+@dataclass
+class DecodeInput:
+    token_id: int          # the last generated token, not yet in the cache
+    position: int          # its position in the sequence
+    slot: int              # where its K/V go
+    blocks: list[int]      # the blocks covering positions 0..position
+
+
+class ModelRunner:
+    def __init__(self, model, adapter: DeviceAdapter, kv_cache: KVCache, plan: BucketPlan, dtype: torch.dtype):
+        self.model, self.adapter, self.kv_cache, self.plan, self.dtype = model, adapter, kv_cache, plan, dtype
+        self.block_size = kv_cache.block_size
+        self.padding = PaddingStats()
+        model.bind_kv_cache(kv_cache.layers)
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[PrefillInput]) -> torch.Tensor:
+        """Logits [len(seqs), vocab] at each sequence's last token."""
+        logits = [None] * len(seqs)
+        for group in self.plan.split_prefill([len(s.token_ids) for s in seqs]):
+            members = [seqs[i] for i in group]
+            bucket = self.plan.prefill_bucket(len(members), max(len(s.token_ids) for s in members))
+            self.padding.record("prefill", sum(len(s.token_ids) for s in members), bucket.tokens)
+            out = self.adapter.run(("prefill", bucket), self.model, *self._prefill_tensors(bucket, members))
+            for row, index in enumerate(group):
+                logits[index] = out[row]
+        return torch.stack(logits)
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[DecodeInput]) -> torch.Tensor:
+        """Logits [len(seqs), vocab] for the next token of every sequence."""
+        logits = [None] * len(seqs)
+        for group in self.plan.split_decode([len(s.blocks) for s in seqs]):
+            members = [seqs[i] for i in group]
+            bucket = self.plan.decode_bucket(len(members), sum(len(s.blocks) for s in members))
+            self.padding.record("decode", len(members), bucket.batch_size)
+            out = self.adapter.run(("decode", bucket), self.model, *self._decode_tensors(bucket, members))
+            for row, index in enumerate(group):
+                logits[index] = out[row]
+        return torch.stack(logits)
+
+    @torch.inference_mode()
+    def warm(self, bucket: PrefillBucket | DecodeBucket) -> None:
+        """Run one bucket on dummy rows that read and write only the reserved block."""
+        if isinstance(bucket, PrefillBucket):
+            dummy = [PrefillInput([0] * bucket.seq_len, [RESERVED_BLOCK] * bucket.seq_len)] * bucket.batch_size
+            self.adapter.warm(("prefill", bucket), self.model, *self._prefill_tensors(bucket, dummy))
+        else:
+            dummy = _dummy_decode_rows(bucket)
+            self.adapter.warm(("decode", bucket), self.model, *self._decode_tensors(bucket, dummy))
+
+    def _prefill_tensors(self, bucket: PrefillBucket, seqs: list[PrefillInput]):
+        rows, width = bucket.batch_size, bucket.seq_len
+        ids, slots, last = [], [], []
+        for row, seq in enumerate(seqs):
+            pad = width - len(seq.token_ids)
+            ids += seq.token_ids + [0] * pad
+            slots += seq.slots + [RESERVED_BLOCK] * pad
+            last.append(row * width + len(seq.token_ids) - 1)
+        padding_rows = rows - len(seqs)
+        ids += [0] * (padding_rows * width)
+        slots += [RESERVED_BLOCK] * (padding_rows * width)
+        last += [0] * padding_rows
+        positions = torch.arange(width).expand(rows, width)
+        meta = PrefillMetadata(slots=self._tensor(slots))
+        return self._tensor(ids).view(rows, width), self._to_device(positions), meta, self._tensor(last)
+
+    def _decode_tensors(self, bucket: DecodeBucket, seqs: list[DecodeInput]):
+        padding_rows = bucket.batch_size - len(seqs)
+        block_list, groups, usage = flat_block_tensors(
+            [s.blocks for s in seqs], [s.position + 1 for s in seqs], bucket.num_blocks, self.block_size)
+        mapping, owners, bias = flat_mask(groups, usage, bucket.batch_size, self.block_size, self.dtype)
+        meta = DecodeMetadata(
+            slots=self._tensor([s.slot for s in seqs] + [RESERVED_BLOCK] * padding_rows),
+            block_list=self._to_device(block_list),
+            block_mapping=self._to_device(mapping),
+            block_groups=self._to_device(owners),
+            block_bias=self._to_device(bias),
+        )
+        ids = [s.token_id for s in seqs] + [0] * padding_rows
+        positions = [s.position for s in seqs] + [0] * padding_rows
+        return self._tensor(ids), self._tensor(positions), meta, self._tensor(list(range(bucket.batch_size)))
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return self._to_device(torch.tensor(values, dtype=torch.long))
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.adapter.torch_device, non_blocking=True)
+
+
+def _dummy_decode_rows(bucket: DecodeBucket) -> list[DecodeInput]:
+    """bucket.batch_size rows sharing bucket.num_blocks reserved blocks, each row at least one."""
+    per_row, extra = divmod(bucket.num_blocks, bucket.batch_size)
+    rows = []
+    for row in range(bucket.batch_size):
+        count = per_row + (row < extra)
+        rows.append(DecodeInput(0, 0, RESERVED_BLOCK, [RESERVED_BLOCK] * count))
+    return rows

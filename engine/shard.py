@@ -1,0 +1,137 @@
+"""One shard: the generate.v3 operations (warmup, prefill, decode, filter, clear) in plain Python."""
+from __future__ import annotations
+
+import logging
+
+from engine import loader
+from engine.batch import Batch, CachedBatch, Generation, InfoResponse, WarmupResult
+from engine.config import EngineConfig, torch_dtype
+from engine.devices import get_adapter
+from engine.errors import InvalidRequestError
+from engine.kv_cache import BlockAllocator, KVCache
+from engine.runner import ModelRunner
+from engine.sequence import Sequence
+from engine.steps import StepContext, admit_requests, decode_step, prefill_step
+from engine.warmup import WarmupLimits, build_plan, profile_free_memory, size_kv_cache, warm_all
+
+log = logging.getLogger(__name__)
+
+
+class Shard:
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1, show_progress: bool = True):
+        self.config, self.rank, self.world_size, self.show_progress = config, rank, world_size, show_progress
+        self.adapter = get_adapter(config.device, config.graph_mode, config.strict_shapes)
+        self.dtype = torch_dtype(config.dtype, self.adapter.default_dtype)
+        self.block_size = config.block_size or self.adapter.default_block_size
+        loaded = loader.load(config.model_id, config.resolved_cache_dir, self.dtype, self.adapter.torch_device)
+        self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        self.model_path, self.eos_token_ids = loaded.path, loaded.eos_token_ids
+        self.special_token_ids = frozenset(self.tokenizer.all_special_ids)
+        self.limits: WarmupLimits | None = None
+        self.runner: ModelRunner | None = None
+        self.allocator: BlockAllocator | None = None
+        self.batches: dict[int, list[Sequence]] = {}
+
+    def info(self) -> InfoResponse:
+        return InfoResponse(
+            requires_padding=False, dtype=str(self.dtype).removeprefix("torch."), device_type=self.adapter.name,
+            window_size=self.model_config.sliding_window, speculate=0, support_chunking=False,
+            use_prefix_caching=False, attention_impl="flat_paged", block_size=self.block_size,
+        )
+
+    def warmup(self, max_input_tokens: int | None = None, max_prefill_tokens: int | None = None,
+               max_total_tokens: int | None = None, max_batch_size: int | None = None) -> WarmupResult:
+        """Size the KV cache, plan buckets and run every one of them. Limits left None take the config's."""
+        limits = self._limits(max_input_tokens, max_prefill_tokens, max_total_tokens, max_batch_size)
+        self.clear()
+        self.runner = None  # drop the previous cache before measuring free memory
+        free = profile_free_memory(self.model, self.adapter, self.dtype, self.block_size, limits)
+        c = self.model_config
+        per_block = KVCache.bytes_per_block(c.num_layers, self.block_size, c.num_kv_heads, c.head_dim, self.dtype)
+        num_blocks = size_kv_cache(free, self.config.kv_cache_memory_fraction, per_block, self.block_size, limits)
+        cache = KVCache(c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.dtype, self.adapter.torch_device)
+        plan = build_plan(limits, self.block_size, num_blocks, self.config.bucket_strategy)
+        self.runner = ModelRunner(self.model, self.adapter, cache, plan, self.dtype)
+        warm_all(self.runner, plan, self.show_progress)
+        self.allocator, self.limits = BlockAllocator(num_blocks), limits
+        return WarmupResult(cache.capacity_tokens, limits.max_input_tokens, limits.max_total_tokens)
+
+    def prefill(self, batch: Batch, cached_batch: CachedBatch | None = None) -> tuple[list[Generation], CachedBatch | None]:
+        ctx = self._context()
+        sequences = admit_requests(ctx, batch.requests)
+        try:
+            generations = prefill_step(ctx, sequences)
+        except Exception:
+            self._release(sequences)
+            raise
+        previous = self._take([cached_batch.id]) if cached_batch else []
+        return self._store(batch.id, previous + sequences, generations)
+
+    def decode(self, batches: list[CachedBatch]) -> tuple[list[Generation], CachedBatch | None]:
+        if not batches:
+            raise InvalidRequestError("decode needs at least one batch")
+        sequences = [seq for cached in batches for seq in self._get(cached.id)]
+        generations = decode_step(self._context(), sequences)
+        self._take([cached.id for cached in batches])  # only once the step succeeded
+        return self._store(batches[0].id, sequences, generations)
+
+    def filter(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
+        sequences = self._get(batch_id)
+        keep = set(request_ids)
+        unknown = keep - {s.id for s in sequences}
+        if unknown:
+            raise KeyError(f"batch {batch_id} has no request {sorted(unknown)[0]}")
+        self._release([s for s in sequences if s.id not in keep])
+        self.batches[batch_id] = [s for s in sequences if s.id in keep]
+        return self._cached(batch_id, self.batches[batch_id])
+
+    def clear(self, batch_id: int | None = None) -> None:
+        ids = list(self.batches) if batch_id is None else [batch_id]
+        for sequence_list in (self.batches.pop(i, []) for i in ids):
+            self._release(sequence_list)
+
+    def _context(self) -> StepContext:
+        if self.runner is None:
+            raise InvalidRequestError("the shard has not been warmed up")
+        return StepContext(self.runner, self.tokenizer, self.allocator, self.limits, self.eos_token_ids,
+                           self.special_token_ids, self.block_size, self.rank, self.world_size)
+
+    def _get(self, batch_id: int) -> list[Sequence]:
+        if batch_id not in self.batches:
+            raise KeyError(f"batch {batch_id} not found")
+        return self.batches[batch_id]
+
+    def _take(self, batch_ids: list[int]) -> list[Sequence]:
+        return [seq for batch_id in batch_ids for seq in self.batches.pop(batch_id, [])]
+
+    def _store(self, batch_id: int, sequences: list[Sequence], generations) -> tuple[list[Generation], CachedBatch | None]:
+        finished = [s for s in sequences if s.finish_reason is not None]
+        self._release(finished)
+        running = [s for s in sequences if s.finish_reason is None]
+        if not running:
+            return generations, None
+        self.batches[batch_id] = running
+        return generations, self._cached(batch_id, running)
+
+    def _release(self, sequences: list[Sequence]) -> None:
+        for seq in sequences:
+            if seq.owns_blocks and self.allocator is not None:
+                self.allocator.free(seq.blocks)
+                seq.blocks = []
+
+    def _cached(self, batch_id: int, sequences: list[Sequence]) -> CachedBatch:
+        tokens = sum(len(s.token_ids) for s in sequences)
+        max_tokens = sum(s.prompt_len + s.max_new_tokens for s in sequences)
+        return CachedBatch(batch_id, [s.id for s in sequences], len(sequences), max_tokens, tokens)
+
+    def _limits(self, max_input, max_prefill, max_total, max_batch) -> WarmupLimits:
+        limits = WarmupLimits(
+            max_batch_size=max_batch or self.config.max_batch_size,
+            max_input_tokens=max_input or self.config.max_input_tokens,
+            max_total_tokens=max_total or self.config.max_total_tokens,
+            max_prefill_tokens=max(max_prefill or self.config.max_prefill_tokens, max_input or self.config.max_input_tokens),
+        )
+        positions = self.model_config.max_position_embeddings
+        if limits.max_total_tokens > positions:
+            raise InvalidRequestError(f"max_total_tokens={limits.max_total_tokens} exceeds the model's {positions} positions")
+        return limits
