@@ -47,13 +47,12 @@ def run_bucketserve(shard: Shard, prompts: list[str], workload: Workload) -> dic
     stopping = StoppingCriteriaParameters(max_new_tokens=workload.new_tokens, ignore_eos_token=True)
     requests = [Request(i, p, stopping_parameters=stopping) for i, p in enumerate(prompts)]
     shard.runner.padding = PaddingStats()  # count serving only, not warmup
-    start = time.perf_counter()
-    done = run_requests(shard, requests)
-    seconds = time.perf_counter() - start
+    phases = {"prefill": 0.0, "decode": 0.0}
+    done = run_requests(shard, requests, phases)
     tokens = sum(len(c.token_ids) for c in done.values())
     plan = shard.runner.plan
-    return {"tokens": tokens, "seconds": seconds, "warmup_s": warmup_s, "buckets": len(plan.prefill) + len(plan.decode),
-            "padding": shard.runner.padding.as_dict()}
+    return {"tokens": tokens, "seconds": sum(phases.values()), "phases": phases, "warmup_s": warmup_s,
+            "buckets": len(plan.prefill) + len(plan.decode), "padding": shard.runner.padding.as_dict()}
 
 
 def run_transformers(model_path, prompts: list[str], workload: Workload, dtype) -> dict:
@@ -83,7 +82,8 @@ def report(shard: Shard, prompts: list[str], workload: Workload, ours: dict, pee
         f"workload: {len(prompts)} prompts of {workload.min_tokens}-{workload.max_tokens} tokens ({prompt_tokens} in all), "
         f"{workload.new_tokens} new tokens each, greedy, {shard.dtype}, {shard.adapter.name}",
         f"bucketserve:  {ours['tokens']} tokens in {ours['seconds']:.2f}s = {ours_tps:.1f} tok/s "
-        f"(warmup {ours['warmup_s']:.1f}s, {ours['buckets']} buckets; padding waste prefill "
+        f"(prefill {ours['phases']['prefill']:.2f}s, decode {ours['phases']['decode']:.2f}s; "
+        f"warmup {ours['warmup_s']:.1f}s, {ours['buckets']} buckets; padding waste prefill "
         f"{pad['prefill']['waste']:.1%}, decode {pad['decode']['waste']:.1%})",
     ]
     if peer:

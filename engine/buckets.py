@@ -230,27 +230,33 @@ class BucketPlan:
         return min(holding, key=lambda b: (b.batch_size, b.num_blocks), default=None)
 
     def split_prefill(self, seq_lens: list[int]) -> list[list[int]]:
-        """Partition prompt indices into groups that each fit a prefill bucket.
+        """Partition prompt indices into groups that each fit a prefill bucket, with the fewest
+        padded tokens in all (ties: fewer forwards). Indices inside a group are ascending.
 
-        Longest first, so each group's first prompt fixes its padded length and the
-        shorter ones that join it are similar in length (little padding). A group grows
-        while a bucket still holds it. Indices inside a group come back in ascending order.
+        With prompts sorted by length, some optimal partition takes consecutive runs, so a
+        dynamic program over run ends finds it: best[i] is the cheapest split of the i longest.
         """
-        # Every prompt must fit alone: otherwise no split can run it, whatever its group.
         for i, length in enumerate(seq_lens):
             _require_positive("seq_len", length)
             if self.prefill_bucket(1, length) is None:
                 raise ValueError(f"prompt {i} has {length} tokens, more than the longest "
                                  f"prefill bucket ({self.max_prefill_seq_len} tokens)")
         order = sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i))
-        groups: list[list[int]] = []
-        for i in order:
-            # groups[-1][0] is the group's longest prompt: it fixes the padded length.
-            if groups and self.prefill_bucket(len(groups[-1]) + 1, seq_lens[groups[-1][0]]) is not None:
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-        return [sorted(g) for g in groups]
+        best: list[tuple[int, int, int]] = [(0, 0, 0)]  # (padded tokens, forwards, run start)
+        for end in range(1, len(order) + 1):
+            options = []
+            for start in range(max(0, end - self.max_prefill_batch), end):
+                # order[start] is the run's longest prompt: it fixes the padded length.
+                bucket = self.prefill_bucket(end - start, seq_lens[order[start]])
+                if bucket is not None:
+                    options.append((best[start][0] + bucket.tokens, best[start][1] + 1, start))
+            best.append(min(options))
+        groups, end = [], len(order)
+        while end:
+            start = best[end][2]
+            groups.append(sorted(order[start:end]))
+            end = start
+        return groups[::-1]
 
     def split_decode(self, block_counts: list[int]) -> list[list[int]]:
         """Partition sequence indices, in their original order, into consecutive groups

@@ -1,6 +1,7 @@
 """Offline generation through an in-process shard: the `generate` and `bench` commands use it."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from engine.batch import Batch, Request, StoppingCriteriaParameters
@@ -44,14 +45,20 @@ def warm_for(shard: Shard, texts: list[str], max_new_tokens: int, add_special_to
     )
 
 
-def run_requests(shard: Shard, requests: list[Request]) -> dict[int, Completion]:
-    """The completion of every request, prefilling in waves of the warmed batch size."""
+def run_requests(shard: Shard, requests: list[Request], seconds: dict | None = None) -> dict[int, Completion]:
+    """The completion of every request, prefilling in waves of the warmed batch size.
+    `seconds`, when given, accumulates the time spent in "prefill" and "decode"."""
     done = {r.id: Completion(r.inputs, [], "", "") for r in requests}
+    seconds = {"prefill": 0.0, "decode": 0.0} if seconds is None else seconds
     wave = shard.limits.max_batch_size
     for start in range(0, len(requests), wave):
+        began = time.perf_counter()
         cached = _collect(shard.prefill(Batch(start, requests[start : start + wave])), done)
+        seconds["prefill"] += time.perf_counter() - began
+        began = time.perf_counter()
         while cached is not None:
             cached = _collect(shard.decode([cached]), done)
+        seconds["decode"] += time.perf_counter() - began
     return done
 
 

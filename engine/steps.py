@@ -29,7 +29,7 @@ class StepContext:
 def admit_requests(ctx: StepContext, requests: list[Request]) -> list[Sequence]:
     """Sequences for new requests; every request is checked before any block is allocated."""
     tokenized = [_tokenize(ctx, request) for request in requests]
-    needed = sum(blocks_needed(len(ids) + r.stopping_parameters.max_new_tokens, ctx.block_size)
+    needed = sum(blocks_needed(kv_tokens(len(ids), r.stopping_parameters.max_new_tokens), ctx.block_size)
                  for r, ids in zip(requests, tokenized) if not r.blocks)
     if not ctx.allocator.can_allocate(needed):
         raise InvalidRequestError(f"KV cache full: the batch needs {needed} blocks, {ctx.allocator.num_free} are free")
@@ -50,16 +50,23 @@ def _tokenize(ctx: StepContext, request: Request) -> list[int]:
         raise InvalidRequestError(f"request {request.id}: max_new_tokens must be at least 1, got {max_new}")
     if len(ids) + max_new > limits.max_total_tokens:
         raise InvalidRequestError(f"request {request.id}: {len(ids)} prompt tokens + max_new_tokens={max_new} exceed max_total_tokens={limits.max_total_tokens}")
-    if request.blocks and len(request.blocks) * ctx.block_size < len(ids):
-        raise InvalidRequestError(f"request {request.id}: {len(request.blocks)} blocks hold fewer than its {len(ids)} prompt tokens")
+    if request.blocks and len(request.blocks) * ctx.block_size < kv_tokens(len(ids), max_new):
+        raise InvalidRequestError(f"request {request.id}: {len(request.blocks)} blocks hold fewer than the "
+                                  f"{kv_tokens(len(ids), max_new)} tokens its prompt and max_new_tokens need")
     if request.slots and len(request.slots) < len(ids):
         raise InvalidRequestError(f"request {request.id}: {len(request.slots)} slots for {len(ids)} prompt tokens")
     return ids
 
 
+def kv_tokens(prompt_len: int, max_new_tokens: int) -> int:
+    """Tokens a request writes to the KV cache: the last generated token is never fed back."""
+    return prompt_len + max_new_tokens - 1
+
+
 def _new_sequence(ctx: StepContext, request: Request, ids: list[int]) -> Sequence:
     owns = not request.blocks
-    blocks = list(request.blocks) or ctx.allocator.allocate(blocks_needed(len(ids) + request.stopping_parameters.max_new_tokens, ctx.block_size))
+    needed = blocks_needed(kv_tokens(len(ids), request.stopping_parameters.max_new_tokens), ctx.block_size)
+    blocks = list(request.blocks) or ctx.allocator.allocate(needed)
     return Sequence(request, list(ids), len(ids), blocks, ctx.block_size, owns, list(request.slots),
                     prefix_offset=max(len(ids) - 5, 0), read_offset=len(ids))
 

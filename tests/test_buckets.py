@@ -282,11 +282,47 @@ def test_split_prefill_partitions_into_planned_shapes(inputs, data):
         assert bucket is not None and bucket in plan.prefill
 
 
+def test_split_prefill_minimizes_padding():
+    # Linear seq buckets 16..512 and batch sizes 1,2,4,8: the greedy "fill the longest bucket"
+    # would pad four prompts to 512; splitting 2 + 2 pads to 512 and 128 instead.
+    limits = BucketLimits(8, 512, 1024, 2048, 16, 100)
+    plan = plan_buckets(limits, "linear", StrategySteps(prefill_batch_step=32, prefill_seq_step=128))
+    groups = plan.split_prefill([500, 100, 510, 90])
+    assert groups == [[0, 2], [1, 3]]
+    padded = sum(plan.prefill_bucket(len(g), max([500, 100, 510, 90][i] for i in g)).tokens for g in groups)
+    assert padded == 2 * 512 + 2 * 128
+
+
+@FAST
+@given(st.lists(st.integers(1, 200), min_size=1, max_size=7))
+def test_split_prefill_is_optimal_against_brute_force(seq_lens):
+    plan = plan_buckets(BucketLimits(4, 200, 400, 400, 16, 100), "exponential")
+
+    def cost(groups):
+        return sum(plan.prefill_bucket(len(g), max(seq_lens[i] for i in g)).tokens for g in groups)
+
+    def partitions(items):  # every set partition whose parts fit a bucket
+        if not items:
+            yield []
+            return
+        first, rest = items[0], items[1:]
+        for mask in range(1 << len(rest)):
+            part = [first] + [x for k, x in enumerate(rest) if mask >> k & 1]
+            if plan.prefill_bucket(len(part), max(seq_lens[i] for i in part)) is None:
+                continue
+            others = [x for k, x in enumerate(rest) if not mask >> k & 1]
+            for tail in partitions(others):
+                yield [part] + tail
+
+    assert cost(plan.split_prefill(seq_lens)) == min(cost(p) for p in partitions(list(range(len(seq_lens)))))
+
+
 def test_split_prefill_groups_similar_lengths():
     limits = BucketLimits(4, 1024, 2048, 2048, 128, 100)
     plan = plan_buckets(limits, "linear")
     groups = plan.split_prefill([10, 1000, 12, 990, 11])
-    assert groups == [[1, 3], [0, 2, 4]]
+    # Batch sizes are 1, 2, 4 and lengths 128, 256, ...: (2, 128) + (1, 128) pads less than (4, 128).
+    assert groups == [[1, 3], [2], [0, 4]]
 
 
 def test_split_prefill_rejects_too_long():

@@ -11,6 +11,12 @@ import torch.nn.functional as F
 PADDING_BLOCK = 0
 
 
+# exp() of a large negative argument takes a slow path on CPUs, and a subnormal result a far slower
+# one; the kernel never needs values below exp(-80) (1.8e-35), so arguments are clamped there and
+# masked entries are then set to exactly zero.
+EXP_FLOOR = -80.0
+
+
 def flat_attention(
     q: torch.Tensor,              # [batch, heads, dim]
     key_cache: torch.Tensor,      # [num_slots, kv_heads, dim]
@@ -18,7 +24,7 @@ def flat_attention(
     block_list: torch.Tensor,     # [num_blocks]
     block_mapping: torch.Tensor,  # [num_blocks, batch] one-hot, zero rows for padding blocks
     block_groups: torch.Tensor,   # [num_blocks] owner row (0 for padding blocks)
-    block_bias: torch.Tensor,     # [num_blocks, block_size]
+    block_bias: torch.Tensor,     # [num_blocks, block_size] 0 where valid, negative past usage
     scale: float,
 ) -> torch.Tensor:
     batch, heads, dim = q.shape
@@ -26,26 +32,38 @@ def flat_attention(
     kv_heads = key_cache.shape[1]
     group = heads // kv_heads
 
-    # Each block gets its owner's query: [blocks, kv_heads, group, dim].
-    qb = (block_mapping @ (q * scale).reshape(batch, heads * dim)).view(num_blocks, kv_heads, group, dim)
-    keys = key_cache.view(-1, block_size, kv_heads, dim).index_select(0, block_list).transpose(1, 2)
-    values = value_cache.view(-1, block_size, kv_heads, dim).index_select(0, block_list).transpose(1, 2)
+    # Each block gets its owner's query: [blocks, heads, dim].
+    qb = (block_mapping @ (q * scale).reshape(batch, heads * dim)).view(num_blocks, heads, dim)
+    # A block's keys as [block_size * kv_heads, dim] rows: a contiguous gather, no transposed copy.
+    keys = key_cache.view(-1, block_size * kv_heads, dim).index_select(0, block_list)
+    values = value_cache.view(-1, block_size * kv_heads, dim).index_select(0, block_list)
+    # Every query head meets every kv head; pairs of different groups (GQA) are masked out. That
+    # is kv_heads times the multiply-adds of a per-head product, but these are tiny next to the
+    # copies a per-head layout would need.
+    scores = (qb @ keys.transpose(1, 2)).view(num_blocks, kv_heads, group, block_size, kv_heads)
+    masked = (block_bias.view(num_blocks, 1, 1, block_size, 1) < 0) | _other_group(kv_heads)
+    scores = scores.masked_fill(masked, torch.finfo(scores.dtype).min / 2)
 
-    scores = qb @ keys.transpose(-1, -2) + block_bias.view(num_blocks, 1, 1, block_size)
-    block_max = scores.amax(dim=-1)                                # [blocks, kv_heads, group]
-    probs = torch.exp(scores - block_max.unsqueeze(-1))
-    block_sum = probs.sum(dim=-1)
-    block_out = probs @ values                                     # [blocks, kv_heads, group, dim]
+    block_max = scores.amax(dim=(-2, -1), keepdim=True)
+    probs = (scores - block_max).clamp_min_(EXP_FLOOR).exp_().masked_fill_(masked, 0.0)
+    block_max = block_max.view(num_blocks, heads)
+    block_sum = probs.sum(dim=(-2, -1)).view(num_blocks, heads)
+    block_out = probs.view(num_blocks, heads, block_size * kv_heads) @ values  # [blocks, heads, dim]
 
-    row_max = _row_max(block_max, block_groups, batch)                   # [batch, kv_heads, group]
-    rescale = torch.exp(block_max - row_max.index_select(0, block_groups))
+    row_max = _row_max(block_max, block_groups, batch)  # [batch, heads]
+    rescale = (block_max - row_max.index_select(0, block_groups)).clamp_min_(EXP_FLOOR).exp_()
     mapping_t = block_mapping.t()
-    numerator = mapping_t @ (block_out * rescale.unsqueeze(-1)).reshape(num_blocks, -1)
-    denominator = mapping_t @ (block_sum * rescale).reshape(num_blocks, -1)
+    numerator = mapping_t @ (block_out * rescale.unsqueeze(-1)).view(num_blocks, -1)
+    denominator = mapping_t @ (block_sum * rescale)
     # Real rows always have denominator >= 1 (their maximal score contributes exp(0)); the clamp
     # only keeps padded rows, which own no block, at 0 instead of 0/0.
-    out = numerator.view(batch, kv_heads, group, dim) / denominator.clamp_min(1e-30).view(batch, kv_heads, group, 1)
-    return out.reshape(batch, heads, dim)
+    return numerator.view(batch, heads, dim) / denominator.clamp_min(1e-30).view(batch, heads, 1)
+
+
+def _other_group(kv_heads: int) -> torch.Tensor:
+    """[kv_heads, 1, 1, kv_heads]: True where a query head's group differs from the key's head."""
+    heads = torch.arange(kv_heads)
+    return heads.view(kv_heads, 1, 1, 1) != heads.view(1, 1, 1, kv_heads)
 
 
 def _row_max(block_max: torch.Tensor, block_groups: torch.Tensor, batch: int) -> torch.Tensor:
@@ -54,7 +72,7 @@ def _row_max(block_max: torch.Tensor, block_groups: torch.Tensor, batch: int) ->
     Padding blocks are attributed to row 0, which is harmless: every position of a padding block
     carries the large negative bias, so its maximum never exceeds a real row's.
     """
-    index = block_groups.view(-1, 1, 1).expand_as(block_max)
+    index = block_groups.view(-1, 1).expand_as(block_max)
     floor = torch.full((batch, *block_max.shape[1:]), torch.finfo(block_max.dtype).min, dtype=block_max.dtype, device=block_max.device)
     return floor.scatter_reduce(0, index, block_max, reduce="amax")
 
@@ -79,5 +97,6 @@ def flat_mask(block_groups: torch.Tensor, block_usage: torch.Tensor, batch: int,
     mapping = F.one_hot(block_groups.clamp(min=0), batch) * owned
     # A large but finite bias: a padding block is fully masked, and -inf there would give NaN.
     masked = torch.finfo(dtype).min / 2
-    bias = torch.where(torch.arange(block_size) < block_usage.unsqueeze(1), 0.0, masked)
-    return mapping.to(dtype), block_groups.clamp(min=0), bias.to(dtype)
+    past_usage = torch.arange(block_size) >= block_usage.unsqueeze(1)
+    bias = torch.zeros(past_usage.shape, dtype=dtype).masked_fill(past_usage, masked)
+    return mapping.to(dtype), block_groups.clamp(min=0), bias

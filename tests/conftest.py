@@ -1,0 +1,27 @@
+import pytest
+import torch
+
+from engine.config import EngineConfig, default_cache_dir
+from engine.loader import resolve_model_dir
+from tests.models import build_tiny_model
+
+torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def smollm_dir():
+    """The embedded model, converted to safetensors once (cached like a user's first run)."""
+    return resolve_model_dir(None, default_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory, smollm_dir):
+    """variant -> directory of a tiny random model that shares the embedded model's tokenizer."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {v: build_tiny_model(v, root / v, smollm_dir) for v in ("llama", "mistral", "qwen2")}
+
+
+def tiny_config(model_dir, **overrides) -> EngineConfig:
+    settings = dict(model_id=str(model_dir), block_size=16, max_batch_size=8, max_input_tokens=128,
+                    max_total_tokens=256, max_prefill_tokens=512, strict_shapes=True)
+    return EngineConfig(**{**settings, **overrides})

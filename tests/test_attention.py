@@ -1,0 +1,86 @@
+"""Flat paged attention and padded prompt attention against naive attention."""
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.attention import PrefillMetadata, attention
+from engine.attention.flat import flat_attention, flat_block_tensors, flat_mask
+from engine.attention.prompt import prompt_attention
+from engine.kv_cache import blocks_needed, slots_for
+
+
+def naive_attention(q, keys, values, scale):
+    """q: [heads, dim]; keys/values: [tokens, kv_heads, dim] -> [heads, dim]."""
+    group = q.shape[0] // keys.shape[1]
+    keys = keys.repeat_interleave(group, dim=1)
+    values = values.repeat_interleave(group, dim=1)
+    weights = torch.softmax(torch.einsum("hd,thd->ht", q * scale, keys), dim=-1)
+    return torch.einsum("ht,thd->hd", weights, values)
+
+
+@st.composite
+def flat_cases(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 16]))
+    kv_heads, group, dim = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 3])), draw(st.sampled_from([4, 8]))
+    lengths = draw(st.lists(st.integers(1, 40), min_size=1, max_size=5))
+    padding_rows, padding_blocks = draw(st.integers(0, 2)), draw(st.integers(0, 3))
+    seed = draw(st.integers(0, 2**16))
+    return block_size, kv_heads, group, dim, lengths, padding_rows, padding_blocks, seed
+
+
+@settings(max_examples=60, deadline=None)
+@given(flat_cases())
+def test_flat_attention_equals_naive(case):
+    block_size, kv_heads, group, dim, lengths, padding_rows, padding_blocks, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    needed = [blocks_needed(n, block_size) for n in lengths]
+    total_blocks = sum(needed) + 1 + 3
+    # Blocks are scattered over the cache in random order; block 0 stays reserved.
+    order = (torch.randperm(total_blocks - 1, generator=gen) + 1).tolist()
+    row_blocks, start = [], 0
+    for count in needed:
+        row_blocks.append(order[start : start + count])
+        start += count
+    key_cache = torch.randn(total_blocks * block_size, kv_heads, dim, generator=gen, dtype=torch.float64)
+    value_cache = torch.randn(total_blocks * block_size, kv_heads, dim, generator=gen, dtype=torch.float64)
+    batch = len(lengths) + padding_rows
+    q = torch.randn(batch, kv_heads * group, dim, generator=gen, dtype=torch.float64)
+    scale = 1 / math.sqrt(dim)
+
+    block_list, groups, usage = flat_block_tensors(row_blocks, lengths, sum(needed) + padding_blocks, block_size)
+    mapping, owners, bias = flat_mask(groups, usage, batch, block_size, torch.float64)
+    out = flat_attention(q, key_cache, value_cache, block_list, mapping, owners, bias, scale)
+
+    assert torch.isfinite(out).all()  # padded rows and blocks must not produce NaN
+    for row, (blocks, length) in enumerate(zip(row_blocks, lengths)):
+        slots = slots_for(blocks, 0, length, block_size)
+        expected = naive_attention(q[row], key_cache[slots], value_cache[slots], scale)
+        torch.testing.assert_close(out[row], expected, rtol=1e-9, atol=1e-9)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=4), st.integers(0, 2**16))
+def test_prompt_attention_with_right_padding_equals_per_sequence_causal(lengths, seed):
+    gen = torch.Generator().manual_seed(seed)
+    width, heads, kv_heads, dim = max(lengths) + 3, 4, 2, 8
+    q = torch.randn(len(lengths), width, heads, dim, generator=gen)
+    k = torch.randn(len(lengths), width, kv_heads, dim, generator=gen)
+    v = torch.randn(len(lengths), width, kv_heads, dim, generator=gen)
+    out = prompt_attention(q, k, v, 0.3)
+    for row, length in enumerate(lengths):
+        for pos in range(length):
+            expected = naive_attention(q[row, pos], k[row, : pos + 1], v[row, : pos + 1], 0.3)
+            torch.testing.assert_close(out[row, pos], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_writes_keys_and_values_at_their_slots():
+    cache = (torch.zeros(8, 1, 2), torch.zeros(8, 1, 2))
+    k = torch.arange(8.0).view(1, 4, 1, 2)
+    v = -k
+    slots = torch.tensor([5, 6, 7, 0])  # the last token is padding: it goes to the reserved block
+    attention(torch.zeros(1, 4, 1, 2), k, v, cache, PrefillMetadata(slots), 1.0)
+    torch.testing.assert_close(cache[0][5:8].flatten(), torch.arange(6.0))
+    torch.testing.assert_close(cache[1][5:8].flatten(), -torch.arange(6.0))
+    assert cache[0][1:5].abs().sum() == 0

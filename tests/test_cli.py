@@ -1,0 +1,71 @@
+"""The `python -m engine` commands as a user runs them."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine.cli import main
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_generate_chat_answers_from_the_embedded_model():
+    result = run_cli("generate", "--prompt", "What is the capital of France?", "--chat", "--max-new-tokens", "20", "--json")
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout.strip())
+    assert answer["prompt"] == "What is the capital of France?"
+    assert "Paris" in answer["text"] and 0 < len(answer["token_ids"]) <= 20
+
+
+def test_prompt_over_the_input_limit_is_a_one_line_error():
+    result = run_cli("generate", "--prompt", ("word " * 100).strip(), "--max-input-tokens", "32", "--max-new-tokens", "4")
+    assert result.returncode == 2
+    assert "error: a prompt of 100 tokens exceeds --max-input-tokens 32" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens must be at least 1, got 0"),
+        (["--prompt", "hi", "--max-new-tokens", "2", "--model-id", "/no/such/model"], "model '/no/such/model' not found"),
+        (["--max-new-tokens", "2"], "no prompt"),
+        (["--prompt", "hi", "--max-new-tokens", "2", "--dtype", "float8"], "unknown dtype 'float8'"),
+    ],
+)
+def test_bad_input_is_a_clear_error(capsys, args, message):
+    assert main(["generate", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unsupported_architecture_from_the_cli(capsys, tiny_model_dirs, tmp_path):
+    import shutil
+
+    model_dir = shutil.copytree(tiny_model_dirs["llama"], tmp_path / "m")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["FalconForCausalLM"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    assert main(["generate", "--model-id", str(model_dir), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    assert "architecture 'FalconForCausalLM' is not supported (supported: LlamaForCausalLM" in capsys.readouterr().err
+
+
+def test_prompts_file_gives_one_json_line_per_prompt(capsys, tiny_model_dirs, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Hello there"}\n\n{"prompt": "The sky is"}\n')
+    code = main(["generate", "--model-id", str(tiny_model_dirs["qwen2"]), "--prompts-file", str(prompts),
+                 "--max-new-tokens", "3", "--json", "--block-size", "16"])
+    assert code == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["prompt"] for line in lines] == ["Hello there", "The sky is"]
+    assert all(len(line["token_ids"]) <= 3 and isinstance(line["text"], str) for line in lines)
+
+
+def test_malformed_prompts_file_names_the_line(capsys, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "ok"}\n{"text": "wrong key"}\n')
+    assert main(["generate", "--prompts-file", str(prompts), "--max-new-tokens", "2"]) == 2
+    assert f"{prompts}:2: expected" in capsys.readouterr().err

@@ -1,0 +1,48 @@
+import pytest
+import torch
+
+from engine.devices import available_devices, get_adapter
+from engine.devices.base import ShapeRegistry
+from engine.errors import UnwarmedShapeError
+from engine.generate import generate
+from engine.shard import Shard
+from tests.conftest import tiny_config
+
+
+def test_unknown_device_lists_the_available_ones():
+    with pytest.raises(ValueError, match=r"unknown device 'tpu' \(available: cpu"):
+        get_adapter("tpu")
+
+
+def test_cpu_adapter_facts():
+    adapter = get_adapter("cpu")
+    assert "cpu" in available_devices()
+    assert adapter.torch_device == torch.device("cpu") and adapter.dist_backend == "gloo"
+    free, total = adapter.memory_info()
+    assert 0 < free <= total
+    with pytest.raises(ValueError, match="graph mode 'hpu_graphs' is not available on cpu"):
+        get_adapter("cpu", graph_mode="hpu_graphs")
+
+
+def test_shape_registry_counts_and_enforces():
+    lenient, strict = ShapeRegistry(strict=False), ShapeRegistry(strict=True)
+    for registry in (lenient, strict):
+        registry.mark_warmed(("decode", 1))
+        registry.check(("decode", 1))
+    lenient.check(("decode", 2))
+    lenient.check(("decode", 2))
+    assert lenient.unwarmed[("decode", 2)] == 2
+    with pytest.raises(UnwarmedShapeError):
+        strict.check(("prefill", 3))
+    assert strict.unwarmed[("prefill", 3)] == 1
+
+
+@pytest.mark.slow
+def test_compile_mode_gives_the_same_tokens_as_eager(tiny_model_dirs):
+    prompts = ["The quick brown fox", "Hi"]
+    tokens = {}
+    for mode in ("eager", "compile"):
+        shard = Shard(tiny_config(tiny_model_dirs["mistral"], graph_mode=mode, max_batch_size=2), show_progress=False)
+        tokens[mode] = [c.token_ids for c in generate(shard, prompts, 6, ignore_eos=True)]
+        assert not shard.adapter.shapes.unwarmed
+    assert tokens["compile"] == tokens["eager"]
