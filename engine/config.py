@@ -36,6 +36,7 @@ class EngineConfig:
     bucket_strategy: str = "exponential"
     graph_mode: str = "eager"
     strict_shapes: bool = True           # a forward at an unwarmed shape raises
+    warmup_prompt_logprobs: bool = True  # also warm the prefill variant behind prefill_logprobs
     kv_cache_memory_fraction: float = 0.9
     cache_dir: Path | None = None        # None: default_cache_dir()
     seed: int = 0

@@ -17,6 +17,13 @@ from engine.kv_cache import RESERVED_BLOCK, KVCache
 class PrefillInput:
     token_ids: list[int]
     slots: list[int]       # one cache slot per token
+    prompt_logprobs: bool = False  # also score every prompt token (TGI's prefill_logprobs)
+
+
+@dataclass
+class PrefillOutput:
+    logits: torch.Tensor                    # [sequences, vocab] at each sequence's last token
+    prompt_logprobs: dict[int, list[float]]  # sequence index -> logprob of each prompt token (first: nan)
 
 
 @dataclass
@@ -35,17 +42,33 @@ class ModelRunner:
         model.bind_kv_cache(kv_cache.layers)
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[PrefillInput]) -> torch.Tensor:
-        """Logits [len(seqs), vocab] at each sequence's last token."""
-        logits = [None] * len(seqs)
+    def prefill(self, seqs: list[PrefillInput]) -> PrefillOutput:
+        """Logits at each sequence's last token, and prompt logprobs for the sequences that ask."""
+        output = PrefillOutput([None] * len(seqs), {})
         for group in self.plan.split_prefill([len(s.token_ids) for s in seqs]):
             members = [seqs[i] for i in group]
             bucket = self.plan.prefill_bucket(len(members), max(len(s.token_ids) for s in members))
             self.padding.record("prefill", sum(len(s.token_ids) for s in members), bucket.tokens)
-            out = self.adapter.run(("prefill", bucket), self.model, *self._prefill_tensors(bucket, members))
+            if any(s.prompt_logprobs for s in members):
+                self._prefill_scoring_prompts(bucket, group, members, output)
+                continue
+            logits = self.adapter.run(("prefill", bucket), self.model, *self._prefill_tensors(bucket, members))
             for row, index in enumerate(group):
-                logits[index] = out[row]
-        return torch.stack(logits)
+                output.logits[index] = logits[row]
+        output.logits = torch.stack(output.logits)
+        return output
+
+    def _prefill_scoring_prompts(self, bucket: PrefillBucket, group, members, output: PrefillOutput) -> None:
+        """The bucket's variant that returns logits at every position (a graph of its own)."""
+        ids, positions, meta, _ = self._prefill_tensors(bucket, members)
+        everywhere = self._to_device(torch.arange(bucket.tokens))
+        logits = self.adapter.run(("prefill_logprobs", bucket), self.model, ids, positions, meta, everywhere)
+        logits = logits.view(bucket.batch_size, bucket.seq_len, -1)
+        for row, (index, seq) in enumerate(zip(group, members)):
+            length = len(seq.token_ids)
+            output.logits[index] = logits[row, length - 1]
+            if seq.prompt_logprobs:
+                output.prompt_logprobs[index] = _prompt_logprobs(logits[row, : length - 1], seq.token_ids)
 
     @torch.inference_mode()
     def decode(self, seqs: list[DecodeInput]) -> torch.Tensor:
@@ -61,11 +84,15 @@ class ModelRunner:
         return torch.stack(logits)
 
     @torch.inference_mode()
-    def warm(self, bucket: PrefillBucket | DecodeBucket) -> None:
+    def warm(self, bucket: PrefillBucket | DecodeBucket, prompt_logprobs: bool = False) -> None:
         """Run one bucket on dummy rows that read and write only the reserved block."""
         if isinstance(bucket, PrefillBucket):
             dummy = [PrefillInput([0] * bucket.seq_len, [RESERVED_BLOCK] * bucket.seq_len)] * bucket.batch_size
-            self.adapter.warm(("prefill", bucket), self.model, *self._prefill_tensors(bucket, dummy))
+            ids, positions, meta, last = self._prefill_tensors(bucket, dummy)
+            self.adapter.warm(("prefill", bucket), self.model, ids, positions, meta, last)
+            if prompt_logprobs:
+                everywhere = self._to_device(torch.arange(bucket.tokens))
+                self.adapter.warm(("prefill_logprobs", bucket), self.model, ids, positions, meta, everywhere)
         else:
             dummy = _dummy_decode_rows(bucket)
             self.adapter.warm(("decode", bucket), self.model, *self._decode_tensors(bucket, dummy))
@@ -117,3 +144,10 @@ def _dummy_decode_rows(bucket: DecodeBucket) -> list[DecodeInput]:
         count = per_row + (row < extra)
         rows.append(DecodeInput(0, 0, RESERVED_BLOCK, [RESERVED_BLOCK] * count))
     return rows
+
+
+def _prompt_logprobs(logits: torch.Tensor, token_ids: list[int]) -> list[float]:
+    """Logprob of each prompt token given the ones before it; the first has no prediction (nan)."""
+    targets = torch.tensor(token_ids[1:], device=logits.device).unsqueeze(1)
+    scores = torch.log_softmax(logits.float(), dim=-1).gather(1, targets).squeeze(1)
+    return [float("nan")] + scores.tolist()

@@ -16,6 +16,9 @@ class Sequence:
     block_size: int
     owns_blocks: bool                    # allocated by the shard (freed by it) or by the router
     router_slots: list[int] = field(default_factory=list)
+    sampling: object = None              # SamplingState: parameters, seed, generator
+    grammar: object = None               # GrammarState when the request is constrained
+    output_text: str = ""                # generated text so far, for stop sequences
     prefix_offset: int = 0               # incremental detokenization window
     read_offset: int = 0
     finish_reason: FinishReason | None = None

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from engine import loader
 from engine.batch import Batch, CachedBatch, Generation, InfoResponse, WarmupResult
 from engine.config import EngineConfig, torch_dtype
@@ -31,6 +33,7 @@ class Shard:
         self.runner: ModelRunner | None = None
         self.allocator: BlockAllocator | None = None
         self.batches: dict[int, list[Sequence]] = {}
+        self._grammar_compiler = None
 
     def info(self) -> InfoResponse:
         return InfoResponse(
@@ -40,8 +43,12 @@ class Shard:
         )
 
     def warmup(self, max_input_tokens: int | None = None, max_prefill_tokens: int | None = None,
-               max_total_tokens: int | None = None, max_batch_size: int | None = None) -> WarmupResult:
-        """Size the KV cache, plan buckets and run every one of them. Limits left None take the config's."""
+               max_total_tokens: int | None = None, max_batch_size: int | None = None,
+               batch: Batch | None = None) -> WarmupResult:
+        """Size the KV cache, plan buckets and run every one of them. Limits left None take the config's.
+
+        A router's warmup `batch` (TGI sends one whose parameters exercise every logits processor)
+        is then prefilled once and dropped, so the sampling paths have run before serving too."""
         limits = self._limits(max_input_tokens, max_prefill_tokens, max_total_tokens, max_batch_size)
         self.clear()
         self.runner = None  # drop the previous cache before measuring free memory
@@ -52,9 +59,19 @@ class Shard:
         cache = KVCache(c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.dtype, self.adapter.torch_device)
         plan = build_plan(limits, self.block_size, num_blocks, self.config.bucket_strategy)
         self.runner = ModelRunner(self.model, self.adapter, cache, plan, self.dtype)
-        warm_all(self.runner, plan, self.show_progress)
+        warm_all(self.runner, plan, self.config.warmup_prompt_logprobs, self.show_progress)
         self.allocator, self.limits = BlockAllocator(num_blocks), limits
+        if batch is not None and batch.requests:
+            self.prefill(batch)
+            self.clear(batch.id)
         return WarmupResult(cache.capacity_tokens, limits.max_input_tokens, limits.max_total_tokens)
+
+    def health(self) -> None:
+        """Touch the device: a failed or hung device fails this instead of a user's request."""
+        probe = torch.ones(1, device=self.adapter.torch_device) + 1
+        self.adapter.synchronize()
+        if probe.item() != 2:
+            raise RuntimeError(f"{self.adapter.name} device answered 1 + 1 = {probe.item()}")
 
     def prefill(self, batch: Batch, cached_batch: CachedBatch | None = None) -> tuple[list[Generation], CachedBatch | None]:
         ctx = self._context()
@@ -94,7 +111,19 @@ class Shard:
         if self.runner is None:
             raise InvalidRequestError("the shard has not been warmed up")
         return StepContext(self.runner, self.tokenizer, self.allocator, self.limits, self.eos_token_ids,
-                           self.special_token_ids, self.block_size, self.rank, self.world_size)
+                           self.special_token_ids, self.block_size, self._grammars, self.rank, self.world_size)
+
+    def _grammars(self):
+        """The grammar compiler, built on first use (its tokenizer index costs a moment)."""
+        if self._grammar_compiler is None:
+            try:
+                from engine.grammar import GrammarCompiler
+            except ImportError as err:
+                raise InvalidRequestError(f"parameters.grammar: grammar support is not installed ({err}); "
+                                          "install it with `pip install --no-deps xgrammar apache-tvm-ffi`") from None
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler
 
     def _get(self, batch_id: int) -> list[Sequence]:
         if batch_id not in self.batches:

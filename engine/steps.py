@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
-from engine.batch import FinishReason, GeneratedText, Generation, Request, Tokens
+from engine.batch import FinishReason, GeneratedText, Generation, GrammarType, Request, Tokens
 from engine.detokenize import decode_next
 from engine.errors import InvalidRequestError
 from engine.kv_cache import BlockAllocator, blocks_needed
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
-from engine.sampling import choose_greedy, validate_parameters
+from engine.sampling import choose, is_sampling, new_sampling_state, validate_parameters
 from engine.sequence import Sequence
 from engine.warmup import WarmupLimits
 
@@ -22,6 +23,7 @@ class StepContext:
     eos_token_ids: frozenset[int]
     special_token_ids: frozenset[int]
     block_size: int
+    grammars: Callable = None  # () -> GrammarCompiler, built by the shard on first use
     rank: int = 0
     world_size: int = 1
 
@@ -29,11 +31,19 @@ class StepContext:
 def admit_requests(ctx: StepContext, requests: list[Request]) -> list[Sequence]:
     """Sequences for new requests; every request is checked before any block is allocated."""
     tokenized = [_tokenize(ctx, request) for request in requests]
+    grammars = [_compile_grammar(ctx, request) for request in requests]
     needed = sum(blocks_needed(kv_tokens(len(ids), r.stopping_parameters.max_new_tokens), ctx.block_size)
                  for r, ids in zip(requests, tokenized) if not r.blocks)
     if not ctx.allocator.can_allocate(needed):
         raise InvalidRequestError(f"KV cache full: the batch needs {needed} blocks, {ctx.allocator.num_free} are free")
-    return [_new_sequence(ctx, r, ids) for r, ids in zip(requests, tokenized)]
+    return [_new_sequence(ctx, r, ids, g) for r, ids, g in zip(requests, tokenized, grammars)]
+
+
+def _compile_grammar(ctx: StepContext, request: Request):
+    grammar_type = GrammarType(request.parameters.grammar_type)
+    if grammar_type == GrammarType.NONE:
+        return None
+    return ctx.grammars().compile(grammar_type, request.parameters.grammar)
 
 
 def _tokenize(ctx: StepContext, request: Request) -> list[int]:
@@ -63,17 +73,28 @@ def kv_tokens(prompt_len: int, max_new_tokens: int) -> int:
     return prompt_len + max_new_tokens - 1
 
 
-def _new_sequence(ctx: StepContext, request: Request, ids: list[int]) -> Sequence:
+def _new_sequence(ctx: StepContext, request: Request, ids: list[int], grammar) -> Sequence:
     owns = not request.blocks
     needed = blocks_needed(kv_tokens(len(ids), request.stopping_parameters.max_new_tokens), ctx.block_size)
     blocks = list(request.blocks) or ctx.allocator.allocate(needed)
-    return Sequence(request, list(ids), len(ids), blocks, ctx.block_size, owns, list(request.slots),
-                    prefix_offset=max(len(ids) - 5, 0), read_offset=len(ids))
+    return Sequence(
+        request, list(ids), len(ids), blocks, ctx.block_size, owns, list(request.slots),
+        sampling=new_sampling_state(request.parameters, request.id),
+        grammar=None if grammar is None else ctx.grammars().new_state(grammar),
+        prefix_offset=max(len(ids) - 5, 0), read_offset=len(ids),
+    )
 
 
 def prefill_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation]:
-    inputs = [PrefillInput(s.token_ids, s.slots(0, len(s.token_ids))) for s in sequences]
-    return _advance(ctx, sequences, ctx.runner.prefill(inputs))
+    inputs = [PrefillInput(s.token_ids, s.slots(0, len(s.token_ids)), s.request.prefill_logprobs) for s in sequences]
+    output = ctx.runner.prefill(inputs)
+    prompt_tokens = {i: _prompt_tokens(ctx, sequences[i], logprobs) for i, logprobs in output.prompt_logprobs.items()}
+    generations = _advance(ctx, sequences, output.logits)
+    by_id = {g.request_id: g for g in generations}
+    for i, tokens in prompt_tokens.items():
+        if sequences[i].id in by_id:
+            by_id[sequences[i].id].prefill_tokens = tokens
+    return generations
 
 
 def decode_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation]:
@@ -87,30 +108,77 @@ def decode_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation]
 
 
 def _advance(ctx: StepContext, sequences: list[Sequence], logits) -> list[Generation]:
-    """Append the chosen token to every sequence; generations for this rank's requests."""
-    tokens, logprobs = choose_greedy(logits)
+    """Choose and append the next token of every sequence; generations for this rank's requests."""
+    choice = choose(
+        logits,
+        [s.sampling for s in sequences],
+        [s.token_ids for s in sequences],
+        [s.prompt_len for s in sequences],
+        [s.request.top_n_tokens for s in sequences],
+        allowed_tokens(ctx, sequences, logits),
+    )
     generations = []
-    for seq, token, logprob in zip(sequences, tokens, logprobs):
+    for row, seq in enumerate(sequences):
+        token = choice.token_ids[row]
         seq.token_ids.append(token)
+        if seq.grammar is not None:
+            seq.grammar.advance(token)
         text, seq.prefix_offset, seq.read_offset = decode_next(ctx.tokenizer, seq.token_ids, seq.prefix_offset, seq.read_offset)
-        seq.finish_reason = _finish_reason(ctx, seq, token)
+        seq.output_text += text
+        seq.finish_reason = _finish_reason(ctx, seq, token, text)
         if seq.id % ctx.world_size == ctx.rank:
-            generations.append(_generation(ctx, seq, token, logprob, text))
+            top = _tokens(ctx, choice.top_tokens[row])
+            generations.append(_generation(ctx, seq, token, choice.logprobs[row], text, top))
     return generations
 
 
-def _finish_reason(ctx: StepContext, seq: Sequence, token: int) -> FinishReason | None:
-    if token in ctx.eos_token_ids and not seq.request.stopping_parameters.ignore_eos_token:
+def allowed_tokens(ctx: StepContext, sequences: list[Sequence], logits):
+    """[rows, vocab] mask of grammar-allowed tokens, or None when no row has a grammar."""
+    if all(s.grammar is None for s in sequences):
+        return None
+    from engine.grammar import allowed_masks  # xgrammar is imported only when a grammar is used
+
+    return allowed_masks([s.grammar for s in sequences], logits.shape[1]).to(logits.device)
+
+
+def _finish_reason(ctx: StepContext, seq: Sequence, token: int, text: str) -> FinishReason | None:
+    stopping = seq.request.stopping_parameters
+    if token in ctx.eos_token_ids and not stopping.ignore_eos_token:
         return FinishReason.EOS_TOKEN
+    if text and _hits_stop_sequence(seq.output_text, len(text), stopping.stop_sequences):
+        return FinishReason.STOP_SEQUENCE
     if seq.generated >= seq.max_new_tokens:
         return FinishReason.LENGTH
     return None
 
 
-def _generation(ctx: StepContext, seq: Sequence, token: int, logprob: float, text: str) -> Generation:
-    special = token in ctx.special_token_ids
+def _hits_stop_sequence(output: str, new_chars: int, stop_sequences: list[str]) -> bool:
+    """Whether a stop sequence ends inside the newest text; it may have begun in earlier tokens."""
+    for stop in stop_sequences:
+        if stop and stop in output[-(len(stop) + new_chars - 1) :]:
+            return True
+    return False
+
+
+def _tokens(ctx: StepContext, pairs: list[tuple[int, float]]) -> list[Tokens]:
+    if not pairs:
+        return []
+    ids = [token for token, _ in pairs]
+    texts = [ctx.tokenizer.decode([token], skip_special_tokens=False) for token in ids]
+    return [Tokens(ids, [logprob for _, logprob in pairs], texts, [t in ctx.special_token_ids for t in ids])]
+
+
+def _prompt_tokens(ctx: StepContext, seq: Sequence, logprobs: list[float]) -> Tokens:
+    ids = seq.token_ids[: seq.prompt_len]
+    texts = [ctx.tokenizer.decode([token], skip_special_tokens=False) for token in ids]
+    return Tokens(list(ids), logprobs, texts, [t in ctx.special_token_ids for t in ids])
+
+
+def _generation(ctx: StepContext, seq: Sequence, token: int, logprob: float, text: str, top: list[Tokens]) -> Generation:
     finished = None
     if seq.finish_reason is not None:
         output = ctx.tokenizer.decode(seq.generated_ids, skip_special_tokens=True)
-        finished = GeneratedText(output, seq.generated, seq.finish_reason)
-    return Generation(seq.id, None, Tokens([token], [logprob], [text], [special]), finished)
+        seed = seq.sampling.seed if is_sampling(seq.request.parameters) else None
+        finished = GeneratedText(output, seq.generated, seq.finish_reason, seed)
+    tokens = Tokens([token], [logprob], [text], [token in ctx.special_token_ids])
+    return Generation(seq.id, None, tokens, finished, top)

@@ -64,14 +64,15 @@ def build_plan(limits: WarmupLimits, block_size: int, kv_blocks: int, strategy: 
     )
 
 
-def warm_all(runner: ModelRunner, plan: BucketPlan, show_progress: bool = True) -> float:
-    """Run every bucket once, largest first (so memory peaks early); returns seconds spent."""
+def warm_all(runner: ModelRunner, plan: BucketPlan, prompt_logprobs: bool = True, show_progress: bool = True) -> float:
+    """Run every bucket once, largest first (so memory peaks early); returns seconds spent.
+    With prompt_logprobs, prefill buckets also warm their variant that scores every prompt token."""
     buckets = sorted(plan.prefill, key=lambda b: -b.tokens) + sorted(plan.decode, key=lambda b: (-b.batch_size, -b.num_blocks))
     start = time.perf_counter()
     with tqdm(buckets, desc="warmup", unit="bucket", disable=not show_progress) as bar:
         for bucket in bar:
             bar.set_postfix_str(_describe(bucket))
-            runner.warm(bucket)
+            runner.warm(bucket, prompt_logprobs)
     seconds = time.perf_counter() - start
     log.info("warmed %d prefill + %d decode buckets in %.1fs", len(plan.prefill), len(plan.decode), seconds)
     return seconds
