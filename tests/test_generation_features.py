@@ -171,3 +171,19 @@ def test_invalid_grammar_is_refused_naming_the_field(shard):
     with pytest.raises(InvalidRequestError, match="parameters.grammar: invalid regex"):
         constrained(shard, 41, GrammarType.REGEX, "(unclosed")
     assert shard.allocator.num_free == shard.allocator.num_blocks - 1
+
+
+def test_same_seed_same_tokens_and_the_seed_is_returned(shard):
+    from engine.batch import NextTokenChooserParameters
+
+    def sample(batch_id, seed):
+        params = NextTokenChooserParameters(do_sample=True, seed=seed, temperature=1.3, top_k=50)
+        stopping = StoppingCriteriaParameters(max_new_tokens=16, ignore_eos_token=True)
+        out = run(shard, batch_id, Request(batch_id, PROMPT, parameters=params, stopping_parameters=stopping))
+        return [g.tokens.ids[0] for g in out], out[-1].generated_text.seed
+
+    first, seed = sample(50, 1234)
+    again, _ = sample(51, 1234)
+    other, other_seed = sample(52, 99)
+    assert seed == 1234 and other_seed == 99
+    assert first == again and first != other
