@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.attention.flat import flat_attention
+from engine.attention.flat import flat_attention, flat_masked
 from engine.attention.prompt import prompt_attention
 
 
@@ -21,9 +21,17 @@ class DecodeMetadata(NamedTuple):
     block_mapping: torch.Tensor  # [num_blocks, batch] one-hot owner row (all zero for padding)
     block_groups: torch.Tensor   # [num_blocks] owner row (0 for padding blocks)
     block_bias: torch.Tensor     # [num_blocks, block_size] 0 where valid, a large negative past usage
+    block_masked: torch.Tensor | None = None  # derived once per forward by prepare_metadata
 
 
 AttentionMetadata = PrefillMetadata | DecodeMetadata
+
+
+def prepare_metadata(meta: AttentionMetadata, kv_heads: int) -> AttentionMetadata:
+    """Derive, once per forward, what every layer's attention would otherwise recompute."""
+    if isinstance(meta, DecodeMetadata) and meta.block_masked is None:
+        return meta._replace(block_masked=flat_masked(meta.block_bias, kv_heads))
+    return meta
 
 
 def write_kv(cache: tuple[torch.Tensor, torch.Tensor], slots, k, v) -> None:
@@ -39,5 +47,6 @@ def attention(q, k, v, cache, meta: AttentionMetadata, scale: float) -> torch.Te
         return prompt_attention(q, k, v, scale)
     key_cache, value_cache = cache
     return flat_attention(
-        q, key_cache, value_cache, meta.block_list, meta.block_mapping, meta.block_groups, meta.block_bias, scale
+        q, key_cache, value_cache, meta.block_list, meta.block_mapping, meta.block_groups, meta.block_bias, scale,
+        meta.block_masked,
     )

@@ -26,6 +26,7 @@ def flat_attention(
     block_groups: torch.Tensor,   # [num_blocks] owner row (0 for padding blocks)
     block_bias: torch.Tensor,     # [num_blocks, block_size] 0 where valid, negative past usage
     scale: float,
+    masked: torch.Tensor | None = None,  # flat_masked(block_bias, kv_heads), when already computed
 ) -> torch.Tensor:
     batch, heads, dim = q.shape
     num_blocks, block_size = block_bias.shape
@@ -41,7 +42,8 @@ def flat_attention(
     # is kv_heads times the multiply-adds of a per-head product, but these are tiny next to the
     # copies a per-head layout would need.
     scores = (qb @ keys.transpose(1, 2)).view(num_blocks, kv_heads, group, block_size, kv_heads)
-    masked = (block_bias.view(num_blocks, 1, 1, block_size, 1) < 0) | _other_group(kv_heads)
+    if masked is None:
+        masked = flat_masked(block_bias, kv_heads)
     scores = scores.masked_fill(masked, torch.finfo(scores.dtype).min / 2)
 
     block_max = scores.amax(dim=(-2, -1), keepdim=True)
@@ -60,10 +62,13 @@ def flat_attention(
     return numerator.view(batch, heads, dim) / denominator.clamp_min(1e-30).view(batch, heads, 1)
 
 
-def _other_group(kv_heads: int) -> torch.Tensor:
-    """[kv_heads, 1, 1, kv_heads]: True where a query head's group differs from the key's head."""
-    heads = torch.arange(kv_heads)
-    return heads.view(kv_heads, 1, 1, 1) != heads.view(1, 1, 1, kv_heads)
+def flat_masked(block_bias: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[blocks, kv_heads, 1, block_size, kv_heads]: True for positions past a block's usage and for
+    pairs of a query head with a kv head of another group (the same for every layer)."""
+    num_blocks, block_size = block_bias.shape
+    heads = torch.arange(kv_heads, device=block_bias.device)
+    other_group = heads.view(kv_heads, 1, 1, 1) != heads.view(1, 1, 1, kv_heads)
+    return (block_bias.view(num_blocks, 1, 1, block_size, 1) < 0) | other_group
 
 
 def _row_max(block_max: torch.Tensor, block_groups: torch.Tensor, batch: int) -> torch.Tensor:

@@ -45,8 +45,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q, k: [..., heads, head_dim] with leading dims equal to positions' shape."""
-        cos = self.cos[positions].unsqueeze(-2).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(-2).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for `positions`, shaped to broadcast over heads: [..., 1, head_dim].
+        Looked up once per forward and shared by every layer."""
+        return self.cos[positions].unsqueeze(-2).to(dtype), self.sin[positions].unsqueeze(-2).to(dtype)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q, k: [..., heads, head_dim] with leading dims matching the positions of cos/sin."""
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, attention
+from engine.attention import AttentionMetadata, attention, prepare_metadata
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.config import ModelConfig
 
 
@@ -25,13 +25,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the KV cache
 
-    def forward(self, positions, hidden, meta: AttentionMetadata, rotary: RotaryEmbedding):
+    def forward(self, rope, hidden, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         lead = hidden.shape[:-1]
         q = q.view(*lead, self.num_heads, self.head_dim)
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         out = attention(q, k, v, self.kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(*lead, self.q_size))
 
@@ -55,8 +55,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, meta, rotary):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta, rotary)
+    def forward(self, rope, hidden, meta):
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -84,8 +84,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata, logits_indices) -> torch.Tensor:
         """Logits (float32) of the tokens at `logits_indices` of the flattened batch."""
         hidden = self.embed_tokens(input_ids)
+        # Per-step work that every layer shares is done once here.
+        rope = self.rotary.cos_sin(positions, hidden.dtype)
+        meta = prepare_metadata(meta, self.config.num_kv_heads)
         for layer in self.layers:
-            hidden = layer(positions, hidden, meta, self.rotary)
+            hidden = layer(rope, hidden, meta)
         hidden = self.norm(hidden).reshape(-1, self.config.hidden_size).index_select(0, logits_indices)
         return self.lm_head(hidden).float()
 
