@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench clean
+.PHONY: run test bench proto clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m engine bench --compare transformers
+
+# Regenerate the committed gRPC stubs in engine/pb/ after editing proto/generate.proto.
+proto: $(STAMP)
+	$(PY) scripts/gen_proto.py
 
 clean:
 	rm -rf $(VENV)

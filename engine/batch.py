@@ -120,3 +120,12 @@ class WarmupResult:
     max_supported_total_tokens: int
     max_input_tokens: int
     max_total_tokens: int
+
+
+@dataclass
+class StepTimings:
+    """Where the time of a Prefill or Decode went (the v3 responses carry these)."""
+    forward_ns: int            # device forwards
+    decode_ns: int             # everything else: token choice, detokenization, stopping
+    total_ns: int
+    concat_ns: int | None = None  # joining cached batches, when there were several

@@ -1,4 +1,4 @@
-"""Command line: `python -m engine generate|bench`."""
+"""Command line: `python -m engine generate|bench|serve`."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, env_int
 from engine.errors import BucketserveError
 
 
@@ -73,6 +73,44 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(bench(shard, workload, args.compare))
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    import asyncio
+    from dataclasses import replace
+
+    from engine.server import serve
+    from engine.shard import Shard
+
+    if args.log_level:  # the engine's loggers only: the libraries' debug chatter stays off
+        logging.getLogger("engine").setLevel(args.log_level.upper())
+    settings = server_config(args)
+    config = replace(engine_config(args), max_batch_size=settings.max_batch_size)
+    # The model loads before the socket exists: a launcher that waits for the socket then finds a ready shard.
+    shard = Shard(config, rank=settings.rank, world_size=settings.world_size, show_progress=args.verbose)
+    asyncio.run(serve(shard, settings))
+
+
+def server_config(args: argparse.Namespace):
+    """Server settings: the flags, then what TGI's launcher puts in the environment, then defaults."""
+    from engine.server import ServerConfig
+
+    rank, world_size = env_int("RANK"), env_int("WORLD_SIZE")
+    max_batch_size = args.max_batch_size or env_int("MAX_BATCH_SIZE") or EngineConfig().max_batch_size
+    return ServerConfig(uds_path=args.uds_path or ServerConfig.uds_path, port=args.port, rank=0 if rank is None else rank,
+                        world_size=1 if world_size is None else world_size, max_batch_size=max_batch_size)
+
+
+def add_serve_command(commands) -> None:
+    srv = commands.add_parser("serve", help="serve one shard over gRPC (TGI generate.v3)",
+                              description="Serve one shard on unix://BASE-RANK. RANK and WORLD_SIZE come from the "
+                                          "environment; --max-batch-size defaults to $MAX_BATCH_SIZE, else 32.")
+    add_engine_args(srv)
+    srv.set_defaults(max_batch_size=None)  # None: $MAX_BATCH_SIZE, as TGI's launcher sets it
+    srv.add_argument("--uds-path", help="socket base path; rank r listens on BASE-r (default: /tmp/text-generation-server)")
+    srv.add_argument("--port", type=int, help="also listen on this TCP port")
+    srv.add_argument("--log-level", choices=["debug", "info", "warning"], help="debug: one line per RPC")
+    srv.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine", description="bucketserve engine")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -92,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--max-tokens", type=int, default=256)
     ben.add_argument("--new-tokens", type=int, default=64)
     ben.set_defaults(func=cmd_bench)
+    add_serve_command(commands)
     return parser
 
 

@@ -2,6 +2,7 @@
 returns logits for the real rows only."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ class ModelRunner:
         self.model, self.adapter, self.kv_cache, self.plan, self.dtype = model, adapter, kv_cache, plan, dtype
         self.block_size = kv_cache.block_size
         self.padding = PaddingStats()
+        self.forward_ns = 0  # device time of the forwards since the caller last reset it
         model.bind_kv_cache(kv_cache.layers)
 
     @torch.inference_mode()
@@ -52,7 +54,7 @@ class ModelRunner:
             if any(s.prompt_logprobs for s in members):
                 self._prefill_scoring_prompts(bucket, group, members, output)
                 continue
-            logits = self.adapter.run(("prefill", bucket), self.model, *self._prefill_tensors(bucket, members))
+            logits = self._run(("prefill", bucket), *self._prefill_tensors(bucket, members))
             for row, index in enumerate(group):
                 output.logits[index] = logits[row]
         output.logits = torch.stack(output.logits)
@@ -62,7 +64,7 @@ class ModelRunner:
         """The bucket's variant that returns logits at every position (a graph of its own)."""
         ids, positions, meta, _ = self._prefill_tensors(bucket, members)
         everywhere = self._to_device(torch.arange(bucket.tokens))
-        logits = self.adapter.run(("prefill_logprobs", bucket), self.model, ids, positions, meta, everywhere)
+        logits = self._run(("prefill_logprobs", bucket), ids, positions, meta, everywhere)
         logits = logits.view(bucket.batch_size, bucket.seq_len, -1)
         for row, (index, seq) in enumerate(zip(group, members)):
             length = len(seq.token_ids)
@@ -78,10 +80,18 @@ class ModelRunner:
             members = [seqs[i] for i in group]
             bucket = self.plan.decode_bucket(len(members), sum(len(s.blocks) for s in members))
             self.padding.record("decode", len(members), bucket.batch_size)
-            out = self.adapter.run(("decode", bucket), self.model, *self._decode_tensors(bucket, members))
+            out = self._run(("decode", bucket), *self._decode_tensors(bucket, members))
             for row, index in enumerate(group):
                 logits[index] = out[row]
         return torch.stack(logits)
+
+    def _run(self, shape, *inputs) -> torch.Tensor:
+        """One forward at a bucket shape, timed to its end (asynchronous devices are synchronized)."""
+        start = time.perf_counter_ns()
+        out = self.adapter.run(shape, self.model, *inputs)
+        self.adapter.synchronize()
+        self.forward_ns += time.perf_counter_ns() - start
+        return out
 
     @torch.inference_mode()
     def warm(self, bucket: PrefillBucket | DecodeBucket, prompt_logprobs: bool = False) -> None:

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from engine import loader
-from engine.batch import Batch, CachedBatch, Generation, InfoResponse, WarmupResult
+from engine.batch import Batch, CachedBatch, Generation, InfoResponse, StepTimings, WarmupResult
 from engine.config import EngineConfig, torch_dtype
 from engine.devices import get_adapter
 from engine.errors import InvalidRequestError
@@ -34,6 +35,7 @@ class Shard:
         self.allocator: BlockAllocator | None = None
         self.batches: dict[int, list[Sequence]] = {}
         self._grammar_compiler = None
+        self.last_timings: StepTimings | None = None  # of the latest prefill or decode
 
     def info(self) -> InfoResponse:
         return InfoResponse(
@@ -74,23 +76,42 @@ class Shard:
             raise RuntimeError(f"{self.adapter.name} device answered 1 + 1 = {probe.item()}")
 
     def prefill(self, batch: Batch, cached_batch: CachedBatch | None = None) -> tuple[list[Generation], CachedBatch | None]:
-        ctx = self._context()
+        start, ctx = self._start_step()
         sequences = admit_requests(ctx, batch.requests)
         try:
             generations = prefill_step(ctx, sequences)
         except Exception:
             self._release(sequences)
             raise
+        joined = time.perf_counter_ns()
         previous = self._take([cached_batch.id]) if cached_batch else []
-        return self._store(batch.id, previous + sequences, generations)
+        concat_ns = time.perf_counter_ns() - joined if cached_batch else None
+        result = self._store(batch.id, previous + sequences, generations)
+        self._finish_step(start, concat_ns)
+        return result
 
     def decode(self, batches: list[CachedBatch]) -> tuple[list[Generation], CachedBatch | None]:
         if not batches:
             raise InvalidRequestError("decode needs at least one batch")
+        start, ctx = self._start_step()
+        joined = time.perf_counter_ns()
         sequences = [seq for cached in batches for seq in self._get(cached.id)]
-        generations = decode_step(self._context(), sequences)
+        concat_ns = time.perf_counter_ns() - joined if len(batches) > 1 else None
+        generations = decode_step(ctx, sequences)
         self._take([cached.id for cached in batches])  # only once the step succeeded
-        return self._store(batches[0].id, sequences, generations)
+        result = self._store(batches[0].id, sequences, generations)
+        self._finish_step(start, concat_ns)
+        return result
+
+    def _start_step(self) -> tuple[int, StepContext]:
+        ctx = self._context()
+        self.runner.forward_ns = 0
+        return time.perf_counter_ns(), ctx
+
+    def _finish_step(self, start: int, concat_ns: int | None) -> None:
+        total = time.perf_counter_ns() - start
+        forward = self.runner.forward_ns
+        self.last_timings = StepTimings(forward, total - forward - (concat_ns or 0), total, concat_ns)
 
     def filter(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
         sequences = self._get(batch_id)

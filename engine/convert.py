@@ -1,0 +1,118 @@
+"""Translation between generate.v3 protobuf messages and the engine's plain dataclasses.
+
+Inbound: Request, Batch, CachedBatch. Outbound: Generation (with Tokens and GeneratedText),
+CachedBatch, InfoResponse, WarmupResult. proto3 `optional` fields that are unset become None,
+and None becomes an unset field.
+"""
+from __future__ import annotations
+
+from engine import batch as eb
+from engine.errors import InvalidRequestError
+from engine.pb import generate_pb2 as pb
+
+
+def optional_field(message, name: str):
+    """The value of a proto3 `optional` field, or None when the sender left it unset."""
+    return getattr(message, name) if message.HasField(name) else None
+
+
+# --- inbound --------------------------------------------------------------------------------
+
+
+def parameters_from_pb(message: pb.NextTokenChooserParameters, request_id: int) -> eb.NextTokenChooserParameters:
+    try:
+        grammar_type = eb.GrammarType(message.grammar_type)
+    except ValueError:
+        raise InvalidRequestError(f"request {request_id}: unknown grammar_type {message.grammar_type}") from None
+    return eb.NextTokenChooserParameters(
+        temperature=message.temperature, top_k=message.top_k, top_p=message.top_p, typical_p=message.typical_p,
+        do_sample=message.do_sample, seed=message.seed, repetition_penalty=message.repetition_penalty,
+        watermark=message.watermark, frequency_penalty=message.frequency_penalty, grammar=message.grammar,
+        grammar_type=grammar_type,
+    )
+
+
+def stopping_from_pb(message: pb.StoppingCriteriaParameters) -> eb.StoppingCriteriaParameters:
+    return eb.StoppingCriteriaParameters(
+        max_new_tokens=message.max_new_tokens, stop_sequences=list(message.stop_sequences),
+        ignore_eos_token=message.ignore_eos_token,
+    )
+
+
+def request_text(message: pb.Request) -> str:
+    """The prompt. TGI routers send it twice: as text chunks, and as `inputs` where images are inlined
+    as markdown. The text chunks win, and image chunks are dropped, as TGI's own text models do:
+    TGI's warmup adds an image to its first request whatever the model."""
+    chunks = message.input_chunks.chunks if message.HasField("input_chunks") else []
+    texts = [chunk.text for chunk in chunks if chunk.WhichOneof("chunk") == "text"]
+    if texts:
+        return "".join(texts)
+    if not message.inputs and chunks:
+        raise InvalidRequestError(f"request {message.id}: image inputs are not supported by this model")
+    return message.inputs
+
+
+def request_from_pb(message: pb.Request) -> eb.Request:
+    # A router that leaves a parameter message unset gets the engine's defaults, not proto zeros
+    # (max_new_tokens=0 or temperature=0 would be refused or mean something else).
+    parameters = (parameters_from_pb(message.parameters, message.id) if message.HasField("parameters")
+                  else eb.NextTokenChooserParameters())
+    stopping = (stopping_from_pb(message.stopping_parameters) if message.HasField("stopping_parameters")
+                else eb.StoppingCriteriaParameters())
+    return eb.Request(
+        id=message.id, inputs=request_text(message), truncate=message.truncate, parameters=parameters,
+        stopping_parameters=stopping, prefill_logprobs=message.prefill_logprobs,
+        top_n_tokens=message.top_n_tokens, blocks=list(message.blocks), slots=list(message.slots),
+        adapter_id=optional_field(message, "adapter_id"), cache_len=message.cache_len,
+        add_special_tokens=message.add_special_tokens, chunk_len=optional_field(message, "chunk_len"),
+    )
+
+
+def batch_from_pb(message: pb.Batch) -> eb.Batch:
+    return eb.Batch(id=message.id, requests=[request_from_pb(r) for r in message.requests], size=message.size,
+                    max_tokens=message.max_tokens, max_blocks=message.max_blocks)
+
+
+def cached_batch_from_pb(message: pb.CachedBatch) -> eb.CachedBatch:
+    return eb.CachedBatch(id=message.id, request_ids=list(message.request_ids), size=message.size,
+                          max_tokens=message.max_tokens, current_tokens=message.current_tokens)
+
+
+# --- outbound -------------------------------------------------------------------------------
+
+
+def cached_batch_to_pb(cached: eb.CachedBatch) -> pb.CachedBatch:
+    return pb.CachedBatch(id=cached.id, request_ids=cached.request_ids, size=cached.size,
+                          max_tokens=cached.max_tokens, current_tokens=cached.current_tokens)
+
+
+def tokens_to_pb(tokens: eb.Tokens) -> pb.Tokens:
+    return pb.Tokens(ids=tokens.ids, logprobs=tokens.logprobs, texts=tokens.texts, is_special=tokens.is_special)
+
+
+def generated_text_to_pb(done: eb.GeneratedText) -> pb.GeneratedText:
+    return pb.GeneratedText(text=done.text, generated_tokens=done.generated_tokens,
+                            finish_reason=int(done.finish_reason), seed=done.seed)
+
+
+def generation_to_pb(generation: eb.Generation) -> pb.Generation:
+    message = pb.Generation(request_id=generation.request_id, tokens=tokens_to_pb(generation.tokens),
+                            top_tokens=[tokens_to_pb(t) for t in generation.top_tokens])
+    if generation.prefill_tokens is not None:
+        message.prefill_tokens.CopyFrom(tokens_to_pb(generation.prefill_tokens))
+    if generation.generated_text is not None:
+        message.generated_text.CopyFrom(generated_text_to_pb(generation.generated_text))
+    return message
+
+
+def info_to_pb(info: eb.InfoResponse) -> pb.InfoResponse:
+    return pb.InfoResponse(
+        requires_padding=info.requires_padding, dtype=info.dtype, device_type=info.device_type,
+        window_size=info.window_size, speculate=info.speculate, support_chunking=info.support_chunking,
+        use_prefix_caching=info.use_prefix_caching, attention_impl=info.attention_impl, block_size=info.block_size,
+    )
+
+
+def warmup_to_pb(result: eb.WarmupResult) -> pb.WarmupResponse:
+    return pb.WarmupResponse(max_supported_total_tokens=result.max_supported_total_tokens,
+                             max_input_tokens=result.max_input_tokens, max_total_tokens=result.max_total_tokens)

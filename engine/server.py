@@ -1,0 +1,243 @@
+"""The gRPC server of one shard: TGI's generate.v3 over a unix socket, a thin layer over `Shard`.
+
+Every RPC translates protobuf to the engine's dataclasses (engine/convert.py), runs the shard
+method in a single-worker executor (the shard is synchronous and not thread-safe, and the event
+loop must stay free to answer other RPCs meanwhile) and maps the shard's errors to gRPC status
+codes. An error never stops the server: the next RPC is served as usual.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import signal
+import stat
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+
+from engine import convert
+from engine.errors import BucketserveError, CapacityError, InvalidRequestError, UnwarmedShapeError
+from engine.pb import generate_pb2 as pb
+from engine.pb import generate_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+DEFAULT_UDS_PATH = "/tmp/text-generation-server"
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # a Prefill of a large batch with prompt logprobs is big
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    uds_path: str = DEFAULT_UDS_PATH     # base path: rank r listens on f"{uds_path}-{r}"
+    port: int | None = None              # also listen on this TCP port when given
+    rank: int = 0
+    world_size: int = 1
+    max_batch_size: int | None = None    # Warmup's batch limit (TGI: MAX_BATCH_SIZE); None: the shard's config
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    grace_seconds: float = 5.0           # in-flight RPCs may finish this long after SIGTERM
+
+    def __post_init__(self):
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in 0..world_size-1 (world_size={self.world_size})")
+
+    def socket_path(self, rank: int | None = None) -> str:
+        return f"{self.uds_path}-{self.rank if rank is None else rank}"
+
+    def urls(self) -> list[str]:
+        return [f"unix://{self.socket_path(r)}" for r in range(self.world_size)]
+
+
+# Checked in order: InvalidRequestError is a ValueError, and a subclass must win over its base.
+ERROR_STATUS = (
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (KeyError, grpc.StatusCode.NOT_FOUND),  # the shard's "batch N not found"
+    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (UnwarmedShapeError, grpc.StatusCode.FAILED_PRECONDITION),
+)
+
+
+def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
+    for kind, code in ERROR_STATUS:
+        if isinstance(error, kind):
+            # str(KeyError("x")) is "'x'": take the message itself.
+            message = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+            return code, message
+    return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
+
+
+def rpc(handler):
+    """Log the RPC, and turn any exception into a gRPC status so the server keeps serving."""
+
+    @functools.wraps(handler)
+    async def wrapper(self, request, context):
+        name, start = handler.__name__, time.perf_counter()
+        try:
+            response = await handler(self, request, context)
+        except Exception as error:  # noqa: BLE001 - every error becomes a status, none ends the server
+            code, message = status_for(error)
+            # A traceback only for INTERNAL: the others are the caller's mistake, not ours.
+            log.warning("%s failed with %s: %s", name, code.name, message, exc_info=code == grpc.StatusCode.INTERNAL)
+            await context.abort(code, message)
+        log.debug("%s%s in %.1f ms", name, describe(request), (time.perf_counter() - start) * 1e3)
+        return response
+
+    return wrapper
+
+
+def describe(request) -> str:
+    """A short summary of a request for the per-RPC log line ("" when there is nothing to say)."""
+    if isinstance(request, (pb.PrefillRequest, pb.WarmupRequest)):
+        return f" batch={request.batch.id} requests={len(request.batch.requests)}"
+    if isinstance(request, pb.DecodeRequest):
+        return f" batches={[b.id for b in request.batches]}"
+    if isinstance(request, pb.FilterBatchRequest):
+        return f" batch={request.batch_id} keep={len(request.request_ids)}"
+    return ""
+
+
+class ShardServicer(pb_grpc.TextGenerationServiceServicer):
+    def __init__(self, shard, config: ServerConfig):
+        self.shard, self.config = shard, config
+        # One worker: shard calls run one at a time, in arrival order, off the event loop.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard")
+
+    async def call(self, fn, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+    async def step(self, fn, *args):
+        """A prefill or decode on the shard's worker, with the timings the shard recorded for it."""
+        def run():
+            return fn(*args), self.shard.last_timings
+
+        return await self.call(run)
+
+    @rpc
+    async def Info(self, request, context):
+        return convert.info_to_pb(await self.call(self.shard.info))
+
+    @rpc
+    async def ServiceDiscovery(self, request, context):
+        return pb.ServiceDiscoveryResponse(urls=self.config.urls())
+
+    @rpc
+    async def ClearCache(self, request, context):
+        await self.call(self.shard.clear, convert.optional_field(request, "id"))
+        return pb.ClearCacheResponse()
+
+    @rpc
+    async def FilterBatch(self, request, context):
+        cached = await self.call(self.shard.filter, request.batch_id, list(request.request_ids))
+        return pb.FilterBatchResponse(batch=convert.cached_batch_to_pb(cached))
+
+    @rpc
+    async def Warmup(self, request, context):
+        limits = dict(
+            max_input_tokens=convert.optional_field(request, "max_input_tokens"),
+            # Not optional on the wire: 0 means the router gave no limit.
+            max_prefill_tokens=request.max_prefill_tokens or None,
+            max_total_tokens=convert.optional_field(request, "max_total_tokens"),
+            max_batch_size=self.config.max_batch_size,
+            # TGI's warmup batch switches on every logits processor: the shard runs it once.
+            batch=convert.batch_from_pb(request.batch) if request.HasField("batch") else None,
+        )
+        return convert.warmup_to_pb(await self.call(self.shard.warmup, **limits))
+
+    @rpc
+    async def Prefill(self, request, context):
+        batch = convert.batch_from_pb(request.batch)
+        cached = convert.cached_batch_from_pb(request.cached_batch) if request.HasField("cached_batch") else None
+        result, timings = await self.step(self.shard.prefill, batch, cached)
+        return step_response(pb.PrefillResponse, result, timings)
+
+    @rpc
+    async def Decode(self, request, context):
+        batches = [convert.cached_batch_from_pb(b) for b in request.batches]
+        result, timings = await self.step(self.shard.decode, batches)
+        return step_response(pb.DecodeResponse, result, timings)
+
+    @rpc
+    async def Health(self, request, context):
+        await self.call(self.shard.health)
+        return pb.HealthResponse()
+
+
+def step_response(kind, result, timings):
+    """A Prefill/DecodeResponse with the shard's own step timings."""
+    generations, cached = result
+    return kind(
+        generations=[convert.generation_to_pb(g) for g in generations],
+        batch=convert.cached_batch_to_pb(cached) if cached is not None else None,
+        forward_ns=timings.forward_ns, decode_ns=timings.decode_ns, total_ns=timings.total_ns,
+        concat_ns=timings.concat_ns,
+    )
+
+
+class ShardServer:
+    """A grpc.aio server for one shard: bound on start, its socket removed on stop."""
+
+    def __init__(self, shard, config: ServerConfig):
+        self.config = config
+        self.servicer = ShardServicer(shard, config)
+        limit = config.max_message_bytes
+        self.server = grpc.aio.server(options=[("grpc.max_send_message_length", limit),
+                                               ("grpc.max_receive_message_length", limit)])
+        pb_grpc.add_TextGenerationServiceServicer_to_server(self.servicer, self.server)
+
+    async def start(self) -> None:
+        path = self.config.socket_path()
+        remove_stale_socket(path)
+        self._listen(f"unix://{path}")
+        if self.config.port is not None:
+            self._listen(f"[::]:{self.config.port}")
+        await self.server.start()
+        log.info("shard %d/%d serving generate.v3 on unix://%s%s", self.config.rank, self.config.world_size, path,
+                 f" and TCP port {self.config.port}" if self.config.port is not None else "")
+
+    def _listen(self, address: str) -> None:
+        try:
+            bound = self.server.add_insecure_port(address)
+        except RuntimeError as error:  # grpc raises on a failed bind; older versions returned 0
+            raise BucketserveError(f"cannot listen on {address}: {error}") from None
+        if not bound:
+            raise BucketserveError(f"cannot listen on {address}")
+
+    async def stop(self) -> None:
+        """Let in-flight RPCs finish (up to the grace period), then drop the socket file."""
+        await self.server.stop(self.config.grace_seconds)
+        self.servicer.executor.shutdown(wait=False, cancel_futures=True)
+        try:  # grpc removes it too in current versions; a launcher watching the path must not depend on that
+            os.unlink(self.config.socket_path())
+        except FileNotFoundError:
+            pass
+
+
+def remove_stale_socket(path: str) -> None:
+    """Replace the socket of a shard that died (explicitly: not every grpc version unlinks it before
+    binding); anything else at that path is not ours to delete."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise BucketserveError(f"{path} exists and is not a socket: refusing to replace it")
+    os.unlink(path)
+
+
+async def serve(shard, config: ServerConfig) -> None:
+    """Serve until SIGTERM or SIGINT, then stop gracefully."""
+    server = ShardServer(shard, config)
+    await server.start()
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopping.set)
+    try:
+        await stopping.wait()
+        log.info("shard %d: stopping", config.rank)
+    finally:
+        await server.stop()

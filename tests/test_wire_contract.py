@@ -1,0 +1,378 @@
+"""The wire format is exactly the contract of DESIGN.md section 3.
+
+The message table is parsed out of DESIGN.md; our compiled descriptors must match it field by field,
+and a client generated from nothing but that table must drive `python -m engine serve`.
+"""
+import json
+import re
+import runpy
+import shutil
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pb2
+
+from engine import batch as eb
+from engine import convert
+from engine.errors import CapacityError, InvalidRequestError, UnwarmedShapeError
+from engine.pb import generate_pb2 as pb
+from engine.server import ServerConfig
+from tests.test_equivalence import PROMPTS, reference_tokens
+from tests.test_server import (REPO, BackgroundServer, short_socket_dir, start_cli_server, stop_cli_server,
+                               text_request, wait_until_serving)
+
+DESIGN = Path(__file__).parents[2] / "shared" / "DESIGN.md"
+FieldProto = descriptor_pb2.FieldDescriptorProto
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    number: int
+    label: str  # "", "optional" or "repeated"
+    type: str   # a scalar type name, or a message or enum name of the package
+    oneof: str | None = None
+
+
+@dataclass
+class Contract:
+    package: str
+    service: str
+    rpcs: list[str]
+    messages: dict[str, list[Field]] = field(default_factory=dict)
+    enums: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+
+
+def parse_contract(text: str) -> Contract:
+    section = text[text.index("## 3.") : text.index("## 4.")]
+    contract = Contract(
+        package=re.search(r"`package ([\w.]+);`", section)[1],
+        service=re.search(r"`service (\w+)`", section)[1],
+        rpcs=[name.strip() for name in re.search(r"RPCs `([^`]+)`", section)[1].split(",")],
+    )
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) != 2 or cells[0] == "message" or set(cells[0]) <= {"-"}:
+            continue
+        names, spec = cells
+        if names.startswith("enum "):
+            contract.enums[names.removeprefix("enum ")] = [(n, int(v)) for n, v in re.findall(r"(\w+)=(\d+)", spec)]
+        elif " / " in names:  # "A / B | fields of A / fields of B"
+            for name, fields in zip(names.split(" / "), spec.split(" / "), strict=True):
+                contract.messages[name] = parse_fields(fields)
+        else:  # "A, B | fields shared by both"
+            for name in names.split(", "):
+                contract.messages[name] = parse_fields(spec)
+    return contract
+
+
+def parse_fields(spec: str) -> list[Field]:
+    if spec == "empty":
+        return []
+    oneof = re.fullmatch(r"oneof (\w+) \{ (.*) \}", spec)
+    if oneof:
+        return [replace(f, oneof=oneof[1]) for f in parse_fields(oneof[2])]
+    fields = []
+    for item in spec.split(";"):
+        match = re.fullmatch(r"(\w+)=(\d+) (?:(optional|repeated) )?(\w+)", item.strip())
+        assert match, f"DESIGN.md: cannot read the field {item!r}"
+        fields.append(Field(match[1], int(match[2]), match[3] or "", match[4]))
+    return fields
+
+
+@pytest.fixture(scope="module")
+def contract() -> Contract:
+    if not DESIGN.is_file():
+        pytest.skip(f"no contract to check against: {DESIGN} is absent (shared/ sits beside the repository)")
+    return parse_contract(DESIGN.read_text())
+
+
+def test_the_table_was_read_whole(contract):
+    assert contract.package == "generate.v3" and contract.service == "TextGenerationService"
+    assert len(contract.rpcs) == 8 and set(contract.enums) == {"GrammarType", "FinishReason"}
+    for rpc in contract.rpcs:
+        assert f"{rpc}Request" in contract.messages and f"{rpc}Response" in contract.messages
+    assert len(contract.messages["Request"]) == 14 and contract.messages["InputChunk"][1] == Field("image", 2, "", "Image", "chunk")
+
+
+# --- (a) our compiled descriptors are the table ------------------------------------------------
+
+
+def compiled_file() -> descriptor_pb2.FileDescriptorProto:
+    proto = descriptor_pb2.FileDescriptorProto()
+    pb.DESCRIPTOR.CopyToProto(proto)
+    return proto
+
+
+def described_field(message: descriptor_pb2.DescriptorProto, f: FieldProto, package: str) -> Field:
+    if f.type in (FieldProto.TYPE_MESSAGE, FieldProto.TYPE_ENUM):
+        assert f.type_name.startswith(f".{package}."), f.type_name
+        type_name = f.type_name.rsplit(".", 1)[1]
+    else:
+        type_name = FieldProto.Type.Name(f.type).removeprefix("TYPE_").lower()
+    label = "repeated" if f.label == FieldProto.LABEL_REPEATED else "optional" if f.proto3_optional else ""
+    # proto3 `optional` lives in a synthetic oneof of its own: not a oneof of the contract.
+    oneof = message.oneof_decl[f.oneof_index].name if f.HasField("oneof_index") and not f.proto3_optional else None
+    return Field(f.name, f.number, label, type_name, oneof)
+
+
+def test_compiled_messages_match_the_table(contract):
+    compiled = compiled_file()
+    assert compiled.package == contract.package and compiled.syntax == "proto3"
+    messages = {m.name: [described_field(m, f, contract.package) for f in m.field] for m in compiled.message_type}
+    assert set(messages) == set(contract.messages)
+    for name, fields in contract.messages.items():
+        assert sorted(messages[name], key=lambda f: f.number) == sorted(fields, key=lambda f: f.number), name
+    enums = {e.name: [(v.name, v.number) for v in e.value] for e in compiled.enum_type}
+    assert enums == contract.enums
+
+
+def test_compiled_service_matches_the_table(contract):
+    (service,) = compiled_file().service
+    assert service.name == contract.service
+    methods = [(m.name, m.input_type, m.output_type) for m in service.method]
+    prefix = f".{contract.package}."
+    assert methods == [(r, f"{prefix}{r}Request", f"{prefix}{r}Response") for r in contract.rpcs]
+    assert not any(m.client_streaming or m.server_streaming for m in service.method)
+
+
+def test_committed_stubs_are_not_stale(tmp_path):
+    generate = runpy.run_path(str(REPO / "scripts" / "gen_proto.py"))["generate"]
+    for fresh in generate(tmp_path):
+        committed = REPO / "engine" / "pb" / fresh.name
+        assert committed.is_file(), f"{committed} is missing: run python scripts/gen_proto.py"
+        assert without_version_stamps(committed.read_text()) == without_version_stamps(fresh.read_text()), (
+            f"{committed} is stale against proto/generate.proto: run python scripts/gen_proto.py")
+
+
+def without_version_stamps(source: str) -> str:
+    """The stubs less the generator's version numbers, which change with grpcio-tools, not with the proto."""
+    source = re.sub(r"# Protobuf Python Version: .*", "", source)
+    source = re.sub(r"ValidateProtobufRuntimeVersion\([^)]*\)", "", source)
+    return re.sub(r"GRPC_GENERATED_VERSION = .*", "", source)
+
+
+# --- (b) a client built from nothing but the table drives `python -m engine serve` ---------------
+
+
+def proto_from_contract(contract: Contract) -> str:
+    lines = ['syntax = "proto3";', f"package {contract.package};", f"service {contract.service} {{"]
+    lines += [f"  rpc {rpc} ({rpc}Request) returns ({rpc}Response);" for rpc in contract.rpcs]
+    lines.append("}")
+    for name, values in contract.enums.items():
+        lines += [f"enum {name} {{", *[f"  {value} = {number};" for value, number in values], "}"]
+    for name, fields in contract.messages.items():
+        lines.append(f"message {name} {{")
+        lines += [f"  {field_line(f)}" for f in fields if f.oneof is None]
+        for oneof in dict.fromkeys(f.oneof for f in fields if f.oneof):
+            lines += [f"  oneof {oneof} {{", *[f"    {field_line(f)}" for f in fields if f.oneof == oneof], "  }"]
+        lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def field_line(f: Field) -> str:
+    return " ".join(filter(None, [f.label, f.type, f.name])) + f" = {f.number};"
+
+
+# Runs in its own interpreter with only the table's modules importable: engine.pb is never loaded,
+# and the two sets of generate.v3 descriptors cannot meet in one descriptor pool.
+CLIENT = """
+import json, sys
+import grpc
+from google.protobuf import json_format
+import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
+
+def MessageToDict(message):  # with the fields at their zero value too (FINISH_REASON_LENGTH is 0)
+    return json_format.MessageToDict(message, always_print_fields_with_no_presence=True)
+
+url, prompts, new_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+stub = pb_grpc.TextGenerationServiceStub(grpc.insecure_channel(url))
+info = stub.Info(pb.InfoRequest(), timeout=60)
+warmup = stub.Warmup(pb.WarmupRequest(max_input_tokens=64, max_prefill_tokens=128, max_total_tokens=128), timeout=300)
+stopping = pb.StoppingCriteriaParameters(max_new_tokens=new_tokens, ignore_eos_token=True)
+parameters = pb.NextTokenChooserParameters(temperature=1.0, top_p=1.0, typical_p=1.0, repetition_penalty=1.0)
+requests = [pb.Request(id=i, inputs=p, parameters=parameters, stopping_parameters=stopping, add_special_tokens=True)
+            for i, p in enumerate(prompts)]
+response = stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=1, requests=requests, size=len(requests))), timeout=60)
+tokens, finished, steps = {}, {}, [MessageToDict(response)]
+while True:
+    for g in response.generations:
+        tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
+        if g.HasField("generated_text"):
+            finished[g.request_id] = MessageToDict(g.generated_text)
+    if not response.HasField("batch"):
+        break
+    response = stub.Decode(pb.DecodeRequest(batches=[response.batch]), timeout=60)
+    steps.append(MessageToDict(response))
+print(json.dumps(dict(info=MessageToDict(info), warmup=MessageToDict(warmup), tokens=tokens, finished=finished, steps=steps)))
+"""
+
+
+def compile_contract_client(contract: Contract, out_dir: Path) -> None:
+    from grpc_tools import protoc
+
+    (out_dir / "generate.proto").write_text(proto_from_contract(contract))
+    args = ["protoc", f"-I{out_dir}", f"--python_out={out_dir}", f"--grpc_python_out={out_dir}", str(out_dir / "generate.proto")]
+    assert protoc.main(args) == 0, proto_from_contract(contract)
+    (out_dir / "client.py").write_text(CLIENT)
+
+
+def test_a_client_generated_from_the_table_drives_the_shard(contract, tiny_model_dirs, tmp_path):
+    compile_contract_client(contract, tmp_path)
+    model_dir, prompts, new_tokens = tiny_model_dirs["llama"], PROMPTS[1:4], 18
+    base = short_socket_dir()
+    process = start_cli_server(model_dir, base / "shard", env=dict(MAX_BATCH_SIZE="4"))
+    expected = dict(enumerate(reference_tokens(model_dir, prompts, new_tokens)))  # while the server starts
+    try:
+        wait_until_serving(process, f"unix://{base}/shard-0", base / "shard").close()
+        # -E -s: neither PYTHONPATH nor the repository reaches the client, only its own folder.
+        client = subprocess.run([sys.executable, "-E", "-s", str(tmp_path / "client.py"), f"unix://{base}/shard-0",
+                                 json.dumps(prompts), str(new_tokens)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    finally:
+        stop_cli_server(process)
+        shutil.rmtree(base, ignore_errors=True)
+    assert client.returncode == 0, client.stderr
+    result = json.loads(client.stdout)
+    assert result["info"]["blockSize"] == 16 and result["info"]["deviceType"] == "cpu"
+    assert result["warmup"]["maxInputTokens"] == 64 and result["warmup"]["maxTotalTokens"] == 128
+    assert {int(k): v for k, v in result["tokens"].items()} == expected
+    assert all(r["generatedTokens"] == new_tokens and r["finishReason"] == "FINISH_REASON_LENGTH" for r in result["finished"].values())
+    assert len(result["steps"]) == new_tokens and all(int(step["totalNs"]) > 0 for step in result["steps"])
+
+
+# --- the servicer's side: status codes, unset optionals, one shard call at a time ---------------
+
+
+class ScriptedShard:
+    """The Shard API with scripted answers: records its calls, raises `errors[method]` once, and
+    holds a call while `gate` is closed."""
+
+    def __init__(self):
+        self.calls, self.errors, self.gate = [], {}, threading.Event()
+        self.gate.set()
+        self.active = self.most_active = 0
+        self.last_timings = eb.StepTimings(forward_ns=3, decode_ns=2, total_ns=5)
+
+    def _enter(self, method: str, *args, **kwargs) -> None:
+        self.active += 1
+        self.most_active = max(self.most_active, self.active)
+        try:
+            self.calls.append((method, args, kwargs))
+            self.gate.wait(timeout=30)
+            if method in self.errors:
+                raise self.errors.pop(method)
+        finally:
+            self.active -= 1
+
+    def info(self):
+        self._enter("info")
+        return eb.InfoResponse(False, "float32", "scripted", None, 0, False, False, "none", 16)
+
+    def warmup(self, max_input_tokens=None, max_prefill_tokens=None, max_total_tokens=None, max_batch_size=None, batch=None):
+        self._enter("warmup", max_input_tokens, max_prefill_tokens, max_total_tokens, max_batch_size, batch=batch)
+        return eb.WarmupResult(4096, max_input_tokens or 32, max_total_tokens or 64)
+
+    def prefill(self, batch, cached_batch=None):
+        self._enter("prefill", batch, cached_batch)
+        done = eb.GeneratedText("x", 1, eb.FinishReason.EOS_TOKEN, seed=7)
+        return [eb.Generation(r.id, eb.Tokens([5], [-0.5], ["x"], [False]), eb.Tokens([7], [-0.25], ["x"], [False]), done)
+                for r in batch.requests], None
+
+    def decode(self, batches):
+        self._enter("decode", batches)
+        return [], None
+
+    def filter(self, batch_id, request_ids):
+        self._enter("filter", batch_id, request_ids)
+        return eb.CachedBatch(batch_id, request_ids, len(request_ids), 0, 0)
+
+    def clear(self, batch_id=None):
+        self._enter("clear", batch_id)
+
+    def health(self):
+        self._enter("health")
+
+
+@pytest.fixture
+def scripted():
+    base = short_socket_dir()
+    shard = ScriptedShard()
+    server = BackgroundServer(shard, ServerConfig(uds_path=str(base / "s"), max_batch_size=3))
+    yield shard, server.stub
+    server.close()
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def one_request_prefill(stub):
+    return stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=1, requests=[text_request(1, "hi")])))
+
+
+@pytest.mark.parametrize("error, code, details", [
+    (InvalidRequestError("request 1: bad"), grpc.StatusCode.INVALID_ARGUMENT, "request 1: bad"),
+    (KeyError("batch 1 not found"), grpc.StatusCode.NOT_FOUND, "batch 1 not found"),
+    (CapacityError("KV cache full"), grpc.StatusCode.RESOURCE_EXHAUSTED, "KV cache full"),
+    (UnwarmedShapeError("shape (1, 16)"), grpc.StatusCode.FAILED_PRECONDITION, "shape (1, 16)"),
+    (ZeroDivisionError("division by zero"), grpc.StatusCode.INTERNAL, "ZeroDivisionError: division by zero"),
+])
+def test_shard_errors_become_status_codes_and_serving_goes_on(scripted, error, code, details):
+    shard, stub = scripted
+    shard.errors["prefill"] = error
+    with pytest.raises(grpc.RpcError) as failed:
+        one_request_prefill(stub)
+    assert (failed.value.code(), failed.value.details()) == (code, details)
+    stub.Health(pb.HealthRequest())
+    assert [g.request_id for g in one_request_prefill(stub).generations] == [1]
+
+
+def test_unset_optionals_reach_the_shard_as_none(scripted):
+    shard, stub = scripted
+    warmed = stub.Warmup(pb.WarmupRequest(batch=pb.Batch(id=4, requests=[text_request(3, "hi")]), max_prefill_tokens=100))
+    method, (max_input, max_prefill, max_total, max_batch), kwargs = shard.calls[-1]
+    assert (method, max_input, max_prefill, max_total, max_batch) == ("warmup", None, 100, None, 3)
+    assert [r.inputs for r in kwargs["batch"].requests] == ["hi"] and kwargs["batch"].id == 4
+    assert warmed.HasField("max_supported_total_tokens") and warmed.max_supported_total_tokens == 4096
+    stub.ClearCache(pb.ClearCacheRequest())
+    stub.ClearCache(pb.ClearCacheRequest(id=0))  # 0 is a batch id like any other, not "all"
+    assert shard.calls[-2:] == [("clear", (None,), {}), ("clear", (0,), {})]
+
+
+def test_the_event_loop_answers_while_the_shard_is_busy_and_shard_calls_never_overlap(scripted):
+    shard, stub = scripted
+    shard.gate.clear()
+    warming = stub.Warmup.future(pb.WarmupRequest(max_prefill_tokens=100))
+    queued = stub.Info.future(pb.InfoRequest())
+    assert stub.ServiceDiscovery(pb.ServiceDiscoveryRequest(), timeout=10).urls  # served while the shard works
+    with pytest.raises(grpc.FutureTimeoutError):
+        queued.result(timeout=0.5)  # Info waits for the shard's worker
+    shard.gate.set()
+    assert warming.result(timeout=10).max_input_tokens == 32 and queued.result(timeout=10).device_type == "scripted"
+    assert shard.most_active == 1
+
+
+def test_generations_keep_their_optional_fields_on_the_wire(scripted):
+    _, stub = scripted
+    (generation,) = one_request_prefill(stub).generations
+    assert generation.HasField("generated_text") and generation.generated_text.HasField("seed")
+    assert (generation.generated_text.seed, generation.generated_text.finish_reason) == (7, pb.FINISH_REASON_EOS_TOKEN)
+    assert list(generation.prefill_tokens.ids) == [5] and list(generation.tokens.logprobs) == [-0.25]
+
+
+def test_requests_convert_with_unset_optionals_as_none():
+    bare = convert.request_from_pb(pb.Request(id=3, inputs="hi"))
+    assert (bare.adapter_id, bare.chunk_len) == (None, None)
+    assert bare.parameters == eb.NextTokenChooserParameters() and bare.stopping_parameters == eb.StoppingCriteriaParameters()
+    full = convert.request_from_pb(text_request(3, "hi", adapter_id="", chunk_len=0, blocks=[4], slots=[64]))
+    assert (full.adapter_id, full.chunk_len, full.blocks, full.slots) == ("", 0, [4], [64])
+    assert full.stopping_parameters.ignore_eos_token and full.parameters.grammar_type is eb.GrammarType.NONE
+    with pytest.raises(InvalidRequestError, match="unknown grammar_type 9"):
+        convert.request_from_pb(pb.Request(id=3, inputs="hi", parameters=pb.NextTokenChooserParameters(grammar_type=9)))
+    image_only = pb.Request(id=3, input_chunks=pb.Input(chunks=[pb.InputChunk(image=pb.Image(data=b"x"))]))
+    with pytest.raises(InvalidRequestError, match="image inputs are not supported"):
+        convert.request_from_pb(image_only)
+    info = convert.info_to_pb(eb.InfoResponse(False, "bfloat16", "hpu", None, 0, False, False, "flat", 128))
+    assert not info.HasField("window_size") and convert.info_to_pb(eb.InfoResponse(False, "", "", 4096, 0, False, False, "", 16)).window_size == 4096
