@@ -36,6 +36,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def offline_config(args: argparse.Namespace) -> EngineConfig:
+    """generate and bench never ask for prompt logprobs, so they skip warming that variant."""
+    from dataclasses import replace
+
+    return replace(engine_config(args), warmup_prompt_logprobs=False)
+
+
 def read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt or [])
     if args.prompts_file:
@@ -55,7 +62,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from engine.shard import Shard
 
     prompts = read_prompts(args)
-    shard = Shard(engine_config(args), show_progress=args.verbose)
+    shard = Shard(offline_config(args), show_progress=args.verbose)
     for completion in generate(shard, prompts, args.max_new_tokens, chat=args.chat):
         if args.json:
             print(json.dumps({"prompt": completion.prompt, "token_ids": completion.token_ids,
@@ -69,8 +76,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from engine.shard import Shard
 
     workload = Workload(args.num_prompts, args.min_tokens, args.max_tokens, args.new_tokens)
-    shard = Shard(engine_config(args), show_progress=True)
-    print(bench(shard, workload, args.compare))
+    shard = Shard(offline_config(args), show_progress=True)
+    print(bench(shard, workload, args.compare, args.repeat))
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -129,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--min-tokens", type=int, default=16)
     ben.add_argument("--max-tokens", type=int, default=256)
     ben.add_argument("--new-tokens", type=int, default=64)
+    ben.add_argument("--repeat", type=int, default=3, help="timed runs per engine (the median is reported)")
     ben.set_defaults(func=cmd_bench)
     add_serve_command(commands)
     return parser

@@ -69,3 +69,15 @@ def test_malformed_prompts_file_names_the_line(capsys, tmp_path):
     prompts.write_text('{"prompt": "ok"}\n{"text": "wrong key"}\n')
     assert main(["generate", "--prompts-file", str(prompts), "--max-new-tokens", "2"]) == 2
     assert f"{prompts}:2: expected" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_runs_both_engines_and_prints_the_ratio():
+    result = run_cli("bench", "--compare", "transformers", "--num-prompts", "3", "--max-tokens", "24",
+                     "--new-tokens", "4", "--repeat", "1")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("workload: 3 prompts of 16-24 tokens")
+    assert lines[1].startswith("bucketserve:  12 tokens in ")  # 3 prompts x 4 tokens, eos ignored
+    assert lines[2].startswith("transformers: 12 tokens in ")
+    assert lines[3].startswith("ratio: ") and lines[3].endswith("x transformers")
