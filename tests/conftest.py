@@ -25,3 +25,12 @@ def tiny_config(model_dir, **overrides) -> EngineConfig:
     settings = dict(model_id=str(model_dir), block_size=16, max_batch_size=8, max_input_tokens=128,
                     max_total_tokens=256, max_prefill_tokens=512, strict_shapes=True)
     return EngineConfig(**{**settings, **overrides})
+
+
+def warmed_llama_shard(tiny_model_dirs) -> "Shard":
+    """A warmed shard on the tiny Llama, batch size 4 (each test module builds its own)."""
+    from engine.shard import Shard
+
+    shard = Shard(tiny_config(tiny_model_dirs["llama"], max_batch_size=4), show_progress=False)
+    shard.warmup()
+    return shard

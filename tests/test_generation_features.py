@@ -7,16 +7,14 @@ from transformers import AutoModelForCausalLM
 
 from engine.batch import Batch, FinishReason, Request, StoppingCriteriaParameters
 from engine.shard import Shard
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, warmed_llama_shard
 
 PROMPT = "The lighthouse keeper counted the ships that passed in the night"
 
 
 @pytest.fixture(scope="module")
 def shard(tiny_model_dirs):
-    shard = Shard(tiny_config(tiny_model_dirs["llama"], max_batch_size=4), show_progress=False)
-    shard.warmup()
-    return shard
+    return warmed_llama_shard(tiny_model_dirs)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from engine.errors import InvalidRequestError, UnwarmedShapeError
 from engine.generate import run_requests
 from engine.runner import DecodeInput
 from engine.shard import Shard
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, warmed_llama_shard
 from tests.test_equivalence import PROMPTS, reference_tokens
 
 NEW_TOKENS = 20
@@ -14,9 +14,7 @@ NEW_TOKENS = 20
 
 @pytest.fixture(scope="module")
 def shard(tiny_model_dirs):
-    shard = Shard(tiny_config(tiny_model_dirs["llama"], max_batch_size=4), show_progress=False)
-    shard.warmup()
-    return shard
+    return warmed_llama_shard(tiny_model_dirs)
 
 
 @pytest.fixture(scope="module")
