@@ -23,6 +23,11 @@ def env_int(name: str) -> int | None:
     return int(value) if value else None
 
 
+def distributed_address() -> tuple[str, int]:
+    """Where rank 0 of a shard group listens: MASTER_ADDR and MASTER_PORT, as the launcher sets them."""
+    return os.environ.get("MASTER_ADDR", "127.0.0.1"), env_int("MASTER_PORT") or 29500
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_id: str | None = None          # None: the embedded SmolLM2-135M-Instruct

@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.distributed import SINGLE, Parallel
 from engine.errors import ModelLoadError
+from engine.layers.linear import copy_checked
 from engine.models import model_class
 from engine.models.config import ModelConfig
 
@@ -116,11 +118,15 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int):
-    """Our module for `config`, allocated without a random init (weights come from disk)."""
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+                parallel: Parallel = SINGLE):
+    """Our module for `config` (this rank's part of it), allocated without a random init."""
     cls = model_class(config.architecture)
-    with torch.device("meta"):
-        model = cls(config, max_positions).to(dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(config, max_positions, parallel).to(dtype)
+    except ValueError as err:  # heads or sizes that do not divide over the shards
+        raise ModelLoadError(f"{config.architecture} cannot be sharded {parallel.world_size} ways: {err}") from None
     model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty may give the tied parameter two storages
         model.lm_head.weight = model.embed_tokens.weight
@@ -129,13 +135,13 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
 
 
 def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
-    params = dict(model.named_parameters())
-    unfilled = _expected_pieces(model, params)
+    """Fill the model from safetensors files, each rank reading only its own slices."""
+    unfilled = _expected_pieces(model)
     for file in files:
         try:
             with safe_open(file, framework="pt") as reader:
                 for name in reader.keys():
-                    unfilled.discard(_load_one(model, params, name.removeprefix("model."), reader.get_tensor(name)))
+                    unfilled.discard(_load_one(model, name.removeprefix("model."), reader.get_slice(name)))
         except ModelLoadError:
             raise
         except Exception as err:  # safetensors reports corruption with its own error types
@@ -145,43 +151,32 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
         raise ModelLoadError(f"weights missing from {files[0].parent}: {', '.join(names[:8])}")
 
 
-def _expected_pieces(model, params) -> set[tuple[str, int | None]]:
-    """(parameter, slice) pairs the checkpoint must fill; slice is None for unfused parameters."""
-    slices_per_fused = {}
-    for fused, shard in model.stacked_params.values():
-        slices_per_fused[fused] = max(slices_per_fused.get(fused, 0), shard + 1)
+def _expected_pieces(model) -> set[tuple[str, str | None]]:
+    """(parameter, part) pairs the checkpoint must fill; part is None for unfused parameters."""
     pieces = set()
-    for name in params:
-        fused = next((f for f in slices_per_fused if f".{f}." in name), None)
-        pieces |= {(name, None)} if fused is None else {(name, i) for i in range(slices_per_fused[fused])}
+    for name, _ in model.named_parameters():
+        parts = getattr(model.get_submodule(name.rpartition(".")[0]), "parts", None)
+        pieces |= {(name, part) for part in parts} if parts else {(name, None)}
     return pieces
 
 
-def _load_one(model, params, name: str, tensor: torch.Tensor) -> tuple[str, int | None] | None:
-    """Copy one checkpoint tensor into its parameter (or slice of a fused one); returns the piece."""
+def _load_one(model, name: str, source) -> tuple[str, str | None] | None:
+    """Copy one checkpoint tensor (this rank's slice of it) into its parameter; returns the piece."""
     if name.endswith(IGNORED_WEIGHTS) or (name == "lm_head.weight" and model.config.tie_word_embeddings):
         return None
-    for fragment, (fused, shard) in model.stacked_params.items():
-        if f".{fragment}." in name:
-            target = name.replace(fragment, fused)
-            start, end = model.fused_slice(target, shard)
-            _copy(_param(params, target, name)[start:end], tensor, name)
-            return target, shard
-    _copy(_param(params, name, name), tensor, name)
-    return name, None
-
-
-def _param(params, target: str, source: str) -> torch.nn.Parameter:
-    if target not in params:
-        raise ModelLoadError(f"checkpoint tensor {source!r} matches no parameter of the model")
-    return params[target]
-
-
-def _copy(dest: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    if dest.shape != tensor.shape:
-        raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-    with torch.no_grad():
-        dest.copy_(tensor)
+    module_name, kind, part = model.checkpoint_target(name)
+    try:
+        module = model.get_submodule(module_name)
+        param = getattr(module, kind)
+    except AttributeError:
+        param = None
+    if not isinstance(param, torch.nn.Parameter):
+        raise ModelLoadError(f"checkpoint tensor {name!r} matches no parameter of the model")
+    if hasattr(module, "load"):
+        module.load(kind, part, source, name)
+    else:  # replicated on every rank (norms)
+        copy_checked(param, source, slice(None), tuple(param.shape), name)
+    return f"{module_name}.{kind}", part
 
 
 def eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer) -> frozenset[int]:
@@ -195,12 +190,13 @@ def eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer) -> frozenset[
     return frozenset(ids)
 
 
-def load(model_id: str | None, cache_dir: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load(model_id: str | None, cache_dir: Path, dtype: torch.dtype, device: torch.device,
+         parallel: Parallel = SINGLE) -> LoadedModel:
     from transformers import AutoTokenizer
 
     model_dir = resolve_model_dir(model_id, cache_dir)
     config = read_config(model_dir)
-    model = build_model(config, dtype, device, config.max_position_embeddings)
+    model = build_model(config, dtype, device, config.max_position_embeddings, parallel)
     load_weights(model, weight_files(model_dir))
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)

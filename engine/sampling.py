@@ -69,15 +69,16 @@ class SamplingState:
     generator: torch.Generator   # CPU, so one seed gives the same draws whatever device the logits are on
 
 
-def new_sampling_state(params: NextTokenChooserParameters, request_id: int) -> SamplingState:
+def new_sampling_state(params: NextTokenChooserParameters, request_id: int, unset_seed: int | None = None) -> SamplingState:
     """Validate `params` and seed the request's generator.
 
-    seed 0 means "unset" (the dataclass default), so it is replaced by a fresh random 64-bit seed. TGI's router always
-    sends a seed, so this only happens for direct callers. Shards of one model that must draw the same token have to
-    share the request's seed: pass one in rather than relying on the random fallback.
+    seed 0 means "unset" (the dataclass default), so it is replaced by `unset_seed`, else by a fresh random 64-bit
+    seed. TGI's router always sends a seed, so this only happens for direct callers. Shards of one model must draw the
+    same token, so a sharded engine passes an `unset_seed` that every rank agrees on.
     """
     validate_parameters(request_id, params)
-    seed = params.seed if params.seed != 0 else secrets.randbits(64)
+    fallback = unset_seed if unset_seed is not None else secrets.randbits(64)
+    seed = params.seed if params.seed != 0 else fallback
     generator = torch.Generator(device="cpu")
     generator.manual_seed(seed)
     return SamplingState(params, seed, generator)

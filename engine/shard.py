@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 
 import torch
 
 from engine import loader
 from engine.batch import Batch, CachedBatch, Generation, InfoResponse, StepTimings, WarmupResult
-from engine.config import EngineConfig, torch_dtype
+from engine.config import EngineConfig, distributed_address, torch_dtype
+from engine.distributed import Parallel, broadcast_int, init_distributed, min_across_ranks
 from engine.devices import get_adapter
 from engine.errors import InvalidRequestError
 from engine.kv_cache import BlockAllocator, KVCache
@@ -26,7 +28,11 @@ class Shard:
         self.adapter = get_adapter(config.device, config.graph_mode, config.strict_shapes)
         self.dtype = torch_dtype(config.dtype, self.adapter.default_dtype)
         self.block_size = config.block_size or self.adapter.default_block_size
-        loaded = loader.load(config.model_id, config.resolved_cache_dir, self.dtype, self.adapter.torch_device)
+        self.parallel = Parallel(rank, world_size)
+        init_distributed(self.parallel, self.adapter.dist_backend, *distributed_address())
+        # Requests without a seed get one derived from this, which rank 0 picks for the whole group.
+        self.group_seed = broadcast_int(secrets.randbits(62), self.parallel)
+        loaded = loader.load(config.model_id, config.resolved_cache_dir, self.dtype, self.adapter.torch_device, self.parallel)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path, self.eos_token_ids = loaded.path, loaded.eos_token_ids
         self.special_token_ids = frozenset(self.tokenizer.all_special_ids)
@@ -55,10 +61,12 @@ class Shard:
         self.clear()
         self.runner = None  # drop the previous cache before measuring free memory
         free = profile_free_memory(self.model, self.adapter, self.dtype, self.block_size, limits)
-        c = self.model_config
-        per_block = KVCache.bytes_per_block(c.num_layers, self.block_size, c.num_kv_heads, c.head_dim, self.dtype)
+        # Every rank sizes the same cache: the one that fits on the rank with the least memory.
+        free = min_across_ranks(free, self.parallel)
+        layers, kv_heads, head_dim = self.model_config.num_layers, self.model.local_kv_heads, self.model_config.head_dim
+        per_block = KVCache.bytes_per_block(layers, self.block_size, kv_heads, head_dim, self.dtype)
         num_blocks = size_kv_cache(free, self.config.kv_cache_memory_fraction, per_block, self.block_size, limits)
-        cache = KVCache(c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim, self.dtype, self.adapter.torch_device)
+        cache = KVCache(layers, num_blocks, self.block_size, kv_heads, head_dim, self.dtype, self.adapter.torch_device)
         plan = build_plan(limits, self.block_size, num_blocks, self.config.bucket_strategy)
         self.runner = ModelRunner(self.model, self.adapter, cache, plan, self.dtype)
         warm_all(self.runner, plan, self.config.warmup_prompt_logprobs, self.show_progress)
@@ -132,7 +140,11 @@ class Shard:
         if self.runner is None:
             raise InvalidRequestError("the shard has not been warmed up")
         return StepContext(self.runner, self.tokenizer, self.allocator, self.limits, self.eos_token_ids,
-                           self.special_token_ids, self.block_size, self._grammars, self.rank, self.world_size)
+                           self.special_token_ids, self.block_size, self._grammars, self._unset_seed,
+                           self.rank, self.world_size)
+
+    def _unset_seed(self, request_id: int) -> int:
+        return (self.group_seed * 0x9E3779B97F4A7C15 + request_id) % 2**64 or 1
 
     def _grammars(self):
         """The grammar compiler, built on first use (its tokenizer index costs a moment)."""

@@ -24,6 +24,7 @@ class StepContext:
     special_token_ids: frozenset[int]
     block_size: int
     grammars: Callable = None  # () -> GrammarCompiler, built by the shard on first use
+    unset_seed: Callable = None  # request id -> the seed of a request that set none, equal on every rank
     rank: int = 0
     world_size: int = 1
 
@@ -79,7 +80,7 @@ def _new_sequence(ctx: StepContext, request: Request, ids: list[int], grammar) -
     blocks = list(request.blocks) or ctx.allocator.allocate(needed)
     return Sequence(
         request, list(ids), len(ids), blocks, ctx.block_size, owns, list(request.slots),
-        sampling=new_sampling_state(request.parameters, request.id),
+        sampling=new_sampling_state(request.parameters, request.id, ctx.unset_seed(request.id)),
         grammar=None if grammar is None else ctx.grammars().new_state(grammar),
         prefix_offset=max(len(ids) - 5, 0), read_offset=len(ids),
     )

@@ -27,7 +27,7 @@ class WarmupLimits:
 def profile_free_memory(model, adapter, dtype, block_size: int, limits: WarmupLimits) -> int:
     """Free memory after the largest prefill, run on a one-block cache (padding writes only block 0)."""
     config = model.config
-    scratch = KVCache(config.num_layers, 1, block_size, config.num_kv_heads, config.head_dim, dtype, adapter.torch_device)
+    scratch = KVCache(config.num_layers, 1, block_size, model.local_kv_heads, config.head_dim, dtype, adapter.torch_device)
     rows = max(1, min(limits.max_batch_size, limits.max_prefill_tokens // limits.max_input_tokens))
     largest = PrefillBucket(rows, limits.max_input_tokens)
     plan = BucketPlan(prefill=(largest,), decode=())

@@ -25,12 +25,12 @@ def build_tiny_model(variant: str, out_dir: Path, tokenizer_dir: Path, seed: int
     import transformers
 
     config_name, extra = VARIANTS[variant]
+    shape = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
     config = getattr(transformers, config_name)(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
         # A wider init than the default 0.02 keeps the top two logits apart, so greedy choices
         # are decided by the model, not by float rounding.
-        initializer_range=0.2, bos_token_id=1, eos_token_id=2, **{**extra, **overrides},
+        initializer_range=0.2, bos_token_id=1, eos_token_id=2, **{**shape, **extra, **overrides},
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()

@@ -306,28 +306,28 @@ def liveness_probe(stub) -> None:
     stub.ClearCache(pb.ClearCacheRequest(id=LIVENESS_ID))
 
 
-# --- `python -m engine serve` as a second rank ------------------------------------------------
+# --- `python -m engine serve` as a user runs it ------------------------------------------------
 
 
-def test_cli_server_of_rank_1_returns_only_its_requests(tiny_model_dirs, expected):
+def test_cli_server_replaces_a_stale_socket_and_also_serves_tcp(tiny_model_dirs, expected):
+    # Rank filtering across a real two-process group is tested in test_tensor_parallel.py.
     base = short_socket_dir()
     stale = socket.socket(socket.AF_UNIX)
-    stale.bind(f"{base}/shard-1")  # a socket left by a shard that died: the new one must replace it
+    stale.bind(f"{base}/shard-0")  # a socket left by a shard that died: the new one must replace it
     stale.close()
     port = free_tcp_port()
-    process = start_cli_server(tiny_model_dirs["llama"], base / "shard", env=dict(RANK="1", WORLD_SIZE="2", MAX_BATCH_SIZE="4"),
+    process = start_cli_server(tiny_model_dirs["llama"], base / "shard", env=dict(RANK="0", WORLD_SIZE="1", MAX_BATCH_SIZE="4"),
                                extra=["--port", str(port)])
     try:
-        channel = wait_until_serving(process, f"unix://{base}/shard-1", base / "shard")
+        channel = wait_until_serving(process, f"unix://{base}/shard-0", base / "shard")
         stub, tokens = pb_grpc.TextGenerationServiceStub(channel), {}
         urls = stub.ServiceDiscovery(pb.ServiceDiscoveryRequest()).urls
-        assert list(urls) == [f"unix://{base}/shard-0", f"unix://{base}/shard-1"]
+        assert list(urls) == [f"unix://{base}/shard-0"]
         warm(stub)
         response = stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=3, requests=[prompt_request(i) for i in range(4)])))
-        assert [g.request_id for g in response.generations] == [1, 3]
-        assert list(response.batch.request_ids) == [0, 1, 2, 3]  # every rank runs every request
+        assert [g.request_id for g in response.generations] == [0, 1, 2, 3]
         drain(stub, collect(tokens, response), tokens)
-        assert tokens == {1: expected[1], 3: expected[3]}
+        assert tokens == {i: expected[i] for i in range(4)}
         channel.close()
         with grpc.insecure_channel(f"localhost:{port}") as tcp:  # the same shard over TCP
             assert pb_grpc.TextGenerationServiceStub(tcp).Info(pb.InfoRequest(), timeout=30).block_size == 16
@@ -337,7 +337,7 @@ def test_cli_server_of_rank_1_returns_only_its_requests(tiny_model_dirs, expecte
     shutil.rmtree(base, ignore_errors=True)
     assert code == 0, log
     assert "DEBUG engine.server: Prefill batch=3 requests=4 in" in log  # one line per RPC at debug level
-    assert not (base / "shard-1").exists()
+    assert not (base / "shard-0").exists()
 
 
 def free_tcp_port() -> int:

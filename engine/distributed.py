@@ -1,0 +1,66 @@
+"""Tensor-parallel process group: who we are, and the three collectives the model needs.
+
+With one rank every collective is the identity, so single-device code pays nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Parallel:
+    rank: int = 0
+    world_size: int = 1
+
+    def split(self, total: int, what: str) -> int:
+        """This rank's share of `total` items that must divide evenly."""
+        if total % self.world_size:
+            raise ValueError(f"{what} ({total}) cannot be split over {self.world_size} shards")
+        return total // self.world_size
+
+
+SINGLE = Parallel()
+
+
+def init_distributed(parallel: Parallel, backend: str, master_addr: str, master_port: int) -> None:
+    """Join the shard group (every rank calls this with the same address)."""
+    if parallel.world_size == 1 or dist.is_initialized():
+        return
+    dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
+                            rank=parallel.rank, world_size=parallel.world_size)
+
+
+def all_reduce_sum(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
+    if parallel.world_size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather_last_dim(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
+    """Concatenate every rank's x along the last dimension, in rank order."""
+    if parallel.world_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(parallel.world_size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def min_across_ranks(value: int, parallel: Parallel) -> int:
+    """The smallest of every rank's value (free memory: the KV cache must fit on all of them)."""
+    if parallel.world_size == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
+def broadcast_int(value: int, parallel: Parallel) -> int:
+    """Rank 0's value on every rank."""
+    if parallel.world_size == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.broadcast(tensor, src=0)
+    return int(tensor.item())

@@ -1,0 +1,41 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous range of token rows."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import Parallel, all_gather_last_dim, all_reduce_sum
+from engine.layers.linear import copy_checked
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, parallel: Parallel):
+        super().__init__()
+        self.vocab_size, self.hidden_size, self.parallel = vocab_size, hidden_size, parallel
+        # Equal partitions (the last one padded with zero rows) keep the gathered logits in order.
+        self.rows_per_rank = -(-vocab_size // parallel.world_size)
+        self.start = parallel.rank * self.rows_per_rank
+        self.end = min(self.start + self.rows_per_rank, vocab_size)
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.world_size == 1:
+            return F.embedding(ids, self.weight)
+        mine = (ids >= self.start) & (ids < self.end)
+        local = F.embedding((ids - self.start) * mine, self.weight) * mine.unsqueeze(-1)
+        return all_reduce_sum(local, self.parallel)
+
+    def load(self, kind: str, part, source, name: str) -> None:
+        with torch.no_grad():
+            self.weight[self.end - self.start :].zero_()
+        copy_checked(self.weight[: self.end - self.start], source, slice(self.start, self.end),
+                     (self.vocab_size, self.hidden_size), name)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for this rank's vocabulary range, gathered into the full vocabulary on every rank."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden, self.weight)
+        return all_gather_last_dim(local, self.parallel)[..., : self.vocab_size]

@@ -1,0 +1,81 @@
+"""Tensor parallelism with real shard processes on CPU (gloo): two shards give one shard's tokens."""
+import shutil
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from engine.pb import generate_pb2 as pb
+from engine.pb import generate_pb2_grpc as pb_grpc
+from tests.models import build_tiny_model
+from tests.test_equivalence import PROMPTS, reference_tokens
+from tests.test_server import (collect, prompt_request, short_socket_dir, start_cli_server, stop_cli_server,
+                               tgi_warmup_request, wait_until_serving)
+
+NEW_TOKENS = 20
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class FanOut:
+    """What TGI's router does: every RPC goes to every shard at once; generations are concatenated."""
+
+    def __init__(self, channels):
+        self.stubs = [pb_grpc.TextGenerationServiceStub(c) for c in channels]
+        self.pool = ThreadPoolExecutor(len(self.stubs))
+
+    def call(self, method: str, request):
+        return list(self.pool.map(lambda stub: getattr(stub, method)(request, timeout=300), self.stubs))
+
+    def step(self, method: str, request, tokens: dict):
+        responses = self.call(method, request)
+        for rank, response in enumerate(responses):  # a rank reports only its own requests
+            assert all(g.request_id % len(responses) == rank for g in response.generations)
+        for response in responses:
+            collect(tokens, response)
+        batches = [r.batch for r in responses if r.HasField("batch")]
+        assert len({b.SerializeToString() for b in batches}) <= 1  # the ranks agree on the batch
+        return batches[0] if batches else None
+
+
+def run_sharded(model_dir, world_size: int) -> dict:
+    folder, port = short_socket_dir(), free_port()
+    base = folder / "tp"
+    processes = [start_cli_server(model_dir, base, env={"RANK": str(r), "WORLD_SIZE": str(world_size),
+                                                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                 for r in range(world_size)]
+    try:
+        channels = [wait_until_serving(p, f"unix://{base}-{r}", base) for r, p in enumerate(processes)]
+        urls = pb_grpc.TextGenerationServiceStub(channels[0]).ServiceDiscovery(pb.ServiceDiscoveryRequest()).urls
+        assert list(urls) == [f"unix://{base}-{r}" for r in range(world_size)]
+        router = FanOut(channels)
+        router.call("Warmup", tgi_warmup_request(64, 128, 128, 4))
+        tokens = {}
+        first = router.step("Prefill", pb.PrefillRequest(batch=pb.Batch(id=1, requests=[prompt_request(i) for i in range(3)], size=3)), tokens)
+        second = router.step("Prefill", pb.PrefillRequest(batch=pb.Batch(id=2, requests=[prompt_request(i) for i in range(3, 6)], size=3)), tokens)
+        cached = router.step("Decode", pb.DecodeRequest(batches=[first, second]), tokens)
+        while cached is not None:
+            cached = router.step("Decode", pb.DecodeRequest(batches=[cached]), tokens)
+        return tokens
+    finally:
+        for process in processes:
+            stop_cli_server(process)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def one_kv_head_dir(tmp_path_factory, smollm_dir):
+    return build_tiny_model("llama", tmp_path_factory.mktemp("kv1") / "llama", smollm_dir, seed=3, num_key_value_heads=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["split kv heads", "replicated kv head"])
+def test_two_shards_give_the_tokens_of_one(tiny_model_dirs, one_kv_head_dir, variant):
+    model_dir = tiny_model_dirs["llama"] if variant == "split kv heads" else one_kv_head_dir
+    expected = reference_tokens(model_dir, PROMPTS, NEW_TOKENS)
+    tokens = run_sharded(model_dir, 2)
+    assert [tokens[i] for i in range(6)] == expected
