@@ -1,0 +1,60 @@
+"""The launcher's configuration: one frozen dataclass, filled from the command line."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+
+DEFAULT_PORT = 3000  # TGI's router port: a `docker run -p 8080:3000` written for TGI works unchanged
+
+_ENGINE = EngineConfig()  # the shard's defaults, so a launched shard behaves like `engine serve`
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    model_id: str | None = None          # None: the embedded model, as `engine serve`
+    num_shard: int = 1
+    device: str = "auto"                 # after resolve(): a concrete device, never "auto"
+    dtype: str | None = None
+    max_batch_size: int = _ENGINE.max_batch_size
+    max_input_tokens: int = _ENGINE.max_input_tokens
+    max_total_tokens: int = _ENGINE.max_total_tokens
+    max_prefill_tokens: int = _ENGINE.max_prefill_tokens  # --max-batch-prefill-tokens, TGI's name
+    block_size: int | None = None
+    uds_path: str | None = None          # socket base; None: a unique one is picked per launch
+    port: int = DEFAULT_PORT             # the router's HTTP port
+    master_port: int | None = None       # torch.distributed rendezvous; None: a free port per launch
+    no_router: bool = False
+    restart_on_failure: bool = False
+    startup_timeout: float = 1800.0      # loading a large model from a slow disk takes many minutes
+    shutdown_timeout: float = 10.0
+    max_restarts: int = 3                # restarts allowed within restart_window seconds, then give up
+    restart_window: float = 300.0
+
+    def socket_path(self, rank: int) -> str:
+        return f"{self.uds_path}-{rank}"
+
+    def shard_args(self) -> list[str]:
+        """The `engine serve` arguments every rank gets (its rank comes from the environment)."""
+        # --verbose: the launcher shows each shard's latest log line while it loads, so it should say something.
+        args = ["--verbose", "--device", self.device, "--uds-path", str(self.uds_path),
+                "--max-batch-size", str(self.max_batch_size),
+                "--max-input-tokens", str(self.max_input_tokens), "--max-total-tokens", str(self.max_total_tokens),
+                "--max-prefill-tokens", str(self.max_prefill_tokens)]
+        if self.model_id is not None:
+            args += ["--model-id", self.model_id]
+        if self.dtype is not None:
+            args += ["--dtype", self.dtype]
+        if self.block_size is not None:
+            args += ["--block-size", str(self.block_size)]
+        return args
+
+
+def child_environment(environ, drop: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment for a child Python that must import this same engine and launcher,
+    wherever the launcher was started from (an installed package or a checkout)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in environ.items() if k not in drop}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, environ.get("PYTHONPATH")]))
+    return env
