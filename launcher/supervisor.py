@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -129,6 +130,17 @@ class ShardGroup:
             return True
         except grpc.RpcError:
             return False
+
+    def warm_up(self) -> None:
+        """Warm every shard for the launch's limits, all ranks at once (their forwards meet in
+        collectives). A router warms shards once, at its start: after a restart the launcher must."""
+        request = pb.WarmupRequest(max_input_tokens=self.config.max_input_tokens,
+                                   max_prefill_tokens=self.config.max_prefill_tokens,
+                                   max_total_tokens=self.config.max_total_tokens)
+        stubs = [pb_grpc.TextGenerationServiceStub(self.channels[r]) for r in range(self.config.num_shard)]
+        with ThreadPoolExecutor(len(stubs)) as pool:
+            list(pool.map(lambda stub: stub.Warmup(request, timeout=self.config.startup_timeout), stubs))
+        self.console.line(f"all {len(stubs)} shard(s) warmed up again")
 
     def _progress(self, ready: set[int], elapsed: float) -> str:
         waiting = [s for s in self.shards if s.rank not in ready]
@@ -251,6 +263,8 @@ def _supervise(group: ShardGroup, config, device, console: Console, stop: thread
         try:
             if not group.wait_healthy(stop):
                 return 0
+            if served:
+                group.warm_up()
             announce(config, device)
             served = True
             exited = group.wait_for_exit(stop)

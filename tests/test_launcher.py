@@ -130,9 +130,10 @@ def generations_once(responses) -> dict[int, list[int]]:
     return step
 
 
-def serve_requests(stubs, ids: list[int], batch_id: int = 1) -> dict[int, list[int]]:
-    """Warmup, then Prefill and Decode of `ids` fanned out to every shard until all finish."""
-    fan_out(stubs, "Warmup", tgi_warmup_request(64, 128, 128, 4))
+def serve_requests(stubs, ids: list[int], batch_id: int = 1, warm: bool = True) -> dict[int, list[int]]:
+    """Warmup (unless `warm` is False), then Prefill and Decode of `ids` fanned out to every shard."""
+    if warm:
+        fan_out(stubs, "Warmup", tgi_warmup_request(64, 128, 128, 4))
     batch = pb.Batch(id=batch_id, requests=[prompt_request(i, NEW_TOKENS) for i in ids], size=len(ids))
     responses = fan_out(stubs, "Prefill", pb.PrefillRequest(batch=batch))
     tokens = generations_once(responses)
@@ -227,8 +228,9 @@ def test_restart_on_failure_brings_the_group_back(launched):
     second = set(launch.current_shard_pids())
     assert len(second) == 2 and not first & second
     assert "restarting all 2 shard(s) (restart 1 of at most 3" in launch.stderr()
+    assert "all 2 shard(s) warmed up again" in launch.stderr()
 
-    tokens = serve_requests(stubs_for(base, 2), [1, 4])
+    tokens = serve_requests(stubs_for(base, 2), [1, 4], warm=False)  # the launcher re-ran warmup
     assert sorted(tokens) == [1, 4] and all(len(t) == NEW_TOKENS for t in tokens.values())
     launch.process.send_signal(signal.SIGINT)  # Ctrl-C stops gracefully too
     assert launch.wait(SHUTDOWN_TIMEOUT_S) == 0, launch.stderr()
