@@ -53,7 +53,8 @@ def run_sharded(model_dir, world_size: int) -> dict:
         urls = pb_grpc.TextGenerationServiceStub(channels[0]).ServiceDiscovery(pb.ServiceDiscoveryRequest()).urls
         assert list(urls) == [f"unix://{base}-{r}" for r in range(world_size)]
         router = FanOut(channels)
-        router.call("Warmup", tgi_warmup_request(64, 128, 128, 4))
+        warmed = router.call("Warmup", tgi_warmup_request(64, 128, 128, 4))
+        assert len({w.SerializeToString() for w in warmed}) == 1  # every rank reports the same capacity
         tokens = {}
         first = router.step("Prefill", pb.PrefillRequest(batch=pb.Batch(id=1, requests=[prompt_request(i) for i in range(3)], size=3)), tokens)
         second = router.step("Prefill", pb.PrefillRequest(batch=pb.Batch(id=2, requests=[prompt_request(i) for i in range(3, 6)], size=3)), tokens)
