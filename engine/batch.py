@@ -117,7 +117,7 @@ class InfoResponse:
 
 @dataclass
 class WarmupResult:
-    max_supported_total_tokens: int
+    max_supported_total_tokens: int | None  # None: a shard that does not report its KV capacity
     max_input_tokens: int
     max_total_tokens: int
 

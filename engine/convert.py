@@ -116,3 +116,80 @@ def info_to_pb(info: eb.InfoResponse) -> pb.InfoResponse:
 def warmup_to_pb(result: eb.WarmupResult) -> pb.WarmupResponse:
     return pb.WarmupResponse(max_supported_total_tokens=result.max_supported_total_tokens,
                              max_input_tokens=result.max_input_tokens, max_total_tokens=result.max_total_tokens)
+
+
+# --- router side: what a router sends and what it reads back ----------------------------------
+
+
+def parameters_to_pb(parameters: eb.NextTokenChooserParameters) -> pb.NextTokenChooserParameters:
+    return pb.NextTokenChooserParameters(
+        temperature=parameters.temperature, top_k=parameters.top_k, top_p=parameters.top_p,
+        typical_p=parameters.typical_p, do_sample=parameters.do_sample, seed=parameters.seed,
+        repetition_penalty=parameters.repetition_penalty, watermark=parameters.watermark,
+        frequency_penalty=parameters.frequency_penalty, grammar=parameters.grammar,
+        grammar_type=int(parameters.grammar_type),
+    )
+
+
+def stopping_to_pb(stopping: eb.StoppingCriteriaParameters) -> pb.StoppingCriteriaParameters:
+    return pb.StoppingCriteriaParameters(max_new_tokens=stopping.max_new_tokens,
+                                         stop_sequences=stopping.stop_sequences,
+                                         ignore_eos_token=stopping.ignore_eos_token)
+
+
+def request_to_pb(request: eb.Request) -> pb.Request:
+    # The text goes both as `inputs` and as one text chunk, as TGI's router sends it: v3 shards
+    # differ in which of the two they read.
+    return pb.Request(
+        id=request.id, inputs=request.inputs, input_chunks=pb.Input(chunks=[pb.InputChunk(text=request.inputs)]),
+        truncate=request.truncate, parameters=parameters_to_pb(request.parameters),
+        stopping_parameters=stopping_to_pb(request.stopping_parameters), prefill_logprobs=request.prefill_logprobs,
+        top_n_tokens=request.top_n_tokens, blocks=request.blocks, slots=request.slots,
+        adapter_id=request.adapter_id, cache_len=request.cache_len, add_special_tokens=request.add_special_tokens,
+        chunk_len=request.chunk_len,
+    )
+
+
+def batch_to_pb(batch: eb.Batch) -> pb.Batch:
+    return pb.Batch(id=batch.id, requests=[request_to_pb(r) for r in batch.requests], size=batch.size,
+                    max_tokens=batch.max_tokens, max_blocks=batch.max_blocks)
+
+
+def tokens_from_pb(message: pb.Tokens) -> eb.Tokens:
+    return eb.Tokens(ids=list(message.ids), logprobs=list(message.logprobs), texts=list(message.texts),
+                     is_special=list(message.is_special))
+
+
+def generated_text_from_pb(message: pb.GeneratedText) -> eb.GeneratedText:
+    return eb.GeneratedText(text=message.text, generated_tokens=message.generated_tokens,
+                            finish_reason=eb.FinishReason(message.finish_reason), seed=optional_field(message, "seed"))
+
+
+def generation_from_pb(message: pb.Generation) -> eb.Generation:
+    prefill = tokens_from_pb(message.prefill_tokens) if message.HasField("prefill_tokens") else None
+    done = generated_text_from_pb(message.generated_text) if message.HasField("generated_text") else None
+    return eb.Generation(request_id=message.request_id, prefill_tokens=prefill, tokens=tokens_from_pb(message.tokens),
+                         generated_text=done, top_tokens=[tokens_from_pb(t) for t in message.top_tokens])
+
+
+def info_from_pb(message: pb.InfoResponse) -> eb.InfoResponse:
+    return eb.InfoResponse(
+        requires_padding=message.requires_padding, dtype=message.dtype, device_type=message.device_type,
+        window_size=optional_field(message, "window_size"), speculate=message.speculate,
+        support_chunking=message.support_chunking, use_prefix_caching=message.use_prefix_caching,
+        attention_impl=message.attention_impl, block_size=message.block_size,
+    )
+
+
+def warmup_from_pb(message: pb.WarmupResponse) -> eb.WarmupResult:
+    # max_supported_total_tokens is optional on the wire: a shard that does not know its capacity
+    # leaves it unset, and the router then gets None there.
+    return eb.WarmupResult(max_supported_total_tokens=optional_field(message, "max_supported_total_tokens"),
+                           max_input_tokens=message.max_input_tokens, max_total_tokens=message.max_total_tokens)
+
+
+def warmup_request_to_pb(batch: eb.Batch | None, max_input_tokens: int | None, max_prefill_tokens: int,
+                         max_total_tokens: int | None) -> pb.WarmupRequest:
+    return pb.WarmupRequest(batch=batch_to_pb(batch) if batch is not None else None,
+                            max_input_tokens=max_input_tokens, max_prefill_tokens=max_prefill_tokens,
+                            max_total_tokens=max_total_tokens)

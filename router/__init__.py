@@ -1,0 +1,1 @@
+"""The router: schedules requests onto generate.v3 shards."""

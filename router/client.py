@@ -1,0 +1,187 @@
+"""How the router talks to shards: one async interface, over gRPC or over an in-process Shard.
+
+Both return the engine's dataclasses (engine/batch.py), so the router's scheduler never sees
+protobuf and can be tested without processes. Errors from either become a `ShardError` that carries
+a gRPC status code, so the router handles a remote and a local failure the same way.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+import grpc
+
+from engine import convert
+from engine.batch import Batch, CachedBatch, Generation, InfoResponse, WarmupResult
+from engine.pb import generate_pb2 as pb
+from engine.pb import generate_pb2_grpc as pb_grpc
+from engine.server import MAX_MESSAGE_BYTES, status_for
+
+StepResult = tuple[list[Generation], CachedBatch | None]
+
+
+class ShardError(Exception):
+    """An RPC failed on a shard: its status code, and a message naming the RPC and the shard."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code, self.message = code, message
+
+
+class ShardClient(Protocol):
+    async def info(self) -> InfoResponse: ...
+
+    async def warmup(self, batch: Batch | None, max_input_tokens: int | None, max_prefill_tokens: int,
+                     max_total_tokens: int | None) -> WarmupResult: ...
+
+    async def prefill(self, batch: Batch, cached: CachedBatch | None = None) -> StepResult: ...
+
+    async def decode(self, batches: list[CachedBatch]) -> StepResult: ...
+
+    async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch: ...
+
+    async def clear_cache(self, batch_id: int | None = None) -> None: ...
+
+    async def health(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def minimum_warmup(results: list[WarmupResult]) -> WarmupResult:
+    """What every shard can do. A shard that left its capacity unset (None) does not limit it."""
+    capacities = [r.max_supported_total_tokens for r in results if r.max_supported_total_tokens is not None]
+    return WarmupResult(min(capacities) if capacities else None, min(r.max_input_tokens for r in results),
+                        min(r.max_total_tokens for r in results))
+
+
+# --- gRPC: every RPC to every shard -----------------------------------------------------------
+
+
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+
+
+class GrpcShardClient:
+    """The shards of one model behind a generate.v3 server, found through ServiceDiscovery.
+
+    Every RPC goes to all shards at once: tensor-parallel ranks meet in collectives inside each
+    step, so a shard that got the RPC waits for the ones that did not. Each request's generation
+    comes from exactly one rank, so the generations of all shards are concatenated."""
+
+    def __init__(self, urls: list[str], timeout: float | None = None):
+        self.urls, self.timeout = list(urls), timeout
+        self.channels = [grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS) for url in self.urls]
+        self.stubs = [pb_grpc.TextGenerationServiceStub(channel) for channel in self.channels]
+
+    @classmethod
+    async def connect(cls, master_url: str, timeout: float | None = None) -> GrpcShardClient:
+        async with grpc.aio.insecure_channel(master_url, options=CHANNEL_OPTIONS) as channel:
+            stub = pb_grpc.TextGenerationServiceStub(channel)
+            try:
+                response = await stub.ServiceDiscovery(pb.ServiceDiscoveryRequest(), timeout=timeout)
+            except grpc.aio.AioRpcError as error:
+                raise ShardError(error.code(), f"ServiceDiscovery on {master_url}: {error.details()}") from None
+        return cls(list(response.urls), timeout)
+
+    async def _all(self, method: str, request) -> list:
+        """The responses of every shard, in rank order; the first shard's error if any failed.
+
+        All calls run to their end before an error is raised, so no RPC is left in flight."""
+        calls = [getattr(stub, method)(request, timeout=self.timeout) for stub in self.stubs]
+        responses = await asyncio.gather(*calls, return_exceptions=True)
+        for url, response in zip(self.urls, responses):
+            if isinstance(response, grpc.aio.AioRpcError):
+                raise ShardError(response.code(), f"{method} on {url}: {response.details()}")
+            if isinstance(response, BaseException):
+                raise response
+        return responses
+
+    async def info(self) -> InfoResponse:
+        return convert.info_from_pb((await self._all("Info", pb.InfoRequest()))[0])
+
+    async def warmup(self, batch: Batch | None, max_input_tokens: int | None, max_prefill_tokens: int,
+                     max_total_tokens: int | None) -> WarmupResult:
+        request = convert.warmup_request_to_pb(batch, max_input_tokens, max_prefill_tokens, max_total_tokens)
+        return minimum_warmup([convert.warmup_from_pb(r) for r in await self._all("Warmup", request)])
+
+    async def prefill(self, batch: Batch, cached: CachedBatch | None = None) -> StepResult:
+        request = pb.PrefillRequest(batch=convert.batch_to_pb(batch),
+                                    cached_batch=convert.cached_batch_to_pb(cached) if cached else None)
+        return step_result(await self._all("Prefill", request))
+
+    async def decode(self, batches: list[CachedBatch]) -> StepResult:
+        request = pb.DecodeRequest(batches=[convert.cached_batch_to_pb(b) for b in batches])
+        return step_result(await self._all("Decode", request))
+
+    async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
+        request = pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids)
+        return convert.cached_batch_from_pb((await self._all("FilterBatch", request))[0].batch)
+
+    async def clear_cache(self, batch_id: int | None = None) -> None:
+        await self._all("ClearCache", pb.ClearCacheRequest(id=batch_id))
+
+    async def health(self) -> None:
+        await self._all("Health", pb.HealthRequest())
+
+    async def close(self) -> None:
+        await asyncio.gather(*(channel.close() for channel in self.channels))
+
+
+def step_result(responses: list) -> StepResult:
+    """Prefill/Decode answers of all ranks: their generations, and the batch as the first rank has it."""
+    generations = [convert.generation_from_pb(g) for r in responses for g in r.generations]
+    first = responses[0]
+    return generations, convert.cached_batch_from_pb(first.batch) if first.HasField("batch") else None
+
+
+# --- in process: the same interface over an engine.shard.Shard ---------------------------------
+
+
+class InProcessClient:
+    """A Shard in this process. Its methods are synchronous and not thread-safe: they run one at a
+    time on a single worker thread, which keeps the event loop free while a step computes."""
+
+    def __init__(self, shard, max_batch_size: int | None = None):
+        self.shard, self.max_batch_size = shard, max_batch_size
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard")
+
+    async def _call(self, name: str, fn, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+        except Exception as error:  # noqa: BLE001 - the same ShardError the gRPC client raises
+            code, message = status_for(error)
+            raise ShardError(code, f"{name} on the in-process shard: {message}") from error
+
+    async def info(self) -> InfoResponse:
+        return await self._call("Info", self.shard.info)
+
+    async def warmup(self, batch: Batch | None, max_input_tokens: int | None, max_prefill_tokens: int,
+                     max_total_tokens: int | None) -> WarmupResult:
+        # 0 means "no limit" on the wire; the shard wants None for that.
+        return await self._call("Warmup", self.shard.warmup, max_input_tokens, max_prefill_tokens or None,
+                                max_total_tokens, self.max_batch_size, copy.deepcopy(batch))
+
+    # The shard keeps the requests it was given: copies keep the router's later edits away from it,
+    # as the wire would.
+    async def prefill(self, batch: Batch, cached: CachedBatch | None = None) -> StepResult:
+        return await self._call("Prefill", self.shard.prefill, copy.deepcopy(batch), copy.deepcopy(cached))
+
+    async def decode(self, batches: list[CachedBatch]) -> StepResult:
+        return await self._call("Decode", self.shard.decode, copy.deepcopy(batches))
+
+    async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
+        return await self._call("FilterBatch", self.shard.filter, batch_id, list(request_ids))
+
+    async def clear_cache(self, batch_id: int | None = None) -> None:
+        await self._call("ClearCache", self.shard.clear, batch_id)
+
+    async def health(self) -> None:
+        await self._call("Health", self.shard.health)
+
+    async def close(self) -> None:
+        # Waits for a step in flight, off the event loop.
+        await asyncio.get_running_loop().run_in_executor(None, self.executor.shutdown)
