@@ -1,0 +1,373 @@
+"""Continuous batching: the router's loop that turns queued requests into shard steps (DESIGN.md 1, 3).
+
+One background task owns the shard's batches. Each step it may admit new requests from the head of
+a FIFO queue (`Prefill(new)`), then decodes everything running together (`Decode([running, new])`,
+the shard concatenates), hands each generation to its request's stream, and drops finished or
+cancelled requests (`FilterBatch`, or `ClearCache` when none remain). This is what TGI's v3 router
+does, so the same loop drives our shards in process or over gRPC.
+
+The scheduler owns KV blocks too: a request gets blocks for its prompt and all its new tokens when
+it is admitted, and gives them back only once no shard batch lists it any more, so a block is never
+handed to a new request while a shard may still write into it.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
+
+import grpc
+
+from engine.batch import Batch, CachedBatch, Generation, Request
+from router.allocator import Allocation, BlockAllocator
+from router.client import ShardClient, ShardError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_batch_size: int
+    max_prefill_tokens: int
+    max_input_tokens: int
+    max_total_tokens: int
+
+
+class RequestCancelled(Exception):
+    """Raised by a stream whose request was cancelled by someone other than its own consumer."""
+
+
+@dataclass
+class SchedulerStats:
+    """What the loop did, for tests and metrics: batch size -> how many steps ran with it."""
+    prefill_sizes: Counter = field(default_factory=Counter)
+    decode_sizes: Counter = field(default_factory=Counter)
+    prefills_while_running: int = 0  # continuous batching: admissions next to a running batch
+    kv_waits: int = 0                # times the head of the queue waited for KV blocks
+    failed_steps: int = 0
+
+
+@dataclass(eq=False)
+class _Entry:
+    """One submitted request, from submit until its blocks are back in the allocator."""
+    request: Request
+    input_length: int
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    allocation: Allocation | None = None
+    finished: bool = False   # its last generation or its error has been handed to the stream
+    cancelled: bool = False
+
+    @property
+    def id(self) -> int:
+        return self.request.id
+
+    @property
+    def tokens(self) -> int:
+        return self.input_length + self.request.stopping_parameters.max_new_tokens
+
+    @property
+    def live(self) -> bool:
+        return not (self.finished or self.cancelled)
+
+
+class RequestStream:
+    """The generations of one request, as an async iterator. Closing it before the last generation
+    (`aclose()`, `async with`, or dropping it) cancels the request."""
+
+    def __init__(self, scheduler: Scheduler, entry: _Entry):
+        self._scheduler, self._entry, self._done = scheduler, entry, False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Generation:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._entry.outbox.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.generated_text is not None
+        return item
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        # By entry, not by id: the caller may already have reused the id for a new request.
+        if not self._done:
+            self._done = True
+            self._scheduler._cancel_entry(self._entry)
+
+    def __del__(self) -> None:
+        # A consumer that went away without closing (an HTTP client disconnect) still frees its blocks.
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - the loop may already be closed at interpreter exit
+            pass
+
+
+class Scheduler:
+    def __init__(self, client: ShardClient, allocator: BlockAllocator, limits: SchedulerLimits):
+        self.client, self.allocator, self.limits = client, allocator, limits
+        self.stats = SchedulerStats()
+        self._queue: deque[_Entry] = deque()
+        self._entries: dict[int, _Entry] = {}  # submitted and not yet released, by request id
+        self._running: CachedBatch | None = None
+        self._batch_ids = itertools.count(1)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    # --- the caller's side ------------------------------------------------------------------
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._queue)
+
+    @property
+    def running_count(self) -> int:
+        return self._running.size if self._running is not None else 0
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="scheduler")
+
+    async def stop(self) -> None:
+        """Stop the loop; requests still queued or running end with RequestCancelled."""
+        if self._task is None:
+            return
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        self._task = None
+        await self._abandon_all(RequestCancelled("the scheduler stopped"))
+
+    def submit(self, request: Request, input_length: int) -> RequestStream:
+        """Queue a request (without blocks: the scheduler allocates them) and return its stream."""
+        self._validate(request, input_length)
+        entry = _Entry(request, input_length)
+        self._entries[request.id] = entry
+        self._queue.append(entry)
+        self._wake.set()
+        return RequestStream(self, entry)
+
+    def cancel(self, request_id: int) -> None:
+        entry = self._entries.get(request_id)
+        if entry is not None:
+            self._cancel_entry(entry)
+
+    def _validate(self, request: Request, input_length: int) -> None:
+        """Refuse what could never run: such a request would otherwise wait at the head forever."""
+        limits, max_new = self.limits, request.stopping_parameters.max_new_tokens
+        if request.blocks or request.slots:
+            raise ValueError(f"request {request.id}: blocks and slots are the scheduler's to assign")
+        if request.id in self._entries:
+            raise ValueError(f"request id {request.id} is already in use")
+        if input_length < 1 or max_new < 1:
+            raise ValueError(f"request {request.id}: need input_length >= 1 and max_new_tokens >= 1")
+        if input_length > min(limits.max_input_tokens, limits.max_prefill_tokens):
+            raise ValueError(f"request {request.id}: {input_length} input tokens exceed the limit of "
+                             f"{min(limits.max_input_tokens, limits.max_prefill_tokens)}")
+        if input_length + max_new > limits.max_total_tokens:
+            raise ValueError(f"request {request.id}: {input_length} + {max_new} tokens exceed "
+                             f"max_total_tokens={limits.max_total_tokens}")
+        needed, usable = self.allocator.blocks_for(input_length + max_new), self.allocator.num_blocks - 1
+        if needed > usable:  # block 0 is reserved
+            raise ValueError(f"request {request.id} needs {needed} KV blocks, the cache has {usable}")
+
+    def _cancel_entry(self, entry: _Entry) -> None:
+        if not entry.live:
+            return
+        entry.cancelled = True
+        entry.outbox.put_nowait(RequestCancelled(f"request {entry.id} was cancelled"))
+        if entry in self._queue:  # never reached a shard: nothing to filter, no blocks held
+            self._queue.remove(entry)
+            self._entries.pop(entry.id, None)
+        # A running one stays listed until the loop filters it out at its next step.
+        self._wake.set()
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self._step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # noqa: BLE001 - a bug must not leave streams hanging forever
+                log.exception("scheduler step failed")
+                await self._abandon_running(error)
+
+    async def _step(self) -> None:
+        """One iteration: drop cancelled requests, maybe admit a new batch, then decode."""
+        if self._running is not None:
+            self._running = await self._keep(self._running, self._entries_of([self._running]))
+        new = self._next_batch()
+        if new is not None:
+            cached = await self._prefill(*new)
+            if self._running is None:
+                self._running = cached
+                return
+            batches = [self._running] + ([cached] if cached is not None else [])
+        elif self._running is not None:
+            batches = [self._running]
+        else:
+            await self._idle()
+            return
+        self._running = await self._decode(batches)
+
+    async def _idle(self) -> None:
+        # Nothing running and nothing admissible: sleep until a submit or a cancel changes that.
+        self._wake.clear()
+        await self._wake.wait()
+
+    def _next_batch(self) -> tuple[Batch, list[_Entry]] | None:
+        """Take requests from the head of the queue while they fit; the head waits, never skipped."""
+        running, taken, tokens = self.running_count, [], 0
+        while self._queue:
+            head = self._queue[0]
+            if running + len(taken) >= self.limits.max_batch_size:
+                break
+            if tokens + head.input_length > self.limits.max_prefill_tokens:
+                break
+            if not self.allocator.can_allocate(head.tokens):
+                self.stats.kv_waits += 1
+                break
+            self._queue.popleft()
+            head.allocation = self.allocator.allocate(head.tokens)
+            taken.append(head)
+            tokens += head.input_length
+        if not taken:
+            return None
+        return self._batch(taken), taken
+
+    def _batch(self, entries: list[_Entry]) -> Batch:
+        # Copies: the caller's Request stays as it was submitted.
+        requests = [replace(e.request, blocks=list(e.allocation.blocks), slots=list(e.allocation.slots))
+                    for e in entries]
+        return Batch(next(self._batch_ids), requests, size=len(requests),
+                     max_tokens=sum(e.tokens for e in entries),
+                     max_blocks=sum(len(e.allocation.blocks) for e in entries))
+
+    async def _prefill(self, batch: Batch, entries: list[_Entry]) -> CachedBatch | None:
+        self.stats.prefill_sizes[len(entries)] += 1
+        self.stats.prefills_while_running += self._running is not None
+        try:
+            generations, cached = await self.client.prefill(batch)
+        except ShardError as error:
+            # Only the new batch was touched: the running one decodes on.
+            await self._fail([batch.id], entries, error)
+            return None
+        return await self._settle(generations, cached, entries)
+
+    async def _decode(self, batches: list[CachedBatch]) -> CachedBatch | None:
+        entries = self._entries_of(batches)
+        self.stats.decode_sizes[sum(b.size for b in batches)] += 1
+        try:
+            generations, cached = await self.client.decode(batches)
+        except ShardError as error:
+            await self._fail([b.id for b in batches], entries, error)
+            return None
+        return await self._settle(generations, cached, entries)
+
+    def _entries_of(self, batches: list[CachedBatch]) -> list[_Entry]:
+        return [self._entries[i] for b in batches for i in b.request_ids if i in self._entries]
+
+    # --- after a step ---------------------------------------------------------------------------
+
+    async def _settle(self, generations: list[Generation], cached: CachedBatch | None,
+                      entries: list[_Entry]) -> CachedBatch | None:
+        self._dispatch(generations)
+        return await self._keep(cached, entries)
+
+    def _dispatch(self, generations: list[Generation]) -> None:
+        for generation in generations:
+            entry = self._entries.get(generation.request_id)
+            if entry is None or not entry.live:
+                continue  # cancelled: its consumer is gone
+            entry.outbox.put_nowait(generation)
+            entry.finished = generation.generated_text is not None
+
+    async def _keep(self, cached: CachedBatch | None, entries: list[_Entry]) -> CachedBatch | None:
+        """The batch without its finished and cancelled requests; those that left give back blocks."""
+        kept = await self._prune(cached, entries)
+        listed = set(kept.request_ids) if kept is not None else set()
+        for entry in entries:
+            if entry.id not in listed:
+                if entry.live:  # the shard dropped it without a last generation
+                    self._finish(entry, ShardError(grpc.StatusCode.INTERNAL,
+                                                   f"the shard dropped request {entry.id} unfinished"))
+                self._release(entry)
+        return kept
+
+    async def _prune(self, cached: CachedBatch | None, entries: list[_Entry]) -> CachedBatch | None:
+        if cached is None:
+            return None
+        keep = [i for i in cached.request_ids if i in self._entries and self._entries[i].live]
+        if len(keep) == len(cached.request_ids):
+            return cached
+        try:
+            if keep:
+                return await self.client.filter_batch(cached.id, keep)
+            await self.client.clear_cache(cached.id)
+        except ShardError as error:
+            await self._fail([cached.id], entries, error)
+        return None
+
+    async def _fail(self, batch_ids: list[int], entries: list[_Entry], error: ShardError) -> None:
+        """A step failed: drop its batches on the shard, and every request in them gets the error."""
+        self.stats.failed_steps += 1
+        log.warning("shard step on batches %s failed: %s", batch_ids, error)
+        for batch_id in batch_ids:
+            try:
+                await self.client.clear_cache(batch_id)
+            except ShardError as clear_error:
+                log.warning("ClearCache(%d) failed too: %s", batch_id, clear_error)
+        for entry in entries:
+            if entry.live:
+                self._finish(entry, error)
+            self._release(entry)
+
+    def _finish(self, entry: _Entry, item: Generation | BaseException) -> None:
+        entry.finished = True
+        entry.outbox.put_nowait(item)
+
+    def _release(self, entry: _Entry) -> None:
+        if entry.allocation is not None:
+            self.allocator.free(entry.allocation)
+            entry.allocation = None
+        if self._entries.get(entry.id) is entry:
+            del self._entries[entry.id]
+
+    # --- giving up --------------------------------------------------------------------------------
+
+    async def _abandon_running(self, error: BaseException) -> None:
+        """After an unexpected failure the shard's batches are unknown: clear them all."""
+        in_flight = [e for e in self._entries.values() if e not in self._queue]
+        if self._running is not None or in_flight:  # an idle stop leaves the shard alone
+            try:
+                await self.client.clear_cache(None)
+            except ShardError as clear_error:
+                log.warning("ClearCache failed: %s", clear_error)
+        self._running = None
+        for entry in in_flight:
+            if entry.live:
+                self._finish(entry, error)
+            self._release(entry)
+
+    async def _abandon_all(self, error: BaseException) -> None:
+        for entry in list(self._queue):
+            self._finish(entry, error)
+            self._release(entry)
+        self._queue.clear()
+        await self._abandon_running(error)
