@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml
 	# Grammar-constrained decoding. xgrammar's metadata asks for triton, a GPU-only wheel it does
 	# not need on CPU, so its two real dependencies are named instead.
 	$(PY) -m pip install --quiet --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+	# TGI's Python client, for the tests that drive our router with it. It pins huggingface-hub<1,
+	# which transformers 5 cannot use; its real dependencies (aiohttp, pydantic) come with the test extra.
+	$(PY) -m pip install --quiet --no-deps text-generation==0.7.0
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -1,0 +1,20 @@
+"""`python -m router --master-shard-uds-path unix://BASE-0 --tokenizer MODEL_DIR --port 8080 ...`"""
+import asyncio
+import logging
+import sys
+
+from router.app import build_parser, config_from_args, serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(build_parser().parse_args(argv))
+    try:
+        asyncio.run(serve(config))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

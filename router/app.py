@@ -1,0 +1,121 @@
+"""Wiring: connect to the shards, warm them up with the router's limits, then build the scheduler and the app.
+
+The same sequence as TGI's v3 router: ServiceDiscovery, ClearCache, Info, Warmup; the KV capacity in the
+Warmup answer sizes the router's block allocator (one block more than the answer's tokens fill: block 0
+is reserved for padding).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI
+from transformers import AutoTokenizer
+
+from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCriteriaParameters
+from router.allocator import BlockAllocator
+from router.client import GrpcShardClient, ShardClient
+from router.http import MAX_TOP_N_TOKENS, RouterState, create_app
+from router.scheduler import Scheduler, SchedulerLimits
+
+log = logging.getLogger(__name__)
+VERSION = "0.1.0"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    master_url: str
+    tokenizer: str
+    model_id: str
+    hostname: str = "127.0.0.1"
+    port: int = 8080
+    max_input_tokens: int = 1024
+    max_total_tokens: int = 2048
+    max_batch_prefill_tokens: int = 4096
+    max_batch_size: int = 8
+
+
+def warmup_batch(max_input: int, max_prefill: int, max_total: int, max_batch: int) -> Batch:
+    """TGI's warmup: '_test ' prompts truncated to fill max_prefill_tokens, every logits processor on."""
+    requests, tokens = [], 0
+    while tokens < max_prefill and len(requests) < max_batch:
+        truncate = min(max_input, max_prefill - tokens)
+        params = NextTokenChooserParameters(temperature=0.9, top_k=10, top_p=0.9, typical_p=0.9, seed=1,
+                                            repetition_penalty=1.2, frequency_penalty=0.1, watermark=True)
+        requests.append(Request(0, "_test " * max_input, truncate=truncate, parameters=params,
+                                stopping_parameters=StoppingCriteriaParameters(max(max_total - truncate, 1), [], True),
+                                prefill_logprobs=True, top_n_tokens=MAX_TOP_N_TOKENS))
+        tokens += truncate
+    return Batch(0, requests, size=len(requests), max_tokens=max_input)
+
+
+async def warm_up(client: ShardClient, config: RouterConfig) -> tuple[SchedulerLimits, BlockAllocator, dict]:
+    await client.clear_cache(None)
+    info = await client.info()
+    batch = warmup_batch(config.max_input_tokens, config.max_batch_prefill_tokens, config.max_total_tokens,
+                         config.max_batch_size)
+    result = await client.warmup(batch, config.max_input_tokens, config.max_batch_prefill_tokens,
+                                 config.max_total_tokens)
+    if result.max_supported_total_tokens is None:
+        raise RuntimeError("the shards did not report their KV cache capacity")
+    blocks = result.max_supported_total_tokens // info.block_size + 1
+    limits = SchedulerLimits(config.max_batch_size, config.max_batch_prefill_tokens, result.max_input_tokens,
+                             result.max_total_tokens)
+    return limits, BlockAllocator(blocks, info.block_size), info_dict(config, info, limits, result)
+
+
+def info_dict(config: RouterConfig, info, limits: SchedulerLimits, result) -> dict:
+    return {"model_id": config.model_id, "model_sha": None, "model_dtype": info.dtype,
+            "model_device_type": info.device_type, "model_pipeline_tag": "text-generation",
+            "max_concurrent_requests": None, "max_best_of": 1, "max_stop_sequences": 4,
+            "max_input_tokens": limits.max_input_tokens, "max_total_tokens": limits.max_total_tokens,
+            "max_batch_prefill_tokens": limits.max_prefill_tokens, "max_batch_size": limits.max_batch_size,
+            "max_batch_total_tokens": result.max_supported_total_tokens, "block_size": info.block_size,
+            "validation_workers": 1, "max_client_batch_size": 1, "router": "bucketserve-router",
+            "version": VERSION, "sha": None, "docker_label": None}
+
+
+async def build_state(config: RouterConfig, client: ShardClient) -> RouterState:
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+    limits, allocator, info = await warm_up(client, config)
+    scheduler = Scheduler(client, allocator, limits)
+    await scheduler.start()
+    return RouterState(scheduler, tokenizer, client, info)
+
+
+async def serve(config: RouterConfig) -> None:
+    client = await GrpcShardClient.connect(config.master_url)
+    state = await build_state(config, client)
+    app: FastAPI = create_app(state)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.hostname, port=config.port, log_level="warning"))
+    log.info("serving on http://%s:%d", config.hostname, config.port)
+    try:
+        await server.serve()
+    finally:
+        await state.scheduler.stop()
+        await client.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m router", description="bucketserve HTTP router (TGI's API)")
+    parser.add_argument("--master-shard-uds-path", required=True, help="the rank-0 shard, e.g. unix:///tmp/x-0")
+    parser.add_argument("--tokenizer", required=True, help="the model's directory (its tokenizer counts tokens)")
+    parser.add_argument("--model-id", help="reported by /info (default: --tokenizer)")
+    parser.add_argument("--hostname", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--max-input-tokens", type=int, default=1024)
+    parser.add_argument("--max-total-tokens", type=int, default=2048)
+    parser.add_argument("--max-batch-prefill-tokens", type=int, default=4096)
+    parser.add_argument("--max-batch-size", type=int, default=8)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    url = args.master_shard_uds_path
+    if not url.startswith(("unix:", "dns:", "ipv4:", "ipv6:")) and "://" not in url:
+        url = f"unix://{url}"
+    return RouterConfig(url, args.tokenizer, args.model_id or args.tokenizer, args.hostname, args.port,
+                        args.max_input_tokens, args.max_total_tokens, args.max_batch_prefill_tokens,
+                        args.max_batch_size)
