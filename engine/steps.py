@@ -89,7 +89,8 @@ def _new_sequence(ctx: StepContext, request: Request, ids: list[int], grammar) -
 def prefill_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation]:
     inputs = [PrefillInput(s.token_ids, s.slots(0, len(s.token_ids)), s.request.prefill_logprobs) for s in sequences]
     output = ctx.runner.prefill(inputs)
-    prompt_tokens = {i: _prompt_tokens(ctx, sequences[i], logprobs) for i, logprobs in output.prompt_logprobs.items()}
+    prompt_tokens = {i: _scored_tokens(ctx, sequences[i].token_ids[: sequences[i].prompt_len], logprobs)
+                     for i, logprobs in output.prompt_logprobs.items()}
     generations = _advance(ctx, sequences, output.logits)
     by_id = {g.request_id: g for g in generations}
     for i, tokens in prompt_tokens.items():
@@ -128,7 +129,7 @@ def _advance(ctx: StepContext, sequences: list[Sequence], logits) -> list[Genera
         seq.output_text += text
         seq.finish_reason = _finish_reason(ctx, seq, token, text)
         if seq.id % ctx.world_size == ctx.rank:
-            top = _tokens(ctx, choice.top_tokens[row])
+            top = _top_tokens(ctx, choice.top_tokens[row])
             generations.append(_generation(ctx, seq, token, choice.logprobs[row], text, top))
     return generations
 
@@ -161,18 +162,16 @@ def _hits_stop_sequence(output: str, new_chars: int, stop_sequences: list[str]) 
     return False
 
 
-def _tokens(ctx: StepContext, pairs: list[tuple[int, float]]) -> list[Tokens]:
+def _scored_tokens(ctx: StepContext, ids: list[int], logprobs: list[float]) -> Tokens:
+    """Tokens with each id's own text and whether it is a special token."""
+    texts = [ctx.tokenizer.decode([token], skip_special_tokens=False) for token in ids]
+    return Tokens(list(ids), list(logprobs), texts, [t in ctx.special_token_ids for t in ids])
+
+
+def _top_tokens(ctx: StepContext, pairs: list[tuple[int, float]]) -> list[Tokens]:
     if not pairs:
         return []
-    ids = [token for token, _ in pairs]
-    texts = [ctx.tokenizer.decode([token], skip_special_tokens=False) for token in ids]
-    return [Tokens(ids, [logprob for _, logprob in pairs], texts, [t in ctx.special_token_ids for t in ids])]
-
-
-def _prompt_tokens(ctx: StepContext, seq: Sequence, logprobs: list[float]) -> Tokens:
-    ids = seq.token_ids[: seq.prompt_len]
-    texts = [ctx.tokenizer.decode([token], skip_special_tokens=False) for token in ids]
-    return Tokens(list(ids), logprobs, texts, [t in ctx.special_token_ids for t in ids])
+    return [_scored_tokens(ctx, [token for token, _ in pairs], [logprob for _, logprob in pairs])]
 
 
 def _generation(ctx: StepContext, seq: Sequence, token: int, logprob: float, text: str, top: list[Tokens]) -> Generation:
