@@ -337,9 +337,3 @@ def _unsort(sorted_mask: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """A mask over sorted positions, moved back to vocabulary positions."""
     return torch.zeros_like(sorted_mask).scatter_(1, order, sorted_mask)
 
-
-def choose_greedy(logits: torch.Tensor) -> tuple[list[int], list[float]]:
-    """The most likely token of every row and its log-probability (the path engine/steps.py still uses)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logits.argmax(dim=-1)
-    return chosen.tolist(), logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()

@@ -11,7 +11,6 @@ from engine.batch import NextTokenChooserParameters as Params
 from engine.errors import InvalidRequestError
 from engine.sampling import (
     choose,
-    choose_greedy,
     is_sampling,
     new_sampling_state,
     process_scores,
@@ -46,8 +45,6 @@ def test_greedy_rows_take_the_argmax_and_report_log_softmax():
     assert torch.allclose(torch.tensor(choice.logprobs), expected, rtol=0, atol=1e-6)
     assert choice.top_tokens == [[]] * 6
     assert torch.equal(logits, before), "choose must not modify the caller's logits"
-    greedy_ids, greedy_logprobs = choose_greedy(logits)
-    assert greedy_ids == choice.token_ids and greedy_logprobs == pytest.approx(choice.logprobs, abs=1e-6)
 
 
 def test_temperature_zero_is_greedy_even_with_do_sample_and_warpers():
