@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import os
 import signal
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_UDS_PATH = "/tmp/text-generation-server"
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # a Prefill of a large batch with prompt logprobs is big
+STATS_METADATA_KEY = "bucketserve-stats"
 
 
 @dataclass(frozen=True)
@@ -110,9 +112,10 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
 
     async def step(self, fn, *args):
-        """A prefill or decode on the shard's worker, with the timings the shard recorded for it."""
+        """A prefill or decode on the shard's worker, with the timings the shard recorded for it
+        and its serving stats after it."""
         def run():
-            return fn(*args), self.shard.last_timings
+            return fn(*args), self.shard.last_timings, self.shard.serving_stats()
 
         return await self.call(run)
 
@@ -151,19 +154,27 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     async def Prefill(self, request, context):
         batch = convert.batch_from_pb(request.batch)
         cached = convert.cached_batch_from_pb(request.cached_batch) if request.HasField("cached_batch") else None
-        result, timings = await self.step(self.shard.prefill, batch, cached)
+        result, timings, stats = await self.step(self.shard.prefill, batch, cached)
+        context.set_trailing_metadata(stats_metadata(stats))
         return step_response(pb.PrefillResponse, result, timings)
 
     @rpc
     async def Decode(self, request, context):
         batches = [convert.cached_batch_from_pb(b) for b in request.batches]
-        result, timings = await self.step(self.shard.decode, batches)
+        result, timings, stats = await self.step(self.shard.decode, batches)
+        context.set_trailing_metadata(stats_metadata(stats))
         return step_response(pb.DecodeResponse, result, timings)
 
     @rpc
     async def Health(self, request, context):
         await self.call(self.shard.health)
         return pb.HealthResponse()
+
+
+def stats_metadata(stats: dict[str, int]) -> tuple[tuple[str, str], ...]:
+    """Padding and unwarmed-shape counts as trailing metadata: outside the generate.v3 messages, so
+    TGI's router ignores them and ours reports them as metrics."""
+    return ((STATS_METADATA_KEY, json.dumps(stats)),)
 
 
 def step_response(kind, result, timings):

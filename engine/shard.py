@@ -11,6 +11,7 @@ from engine import loader
 from engine.batch import Batch, CachedBatch, Generation, InfoResponse, StepTimings, WarmupResult
 from engine.config import EngineConfig, distributed_address, torch_dtype
 from engine.distributed import Parallel, broadcast_int, init_distributed, min_across_ranks
+from engine.buckets import PaddingStats
 from engine.devices import get_adapter
 from engine.errors import InvalidRequestError
 from engine.kv_cache import BlockAllocator, KVCache
@@ -74,7 +75,15 @@ class Shard:
         if batch is not None and batch.requests:
             self.prefill(batch)
             self.clear(batch.id)
+        self.runner.padding = PaddingStats()  # serving_stats counts served traffic, not warmup
         return WarmupResult(cache.capacity_tokens, limits.max_input_tokens, limits.max_total_tokens)
+
+    def serving_stats(self) -> dict[str, int]:
+        """Padding and unwarmed-shape counts since warmup, for the router's metrics."""
+        padding, unwarmed = self.runner.padding, sum(self.adapter.shapes.unwarmed.values())
+        return {"prefill_real": padding.real("prefill"), "prefill_padded": padding.padded("prefill"),
+                "decode_real": padding.real("decode"), "decode_padded": padding.padded("decode"),
+                "unwarmed_shapes": unwarmed}
 
     def health(self) -> None:
         """Touch the device: a failed or hung device fails this instead of a user's request."""

@@ -27,7 +27,8 @@ class OneLineParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     d = LauncherConfig()
     p = OneLineParser(prog="python -m launcher", description="Start one `engine serve` shard per rank, wait until "
-                      "all answer Health, and supervise them. SIGTERM or SIGINT stops them gracefully.",
+                      "all answer Health, start the HTTP router over them, and supervise them all. SIGTERM or "
+                      "SIGINT stops them gracefully.",
                       epilog="The engine's own commands: `bucketserve generate|bench|serve ...` "
                              "(the same as `python -m engine ...`).")
     p.add_argument("--model-id", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
@@ -45,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=DEFAULT_PORT,
                    help="the router's HTTP port (checked even with --no-router)")
     p.add_argument("--master-port", type=int, help="torch.distributed rendezvous port (default: a free one)")
+    p.add_argument("--hostname", default=d.hostname, help="the router's HTTP address")
+    p.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
+                   help="queued + running requests the router holds; beyond it a request gets HTTP 429")
     p.add_argument("--no-router", action="store_true", help="start the shards only and print the master socket")
     p.add_argument("--restart-on-failure", action="store_true",
                    help=f"restart the whole group when a shard dies (at most {d.max_restarts} times "
@@ -62,6 +66,7 @@ def config_from_args(args: argparse.Namespace) -> LauncherConfig:
         max_batch_size=args.max_batch_size, max_input_tokens=args.max_input_tokens,
         max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens,
         block_size=args.block_size, uds_path=args.uds_path, port=args.port, master_port=args.master_port,
+        hostname=args.hostname, max_concurrent_requests=args.max_concurrent_requests,
         no_router=args.no_router, restart_on_failure=args.restart_on_failure,
         startup_timeout=args.startup_timeout, shutdown_timeout=args.shutdown_timeout,
     )
@@ -70,6 +75,8 @@ def config_from_args(args: argparse.Namespace) -> LauncherConfig:
 def resolve(config: LauncherConfig, console: Console) -> tuple[LauncherConfig, DevicePlan]:
     """Check everything that can be checked before a shard starts; the concrete config and device."""
     check_limits(config.max_input_tokens, config.max_total_tokens, config.max_prefill_tokens, config.num_shard)
+    if config.max_concurrent_requests < 1:
+        raise ConfigError(f"--max-concurrent-requests must be at least 1, not {config.max_concurrent_requests}")
     check_port("--port", config.port)
     if config.master_port is not None:
         if config.master_port == config.port:
@@ -114,8 +121,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DeviceError, BucketserveError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG
-    if not config.no_router:
-        console.line("note: the router is not available yet: starting the shards only, as with --no-router")
     if stop.is_set():
         return 0
     code = supervise(config, device, console, stop)
@@ -125,9 +130,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bucketserve(argv: list[str] | None = None) -> int:
-    """The `bucketserve` command: the launcher, or with a first word of generate / bench / serve,
-    that command of the engine."""
+    """The `bucketserve` command: the launcher; with a first word of generate / bench / serve, that
+    command of the engine; with `loadtest`, the load generator against a running server."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "loadtest":
+        from router.loadtest import main as loadtest_main
+
+        return loadtest_main(argv[1:])
     if argv and argv[0] in ENGINE_COMMANDS:
         from engine.cli import main as engine_main
 

@@ -24,6 +24,8 @@ class LauncherConfig:
     block_size: int | None = None
     uds_path: str | None = None          # socket base; None: a unique one is picked per launch
     port: int = DEFAULT_PORT             # the router's HTTP port
+    hostname: str = "0.0.0.0"            # the router's HTTP address (TGI's default: reachable from outside a container)
+    max_concurrent_requests: int = 128   # the router answers 429 beyond it
     master_port: int | None = None       # torch.distributed rendezvous; None: a free port per launch
     no_router: bool = False
     restart_on_failure: bool = False
@@ -48,6 +50,19 @@ class LauncherConfig:
             args += ["--dtype", self.dtype]
         if self.block_size is not None:
             args += ["--block-size", str(self.block_size)]
+        return args
+
+
+    def router_args(self) -> list[str]:
+        """`python -m router` arguments: the master shard, the same model and limits as the shards."""
+        args = ["--master-shard-uds-path", f"unix://{self.socket_path(0)}", "--hostname", self.hostname,
+                "--port", str(self.port), "--max-input-tokens", str(self.max_input_tokens),
+                "--max-total-tokens", str(self.max_total_tokens),
+                "--max-batch-prefill-tokens", str(self.max_prefill_tokens),
+                "--max-batch-size", str(self.max_batch_size),
+                "--max-concurrent-requests", str(self.max_concurrent_requests)]
+        if self.model_id is not None:
+            args += ["--model-id", self.model_id]
         return args
 
 

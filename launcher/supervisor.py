@@ -25,6 +25,7 @@ from launcher.checks import pick_free_port
 from launcher.config import LauncherConfig, child_environment
 from engine.devices.probe import DevicePlan
 from launcher.logs import Console, LogTail
+from launcher.router_process import RouterFailure, RouterProcess
 
 POLL_S = 0.5                # how soon a dead shard is noticed
 HEALTH_RPC_TIMEOUT_S = 2.0
@@ -165,15 +166,6 @@ class ShardGroup:
         if exited is not None:
             raise exited.failure(when)
 
-    def wait_for_exit(self, stop: threading.Event) -> ShardProcess | None:
-        """Block until a shard exits (returned) or a stop is requested (None)."""
-        while not stop.is_set():
-            exited = self.poll()
-            if exited is not None:
-                return exited
-            stop.wait(POLL_S)
-        return None
-
     def pids(self) -> list[int]:
         return [s.process.pid for s in self.shards]
 
@@ -237,47 +229,71 @@ class RestartBudget:
         return True
 
 
-def announce(config: LauncherConfig, device: DevicePlan) -> None:
-    """The one line a router needs (on stdout: the rest of the launcher's output goes to stderr)."""
+def announce(config: LauncherConfig, device: DevicePlan, router: RouterProcess | None) -> None:
+    """The line a user needs (on stdout: the rest of the launcher's output goes to stderr)."""
+    if router is not None:
+        print(f"ready: {config.num_shard} shard(s) on {device.name}; the router serves {router.url} "
+              f"(try: curl {router.url}/generate -X POST -H 'Content-Type: application/json' "
+              """-d '{"inputs": "What is deep learning?", "parameters": {"max_new_tokens": 20}}')""", flush=True)
+        return
     master = config.socket_path(0)
     print(f"ready: {config.num_shard} shard(s) on {device.name}; master shard socket unix://{master} "
           f"(for TGI's router: text-generation-router --master-shard-uds-path {master})", flush=True)
 
 
 def supervise(config: LauncherConfig, device: DevicePlan, console: Console, stop: threading.Event) -> int:
-    """Start the group and watch it until a stop (0) or a failure that is not restarted (1)."""
-    group = ShardGroup(config, device, console)
+    """Start the group (and the router) and watch them until a stop (0) or a failure that is not
+    restarted (1)."""
+    group, routers = ShardGroup(config, device, console), []
     try:
-        return _supervise(group, config, device, console, stop)
+        return _supervise(group, routers, config, device, console, stop)
     finally:
         if stop.is_set():
-            console.line(f"{getattr(stop, 'reason', '') or 'stop requested'}: stopping the shards "
+            console.line(f"{getattr(stop, 'reason', '') or 'stop requested'}: stopping the router and the shards "
                          f"(SIGTERM, SIGKILL after {config.shutdown_timeout:g}s)")
+        for router in routers:
+            router.stop(config.shutdown_timeout)
         group.stop(config.shutdown_timeout if stop.is_set() else FAILURE_GRACE_S)
 
 
-def _supervise(group: ShardGroup, config, device, console: Console, stop: threading.Event) -> int:
+def _supervise(group: ShardGroup, routers: list, config, device, console: Console, stop: threading.Event) -> int:
     budget, served = RestartBudget(config.max_restarts, config.restart_window), False
     while True:
         group.spawn()
         try:
             if not group.wait_healthy(stop):
                 return 0
-            if served:
-                group.warm_up()
-            announce(config, device)
+            if not config.no_router and not routers:
+                routers.append(RouterProcess(config, console))
+                if not routers[0].wait_ready(stop, config.startup_timeout):
+                    return 0
+            elif served and config.no_router:
+                group.warm_up()  # with a router, the router re-warms the shards it finds restarted
+            announce(config, device, routers[0] if routers else None)
             served = True
-            exited = group.wait_for_exit(stop)
-            if exited is None:
-                return 0
-            raise exited.failure("while serving")
+            watch(group, routers[0] if routers else None, stop)
+            return 0
         except LaunchFailure as failure:
             report(console, failure)
             if not may_restart(config, served, budget, console):
                 return 1
+        except RouterFailure as failure:
+            report(console, failure)
+            return 1
         group.stop(FAILURE_GRACE_S)
         console.line(f"restarting all {config.num_shard} shard(s) (restart {len(budget.times)} of at most "
                      f"{config.max_restarts} within {config.restart_window:g}s)")
+
+
+def watch(group: ShardGroup, router: RouterProcess | None, stop: threading.Event) -> None:
+    """Return on a stop; raise when a shard or the router exits."""
+    while not stop.is_set():
+        exited = group.poll()
+        if exited is not None:
+            raise exited.failure("while serving")
+        if router is not None:
+            router.raise_if_exited("while serving")
+        stop.wait(POLL_S)
 
 
 def may_restart(config: LauncherConfig, served: bool, budget: RestartBudget, console: Console) -> bool:

@@ -8,20 +8,27 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+from pathlib import Path
 from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI
 from transformers import AutoTokenizer
 
+from engine.config import default_cache_dir
+from engine.loader import resolve_model_dir
 from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCriteriaParameters
 from router.allocator import BlockAllocator
 from router.client import GrpcShardClient, ShardClient
-from router.http import MAX_TOP_N_TOKENS, RouterState, create_app
+from router.http import RouterState, create_app
+from router.metrics import RouterMetrics
 from router.scheduler import Scheduler, SchedulerLimits
+from router.validation import MAX_TOP_N_TOKENS
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,8 @@ class RouterConfig:
     max_total_tokens: int = 2048
     max_batch_prefill_tokens: int = 4096
     max_batch_size: int = 8
+    max_concurrent_requests: int = 128
+    lora_adapters: tuple[str, ...] = ()  # names the shards loaded, for `adapter_id` / OpenAI `model`
 
 
 def warmup_batch(max_input: int, max_prefill: int, max_total: int, max_batch: int) -> Batch:
@@ -54,35 +63,42 @@ def warmup_batch(max_input: int, max_prefill: int, max_total: int, max_batch: in
 async def warm_up(client: ShardClient, config: RouterConfig) -> tuple[SchedulerLimits, BlockAllocator, dict]:
     await client.clear_cache(None)
     info = await client.info()
-    batch = warmup_batch(config.max_input_tokens, config.max_batch_prefill_tokens, config.max_total_tokens,
-                         config.max_batch_size)
-    result = await client.warmup(batch, config.max_input_tokens, config.max_batch_prefill_tokens,
-                                 config.max_total_tokens)
+    result = await rewarm(client, config)
     if result.max_supported_total_tokens is None:
         raise RuntimeError("the shards did not report their KV cache capacity")
     blocks = result.max_supported_total_tokens // info.block_size + 1
     limits = SchedulerLimits(config.max_batch_size, config.max_batch_prefill_tokens, result.max_input_tokens,
-                             result.max_total_tokens)
+                             result.max_total_tokens, config.max_concurrent_requests)
     return limits, BlockAllocator(blocks, info.block_size), info_dict(config, info, limits, result)
+
+
+async def rewarm(client: ShardClient, config: RouterConfig):
+    """Warmup with the router's limits: at start, and again after the shards restarted."""
+    batch = warmup_batch(config.max_input_tokens, config.max_batch_prefill_tokens, config.max_total_tokens,
+                         config.max_batch_size)
+    return await client.warmup(batch, config.max_input_tokens, config.max_batch_prefill_tokens,
+                               config.max_total_tokens)
 
 
 def info_dict(config: RouterConfig, info, limits: SchedulerLimits, result) -> dict:
     return {"model_id": config.model_id, "model_sha": None, "model_dtype": info.dtype,
             "model_device_type": info.device_type, "model_pipeline_tag": "text-generation",
-            "max_concurrent_requests": None, "max_best_of": 1, "max_stop_sequences": 4,
+            "max_concurrent_requests": limits.max_concurrent_requests, "max_best_of": 1, "max_stop_sequences": 4,
             "max_input_tokens": limits.max_input_tokens, "max_total_tokens": limits.max_total_tokens,
             "max_batch_prefill_tokens": limits.max_prefill_tokens, "max_batch_size": limits.max_batch_size,
             "max_batch_total_tokens": result.max_supported_total_tokens, "block_size": info.block_size,
             "validation_workers": 1, "max_client_batch_size": 1, "router": "bucketserve-router",
-            "version": VERSION, "sha": None, "docker_label": None}
+            "version": VERSION, "sha": None, "docker_label": None, "lora_adapters": list(config.lora_adapters)}
 
 
 async def build_state(config: RouterConfig, client: ShardClient) -> RouterState:
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
     limits, allocator, info = await warm_up(client, config)
-    scheduler = Scheduler(client, allocator, limits)
+    scheduler = Scheduler(client, allocator, limits, rewarm=lambda: rewarm(client, config))
+    metrics = RouterMetrics(scheduler, client)
+    scheduler.on_step = metrics.on_step
     await scheduler.start()
-    return RouterState(scheduler, tokenizer, client, info)
+    return RouterState(scheduler, tokenizer, client, info, metrics)
 
 
 async def serve(config: RouterConfig) -> None:
@@ -101,14 +117,19 @@ async def serve(config: RouterConfig) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m router", description="bucketserve HTTP router (TGI's API)")
     parser.add_argument("--master-shard-uds-path", required=True, help="the rank-0 shard, e.g. unix:///tmp/x-0")
-    parser.add_argument("--tokenizer", required=True, help="the model's directory (its tokenizer counts tokens)")
-    parser.add_argument("--model-id", help="reported by /info (default: --tokenizer)")
+    parser.add_argument("--model-id", help="the shards' model: HF directory or .gguf (default: the embedded model)")
+    parser.add_argument("--tokenizer", help="a directory with the model's tokenizer (default: --model-id's)")
+    parser.add_argument("--cache-dir", type=Path, help="where the shards cached a converted GGUF model")
     parser.add_argument("--hostname", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--max-input-tokens", type=int, default=1024)
     parser.add_argument("--max-total-tokens", type=int, default=2048)
     parser.add_argument("--max-batch-prefill-tokens", type=int, default=4096)
     parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--max-concurrent-requests", type=int, default=128,
+                        help="queued + running requests; beyond it a request gets HTTP 429")
+    parser.add_argument("--lora-adapters", default=os.environ.get("LORA_ADAPTERS", ""),
+                        help="name=path[,name=path...] as given to the shards (the router needs the names)")
     return parser
 
 
@@ -116,6 +137,13 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     url = args.master_shard_uds_path
     if not url.startswith(("unix:", "dns:", "ipv4:", "ipv6:")) and "://" not in url:
         url = f"unix://{url}"
-    return RouterConfig(url, args.tokenizer, args.model_id or args.tokenizer, args.hostname, args.port,
+    tokenizer = args.tokenizer or str(resolve_model_dir(args.model_id, args.cache_dir or default_cache_dir()))
+    model_id = args.model_id or (args.tokenizer if args.tokenizer else EMBEDDED_MODEL_NAME)
+    return RouterConfig(url, tokenizer, model_id, args.hostname, args.port,
                         args.max_input_tokens, args.max_total_tokens, args.max_batch_prefill_tokens,
-                        args.max_batch_size)
+                        args.max_batch_size, args.max_concurrent_requests, adapter_names(args.lora_adapters))
+
+
+def adapter_names(spec: str) -> tuple[str, ...]:
+    """`a=/path/a,b=/path/b` (or bare names) -> ("a", "b")."""
+    return tuple(part.split("=", 1)[0].strip() for part in spec.split(",") if part.strip())

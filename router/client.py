@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -18,7 +19,7 @@ from engine import convert
 from engine.batch import Batch, CachedBatch, Generation, InfoResponse, WarmupResult
 from engine.pb import generate_pb2 as pb
 from engine.pb import generate_pb2_grpc as pb_grpc
-from engine.server import MAX_MESSAGE_BYTES, status_for
+from engine.server import MAX_MESSAGE_BYTES, STATS_METADATA_KEY, status_for
 
 StepResult = tuple[list[Generation], CachedBatch | None]
 
@@ -49,6 +50,9 @@ class ShardClient(Protocol):
 
     async def close(self) -> None: ...
 
+    def serving_stats(self) -> dict[str, int] | None:
+        """The first shard's padding and unwarmed-shape counts as of its last step (None: unknown)."""
+
 
 def minimum_warmup(results: list[WarmupResult]) -> WarmupResult:
     """What every shard can do. A shard that left its capacity unset (None) does not limit it."""
@@ -60,8 +64,12 @@ def minimum_warmup(results: list[WarmupResult]) -> WarmupResult:
 # --- gRPC: every RPC to every shard -----------------------------------------------------------
 
 
+# Reconnect quickly: a restarted shard binds the same socket again, and gRPC's default backoff would
+# leave it unasked for up to two minutes.
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class GrpcShardClient:
@@ -75,6 +83,7 @@ class GrpcShardClient:
         self.urls, self.timeout = list(urls), timeout
         self.channels = [grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS) for url in self.urls]
         self.stubs = [pb_grpc.TextGenerationServiceStub(channel) for channel in self.channels]
+        self._stats: dict[str, int] | None = None
 
     @classmethod
     async def connect(cls, master_url: str, timeout: float | None = None) -> GrpcShardClient:
@@ -92,12 +101,25 @@ class GrpcShardClient:
         All calls run to their end before an error is raised, so no RPC is left in flight."""
         calls = [getattr(stub, method)(request, timeout=self.timeout) for stub in self.stubs]
         responses = await asyncio.gather(*calls, return_exceptions=True)
-        for url, response in zip(self.urls, responses):
+        # A dead rank first: the others then fail in their collectives, which says less.
+        order = sorted(zip(self.urls, responses), key=lambda pair: not is_unavailable(pair[1]))
+        for url, response in order:
             if isinstance(response, grpc.aio.AioRpcError):
                 raise ShardError(response.code(), f"{method} on {url}: {response.details()}")
             if isinstance(response, BaseException):
                 raise response
+        if method in ("Prefill", "Decode"):
+            await self._read_stats(calls[0])
         return responses
+
+    async def _read_stats(self, call) -> None:
+        # Our shards send their stats as trailing metadata; other v3 shards (TGI's) send none.
+        for key, value in await call.trailing_metadata() or ():
+            if key == STATS_METADATA_KEY:
+                self._stats = json.loads(value)
+
+    def serving_stats(self) -> dict[str, int] | None:
+        return self._stats
 
     async def info(self) -> InfoResponse:
         return convert.info_from_pb((await self._all("Info", pb.InfoRequest()))[0])
@@ -128,6 +150,10 @@ class GrpcShardClient:
 
     async def close(self) -> None:
         await asyncio.gather(*(channel.close() for channel in self.channels))
+
+
+def is_unavailable(response) -> bool:
+    return isinstance(response, grpc.aio.AioRpcError) and response.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def step_result(responses: list) -> StepResult:
@@ -181,6 +207,9 @@ class InProcessClient:
 
     async def health(self) -> None:
         await self._call("Health", self.shard.health)
+
+    def serving_stats(self) -> dict[str, int] | None:
+        return self.shard.serving_stats() if self.shard.runner is not None else None
 
     async def close(self) -> None:
         # Waits for a step in flight, off the event loop.

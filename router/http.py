@@ -1,61 +1,33 @@
-"""TGI's HTTP API over the scheduler: `/generate`, `/generate_stream`, `/` (the Python client's), `/health`, `/info`.
+"""TGI's HTTP API over the scheduler: `/generate`, `/generate_stream`, `/` (the Python client's),
+`/tokenize`, `/health`, `/info`, `/metrics`; the OpenAI routes are added by router/openai_api.py.
 
-Bodies, events and errors follow text-generation-inference's documented schema, so TGI's own clients work
-unchanged. The router tokenizes each prompt to count its tokens; the shard tokenizes it again to run it.
+Bodies, events and errors follow text-generation-inference's documented schema, so TGI's own clients
+work unchanged. The router tokenizes each prompt to count its tokens; the shard tokenizes it again to
+run it.
 """
 from __future__ import annotations
 
 import itertools
 import json
 import math
-import secrets
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator
 
+import grpc
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from engine.batch import FinishReason, Generation, NextTokenChooserParameters, Request, StoppingCriteriaParameters
-from router.scheduler import Scheduler
+from engine.batch import FinishReason, Generation, Request
+from router.client import ShardError
+from router.metrics import CONTENT_TYPE, RouterMetrics
+from router.scheduler import Overloaded, RequestCancelled, Scheduler, ShardsUnavailable
+from router.validation import GenerateRequest, Limits, Parameters, ValidationError, build_request
 
-MAX_STOP_SEQUENCES = 4
-MAX_TOP_N_TOKENS = 5
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "eos_token",
                   FinishReason.STOP_SEQUENCE: "stop_sequence"}
-
-
-class Parameters(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    max_new_tokens: int | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    typical_p: float | None = None
-    do_sample: bool = False
-    seed: int | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    stop: list[str] = []
-    truncate: int | None = None
-    return_full_text: bool | None = False
-    details: bool = False
-    decoder_input_details: bool = False
-    top_n_tokens: int | None = None
-    watermark: bool = False
-    best_of: int | None = None
-
-
-class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    inputs: str
-    parameters: Parameters = Parameters()
-    stream: bool = False
-
-
-class ValidationError(Exception):
-    pass
 
 
 @dataclass
@@ -64,73 +36,100 @@ class RouterState:
     tokenizer: Any
     client: Any
     info: dict
+    metrics: RouterMetrics
     ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.info["max_input_tokens"], self.info["max_total_tokens"],
+                      tuple(self.info.get("lora_adapters") or ()))
+
+
+# --- errors: one mapping for every route ----------------------------------------------------------
+
+# (exception, HTTP status, TGI error_type, metrics outcome); checked in order.
+ERRORS = [(ValidationError, 422, "validation", "validation"), (Overloaded, 429, "overloaded", "overloaded"),
+          (ShardsUnavailable, 503, "unavailable", "unavailable"),
+          (RequestCancelled, 499, "cancelled", "cancelled")]
+
+
+def classify(error: Exception) -> tuple[int, str, str]:
+    if isinstance(error, ShardError):
+        if error.code == grpc.StatusCode.INVALID_ARGUMENT:  # e.g. a grammar the shard cannot compile
+            return 422, "validation", "validation"
+        if error.code == grpc.StatusCode.UNAVAILABLE:
+            return 503, "unavailable", "unavailable"
+    for kind, status, error_type, outcome in ERRORS:
+        if isinstance(error, kind):
+            return status, error_type, outcome
+    return 424, "generation", "error"  # TGI's status for a failed generation
 
 
 def error_body(message: str, error_type: str) -> dict:
     return {"error": message, "error_type": error_type}
 
 
-# --- validation: TGI's checks and messages --------------------------------------------------------
+def error_response(state: RouterState, error: Exception) -> JSONResponse:
+    status, error_type, outcome = classify(error)
+    state.metrics.outcome(outcome)
+    message = str(error) if not isinstance(error, ShardError) else error.message
+    return JSONResponse(error_body(message, error_type), status_code=status)
 
 
-def check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValidationError(message)
+# --- running a request ------------------------------------------------------------------------------
 
 
-def check_sampling(p: Parameters) -> None:
-    check(p.best_of is None or p.best_of == 1, "`best_of` > 1 is not supported")
-    check(p.temperature is None or p.temperature > 0, "`temperature` must be strictly positive")
-    check(p.repetition_penalty is None or p.repetition_penalty > 0, "`repetition_penalty` must be strictly positive")
-    check(p.frequency_penalty is None or -2 <= p.frequency_penalty <= 2, "`frequency_penalty` must be >= -2.0 and <= 2.0")
-    check(p.top_p is None or 0 < p.top_p <= 1, "`top_p` must be > 0.0 and <= 1.0")
-    check(p.typical_p is None or 0 < p.typical_p <= 1, "`typical_p` must be > 0.0 and <= 1.0")
-    check(p.top_k is None or p.top_k > 0, "`top_k` must be strictly positive")
-    check(p.seed is None or 0 <= p.seed < 2**64, "`seed` must be in [0, 2**64)")
-    check(len(p.stop) <= MAX_STOP_SEQUENCES, f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(p.stop)}")
-    top_n = p.top_n_tokens or 0
-    check(0 <= top_n <= MAX_TOP_N_TOKENS, f"`top_n_tokens` must be >= 0 and <= {MAX_TOP_N_TOKENS}. Given: {top_n}")
+def submit(state: RouterState, inputs: str, parameters: Parameters, add_special_tokens: bool = True
+           ) -> tuple[AsyncIterator[Generation], int, Any]:
+    """Validate and queue; the stream of generations (timed for metrics), the prompt length, and the
+    scheduler's stream (to close on a disconnect)."""
+    request, length = build_request(next(state.ids), state.tokenizer, state.limits, inputs, parameters,
+                                    add_special_tokens)
+    return queue(state, request, length)
 
 
-def input_length(state: RouterState, inputs: str, truncate: int | None) -> int:
-    max_input = state.info["max_input_tokens"]
-    check(inputs != "", "`inputs` cannot be empty")
-    check(truncate is None or 0 < truncate <= max_input,
-          f"`truncate` must be strictly positive and less than {max_input}. Given: {truncate}")
-    length = len(state.tokenizer(inputs, add_special_tokens=True)["input_ids"])
-    if truncate is not None:
-        length = min(length, truncate)
-    check(length <= max_input, f"`inputs` tokens must be <= {max_input}. Given: {length}")
-    return length
+def queue(state: RouterState, request: Request, length: int):
+    arrival = time.perf_counter()
+    try:
+        stream = state.scheduler.submit(request, length)
+    except ValueError as error:
+        raise ValidationError(str(error)) from None
+    return state.metrics.timed(stream, arrival), length, stream
 
 
-def max_new_tokens(state: RouterState, p: Parameters, length: int) -> int:
-    max_total = state.info["max_total_tokens"]
-    new = p.max_new_tokens if p.max_new_tokens is not None else max_total - length
-    check(new > 0, "`max_new_tokens` must be strictly positive")
-    check(length + new <= max_total, f"`inputs` tokens + `max_new_tokens` must be <= {max_total}. "
-                                     f"Given: {length} `inputs` tokens and {new} `max_new_tokens`")
-    return new
+async def collect(state: RouterState, generations: AsyncIterator[Generation], stream) -> list[Generation]:
+    try:
+        result = [g async for g in generations]
+    finally:
+        stream.close()
+    state.metrics.outcome("success")
+    return result
 
 
-def build_request(state: RouterState, body: GenerateRequest) -> tuple[Request, int]:
-    p = body.parameters
-    check_sampling(p)
-    length = input_length(state, body.inputs, p.truncate)
-    new = max_new_tokens(state, p, length)
-    params = NextTokenChooserParameters(
-        temperature=p.temperature or 1.0, top_k=p.top_k or 0, top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
-        do_sample=p.do_sample, seed=p.seed if p.seed is not None else secrets.randbits(64) or 1,
-        repetition_penalty=p.repetition_penalty or 1.0, watermark=p.watermark,
-        frequency_penalty=p.frequency_penalty or 0.0)
-    request = Request(next(state.ids), body.inputs, truncate=p.truncate or 0, parameters=params,
-                      stopping_parameters=StoppingCriteriaParameters(new, list(p.stop)),
-                      prefill_logprobs=p.decoder_input_details, top_n_tokens=p.top_n_tokens or 0)
-    return request, length
+async def events(state: RouterState, http_request: HttpRequest, generations, stream, render, on_error):
+    """Server-sent events: `render(generation)` gives each generation's events. A client that goes
+    away cancels its request and frees its blocks; a failure becomes a last error event."""
+    outcome = "cancelled"  # unless the stream reaches its end: the client went away
+    try:
+        async for generation in generations:
+            if await http_request.is_disconnected():
+                return  # also for servers whose send() ignores a closed connection instead of raising
+            for event in render(generation):
+                yield event
+        outcome = "success"
+    except Exception as error:  # noqa: BLE001 - reported in the stream: the status line is already sent
+        outcome = classify(error)[2]
+        yield on_error(error)
+    finally:
+        state.metrics.outcome(outcome)
+        stream.close()
 
 
-# --- responses ----------------------------------------------------------------------------------
+def sse(payload: Any) -> str:
+    return f"data:{json.dumps(payload)}\n\n"
+
+
+# --- TGI's bodies ---------------------------------------------------------------------------------
 
 
 def finite(logprob: float | None) -> float | None:
@@ -166,80 +165,69 @@ def generate_response(body: GenerateRequest, generations: list[Generation]) -> d
     return response
 
 
-def stream_events(body: GenerateRequest, generation: Generation, index: int) -> tuple[list[str], int]:
-    events, tokens, last = [], token_list(generation.tokens), generation.generated_text
-    for i, token in enumerate(tokens):
-        index += 1
-        final = last is not None and i == len(tokens) - 1
-        top = token_list(generation.top_tokens[i]) if i < len(generation.top_tokens) else []
-        event = {"index": index, "token": token, "top_tokens": top, "generated_text": None, "details": None}
-        if final:
-            event["generated_text"] = full_text(body, last.text)
-            event["details"] = {"finish_reason": FINISH_REASONS[last.finish_reason],
-                                "generated_tokens": last.generated_tokens, "seed": last.seed}
-        events.append(f"data:{json.dumps(event)}\n\n")
-    return events, index
+class TgiEvents:
+    """Renders generations as TGI's stream events, numbering tokens from 1."""
+
+    def __init__(self, body: GenerateRequest):
+        self.body, self.index = body, 0
+
+    def __call__(self, generation: Generation) -> list[str]:
+        out, tokens, last = [], token_list(generation.tokens), generation.generated_text
+        for i, token in enumerate(tokens):
+            self.index += 1
+            final = last is not None and i == len(tokens) - 1
+            top = token_list(generation.top_tokens[i]) if i < len(generation.top_tokens) else []
+            event = {"index": self.index, "token": token, "top_tokens": top, "generated_text": None, "details": None}
+            if final:
+                event["generated_text"] = full_text(self.body, last.text)
+                event["details"] = {"finish_reason": FINISH_REASONS[last.finish_reason],
+                                    "generated_tokens": last.generated_tokens, "seed": last.seed}
+            out.append(sse(event))
+        return out
 
 
-# --- the app -----------------------------------------------------------------------------------
+def tgi_error_event(error: Exception) -> str:
+    _, error_type, _ = classify(error)
+    return sse(error_body(error.message if isinstance(error, ShardError) else str(error), error_type))
 
 
-def validation_response(message: str) -> JSONResponse:
-    return JSONResponse(error_body(message, "validation"), status_code=422)
+# --- TGI's routes ---------------------------------------------------------------------------------
 
 
-async def submit(state: RouterState, body: GenerateRequest):
-    request, length = build_request(state, body)
+async def generate(state: RouterState, body: GenerateRequest) -> JSONResponse:
     try:
-        return state.scheduler.submit(request, length)
-    except ValueError as error:
-        raise ValidationError(str(error)) from None
-
-
-async def run_generate(state: RouterState, body: GenerateRequest) -> dict:
-    async with await submit(state, body) as stream:
-        return generate_response(body, [g async for g in stream])
-
-
-async def sse(http_request: HttpRequest, body: GenerateRequest, stream):
-    index = 0
-    try:
-        async for generation in stream:
-            if await http_request.is_disconnected():
-                break  # also for servers whose send() ignores a closed connection instead of raising
-            events, index = stream_events(body, generation, index)
-            for event in events:
-                yield event
-    except Exception as error:  # noqa: BLE001 - TGI reports a failed generation as a last event
-        yield f"data:{json.dumps(error_body(str(error), 'generation'))}\n\n"
-    finally:
-        stream.close()  # a client that went away cancels its request and frees its blocks
-
-
-async def generate(state: RouterState, body: GenerateRequest):
-    try:
-        return JSONResponse(await run_generate(state, body))
-    except ValidationError as error:
-        return validation_response(str(error))
-    except Exception as error:  # noqa: BLE001
-        return JSONResponse(error_body(str(error), "generation"), status_code=424)
+        generations, _, stream = submit(state, body.inputs, body.parameters)
+        return JSONResponse(generate_response(body, await collect(state, generations, stream)))
+    except Exception as error:  # noqa: BLE001 - every failure gets TGI's error body
+        return error_response(state, error)
 
 
 async def generate_stream(state: RouterState, body: GenerateRequest, http_request: HttpRequest):
     try:
-        stream = await submit(state, body)
-    except ValidationError as error:
-        return validation_response(str(error))
-    return StreamingResponse(sse(http_request, body, stream), media_type="text/event-stream")
+        generations, _, stream = submit(state, body.inputs, body.parameters)
+    except Exception as error:  # noqa: BLE001
+        return error_response(state, error)
+    return StreamingResponse(events(state, http_request, generations, stream, TgiEvents(body), tgi_error_event),
+                             media_type="text/event-stream")
 
 
-def create_app(state: RouterState) -> FastAPI:
-    app = FastAPI(title="bucketserve router")
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    inputs: str
+    parameters: Parameters = Parameters()
 
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(_: HttpRequest, error: RequestValidationError):
-        return validation_response(str(error.errors()))
 
+def tokenize(state: RouterState, body: TokenizeRequest) -> JSONResponse:
+    """TGI's /tokenize: each token's id, text and character span in `inputs`."""
+    if body.inputs == "":
+        return error_response(state, ValidationError("`inputs` cannot be empty"))
+    encoding = state.tokenizer(body.inputs, add_special_tokens=True, return_offsets_mapping=True)
+    tokens = [{"id": token_id, "text": body.inputs[start:stop], "start": start, "stop": stop}
+              for token_id, (start, stop) in zip(encoding["input_ids"], encoding["offset_mapping"])]
+    return JSONResponse(tokens)
+
+
+def tgi_routes(app: FastAPI, state: RouterState) -> None:
     @app.post("/generate")
     async def generate_route(body: GenerateRequest):
         return await generate(state, body)
@@ -257,8 +245,16 @@ def create_app(state: RouterState) -> FastAPI:
             return response
         return JSONResponse([json.loads(response.body)])
 
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest):
+        return tokenize(state, body)
+
+
+def service_routes(app: FastAPI, state: RouterState) -> None:
     @app.get("/health")
     async def health_route():
+        if not state.scheduler.available:
+            return JSONResponse(error_body("the shards are unavailable", "healthcheck"), status_code=503)
         try:
             await state.client.health()
         except Exception as error:  # noqa: BLE001
@@ -269,4 +265,21 @@ def create_app(state: RouterState) -> FastAPI:
     async def info_route():
         return state.info
 
+    @app.get("/metrics")
+    async def metrics_route():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def create_app(state: RouterState) -> FastAPI:
+    from router.openai_api import openai_routes  # the OpenAI routes build on the helpers above
+
+    app = FastAPI(title="bucketserve router")
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_: HttpRequest, error: RequestValidationError):
+        return error_response(state, ValidationError(str(error.errors())))
+
+    tgi_routes(app, state)
+    openai_routes(app, state)
+    service_routes(app, state)
     return app

@@ -17,6 +17,7 @@ import itertools
 import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
+from typing import Awaitable, Callable
 
 import grpc
 
@@ -33,10 +34,22 @@ class SchedulerLimits:
     max_prefill_tokens: int
     max_input_tokens: int
     max_total_tokens: int
+    max_concurrent_requests: int = 128  # queued + running; beyond it a submit is refused (HTTP 429)
 
 
 class RequestCancelled(Exception):
     """Raised by a stream whose request was cancelled by someone other than its own consumer."""
+
+
+class Overloaded(Exception):
+    """Too many requests are queued or running: the caller should retry later (HTTP 429)."""
+
+
+class ShardsUnavailable(Exception):
+    """The shards cannot be reached (restarting, or gone): nothing new is accepted (HTTP 503)."""
+
+
+RECOVERY_POLL_S = 0.5
 
 
 @dataclass
@@ -116,9 +129,17 @@ class RequestStream:
 
 
 class Scheduler:
-    def __init__(self, client: ShardClient, allocator: BlockAllocator, limits: SchedulerLimits):
+    """`rewarm`, when given, runs once the shards answer Health again after they were unreachable
+    (a restarted shard has lost its warmed graphs and batches); `on_step(phase, batch_size)` is
+    called for every prefill and decode, for metrics."""
+
+    def __init__(self, client: ShardClient, allocator: BlockAllocator, limits: SchedulerLimits,
+                 rewarm: Callable[[], Awaitable[None]] | None = None,
+                 on_step: Callable[[str, int], None] | None = None):
         self.client, self.allocator, self.limits = client, allocator, limits
+        self.rewarm, self.on_step = rewarm, on_step
         self.stats = SchedulerStats()
+        self.available = True  # False from a failed step whose shards were unreachable until they answer again
         self._queue: deque[_Entry] = deque()
         self._entries: dict[int, _Entry] = {}  # submitted and not yet released, by request id
         self._running: CachedBatch | None = None
@@ -153,8 +174,13 @@ class Scheduler:
         await self._abandon_all(RequestCancelled("the scheduler stopped"))
 
     def submit(self, request: Request, input_length: int) -> RequestStream:
-        """Queue a request (without blocks: the scheduler allocates them) and return its stream."""
+        """Queue a request (without blocks: the scheduler allocates them) and return its stream.
+        Raises ValueError for a request that can never run, Overloaded or ShardsUnavailable."""
         self._validate(request, input_length)
+        if not self.available:
+            raise ShardsUnavailable("the shards are unavailable (restarting?): retry later")
+        if len(self._entries) >= self.limits.max_concurrent_requests:
+            raise Overloaded(f"Model is overloaded: {len(self._entries)} requests are queued or running")
         entry = _Entry(request, input_length)
         self._entries[request.id] = entry
         self._queue.append(entry)
@@ -210,6 +236,9 @@ class Scheduler:
 
     async def _step(self) -> None:
         """One iteration: drop cancelled requests, maybe admit a new batch, then decode."""
+        if not self.available:
+            await self._recover()
+            return
         if self._running is not None:
             self._running = await self._keep(self._running, self._entries_of([self._running]))
         new = self._next_batch()
@@ -225,6 +254,22 @@ class Scheduler:
             await self._idle()
             return
         self._running = await self._decode(batches)
+
+    async def _recover(self) -> None:
+        """Hold the queue until every shard answers Health again, re-warm them, then serve on."""
+        # The running batches died with the shards: their requests end with the error.
+        await self._abandon_running(ShardsUnavailable("the shards became unavailable during generation"))
+        while True:
+            try:
+                await self.client.health()
+                if self.rewarm is not None:
+                    await self.rewarm()
+                break
+            except ShardError as error:
+                log.debug("shards still unavailable: %s", error)
+                await asyncio.sleep(RECOVERY_POLL_S)
+        log.warning("the shards answer again: serving the %d queued request(s)", len(self._queue))
+        self.available = True
 
     async def _idle(self) -> None:
         # Nothing running and nothing admissible: sleep until a submit or a cancel changes that.
@@ -261,24 +306,47 @@ class Scheduler:
 
     async def _prefill(self, batch: Batch, entries: list[_Entry]) -> CachedBatch | None:
         self.stats.prefill_sizes[len(entries)] += 1
+        self._notify("prefill", len(entries))
         self.stats.prefills_while_running += self._running is not None
         try:
             generations, cached = await self.client.prefill(batch)
         except ShardError as error:
+            if error.code == grpc.StatusCode.UNAVAILABLE:
+                self._requeue(entries, error)
+                return None
             # Only the new batch was touched: the running one decodes on.
             await self._fail([batch.id], entries, error)
             return None
         return await self._settle(generations, cached, entries)
 
+    def _requeue(self, entries: list[_Entry], error: ShardError) -> None:
+        """The shards went away before these requests produced anything: they wait at the head of
+        the queue, in their order, for the shards to come back (nothing is lost in a restart)."""
+        log.warning("the shards are unavailable (%s): holding %d new request(s)", error, len(entries))
+        self.available = False
+        for entry in reversed(entries):
+            if entry.allocation is not None:
+                self.allocator.free(entry.allocation)
+                entry.allocation = None
+            if entry.live:
+                self._queue.appendleft(entry)
+            else:
+                self._release(entry)
+
     async def _decode(self, batches: list[CachedBatch]) -> CachedBatch | None:
         entries = self._entries_of(batches)
         self.stats.decode_sizes[sum(b.size for b in batches)] += 1
+        self._notify("decode", sum(b.size for b in batches))
         try:
             generations, cached = await self.client.decode(batches)
         except ShardError as error:
             await self._fail([b.id for b in batches], entries, error)
             return None
         return await self._settle(generations, cached, entries)
+
+    def _notify(self, phase: str, size: int) -> None:
+        if self.on_step is not None:
+            self.on_step(phase, size)
 
     def _entries_of(self, batches: list[CachedBatch]) -> list[_Entry]:
         return [self._entries[i] for b in batches for i in b.request_ids if i in self._entries]
@@ -328,6 +396,8 @@ class Scheduler:
         """A step failed: drop its batches on the shard, and every request in them gets the error."""
         self.stats.failed_steps += 1
         log.warning("shard step on batches %s failed: %s", batch_ids, error)
+        if error.code == grpc.StatusCode.UNAVAILABLE:
+            self.available = False  # the next iteration waits for them; queued requests wait too
         for batch_id in batch_ids:
             try:
                 await self.client.clear_cache(batch_id)

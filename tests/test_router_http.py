@@ -27,10 +27,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_router(model_dir, base: Path, port: int) -> subprocess.Popen:
+def start_router(model_dir, base: Path, port: int, limits=ROUTER_LIMITS) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "router", "--master-shard-uds-path", f"unix://{base}-0",
-               "--tokenizer", str(model_dir), "--port", str(port), "--hostname", "127.0.0.1", *ROUTER_LIMITS]
+               "--tokenizer", str(model_dir), "--port", str(port), "--hostname", "127.0.0.1", *limits]
     with open(f"{base}.router.log", "w") as log:
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 

@@ -1,0 +1,318 @@
+"""OpenAI's API over the same scheduler: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
+
+Each body is turned into TGI `Parameters` and goes through the same checks and the same queue as
+`/generate`; only the request and response shapes differ. Errors keep TGI's body (`error`,
+`error_type`), as TGI's own OpenAI routes do.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from engine.batch import FinishReason, Generation
+from router.http import (RouterState, classify, collect, error_body, error_response, events, finite, submit)
+from router.validation import Grammar, Parameters, ValidationError, check
+
+MAX_TOP_LOGPROBS = 5
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[dict] | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """The fields both completion APIs share."""
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = None
+
+
+class ChatRequest(Sampling):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+# --- requests -> TGI parameters -------------------------------------------------------------------
+
+
+def parameters(state: RouterState, body: Sampling, max_tokens: int | None, top_n: int,
+               grammar: Grammar | None = None) -> Parameters:
+    check(body.n == 1, f"`n` must be 1. Given: {body.n}")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    # OpenAI samples at temperature 1 by default; temperature 0 asks for greedy decoding.
+    greedy = body.temperature == 0
+    adapter = body.model if body.model in state.limits.adapters else None
+    return Parameters(max_new_tokens=max_tokens, temperature=None if greedy else body.temperature,
+                      top_p=None if body.top_p == 1 else body.top_p, do_sample=not greedy, seed=body.seed, stop=stop,
+                      frequency_penalty=body.frequency_penalty, top_n_tokens=top_n or None, details=True,
+                      grammar=grammar, adapter_id=adapter)
+
+
+def response_grammar(response_format: dict | None) -> Grammar | None:
+    """OpenAI's `response_format` (and TGI's `{"type": "json", "value": schema}`) as a grammar."""
+    if not response_format or response_format.get("type") == "text":
+        return None
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return Grammar(type="json_object", value=None)
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        check(isinstance(schema, dict), "`response_format.json_schema.schema` must be a JSON schema object")
+        return Grammar(type="json", value=schema)
+    if kind in ("json", "regex"):
+        return Grammar(type=kind, value=response_format.get("value"))
+    raise ValidationError(f"`response_format.type` {kind!r} is not supported (text, json_object, json_schema)")
+
+
+def chat_prompt(state: RouterState, messages: list[Message]) -> str:
+    check(len(messages) > 0, "`messages` cannot be empty")
+    if not getattr(state.tokenizer, "chat_template", None):
+        raise ValidationError("this model has no chat template: use /v1/completions")
+    plain = [{"role": m.role, "content": message_text(m)} for m in messages]
+    return state.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+
+
+def message_text(message: Message) -> str:
+    if isinstance(message.content, list):  # content parts: only text ones are understood
+        check(all(p.get("type") == "text" for p in message.content), "only text content parts are supported")
+        return "".join(p.get("text", "") for p in message.content)
+    return message.content or ""
+
+
+# --- responses ------------------------------------------------------------------------------------
+
+
+def finish_reason(generation: Generation) -> str:
+    return "length" if generation.generated_text.finish_reason == FinishReason.LENGTH else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def logprob_entry(text: str, logprob: float | None) -> dict:
+    return {"token": text, "logprob": finite(logprob) if logprob is not None else None,
+            "bytes": list(text.encode())}
+
+
+def chat_logprobs(generation: Generation, top: bool) -> list[dict]:
+    entries = []
+    for i, text in enumerate(generation.tokens.texts):
+        entry = logprob_entry(text, generation.tokens.logprobs[i])
+        alternatives = generation.top_tokens[i] if top and i < len(generation.top_tokens) else None
+        entry["top_logprobs"] = ([logprob_entry(t, lp) for t, lp in zip(alternatives.texts, alternatives.logprobs)]
+                                 if alternatives else [])
+        entries.append(entry)
+    return entries
+
+
+class StreamedText:
+    """What a stream has sent so far. Token texts hold back an incomplete UTF-8 character; the final
+    text is decoded whole, so the last chunk carries whatever the token texts had not sent yet."""
+
+    def __init__(self):
+        self.sent = ""
+
+    def add(self, text: str) -> str:
+        self.sent += text
+        return text
+
+    def rest(self, final_text: str) -> str:
+        return self.add(final_text[len(self.sent):]) if final_text.startswith(self.sent) else ""
+
+
+class Envelope:
+    """The id, timestamps and model name every response and chunk of one request carries."""
+
+    def __init__(self, state: RouterState, body: Sampling, kind: str, prefix: str):
+        self.id, self.created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+        self.model, self.kind = body.model or state.info["model_id"], kind
+
+    def wrap(self, choices: list[dict], **extra) -> dict:
+        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
+                "system_fingerprint": "bucketserve", "choices": choices, **extra}
+
+
+def sse(payload: Any) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def error_event(error: Exception) -> str:
+    _, error_type, _ = classify(error)
+    return sse(error_body(getattr(error, "message", str(error)), error_type))
+
+
+# --- chat completions -----------------------------------------------------------------------------
+
+
+def chat_parameters(state: RouterState, body: ChatRequest) -> Parameters:
+    top = body.top_logprobs or 0
+    check(0 <= top <= MAX_TOP_LOGPROBS, f"`top_logprobs` must be >= 0 and <= {MAX_TOP_LOGPROBS}. Given: {top}")
+    check(top == 0 or body.logprobs, "`top_logprobs` needs `logprobs: true`")
+    return parameters(state, body, body.max_completion_tokens or body.max_tokens, top,
+                      response_grammar(body.response_format))
+
+
+def chat_response(envelope: Envelope, body: ChatRequest, generations: list[Generation], prompt_tokens: int) -> dict:
+    last = generations[-1]
+    logprobs = None
+    if body.logprobs:
+        logprobs = {"content": [e for g in generations for e in chat_logprobs(g, bool(body.top_logprobs))]}
+    choice = {"index": 0, "message": {"role": "assistant", "content": last.generated_text.text},
+              "logprobs": logprobs, "finish_reason": finish_reason(last)}
+    return envelope.wrap([choice], usage=usage(prompt_tokens, last.generated_text.generated_tokens))
+
+
+class ChatChunks:
+    """Renders generations as `chat.completion.chunk` events: the role first, a chunk per token, the
+    finish reason on the last, usage when asked, then `[DONE]`."""
+
+    def __init__(self, envelope: Envelope, body: ChatRequest, prompt_tokens: int):
+        self.envelope, self.body, self.prompt_tokens, self.started = envelope, body, prompt_tokens, False
+        self.text = StreamedText()
+
+    def chunk(self, delta: dict, logprobs=None, reason=None, **extra) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return sse(self.envelope.wrap([choice], **extra))
+
+    def __call__(self, generation: Generation) -> list[str]:
+        out = [] if self.started else [self.chunk({"role": "assistant", "content": ""})]
+        self.started = True
+        tokens, logprobs = generation.tokens, chat_logprobs(generation, bool(self.body.top_logprobs))
+        for i, text in enumerate(tokens.texts):
+            content = self.text.add("" if tokens.is_special[i] else text)
+            out.append(self.chunk({"content": content}, {"content": [logprobs[i]]} if self.body.logprobs else None))
+        last = generation.generated_text
+        if last is not None:
+            out.append(self.chunk({"content": self.text.rest(last.text)}, reason=finish_reason(generation)))
+            if self.body.stream_options and self.body.stream_options.include_usage:
+                out.append(sse(self.envelope.wrap([], usage=usage(self.prompt_tokens, last.generated_tokens))))
+            out.append(sse("[DONE]"))
+        return out
+
+
+async def chat_completions(state: RouterState, body: ChatRequest, http_request: HttpRequest):
+    envelope = Envelope(state, body, "chat.completion", "chatcmpl")
+    try:
+        prompt = chat_prompt(state, body.messages)
+        # The chat template already wrote the special tokens the model expects.
+        generations, length, stream = submit(state, prompt, chat_parameters(state, body), add_special_tokens=False)
+        if not body.stream:
+            return JSONResponse(chat_response(envelope, body, await collect(state, generations, stream), length))
+    except Exception as error:  # noqa: BLE001 - every failure gets an error body
+        return error_response(state, error)
+    envelope.kind = "chat.completion.chunk"
+    render = ChatChunks(envelope, body, length)
+    return StreamingResponse(events(state, http_request, generations, stream, render, error_event),
+                             media_type="text/event-stream")
+
+
+# --- completions ----------------------------------------------------------------------------------
+
+
+def completion_prompt(body: CompletionRequest) -> str:
+    if isinstance(body.prompt, list):
+        check(len(body.prompt) == 1, f"`prompt` must be one string. Given: {len(body.prompt)}")
+        return body.prompt[0]
+    return body.prompt
+
+
+def completion_logprobs(generations: list[Generation], top: int) -> dict:
+    tokens = [t for g in generations for t in g.tokens.texts]
+    logprobs = [finite(lp) for g in generations for lp in g.tokens.logprobs]
+    alternatives = [dict(zip(t.texts, t.logprobs)) for g in generations for t in g.top_tokens] if top else None
+    offsets, position = [], 0
+    for text in tokens:
+        offsets.append(position)
+        position += len(text)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": alternatives, "text_offset": offsets}
+
+
+def completion_choice(body: CompletionRequest, prompt: str, generations: list[Generation], text: str,
+                      reason: str | None) -> dict:
+    logprobs = completion_logprobs(generations, body.logprobs) if body.logprobs is not None else None
+    return {"index": 0, "text": (prompt if body.echo else "") + text, "logprobs": logprobs, "finish_reason": reason}
+
+
+async def completions(state: RouterState, body: CompletionRequest, http_request: HttpRequest):
+    envelope = Envelope(state, body, "text_completion", "cmpl")
+    try:
+        prompt, top = completion_prompt(body), body.logprobs or 0
+        check(not (body.echo and body.stream), "`echo` is not supported with `stream`")
+        check(0 <= top <= MAX_TOP_LOGPROBS, f"`logprobs` must be >= 0 and <= {MAX_TOP_LOGPROBS}. Given: {top}")
+        generations, length, stream = submit(state, prompt, parameters(state, body, body.max_tokens, top))
+        if not body.stream:
+            done = await collect(state, generations, stream)
+            last = done[-1]
+            choice = completion_choice(body, prompt, done, last.generated_text.text, finish_reason(last))
+            return JSONResponse(envelope.wrap([choice], usage=usage(length, last.generated_text.generated_tokens)))
+    except Exception as error:  # noqa: BLE001
+        return error_response(state, error)
+
+    streamed = StreamedText()
+
+    def render(generation: Generation) -> list[str]:
+        last = generation.generated_text
+        reason = finish_reason(generation) if last is not None else None
+        text = streamed.add("".join(t for t, special in zip(generation.tokens.texts, generation.tokens.is_special)
+                                    if not special))
+        text += streamed.rest(last.text) if last is not None else ""
+        out = [sse(envelope.wrap([completion_choice(body, "", [generation], text, reason)]))]
+        return out + ([sse("[DONE]")] if reason is not None else [])
+
+    return StreamingResponse(events(state, http_request, generations, stream, render, error_event),
+                             media_type="text/event-stream")
+
+
+# --- the routes -----------------------------------------------------------------------------------
+
+
+def models(state: RouterState) -> dict:
+    names = [state.info["model_id"], *state.limits.adapters]
+    created = int(time.time())
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                        "owned_by": "bucketserve"} for name in names]}
+
+
+def openai_routes(app: FastAPI, state: RouterState) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat_route(body: ChatRequest, http_request: HttpRequest):
+        return await chat_completions(state, body, http_request)
+
+    @app.post("/v1/completions")
+    async def completions_route(body: CompletionRequest, http_request: HttpRequest):
+        return await completions(state, body, http_request)
+
+    @app.get("/v1/models")
+    async def models_route():
+        return models(state)

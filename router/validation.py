@@ -1,0 +1,151 @@
+"""TGI's request schema and checks: what a `/generate` body may say, turned into a protocol `Request`.
+
+The OpenAI endpoints build the same `Parameters` from their own fields, so every request, whichever
+API it came through, passes the same checks with TGI's messages.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from engine.batch import GrammarType, NextTokenChooserParameters, Request, StoppingCriteriaParameters
+
+MAX_STOP_SEQUENCES = 4
+MAX_TOP_N_TOKENS = 5
+
+
+class ValidationError(Exception):
+    """The request is wrong: HTTP 422 with TGI's `validation` error type."""
+
+
+class Grammar(BaseModel):
+    type: Literal["json", "json_object", "regex"]
+    value: Any
+
+
+class Parameters(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    typical_p: float | None = None
+    do_sample: bool = False
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: list[str] = []
+    truncate: int | None = None
+    return_full_text: bool | None = False
+    details: bool = False
+    decoder_input_details: bool = False
+    top_n_tokens: int | None = None
+    watermark: bool = False
+    best_of: int | None = None
+    grammar: Grammar | None = None
+    adapter_id: str | None = None
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    inputs: str
+    parameters: Parameters = Parameters()
+    stream: bool = False
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the shards were warmed for, and what the router serves (from /info)."""
+    max_input_tokens: int
+    max_total_tokens: int
+    adapters: tuple[str, ...] = ()
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValidationError(message)
+
+
+def check_sampling(p: Parameters) -> None:
+    check(p.best_of is None or p.best_of == 1, "`best_of` > 1 is not supported")
+    check(p.temperature is None or p.temperature > 0, "`temperature` must be strictly positive")
+    check(p.repetition_penalty is None or p.repetition_penalty > 0, "`repetition_penalty` must be strictly positive")
+    check(p.frequency_penalty is None or -2 <= p.frequency_penalty <= 2, "`frequency_penalty` must be >= -2.0 and <= 2.0")
+    check(p.top_p is None or 0 < p.top_p <= 1, "`top_p` must be > 0.0 and <= 1.0")
+    check(p.typical_p is None or 0 < p.typical_p <= 1, "`typical_p` must be > 0.0 and <= 1.0")
+    check(p.top_k is None or p.top_k > 0, "`top_k` must be strictly positive")
+    check(p.seed is None or 0 <= p.seed < 2**64, "`seed` must be in [0, 2**64)")
+    check(len(p.stop) <= MAX_STOP_SEQUENCES, f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(p.stop)}")
+    top_n = p.top_n_tokens or 0
+    check(0 <= top_n <= MAX_TOP_N_TOKENS, f"`top_n_tokens` must be >= 0 and <= {MAX_TOP_N_TOKENS}. Given: {top_n}")
+
+
+def check_adapter(adapter_id: str | None, limits: Limits) -> None:
+    if adapter_id is None:
+        return
+    loaded = ", ".join(limits.adapters) or "none"
+    check(adapter_id in limits.adapters, f"unknown adapter_id {adapter_id!r} (loaded adapters: {loaded})")
+
+
+def grammar_fields(grammar: Grammar | None) -> tuple[str, GrammarType]:
+    """TGI's `grammar` parameter as the protocol's (text, type); a JSON schema goes as its JSON text."""
+    if grammar is None:
+        return "", GrammarType.NONE
+    if grammar.type == "regex":
+        check(isinstance(grammar.value, str) and grammar.value != "", "`grammar.value` must be a non-empty regex")
+        return grammar.value, GrammarType.REGEX
+    if grammar.type == "json_object":  # any JSON object
+        return json.dumps({"type": "object"}), GrammarType.JSON
+    value = grammar.value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValidationError(f"`grammar.value` is not valid JSON: {error}") from None
+    check(isinstance(value, dict), "`grammar.value` must be a JSON schema object")
+    return json.dumps(value), GrammarType.JSON
+
+
+def input_length(tokenizer, limits: Limits, inputs: str, truncate: int | None, add_special_tokens: bool) -> int:
+    max_input = limits.max_input_tokens
+    check(inputs != "", "`inputs` cannot be empty")
+    check(truncate is None or 0 < truncate <= max_input,
+          f"`truncate` must be strictly positive and less than {max_input}. Given: {truncate}")
+    length = len(tokenizer(inputs, add_special_tokens=add_special_tokens)["input_ids"])
+    if truncate is not None:
+        length = min(length, truncate)
+    check(length <= max_input, f"`inputs` tokens must be <= {max_input}. Given: {length}")
+    return length
+
+
+def new_tokens(limits: Limits, p: Parameters, length: int) -> int:
+    max_total = limits.max_total_tokens
+    new = p.max_new_tokens if p.max_new_tokens is not None else max_total - length
+    check(new > 0, "`max_new_tokens` must be strictly positive")
+    check(length + new <= max_total, f"`inputs` tokens + `max_new_tokens` must be <= {max_total}. "
+                                     f"Given: {length} `inputs` tokens and {new} `max_new_tokens`")
+    return new
+
+
+def build_request(request_id: int, tokenizer, limits: Limits, inputs: str, p: Parameters,
+                  add_special_tokens: bool = True) -> tuple[Request, int]:
+    """The protocol request for `inputs` with TGI parameters `p`, and its prompt length in tokens."""
+    check_sampling(p)
+    check_adapter(p.adapter_id, limits)
+    grammar, grammar_type = grammar_fields(p.grammar)
+    length = input_length(tokenizer, limits, inputs, p.truncate, add_special_tokens)
+    new = new_tokens(limits, p, length)
+    params = NextTokenChooserParameters(
+        temperature=p.temperature or 1.0, top_k=p.top_k or 0, top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
+        do_sample=p.do_sample, seed=p.seed if p.seed is not None else secrets.randbits(64) or 1,
+        repetition_penalty=p.repetition_penalty or 1.0, watermark=p.watermark,
+        frequency_penalty=p.frequency_penalty or 0.0, grammar=grammar, grammar_type=grammar_type)
+    request = Request(request_id, inputs, truncate=p.truncate or 0, parameters=params,
+                      stopping_parameters=StoppingCriteriaParameters(new, list(p.stop)),
+                      prefill_logprobs=p.decoder_input_details, top_n_tokens=p.top_n_tokens or 0,
+                      adapter_id=p.adapter_id, add_special_tokens=add_special_tokens)
+    return request, length

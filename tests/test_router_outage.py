@@ -1,0 +1,122 @@
+"""The scheduler when the shards go away (a restart) and when too many requests arrive: requests
+that had not started are held and served once the shards are back; nothing is lost or leaked."""
+import asyncio
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from router.client import InProcessClient, ShardError
+from router.scheduler import Overloaded, Scheduler, ShardsUnavailable
+from tests.test_router_scheduler import (LIMITS, RecordingClient, consume, expected, full_allocator,  # noqa: F401
+                                         make_request, shard, warmed)
+
+
+class OutageClient(RecordingClient):
+    """A real in-process shard behind a switch: while `down`, every RPC fails as a dead socket does."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.down, self.health_checks, self.rewarms = False, 0, 0
+
+    def _check(self):
+        if self.down:
+            raise ShardError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+
+    async def prefill(self, batch, cached=None):
+        self._check()
+        return await super().prefill(batch, cached)
+
+    async def decode(self, batches):
+        self._check()
+        return await super().decode(batches)
+
+    async def clear_cache(self, batch_id=None):
+        self._check()
+        await super().clear_cache(batch_id)
+
+    async def health(self):
+        self.health_checks += 1
+        self._check()
+
+    async def rewarm(self):
+        self.rewarms += 1
+
+
+async def run(shard, allocator, body, limits=LIMITS):
+    inner = InProcessClient(shard, max_batch_size=limits.max_batch_size)
+    client = OutageClient(inner)
+    scheduler = Scheduler(client, allocator, limits, rewarm=client.rewarm)
+    await scheduler.start()
+    try:
+        return await body(scheduler, client)
+    finally:
+        await scheduler.stop()
+        await inner.close()
+
+
+async def wait_for(condition, timeout: float = 30):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.01)
+
+
+def test_requests_that_had_not_started_are_held_through_an_outage(shard, warmed, expected):
+    lengths, allocator = warmed[2], full_allocator(warmed[1])
+
+    async def body(scheduler, client):
+        client.down = True
+        held = [scheduler.submit(make_request(i, 10), lengths[i]) for i in (0, 1)]
+        await wait_for(lambda: not scheduler.available)  # their prefill met the dead shard
+        with pytest.raises(ShardsUnavailable):
+            scheduler.submit(make_request(2, 10), lengths[2])
+        assert scheduler.queue_length == 2 and allocator.idle  # held without blocks
+        await wait_for(lambda: client.health_checks >= 2)  # it keeps asking
+        client.down = False
+        outputs = await asyncio.gather(*(consume(s) for s in held))
+        return outputs, client.rewarms, scheduler.available
+
+    outputs, rewarms, available = asyncio.run(run(shard, allocator, body))
+    assert outputs == [expected[0][:10], expected[1][:10]]
+    assert rewarms == 1 and available
+    assert allocator.idle and not shard.batches
+
+
+def test_running_requests_fail_in_an_outage_and_later_ones_are_served(shard, warmed, expected):
+    lengths, allocator = warmed[2], full_allocator(warmed[1])
+
+    async def body(scheduler, client):
+        running = scheduler.submit(make_request(0, 30), lengths[0])
+        first = await running.__anext__()  # it is in the shard's batch now
+        client.down = True
+        with pytest.raises(ShardError, match="UNAVAILABLE"):
+            async for _ in running:
+                pass
+        await wait_for(lambda: not scheduler.available)
+        client.down = False
+        await wait_for(lambda: scheduler.available)
+        later = await consume(scheduler.submit(make_request(3, 10), lengths[3]))
+        return first, later
+
+    first, later = asyncio.run(run(shard, allocator, body))
+    assert first.tokens.ids == expected[0][:1]
+    assert later == expected[3][:10]
+    assert allocator.idle
+
+
+def test_beyond_max_concurrent_requests_a_submit_is_overloaded(shard, warmed, expected):
+    lengths, allocator = warmed[2], full_allocator(warmed[1])
+    limits = replace(LIMITS, max_concurrent_requests=2)
+
+    async def body(scheduler, client):
+        streams = [scheduler.submit(make_request(i, 10), lengths[i]) for i in (0, 1)]
+        with pytest.raises(Overloaded):
+            scheduler.submit(make_request(2, 10), lengths[2])
+        outputs = await asyncio.gather(*(consume(s) for s in streams))
+        # Once they are done there is room again.
+        return outputs, await consume(scheduler.submit(make_request(2, 10), lengths[2]))
+
+    outputs, third = asyncio.run(run(shard, allocator, body, limits))
+    assert outputs == [expected[0][:10], expected[1][:10]] and third == expected[2][:10]
+    assert allocator.idle
