@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine.devices.hooks import mark_step
+
 
 @dataclass(frozen=True)
 class Parallel:
@@ -35,6 +37,7 @@ def init_distributed(parallel: Parallel, backend: str, master_addr: str, master_
 
 def all_reduce_sum(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
     if parallel.world_size > 1:
+        mark_step()  # HPU lazy collectives: the graph is cut before the ranks communicate
         dist.all_reduce(x)
     return x
 
@@ -43,6 +46,7 @@ def all_gather_last_dim(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
     """Concatenate every rank's x along the last dimension, in rank order."""
     if parallel.world_size == 1:
         return x
+    mark_step()
     parts = [torch.empty_like(x) for _ in range(parallel.world_size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)

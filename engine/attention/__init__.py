@@ -7,8 +7,8 @@ from typing import NamedTuple
 
 import torch
 
-from engine.attention.flat import flat_attention, flat_masked
-from engine.attention.prompt import prompt_attention
+from engine.attention.backend import active_backend
+from engine.attention.flat import flat_masked
 
 
 class PrefillMetadata(NamedTuple):
@@ -43,10 +43,11 @@ def write_kv(cache: tuple[torch.Tensor, torch.Tensor], slots, k, v) -> None:
 def attention(q, k, v, cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [..., heads, head_dim]; k, v: [..., kv_heads, head_dim]. Returns q's shape."""
     write_kv(cache, meta.slots, k, v)
+    kernels = active_backend()  # pure torch unless the device adapter supplied its own
     if isinstance(meta, PrefillMetadata):
-        return prompt_attention(q, k, v, scale)
+        return kernels.prefill(q, k, v, scale)
     key_cache, value_cache = cache
-    return flat_attention(
+    return kernels.decode(
         q, key_cache, value_cache, meta.block_list, meta.block_mapping, meta.block_groups, meta.block_bias, scale,
         meta.block_masked,
     )

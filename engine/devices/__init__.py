@@ -1,10 +1,14 @@
 """Device adapters, imported lazily so that asking for one never imports another vendor's stack."""
 import importlib
+import os
 
 from engine.devices.base import DeviceAdapter
 
 _ADAPTERS = {
     "cpu": ("engine.devices.cpu", "CPUAdapter"),
+    "cuda": ("engine.devices.cuda", "CUDAAdapter"),
+    "hpu": ("engine.devices.hpu", "HPUAdapter"),
+    "xpu": ("engine.devices.xpu", "XPUAdapter"),
 }
 
 
@@ -12,8 +16,22 @@ def available_devices() -> list[str]:
     return sorted(_ADAPTERS)
 
 
-def get_adapter(name: str, graph_mode: str = "eager", strict_shapes: bool = True) -> DeviceAdapter:
+def choose_device(requested: str, world_size: int = 1, probe=None) -> str:
+    """The concrete device for `requested`: "auto" takes hpu > cuda/rocm > xpu > cpu, whichever is
+    present and usable; a named device is returned as is (its adapter checks it at start)."""
+    if requested != "auto":
+        return requested
+    from engine.devices import probe as probes
+
+    return probes.resolve_device("auto", world_size, os.environ, available_devices,
+                                 probe=probe or probes.probe_devices).name
+
+
+def get_adapter(name: str, graph_mode: str | None = None, strict_shapes: bool = True, **options) -> DeviceAdapter:
+    """The adapter for device `name` (or "auto"). `options`: rank, world_size, cache_dir.
+    A device whose library or hardware is missing raises DeviceError naming what is missing."""
+    name = choose_device(name, options.get("world_size", 1))
     if name not in _ADAPTERS:
         raise ValueError(f"unknown device {name!r} (available: {', '.join(available_devices())})")
     module, cls = _ADAPTERS[name]
-    return getattr(importlib.import_module(module), cls)(graph_mode=graph_mode, strict_shapes=strict_shapes)
+    return getattr(importlib.import_module(module), cls)(graph_mode=graph_mode, strict_shapes=strict_shapes, **options)

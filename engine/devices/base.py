@@ -3,10 +3,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
+from contextlib import ExitStack
+from pathlib import Path
 from typing import Callable, Hashable
 
 import torch
 
+from engine.attention.backend import AttentionBackend, use_backend
+from engine.devices.hooks import step_markers
 from engine.errors import UnwarmedShapeError
 
 
@@ -35,12 +39,25 @@ class DeviceAdapter(ABC):
     default_dtype: torch.dtype = torch.float32
     default_block_size: int = 16
     graph_modes: tuple[str, ...] = ("eager",)
+    default_graph_mode: str = "eager"
+    default_lora_impl: str = "dense"  # engine/layers/lora.py: static shapes, safe in graphs and buckets
+    step_marker: Callable[[], None] | None = None        # installed around forwards (HPU lazy mode)
+    attention_backend: AttentionBackend | None = None    # None: pure torch attention
 
-    def __init__(self, graph_mode: str = "eager", strict_shapes: bool = True):
+    def __init__(self, graph_mode: str | None = None, strict_shapes: bool = True, *, rank: int = 0,
+                 world_size: int = 1, cache_dir: Path | None = None):
+        graph_mode = graph_mode or self.default_graph_mode
         if graph_mode not in self.graph_modes:
             raise ValueError(f"graph mode {graph_mode!r} is not available on {self.name} (choose from {', '.join(self.graph_modes)})")
         self.graph_mode = graph_mode
+        self.rank, self.world_size, self.cache_dir = rank, world_size, cache_dir
         self.shapes = ShapeRegistry(strict_shapes)
+        self.stats: Counter = Counter()  # "replay", "capture", "bypass", ... per kind of shape
+
+    @property
+    def device_type(self) -> str:
+        """The device as Info.device_type reports it (ROCm reports "rocm", not torch's "cuda")."""
+        return self.name
 
     @property
     @abstractmethod
@@ -53,9 +70,14 @@ class DeviceAdapter(ABC):
     def synchronize(self) -> None:
         """Wait for queued device work (no-op where execution is synchronous)."""
 
+    def reset(self) -> None:
+        """Forget the warmed shapes (and graphs): a new KV cache was bound, so they must be warmed again."""
+        self.shapes.warmed.clear()
+
     def warm(self, shape: Hashable, fn: Callable, *args):
         """Run `fn` once at `shape` during warmup (capturing or compiling a graph where the device does)."""
-        out = self.graph_for(shape, fn)(*args)
+        with self._hooks():
+            out = self.forward(shape, fn, args, warming=True)
         self.synchronize()
         self.shapes.mark_warmed(shape)
         return out
@@ -63,8 +85,28 @@ class DeviceAdapter(ABC):
     def run(self, shape: Hashable, fn: Callable, *args):
         """Run `fn` at a bucket shape; strict mode refuses a shape warmup never saw."""
         self.shapes.check(shape)
-        return self.graph_for(shape, fn)(*args)
+        with self._hooks():
+            return self.forward(shape, fn, args, warming=False)
+
+    def _hooks(self):
+        stack = ExitStack()
+        stack.enter_context(step_markers(self.step_marker))
+        stack.enter_context(use_backend(self.attention_backend))
+        return stack
+
+    def forward(self, shape: Hashable, fn: Callable, args: tuple, warming: bool):
+        """One forward. A shape warmup never ran (lenient mode) runs eagerly: compiling or
+        capturing at serving time would stall every request in the batch."""
+        if warming or shape in self.shapes.warmed:
+            return self.graph_for(shape, fn)(*args)
+        self.stats[("bypass", kind_of(shape))] += 1
+        return fn(*args)
 
     def graph_for(self, shape: Hashable, fn: Callable) -> Callable:
         """The callable to run at `shape`; eager by default."""
         return fn
+
+
+def kind_of(shape: Hashable) -> str:
+    """"prefill", "decode", ... : the runner's shape keys are (kind, bucket)."""
+    return shape[0] if isinstance(shape, tuple) and shape and isinstance(shape[0], str) else "forward"

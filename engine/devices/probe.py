@@ -17,6 +17,8 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from engine.errors import BucketserveError
+
 
 DEVICES = ("auto", "cpu", "cuda", "hpu", "xpu")
 ACCELERATORS = ("hpu", "cuda", "xpu")  # auto's order of preference
@@ -25,7 +27,7 @@ VISIBILITY_VARS = {"cuda": "CUDA_VISIBLE_DEVICES", "rocm": "HIP_VISIBLE_DEVICES"
 PROBE_TIMEOUT_S = 120  # the first HPU initialisation of a boot is slow
 
 
-class DeviceError(Exception):
+class DeviceError(BucketserveError):
     """The requested device cannot be used here; the message says why in one line."""
 
 
@@ -101,6 +103,19 @@ def safe_probe(device: str) -> Probe:
         return PROBES[device]()
     except Exception as err:  # noqa: BLE001 - a broken vendor install is an answer, not a crash
         return Probe(device, False, f"its libraries failed to load: {type(err).__name__}: {err}")
+
+
+def require(device: str, before_import: Callable[[], None] = lambda: None) -> Probe:
+    """The probe of a device an adapter is about to use, in this process; DeviceError when unusable.
+    `before_import` runs once the stack is known to be installed, before it is first imported
+    (the Habana bridge reads its environment then)."""
+    found = absent_by_build(device)
+    if found is None:
+        before_import()
+        found = safe_probe(device)
+    if not found.usable:
+        raise DeviceError(f"--device {device} is not usable here: {found.reason}")
+    return found
 
 
 # --- the launcher's side -----------------------------------------------------------------------

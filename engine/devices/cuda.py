@@ -1,0 +1,82 @@
+"""NVIDIA CUDA and AMD ROCm (a ROCm build of torch answers to torch.cuda; torch.version.hip tells).
+
+Graph modes: "graphs" (default) captures a CUDA graph per decode bucket after that bucket's eager
+warmup run and replays it every decode step; prefill stays eager (its buckets are few and large,
+launch overhead is negligible there). "eager" and "compile" (torch.compile per bucket) as on CPU.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.devices.base import DeviceAdapter, kind_of
+from engine.devices.cpu import compile_static
+from engine.devices.cuda_graphs import GraphSet
+from engine.devices.probe import VISIBILITY_VARS, require
+
+GRAPHED_KINDS = ("decode",)
+
+
+class CUDAAdapter(DeviceAdapter):
+    name = "cuda"
+    dist_backend = "nccl"  # RCCL answers to the same name on ROCm
+    default_dtype = torch.bfloat16
+    default_block_size = 16
+    graph_modes = ("graphs", "eager", "compile")
+    default_graph_mode = "graphs"
+    default_lora_impl = "gather"  # per-token adapter weights: cost does not grow with the adapters loaded
+    torch_device_type = "cuda"
+
+    def __init__(self, graph_mode: str | None = None, strict_shapes: bool = True, **options):
+        super().__init__(graph_mode, strict_shapes, **options)
+        found = require("cuda")
+        self.rocm = found.rocm
+        # One visible device per rank when the launcher narrowed visibility; otherwise rank r takes device r.
+        self.index = self.rank % max(1, found.count)
+        torch.cuda.set_device(self.index)
+        self.graphs = GraphSet(torch.cuda)
+        self._compiled: dict = {}
+
+    @property
+    def device_type(self) -> str:
+        return "rocm" if self.rocm else "cuda"
+
+    @property
+    def visibility_var(self) -> str:
+        return VISIBILITY_VARS[self.device_type]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.torch_device_type, self.index)
+
+    def memory_info(self) -> tuple[int, int]:
+        free, total = torch.cuda.mem_get_info(self.index)
+        return int(free), int(total)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.index)
+
+    def reset(self) -> None:
+        super().reset()
+        self.graphs = GraphSet(torch.cuda)  # they point into the previous KV cache
+
+    def forward(self, shape, fn, args, warming):
+        kind = kind_of(shape)
+        graphed = self.graph_mode == "graphs" and kind in GRAPHED_KINDS
+        if graphed and warming:
+            out = fn(*args)  # the eager run first: lazy initialisation (cuBLAS, allocator) stays out of the graph
+            self.synchronize()
+            self.graphs.capture(shape, fn, args)
+            self.stats[("capture", kind)] += 1
+            return out
+        if graphed and shape in self.graphs:
+            self.stats[("replay", kind)] += 1
+            return self.graphs.replay(shape, args)
+        if self.graph_mode == "compile" and (warming or shape in self.shapes.warmed):
+            return self._compile(fn)(*args)
+        self.stats[("eager" if warming or shape in self.shapes.warmed else "bypass", kind)] += 1
+        return fn(*args)
+
+    def _compile(self, fn):
+        if fn not in self._compiled:
+            self._compiled[fn] = compile_static(fn, backend="inductor")
+        return self._compiled[fn]
