@@ -11,102 +11,16 @@ importing torch.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
 
-
-def _require_positive(name: str, value: object) -> None:
-    # bool is an int subclass; True as a batch size is always a bug upstream.
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _check_range_args(min_value: int, step: int, max_value: int) -> None:
-    _require_positive("min_value", min_value)
-    _require_positive("step", step)
-    _require_positive("max_value", max_value)
-    if min_value > max_value:
-        raise ValueError(f"min_value ({min_value}) must be <= max_value ({max_value})")
-
-
-# ---------------------------------------------------------------------------------------
-# Range strategies: the values one dimension (batch, length, blocks) is bucketed on.
-# ---------------------------------------------------------------------------------------
-
-def linear_range(min_value: int, step: int, max_value: int) -> list[int]:
-    """vLLM-Gaudi's "warmup_range": double from min_value while below step, then add step.
-
-    Small values double because padding 3 rows to 32 would waste most of the batch;
-    large values go up by step so padding never exceeds one step. max_value is always
-    the last value so that the longest allowed input has a bucket.
-    e.g. linear_range(1, 32, 128) == [1, 2, 4, 8, 16, 32, 64, 96, 128]
-    """
-    _check_range_args(min_value, step, max_value)
-    values = [min_value]
-    # Ramp values stay strictly below step (and below max_value, appended last).
-    while values[-1] * 2 < min(step, max_value):
-        values.append(values[-1] * 2)
-    # Next multiple of step strictly above the last value: aligns the linear part on
-    # step even when min_value is not a power-of-two fraction of it.
-    value = (values[-1] // step + 1) * step
-    while value < max_value:
-        values.append(value)
-        value += step
-    if values[-1] != max_value:
-        values.append(max_value)
-    return values
-
-
-def _covers(candidate: int, min_value: int, max_value: int, i: int, n_minus_1: int) -> bool:
-    """Exactly: candidate >= min * (max/min) ** (i / n_minus_1).
-
-    Raised to the n_minus_1-th power this is pure integer arithmetic; floats get it
-    wrong (32 ** (4/5) == 16.000000000000004 would round up to 17, not 16).
-    """
-    return candidate ** n_minus_1 * min_value ** i >= max_value ** i * min_value ** n_minus_1
-
-
-def _exponential_point(min_value: int, step: int, max_value: int, i: int, n_minus_1: int) -> int:
-    """The i-th exponential point rounded up to a multiple of step, clamped to max_value."""
-    estimate = min_value * (max_value / min_value) ** (i / n_minus_1)
-    k = max(1, math.ceil(estimate / step))
-    # The float estimate is off by at most one step; the exact test settles it.
-    while k > 1 and _covers((k - 1) * step, min_value, max_value, i, n_minus_1):
-        k -= 1
-    while not _covers(k * step, min_value, max_value, i, n_minus_1):
-        k += 1
-    return min(k * step, max_value)
-
-
-def exponential_range(min_value: int, step: int, max_value: int, count: int | None = None) -> list[int]:
-    """vLLM-Gaudi's exponential strategy: count points spaced geometrically from min to max.
-
-    Point i is min * (max/min) ** (i/(count-1)), rounded up to a multiple of step (shapes
-    aligned on step compile to better kernels) and clamped to max_value. Duplicates are
-    dropped, so fewer than count values may come back. Geometric spacing bounds the
-    padding ratio instead of the padding amount, which suits long sequence ranges.
-    Default count: ceil(log2(max_value)) + 1, at least 2.
-    """
-    _check_range_args(min_value, step, max_value)
-    if count is not None:
-        _require_positive("count", count)
-    if min_value == max_value:
-        return [max_value]
-    # (max-1).bit_length() == ceil(log2(max)) for max >= 1, without float log.
-    n = count if count is not None else max(2, (max_value - 1).bit_length() + 1)
-    if n < 2:
-        raise ValueError(f"count must be >= 2 when min_value ({min_value}) < max_value ({max_value}), got {n}")
-    values = {min_value, max_value}
-    for i in range(1, n - 1):
-        values.add(_exponential_point(min_value, step, max_value, i, n - 1))
-    return sorted(values)
-
-
-STRATEGIES: dict[str, Callable[[int, int, int], list[int]]] = {
-    "linear": linear_range,
-    "exponential": exponential_range,
-}
+from engine.bucket_ranges import (  # noqa: F401 - re-exported: the planner's public names live here
+    STRATEGIES,
+    _require_positive,
+    exponential_range,
+    linear_range,
+    padding_range,
+)
 
 
 # ---------------------------------------------------------------------------------------
@@ -191,11 +105,36 @@ class StrategySteps:
 class BucketPlan:
     prefill: tuple[PrefillBucket, ...]
     decode: tuple[DecodeBucket, ...]
+    # Measured seconds per step of each bucket (a warmup profile). When given, bucket choice and
+    # splitting minimise time instead of padded tokens: on a real device a bigger bucket can be as
+    # fast as a smaller one (memory-bound decode), which token counts cannot see.
+    latency: Mapping | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # Tuples keep the frozen plan hashable and immune to a caller's list edits.
         object.__setattr__(self, "prefill", tuple(self.prefill))
         object.__setattr__(self, "decode", tuple(self.decode))
+
+    @property
+    def graphs(self) -> int:
+        """Buckets to warm (one graph each, not counting the prompt-logprobs variant)."""
+        return len(self.prefill) + len(self.decode)
+
+    def subset(self, keep: Iterable) -> "BucketPlan":
+        """The plan restricted to the buckets in `keep` (e.g. those warmed so far), same latencies."""
+        keep = set(keep)
+        return BucketPlan(tuple(b for b in self.prefill if b in keep), tuple(b for b in self.decode if b in keep),
+                          self.latency)
+
+    def _seconds(self, bucket) -> float:
+        """The bucket's measured latency; 0 without a profile (choice falls to padding), and
+        infinity for a bucket the profile did not measure (chosen only when nothing else holds)."""
+        if self.latency is None:
+            return 0.0
+        return self.latency.get(bucket, float("inf"))
+
+    def _cost(self, bucket: PrefillBucket) -> float:
+        return self.latency[bucket] if self.latency and bucket in self.latency else bucket.tokens
 
     @property
     def max_prefill_batch(self) -> int:
@@ -215,23 +154,26 @@ class BucketPlan:
 
     def prefill_bucket(self, batch_size: int, seq_len: int) -> PrefillBucket | None:
         """The bucket holding batch_size prompts of at most seq_len tokens with the fewest
-        padded tokens (ties: smaller batch), or None if no bucket holds it."""
+        padded tokens (ties: smaller batch), or None if no bucket holds it. With latencies:
+        the fastest holding bucket, ties broken the same way."""
         _require_positive("batch_size", batch_size)
         _require_positive("seq_len", seq_len)
         holding = [b for b in self.prefill if b.batch_size >= batch_size and b.seq_len >= seq_len]
-        return min(holding, key=lambda b: (b.tokens, b.batch_size), default=None)
+        return min(holding, key=lambda b: (self._seconds(b), b.tokens, b.batch_size), default=None)
 
     def decode_bucket(self, batch_size: int, num_blocks: int) -> DecodeBucket | None:
         """The bucket holding batch_size sequences with num_blocks blocks in total: fewest
-        padded rows first (every row costs a full forward row), then fewest padded blocks."""
+        padded rows first (every row costs a full forward row), then fewest padded blocks.
+        With latencies: the fastest holding bucket, ties broken the same way."""
         _require_positive("batch_size", batch_size)
         _require_positive("num_blocks", num_blocks)
         holding = [b for b in self.decode if b.batch_size >= batch_size and b.num_blocks >= num_blocks]
-        return min(holding, key=lambda b: (b.batch_size, b.num_blocks), default=None)
+        return min(holding, key=lambda b: (self._seconds(b), b.batch_size, b.num_blocks), default=None)
 
     def split_prefill(self, seq_lens: list[int]) -> list[list[int]]:
         """Partition prompt indices into groups that each fit a prefill bucket, with the fewest
-        padded tokens in all (ties: fewer forwards). Indices inside a group are ascending.
+        padded tokens (with latencies: the least time) in all (ties: fewer forwards). Indices
+        inside a group are ascending.
 
         With prompts sorted by length, some optimal partition takes consecutive runs, so a
         dynamic program over run ends finds it: best[i] is the cheapest split of the i longest.
@@ -242,14 +184,14 @@ class BucketPlan:
                 raise ValueError(f"prompt {i} has {length} tokens, more than the longest "
                                  f"prefill bucket ({self.max_prefill_seq_len} tokens)")
         order = sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i))
-        best: list[tuple[int, int, int]] = [(0, 0, 0)]  # (padded tokens, forwards, run start)
+        best: list[tuple[float, int, int]] = [(0, 0, 0)]  # (padded tokens or seconds, forwards, run start)
         for end in range(1, len(order) + 1):
             options = []
             for start in range(max(0, end - self.max_prefill_batch), end):
                 # order[start] is the run's longest prompt: it fixes the padded length.
                 bucket = self.prefill_bucket(end - start, seq_lens[order[start]])
                 if bucket is not None:
-                    options.append((best[start][0] + bucket.tokens, best[start][1] + 1, start))
+                    options.append((best[start][0] + self._cost(bucket), best[start][1] + 1, start))
             best.append(min(options))
         groups, end = [], len(order)
         while end:
@@ -309,7 +251,7 @@ def _decode_buckets(limits: BucketLimits, strategy: Callable, steps: StrategySte
 
 
 def default_steps(strategy: str, block_size: int) -> StrategySteps:
-    if strategy == "exponential":
+    if strategy in ("exponential", "padding"):
         # Powers of two for batch sizes and block counts, lengths aligned on whole KV blocks.
         return StrategySteps(prefill_batch_step=1, prefill_seq_step=block_size, decode_batch_step=1, decode_block_step=1)
     return StrategySteps()

@@ -1,0 +1,87 @@
+"""`python -m engine warmup-profile`: warm every bucket, time each, write profile.json and plots."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+from engine.cli_buckets import add_limit_args, add_plan_args, report
+from engine.config import EngineConfig
+
+COMPARED = ("linear", "exponential", "padding", "fitted")
+
+
+def profile_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model_id=args.model_id, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        max_batch_size=args.max_batch_size, max_input_tokens=args.max_input_tokens,
+        max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens,
+        bucket_strategy=args.strategy, bucket_shapes=args.shapes, bucket_file=args.bucket_file,
+        max_graphs=args.max_graphs, graph_mode=args.graph_mode, cache_dir=args.cache_dir, warmup_mode="full",
+    )
+
+
+def strategy_reports(shard, shapes) -> list[dict]:
+    """Each strategy's padding on the trace, under this shard's limits and KV cache."""
+    from engine.plans import make_plan
+    from engine.warmup import bucket_limits
+
+    limits = bucket_limits(shard.limits, shard.block_size, shard.runner.kv_cache.num_blocks)
+    return [report(make_plan(name, limits, shapes), name, limits, shapes) for name in COMPARED]
+
+
+def write_plots(out_dir: Path, entries: list[dict], reports: list[dict]) -> list[Path]:
+    from engine.profile_plots import latency_plot, waste_plot
+
+    paths = [latency_plot(entries, "prefill", "seq_len", out_dir / "prefill_latency.png"),
+             latency_plot(entries, "decode", "num_blocks", out_dir / "decode_latency.png")]
+    if reports:
+        paths.append(waste_plot(reports, out_dir / "strategy_waste.png"))
+    return [p for p in paths if p is not None]
+
+
+def cmd_warmup_profile(args: argparse.Namespace) -> None:
+    from engine.profile import measure, summary_table, write_profile
+    from engine.shapes import load_shapes
+    from engine.shard import Shard
+
+    if args.runs < 1:
+        raise ValueError(f"--runs must be at least 1, got {args.runs}")
+    shapes = load_shapes(args.shapes) if args.shapes else None  # a bad trace fails before the model loads
+    shard = Shard(profile_config(args), show_progress=True)
+    shard.warmup()
+    print(f"timing {len(shard.warmup_log.buckets)} buckets, {args.runs} runs each", file=sys.stderr)
+    entries = measure(shard, args.runs)
+    reports = strategy_reports(shard, shapes) if shapes else []
+    extra = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             "runs": args.runs, "shapes": args.shapes, "strategy_waste": reports}
+    out_dir = Path(args.out)
+    path = write_profile(out_dir, shard, entries, args.strategy, extra)
+    plots = write_plots(out_dir, entries, reports)
+    print(summary_table(entries))
+    for r in reports:
+        print(f"on the trace: {r['strategy']:12} {r['graphs']:4} graphs, waste prefill {r['prefill']['waste']:.1%}, "
+              f"decode rows {r['decode']['waste']:.1%}, blocks {r['decode']['block_waste']:.1%}")
+    print(f"wrote {path}" + "".join(f", {p}" for p in plots))
+    print(f"serve with it: python -m engine serve --warmup-profile {path} (same model, device, dtype, block size)")
+
+
+def add_profile_command(commands) -> None:
+    defaults = EngineConfig()
+    p = commands.add_parser("warmup-profile", help="warm every bucket, measure each, write profile.json and plots",
+                            description="Warm every bucket of a plan and measure, per bucket, the warmup (compile or "
+                                        "capture) time, the median step latency and the memory; write DIR/profile.json "
+                                        "and PNG plots. `engine serve --warmup-profile DIR/profile.json` reuses it.")
+    p.add_argument("--model-id", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, hpu or xpu")
+    p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the device's)")
+    p.add_argument("--graph-mode", help="default: the device's (cpu: eager or compile)")
+    p.add_argument("--cache-dir", type=Path, help="where converted models are cached")
+    add_limit_args(p, block_size_default=None)
+    p.add_argument("--block-size", type=int, help="KV cache block size in tokens (default: the device's)")
+    add_plan_args(p, defaults.bucket_strategy)
+    p.add_argument("--runs", type=int, default=5, help="timed runs per bucket (the median is kept)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
+    p.set_defaults(func=cmd_warmup_profile)

@@ -1,0 +1,115 @@
+"""One entry point for every bucket strategy, and the checks a plan from outside must pass.
+
+Grid strategies (linear, exponential, padding) need only the limits; `file` reads the buckets from
+a JSON file; `fitted` fits them to a recorded trace under a graph budget.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engine.buckets import STRATEGIES, BucketLimits, BucketPlan, DecodeBucket, PrefillBucket, default_steps, plan_buckets
+
+ALL_STRATEGIES = (*sorted(STRATEGIES), "file", "fitted")
+
+
+def make_plan(strategy: str, limits: BucketLimits, shapes=None, bucket_file: str | Path | None = None,
+              max_graphs: int | None = None) -> BucketPlan:
+    """The buckets of `strategy`. fitted needs `shapes` (a trace); max_graphs defaults to the
+    exponential plan's graph count, so fitted costs the same warmup as the default."""
+    if strategy not in ALL_STRATEGIES:
+        raise ValueError(f"unknown bucket strategy {strategy!r}; known: {', '.join(ALL_STRATEGIES)}")
+    if max_graphs is not None and strategy != "fitted":
+        raise ValueError("--max-graphs applies to the fitted strategy only")
+    if strategy == "file":
+        if bucket_file is None:
+            raise ValueError("the file strategy needs a bucket file (--bucket-file)")
+        plan = load_bucket_file(bucket_file)
+        check_plan(plan, limits, str(bucket_file))
+        return plan
+    if strategy == "fitted":
+        return _fitted(limits, shapes, max_graphs)
+    return plan_buckets(limits, strategy)
+
+
+def _fitted(limits: BucketLimits, shapes, max_graphs: int | None) -> BucketPlan:
+    from engine.fitted import fit_plan  # numpy only when fitting
+
+    if not shapes:
+        raise ValueError("the fitted strategy needs a trace of batch shapes (--shapes FILE.jsonl, "
+                         "recorded with `engine serve --record-shapes`)")
+    budget = max_graphs if max_graphs is not None else plan_buckets(limits, "exponential").graphs
+    seq_step = default_steps("exponential", limits.block_size).prefill_seq_step
+    plan = fit_plan(limits, shapes, budget, seq_step)
+    check_plan(plan, limits, "fitted plan")  # the planner's own guarantees, checked where they matter
+    return plan
+
+
+def load_bucket_file(path: str | Path) -> BucketPlan:
+    """{"prefill_buckets": [[bs, seq], ...], "decode_buckets": [[bs, blocks], ...]}: the shape
+    `engine buckets --json` prints and profile.json holds, so either can be passed back in."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not JSON ({err.msg} at line {err.lineno})") from None
+    if not isinstance(data, dict) or not {"prefill_buckets", "decode_buckets"} <= set(data):
+        raise ValueError(f'{path}: expected {{"prefill_buckets": [[bs, seq], ...], "decode_buckets": [[bs, blocks], ...]}}')
+    return BucketPlan(tuple(_buckets(path, data["prefill_buckets"], PrefillBucket)),
+                      tuple(_buckets(path, data["decode_buckets"], DecodeBucket)))
+
+
+def _buckets(path, pairs, kind) -> list:
+    out = []
+    for pair in pairs:
+        try:
+            bucket = kind(*pair)
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}: {kind.__name__} {pair!r} is not two positive integers") from None
+        if bucket not in out:
+            out.append(bucket)
+    return out
+
+
+def plan_problems(plan: BucketPlan, limits: BucketLimits) -> list[str]:
+    """What makes a plan unusable under the limits: buckets beyond them, or shapes within them that
+    no bucket (or split) could run."""
+    problems = [f"prefill bucket [{b.batch_size}, {b.seq_len}] is beyond the limits" + why
+                for b in plan.prefill for why in [_prefill_beyond(b, limits)] if why]
+    problems += [f"decode bucket [{b.batch_size}, {b.num_blocks}] is beyond the limits" + why
+                 for b in plan.decode for why in [_decode_beyond(b, limits)] if why]
+    if plan.prefill_bucket(1, limits.max_input_tokens) is None:
+        problems.append(f"no prefill bucket holds a prompt of max_input_tokens={limits.max_input_tokens}")
+    bps, kv = limits.blocks_per_sequence, limits.max_kv_blocks
+    for n in range(1, min(limits.max_batch_size, kv) + 1):
+        if plan.decode_bucket(n, min(n * bps, kv)) is None:
+            problems.append(f"no decode bucket holds {n} sequences of {min(n * bps, kv)} blocks in all")
+            break
+    return problems
+
+
+def _prefill_beyond(b: PrefillBucket, limits: BucketLimits) -> str:
+    if b.batch_size > limits.max_batch_size:
+        return f": batch_size > max_batch_size={limits.max_batch_size}"
+    if b.seq_len > limits.max_input_tokens:
+        return f": seq_len > max_input_tokens={limits.max_input_tokens}"
+    if b.tokens > limits.max_prefill_tokens:
+        return f": {b.tokens} tokens > max_prefill_tokens={limits.max_prefill_tokens}"
+    return ""
+
+
+def _decode_beyond(b: DecodeBucket, limits: BucketLimits) -> str:
+    # Blocks are checked against what max_batch_size sequences can hold, not against this device's
+    # KV cache: a bucket bigger than the cache is never needed but harmless to warm (dummy rows
+    # read only the reserved block), so a plan stays valid on a device with a little less memory.
+    if b.batch_size > limits.max_batch_size:
+        return f": batch_size > max_batch_size={limits.max_batch_size}"
+    if not b.batch_size <= b.num_blocks <= b.batch_size * limits.blocks_per_sequence:
+        return f": num_blocks outside batch_size..batch_size x {limits.blocks_per_sequence} blocks per sequence"
+    return ""
+
+
+def check_plan(plan: BucketPlan, limits: BucketLimits, source: str) -> None:
+    problems = plan_problems(plan, limits)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ValueError(f"{source}: {problems[0]}{more}")

@@ -1,0 +1,96 @@
+"""Progressive warmup: warm a covering set, answer healthy, warm the rest in the background.
+
+The runner only ever chooses among warmed buckets: its plan is swapped for the warmed subset
+after each bucket, under the lock that serving holds for a whole step. So a batch never reaches
+the device at an unwarmed shape; before a better bucket is warmed it is split over the covering
+ones (more forwards, same tokens).
+"""
+from __future__ import annotations
+
+import threading
+
+from engine.buckets import BucketLimits, BucketPlan, DecodeBucket
+from engine.warmup import PhaseLog, _size, describe, report, warm_buckets
+
+
+def covering_set(plan: BucketPlan, limits: BucketLimits) -> list:
+    """Buckets enough to serve any batch within the limits, by splitting it:
+    - the prefill bucket for one prompt of max_input_tokens (split_prefill can run every prompt alone);
+    - the decode bucket for one sequence of max_total_tokens (split_decode can run every row alone);
+    - the decode bucket for a full batch of full sequences, so that decoding, a forward per
+      generated token, does not run one forward per row while the rest warms."""
+    top = min(limits.max_batch_size, limits.max_kv_blocks)
+    wanted = [plan.prefill_bucket(1, limits.max_input_tokens),
+              plan.decode_bucket(1, min(limits.blocks_per_sequence, limits.max_kv_blocks)),
+              plan.decode_bucket(top, min(top * limits.blocks_per_sequence, limits.max_kv_blocks))]
+    if None in wanted:
+        raise ValueError("the bucket plan does not cover the limits: progressive warmup has no covering set")
+    return list(dict.fromkeys(wanted))
+
+
+def background_order(buckets) -> list:
+    """Decode first (a decode forward per generated token: most forwards are decodes), smallest
+    batches first within a phase (cheapest to warm, and light load uses them)."""
+    return sorted(buckets, key=lambda b: (not isinstance(b, DecodeBucket), b.batch_size, _size(b)))
+
+
+class BackgroundWarmup:
+    """The thread warming the buckets left after the covering set."""
+
+    def __init__(self, runner, plan: BucketPlan, warmed: set, remaining: list, prompt_logprobs: bool,
+                 show_progress: bool, lock, phases: PhaseLog):
+        self.runner, self.plan, self.warmed, self.remaining = runner, plan, warmed, remaining
+        self.total = plan.graphs
+        self._stop = threading.Event()
+        self._args = (prompt_logprobs, show_progress, lock, phases)
+        self.thread = threading.Thread(target=self._run, name="background-warmup", daemon=True)
+        self.error: BaseException | None = None
+
+    def _on_warmed(self, bucket) -> None:
+        self.warmed.add(bucket)
+        self.runner.plan = self.plan.subset(self.warmed)  # under the lock: no step is running
+
+    def _run(self) -> None:
+        prompt_logprobs, show_progress, lock, phases = self._args
+        try:
+            phases.buckets += warm_buckets(self.runner, self.remaining, prompt_logprobs, show_progress,
+                                           "background warmup", lock, self._on_warmed, self._stop)
+        except BaseException as err:  # noqa: BLE001 - serving goes on with the buckets warmed so far
+            self.error = err
+            report(f"background warmup failed after {len(self.warmed)}/{self.total} buckets: {err}", True)
+            return
+        if not self._stop.is_set():
+            phases.mark("background buckets")
+            report(f"warmup progressive: all {self.total} buckets warm in {phases.summary()}", show_progress)
+
+    @property
+    def done(self) -> bool:
+        return len(self.warmed) == self.total
+
+    def progress(self) -> dict:
+        return {"warmed": len(self.warmed), "total": self.total, "done": self.done}
+
+    def stop(self) -> None:
+        """Stop after the bucket being warmed (a re-warmup replaces the runner this one warms)."""
+        self._stop.set()
+        self.thread.join()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.thread.join(timeout)
+
+
+def start_progressive(runner, plan: BucketPlan, limits: BucketLimits, prompt_logprobs: bool, show_progress: bool,
+                      lock, phases: PhaseLog) -> BackgroundWarmup:
+    cover = covering_set(plan, limits)
+    warmed: set = set()
+    runner.plan = plan.subset(warmed)
+    phases.buckets += warm_buckets(runner, cover, prompt_logprobs, show_progress, "warmup (covering set)", lock,
+                                   lambda bucket: (warmed.add(bucket), setattr(runner, "plan", plan.subset(warmed))))
+    phases.mark("covering buckets")
+    remaining = background_order([b for b in plan.prefill + plan.decode if b not in warmed])
+    report(f"warmup progressive: {len(cover)} covering buckets in {phases.summary()}; healthy, "
+           f"{len(remaining)} more warming in the background: " + ", ".join(describe(b) for b in cover),
+           show_progress)
+    background = BackgroundWarmup(runner, plan, warmed, remaining, prompt_logprobs, show_progress, lock, phases)
+    background.thread.start()
+    return background

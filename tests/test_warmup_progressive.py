@@ -1,0 +1,67 @@
+"""Progressive warmup answers after a covering set and serves correct tokens while the rest warms."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import engine.progressive
+from engine.batch import Batch
+from engine.shard import Shard
+from tests.conftest import tiny_config
+from tests.test_equivalence import PROMPTS
+from tests.test_shard import drain, request
+
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dirs):
+    from tests.test_equivalence import reference_tokens
+
+    return reference_tokens(tiny_model_dirs["llama"], PROMPTS, NEW_TOKENS)
+
+
+def test_serves_reference_tokens_before_the_background_warmup_ends(tiny_model_dirs, expected, monkeypatch):
+    gate = threading.Event()
+    real = engine.progressive.warm_buckets
+
+    def gated(runner, buckets, *args, **kwargs):
+        if args and args[2] == "background warmup":
+            gate.wait(60)  # hold the background phase until the requests below are served
+        return real(runner, buckets, *args, **kwargs)
+
+    monkeypatch.setattr(engine.progressive, "warm_buckets", gated)
+    shard = Shard(tiny_config(tiny_model_dirs["llama"], max_batch_size=4, warmup_mode="progressive",
+                              strict_shapes=True), show_progress=False)
+    shard.warmup()
+    try:
+        progress = shard.warmup_progress()
+        assert progress["warmed"] == 3 < progress["total"] and not progress["done"]
+        tokens = {i: [] for i in range(4)}
+        generations, cached = shard.prefill(Batch(1, [request(i, NEW_TOKENS) for i in range(4)]))
+        for g in generations:
+            tokens[g.request_id].append(g.tokens.ids[0])
+        drain(shard, cached, tokens)
+        assert [tokens[i] for i in range(4)] == expected[:4]
+        assert shard.warmup_progress()["warmed"] == 3  # all of it served by the covering set
+        assert not shard.adapter.shapes.unwarmed
+    finally:
+        gate.set()
+        shard.background.join(120)
+    assert shard.warmup_progress() == {"warmed": shard.runner.plan.graphs, "total": shard.runner.plan.graphs, "done": True}
+    assert set(shard.runner.plan.prefill + shard.runner.plan.decode) == {b.bucket for b in shard.warmup_log.buckets}
+
+
+def test_covering_set_serves_any_batch_by_splitting():
+    from engine.buckets import BucketLimits, plan_buckets
+    from engine.progressive import covering_set
+
+    limits = BucketLimits(8, 128, 256, 512, 16, 100)
+    plan = plan_buckets(limits, "exponential")
+    cover = plan.subset(covering_set(plan, limits))
+    assert cover.graphs == 3
+    for lengths in ([128] * 8, [1, 64, 128, 7]):
+        assert all(cover.prefill_bucket(len(g), max(lengths[i] for i in g)) for g in cover.split_prefill(lengths))
+    for counts in ([16] * 6, [1] * 8, [16, 1, 3]):
+        assert all(cover.decode_bucket(len(g), sum(counts[i] for i in g)) for g in cover.split_decode(counts))
