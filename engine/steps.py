@@ -8,6 +8,7 @@ from engine.batch import FinishReason, GeneratedText, Generation, GrammarType, R
 from engine.detokenize import decode_next
 from engine.errors import InvalidRequestError
 from engine.kv_cache import BlockAllocator, blocks_needed
+from engine.layers.lora import NO_ADAPTER, LoraSet
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
 from engine.sampling import choose, is_sampling, new_sampling_state, validate_parameters
 from engine.sequence import Sequence
@@ -27,6 +28,18 @@ class StepContext:
     unset_seed: Callable = None  # request id -> the seed of a request that set none, equal on every rank
     rank: int = 0
     world_size: int = 1
+    lora_set: LoraSet | None = None  # the LoRA adapters requests may name in adapter_id
+
+
+def adapter_slot(ctx: StepContext, request: Request) -> int:
+    """The slot of the request's LoRA adapter; no adapter_id (or "") is the base model."""
+    if not request.adapter_id:
+        return NO_ADAPTER
+    names = ctx.lora_set.names if ctx.lora_set else ()
+    if request.adapter_id not in names:
+        raise InvalidRequestError(f"request {request.id}: unknown adapter_id {request.adapter_id!r} "
+                                  f"(loaded adapters: {', '.join(names) or 'none'})")
+    return ctx.lora_set.slot(request.adapter_id)
 
 
 def admit_requests(ctx: StepContext, requests: list[Request]) -> list[Sequence]:
@@ -49,6 +62,7 @@ def _compile_grammar(ctx: StepContext, request: Request):
 
 def _tokenize(ctx: StepContext, request: Request) -> list[int]:
     validate_parameters(request.id, request.parameters)
+    adapter_slot(ctx, request)
     ids = ctx.tokenizer(request.inputs, add_special_tokens=request.add_special_tokens)["input_ids"]
     if request.truncate:
         ids = ids[-request.truncate :]
@@ -87,7 +101,8 @@ def _new_sequence(ctx: StepContext, request: Request, ids: list[int], grammar) -
 
 
 def prefill_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation]:
-    inputs = [PrefillInput(s.token_ids, s.slots(0, len(s.token_ids)), s.request.prefill_logprobs) for s in sequences]
+    inputs = [PrefillInput(s.token_ids, s.slots(0, len(s.token_ids)), s.request.prefill_logprobs,
+                           adapter_slot(ctx, s.request)) for s in sequences]
     output = ctx.runner.prefill(inputs)
     prompt_tokens = {i: _scored_tokens(ctx, sequences[i].token_ids[: sequences[i].prompt_len], logprobs)
                      for i, logprobs in output.prompt_logprobs.items()}
@@ -105,7 +120,8 @@ def decode_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation]
         position = len(seq.token_ids) - 1
         if blocks_needed(position + 1, ctx.block_size) > len(seq.blocks):
             raise InvalidRequestError(f"request {seq.id}: its KV blocks are full at position {position}")
-        inputs.append(DecodeInput(seq.token_ids[-1], position, seq.slots(position, position + 1)[0], seq.blocks_through(position)))
+        inputs.append(DecodeInput(seq.token_ids[-1], position, seq.slots(position, position + 1)[0],
+                                  seq.blocks_through(position), adapter_slot(ctx, seq.request)))
     return _advance(ctx, sequences, ctx.runner.decode(inputs))
 
 

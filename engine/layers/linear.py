@@ -40,9 +40,12 @@ class ColumnParallelLinear(nn.Module):
             offset += local
         self.weight = nn.Parameter(torch.empty(offset, in_features))
         self.bias = nn.Parameter(torch.empty(offset)) if bias else None
+        self.lora = None  # LoraWeights, attached by engine.lora_loader when adapters are loaded
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
+        """`lora`: the forward's adapter selector (engine.layers.lora), None without adapters."""
+        out = F.linear(x, self.weight, self.bias)
+        return out if lora is None or self.lora is None else self.lora.add_to(out, x, lora)
 
     def load(self, kind: str, part: str, source, name: str) -> None:
         rows, start, local = self.parts[part]
@@ -88,9 +91,14 @@ class RowParallelLinear(nn.Module):
         self.local_in = parallel.split(in_features, "projection input")
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.lora = None  # LoraWeights over this rank's input columns, attached by engine.lora_loader
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce_sum(F.linear(x, self.weight), self.parallel)
+    def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        if lora is not None and self.lora is not None:
+            # A partial LoRA delta (this rank's columns of A) joins the partial product: one all-reduce sums both.
+            out = self.lora.add_to(out, x, lora)
+        out = all_reduce_sum(out, self.parallel)
         return out + self.bias if self.bias is not None else out
 
     def load(self, kind: str, part, source, name: str) -> None:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, attention, prepare_metadata
+from engine.devices.hooks import mark_step
 from engine.distributed import SINGLE, Parallel
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import RowParallelLinear, merged_parallel, qkv_parallel
@@ -31,15 +32,15 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size, config.o_bias, parallel)
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the KV cache
 
-    def forward(self, rope, hidden, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, rope, hidden, meta: AttentionMetadata, lora=None):
+        q, k, v = self.qkv_proj(hidden, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         lead = hidden.shape[:-1]
         q = q.view(*lead, self.num_heads, self.head_dim)
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, k, *rope)
         out = attention(q, k, v, self.kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(*lead, self.q_size))
+        return self.o_proj(out.reshape(*lead, self.q_size), lora)
 
 
 class LlamaMLP(nn.Module):
@@ -49,9 +50,9 @@ class LlamaMLP(nn.Module):
                                             config.mlp_bias, parallel)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, parallel)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, lora=None):
+        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -62,9 +63,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope, hidden, meta):
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rope, hidden, meta, lora=None):
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), meta, lora)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -88,15 +89,19 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
         self.local_kv_heads = self.layers[0].self_attn.num_kv_heads
+        self.lora_set = None  # LoraSet of the served adapters, set by engine.lora_loader
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, logits_indices) -> torch.Tensor:
-        """Logits (float32, full vocabulary) of the tokens at `logits_indices` of the flattened batch."""
+    def forward(self, input_ids, positions, meta: AttentionMetadata, logits_indices, lora_index=None) -> torch.Tensor:
+        """Logits (float32, full vocabulary) of the tokens at `logits_indices` of the flattened batch.
+        `lora_index`: each token's adapter slot (-1: none), shaped like input_ids; None without adapters."""
         hidden = self.embed_tokens(input_ids)
         # Per-step work that every layer shares is done once here.
         rope = self.rotary.cos_sin(positions, hidden.dtype)
         meta = prepare_metadata(meta, self.local_kv_heads)
+        lora = None if lora_index is None else self.lora_set.selector(lora_index, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(rope, hidden, meta)
+            hidden = layer(rope, hidden, meta, lora)
+            mark_step()  # HPU lazy mode: a graph per layer compiles far faster than one per model
         hidden = self.norm(hidden).reshape(-1, self.config.hidden_size).index_select(0, logits_indices)
         return self.lm_head.logits(hidden).float()
 
