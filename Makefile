@@ -1,5 +1,5 @@
 # The two set-up commands:
-#   make run    set up .venv and generate an answer with the embedded model on CPU
+#   make run    set up .venv and serve the embedded model on CPU: launcher, shard and HTTP router
 #   make test   set up .venv and run the test suite (what CI runs)
 #
 # torch is installed first and pinned, so that nothing later pulls a multi-GB CUDA build.
@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench proto clean
+.PHONY: run generate test bench lint-docker proto clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps text-generation==0.7.0
 	touch $(STAMP)
 
+PORT ?= 8080
+
 run: $(STAMP)
+	$(PY) -m launcher --device cpu --hostname 127.0.0.1 --port $(PORT)
+
+generate: $(STAMP)
 	$(PY) -m engine generate --prompt "What is the capital of France?" --chat --max-new-tokens 20
 
 test: $(STAMP)
@@ -35,6 +40,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m engine bench --compare transformers
+
+lint-docker: $(STAMP)
+	$(VENV)/bin/hadolint --config .hadolint.yaml Dockerfile_gaudi Dockerfile_cuda Dockerfile_xpu
 
 # Regenerate the committed gRPC stubs in engine/pb/ after editing proto/generate.proto.
 proto: $(STAMP)

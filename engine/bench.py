@@ -25,7 +25,15 @@ class Workload:
     num_prompts: int = 32
     min_tokens: int = 16
     max_tokens: int = 256
-    new_tokens: int = 64
+    new_tokens: int = 128      # the longest output
+    min_new_tokens: int = 16   # the shortest output; outputs spread evenly in between
+
+    def output_lengths(self) -> list[int]:
+        """Each request's number of new tokens, spread over [min_new_tokens, new_tokens] and mixed
+        with the prompt lengths (a stride coprime with most counts), so long and short meet."""
+        n, span = self.num_prompts, self.new_tokens - self.min_new_tokens
+        stride = 7 if n % 7 else 5
+        return [self.min_new_tokens + span * ((stride * i) % n) // max(n - 1, 1) for i in range(n)]
 
 
 def make_prompts(tokenizer, workload: Workload) -> list[str]:
@@ -45,14 +53,16 @@ def bucketserve_runner(shard: Shard, prompts: list[str], workload: Workload):
     start = time.perf_counter()
     warm_for(shard, prompts, workload.new_tokens, add_special_tokens=True)
     warmup_s = time.perf_counter() - start
-    stopping = StoppingCriteriaParameters(max_new_tokens=workload.new_tokens, ignore_eos_token=True)
     shard.runner.padding = PaddingStats()  # count serving only, not warmup
 
     def run_once() -> dict:
-        requests = [Request(i, p, stopping_parameters=stopping) for i, p in enumerate(prompts)]
+        requests = [Request(i, p, stopping_parameters=StoppingCriteriaParameters(n, ignore_eos_token=True))
+                    for i, (p, n) in enumerate(zip(prompts, workload.output_lengths()))]
         phases = {"prefill": 0.0, "decode": 0.0}
+        began = time.perf_counter()
         done = run_requests(shard, requests, phases)
-        return {"tokens": sum(len(c.token_ids) for c in done.values()), "seconds": sum(phases.values()), "phases": phases}
+        seconds = time.perf_counter() - began  # wall time: the scheduler's own work counts too
+        return {"tokens": sum(len(c.token_ids) for c in done.values()), "seconds": seconds, "phases": phases}
 
     return run_once, warmup_s
 
@@ -73,10 +83,12 @@ def transformers_runner(model_path, prompts: list[str], workload: Workload, dtyp
     @torch.inference_mode()
     def run_once() -> dict:
         start = time.perf_counter()
-        # min_new_tokens keeps every row generating, like ignore_eos_token on our side.
-        out = model.generate(**batch, max_new_tokens=workload.new_tokens, min_new_tokens=workload.new_tokens, **kwargs)
+        # One batch runs until its longest request is done (min_new_tokens keeps every row going, like
+        # ignore_eos_token on our side); each request wanted only its own length, which is what counts.
+        longest = max(workload.output_lengths())
+        model.generate(**batch, max_new_tokens=longest, min_new_tokens=longest, **kwargs)
         seconds = time.perf_counter() - start
-        return {"tokens": (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0], "seconds": seconds}
+        return {"tokens": sum(workload.output_lengths()), "seconds": seconds}
 
     return run_once
 
@@ -96,7 +108,8 @@ def report(shard: Shard, prompts: list[str], workload: Workload, ours: list[dict
     pad, plan = shard.runner.padding.as_dict(), shard.runner.plan
     lines = [
         f"workload: {len(prompts)} prompts of {workload.min_tokens}-{workload.max_tokens} tokens ({prompt_tokens} in all), "
-        f"{workload.new_tokens} new tokens each, greedy, {shard.dtype}, {shard.adapter.name}; median of {len(ours)} runs",
+        f"{workload.min_new_tokens}-{workload.new_tokens} new tokens each ({sum(workload.output_lengths())} in all), "
+        f"greedy, {shard.dtype}, {shard.adapter.name}; median of {len(ours)} runs",
         f"bucketserve:  {best['tokens']} tokens in {best['seconds']:.2f}s = {ours_tps:.1f} tok/s "
         f"(prefill {best['phases']['prefill']:.2f}s, decode {best['phases']['decode']:.2f}s; runs "
         f"{_seconds(ours)}; warmup {warmup_s:.1f}s, "

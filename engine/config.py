@@ -28,6 +28,29 @@ def distributed_address() -> tuple[str, int]:
     return os.environ.get("MASTER_ADDR", "127.0.0.1"), env_int("MASTER_PORT") or 29500
 
 
+def parse_lora_adapters(text: str | None) -> tuple[tuple[str, str], ...]:
+    """`name=path[,name=path...]` (--lora-adapters, or TGI's LORA_ADAPTERS) as (name, path) pairs.
+    A bare `path` is served under that same string, as TGI names an adapter by its id."""
+    pairs = []
+    for entry in filter(None, (part.strip() for part in (text or "").split(","))):
+        name, _, path = entry.partition("=") if "=" in entry else (entry, "", entry)
+        name, path = name.strip(), path.strip()
+        if not name or not path:
+            raise ValueError(f"LoRA adapter {entry!r}: expected name=path")
+        if name in dict(pairs):
+            raise ValueError(f"LoRA adapter name {name!r} is given twice")
+        pairs.append((name, path))
+    return tuple(pairs)
+
+
+def env_lora_adapters() -> str | None:
+    """TGI's LORA_ADAPTERS, the default of --lora-adapters."""
+    return os.environ.get("LORA_ADAPTERS") or None
+
+
+WARMUP_MODES = ("full", "progressive", "none")  # engine/warmup.py
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_id: str | None = None          # None: the embedded SmolLM2-135M-Instruct
@@ -38,13 +61,22 @@ class EngineConfig:
     max_input_tokens: int = 1024
     max_total_tokens: int = 2048
     max_prefill_tokens: int = 4096
-    bucket_strategy: str = "exponential"
-    graph_mode: str = "eager"
+    bucket_strategy: str = "exponential"  # linear | exponential | padding | file | fitted (engine/plans.py)
+    bucket_shapes: str | None = None     # fitted: the JSONL trace of batch shapes to fit
+    bucket_file: str | None = None       # file: JSON of the buckets
+    max_graphs: int | None = None        # fitted: graph budget; None: the exponential plan's count
+    warmup_mode: str = "full"            # full | progressive | none (engine/warmup.py)
+    warmup_profile: str | None = None    # profile.json of `engine warmup-profile`: its buckets and latencies
+    record_shapes: str | None = None     # append the batch shapes served to this JSONL file
+    graph_mode: str | None = None        # None: the device's (graphs on hpu and cuda, eager elsewhere)
     strict_shapes: bool = True           # a forward at an unwarmed shape raises
     warmup_prompt_logprobs: bool = True  # also warm the prefill variant behind prefill_logprobs
     kv_cache_memory_fraction: float = 0.9
     cache_dir: Path | None = None        # None: default_cache_dir()
     seed: int = 0
+    lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, directory) of each PEFT LoRA adapter served
+    lora_impl: str | None = None         # "dense" or "gather"; None: the device's default_lora_impl
+    max_lora_rank: int = 64              # adapters of a higher rank are refused at load
 
     @property
     def resolved_cache_dir(self) -> Path:

@@ -1,10 +1,10 @@
-"""Offline generation through an in-process shard: the `generate` and `bench` commands use it."""
+"""Offline generation through an in-process shard and the router's scheduler: the `generate` and
+`bench` commands use it."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
-from engine.batch import Batch, Request, StoppingCriteriaParameters
+from engine.batch import Request, StoppingCriteriaParameters, WarmupResult
 from engine.errors import InvalidRequestError
 from engine.shard import Shard
 
@@ -28,7 +28,7 @@ def prompt_lengths(shard: Shard, texts: list[str], add_special_tokens: bool) -> 
     return [len(shard.tokenizer(t, add_special_tokens=add_special_tokens)["input_ids"]) for t in texts]
 
 
-def warm_for(shard: Shard, texts: list[str], max_new_tokens: int, add_special_tokens: bool) -> None:
+def warm_for(shard: Shard, texts: list[str], max_new_tokens: int, add_special_tokens: bool) -> WarmupResult:
     """Warm only the buckets this workload can use: generation knows its prompts in advance."""
     if max_new_tokens < 1:
         raise InvalidRequestError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -37,7 +37,7 @@ def warm_for(shard: Shard, texts: list[str], max_new_tokens: int, add_special_to
     if max(lengths) > limit:
         raise InvalidRequestError(f"a prompt of {max(lengths)} tokens exceeds --max-input-tokens {limit}")
     longest = max(lengths)
-    shard.warmup(
+    return shard.warmup(
         max_input_tokens=longest,
         max_total_tokens=longest + max_new_tokens,
         max_prefill_tokens=max(longest, min(shard.config.max_prefill_tokens, sum(lengths))),
@@ -46,31 +46,24 @@ def warm_for(shard: Shard, texts: list[str], max_new_tokens: int, add_special_to
 
 
 def run_requests(shard: Shard, requests: list[Request], seconds: dict | None = None) -> dict[int, Completion]:
-    """The completion of every request, prefilling in waves of the warmed batch size.
-    `seconds`, when given, accumulates the time spent in "prefill" and "decode"."""
-    done = {r.id: Completion(r.inputs, [], "", "") for r in requests}
-    seconds = {"prefill": 0.0, "decode": 0.0} if seconds is None else seconds
-    wave = shard.limits.max_batch_size
-    for start in range(0, len(requests), wave):
-        began = time.perf_counter()
-        cached = _collect(shard.prefill(Batch(start, requests[start : start + wave])), done)
-        seconds["prefill"] += time.perf_counter() - began
-        began = time.perf_counter()
-        while cached is not None:
-            cached = _collect(shard.decode([cached]), done)
-        seconds["decode"] += time.perf_counter() - began
+    """The completion of every request, through the router's continuous-batching scheduler in this
+    process (the same batching as serving). `seconds`, when given, accumulates the shard's time in
+    "prefill" and "decode"."""
+    from router.offline import run_scheduled  # the router builds on the engine: imported on use
+
+    lengths = [prompt_length(shard, r) for r in requests]
+    outputs = run_scheduled(shard, requests, lengths, shard.runner.kv_cache.capacity_tokens, seconds)
+    done = {}
+    for request in requests:
+        generations = outputs[request.id]
+        last = generations[-1].generated_text
+        done[request.id] = Completion(request.inputs, [t for g in generations for t in g.tokens.ids], last.text,
+                                      last.finish_reason.name.lower())
     return done
 
 
-def _collect(result, done: dict[int, Completion]):
-    generations, cached = result
-    for generation in generations:
-        completion = done[generation.request_id]
-        completion.token_ids += generation.tokens.ids
-        if generation.generated_text is not None:
-            completion.text = generation.generated_text.text
-            completion.finish_reason = generation.generated_text.finish_reason.name.lower()
-    return cached
+def prompt_length(shard: Shard, request: Request) -> int:
+    return len(shard.tokenizer(request.inputs, add_special_tokens=request.add_special_tokens)["input_ids"])
 
 
 def generate(shard: Shard, prompts: list[str], max_new_tokens: int, chat: bool = False,

@@ -12,6 +12,7 @@ from engine.attention.flat import flat_block_tensors, flat_mask
 from engine.buckets import BucketPlan, DecodeBucket, PaddingStats, PrefillBucket
 from engine.devices.base import DeviceAdapter
 from engine.kv_cache import RESERVED_BLOCK, KVCache
+from engine.layers.lora import NO_ADAPTER
 
 
 @dataclass
@@ -19,6 +20,7 @@ class PrefillInput:
     token_ids: list[int]
     slots: list[int]       # one cache slot per token
     prompt_logprobs: bool = False  # also score every prompt token (TGI's prefill_logprobs)
+    adapter: int = NO_ADAPTER  # LoRA adapter slot (engine/layers/lora.py); -1: the base model
 
 
 @dataclass
@@ -33,6 +35,7 @@ class DecodeInput:
     position: int          # its position in the sequence
     slot: int              # where its K/V go
     blocks: list[int]      # the blocks covering positions 0..position
+    adapter: int = NO_ADAPTER  # LoRA adapter slot; -1: the base model
 
 
 class ModelRunner:
@@ -41,12 +44,16 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.padding = PaddingStats()
         self.forward_ns = 0  # device time of the forwards since the caller last reset it
+        self.recorder = None  # engine.shapes.ShapeRecorder (--record-shapes): the shapes served, unpadded
         model.bind_kv_cache(kv_cache.layers)
+        adapter.reset()  # graphs captured on a previous cache would write into freed memory
 
     @torch.inference_mode()
     def prefill(self, seqs: list[PrefillInput]) -> PrefillOutput:
         """Logits at each sequence's last token, and prompt logprobs for the sequences that ask."""
         output = PrefillOutput([None] * len(seqs), {})
+        if self.recorder is not None:
+            self.recorder.prefill(len(seqs), max(len(s.token_ids) for s in seqs))
         for group in self.plan.split_prefill([len(s.token_ids) for s in seqs]):
             members = [seqs[i] for i in group]
             bucket = self.plan.prefill_bucket(len(members), max(len(s.token_ids) for s in members))
@@ -62,9 +69,9 @@ class ModelRunner:
 
     def _prefill_scoring_prompts(self, bucket: PrefillBucket, group, members, output: PrefillOutput) -> None:
         """The bucket's variant that returns logits at every position (a graph of its own)."""
-        ids, positions, meta, _ = self._prefill_tensors(bucket, members)
+        ids, positions, meta, _, *lora = self._prefill_tensors(bucket, members)
         everywhere = self._to_device(torch.arange(bucket.tokens))
-        logits = self._run(("prefill_logprobs", bucket), ids, positions, meta, everywhere)
+        logits = self._run(("prefill_logprobs", bucket), ids, positions, meta, everywhere, *lora)
         logits = logits.view(bucket.batch_size, bucket.seq_len, -1)
         for row, (index, seq) in enumerate(zip(group, members)):
             length = len(seq.token_ids)
@@ -76,6 +83,8 @@ class ModelRunner:
     def decode(self, seqs: list[DecodeInput]) -> torch.Tensor:
         """Logits [len(seqs), vocab] for the next token of every sequence."""
         logits = [None] * len(seqs)
+        if self.recorder is not None:
+            self.recorder.decode(len(seqs), sum(len(s.blocks) for s in seqs))
         for group in self.plan.split_decode([len(s.blocks) for s in seqs]):
             members = [seqs[i] for i in group]
             bucket = self.plan.decode_bucket(len(members), sum(len(s.blocks) for s in members))
@@ -97,14 +106,17 @@ class ModelRunner:
     def warm(self, bucket: PrefillBucket | DecodeBucket, prompt_logprobs: bool = False) -> None:
         """Run one bucket on dummy rows that read and write only the reserved block."""
         if isinstance(bucket, PrefillBucket):
-            dummy = [PrefillInput([0] * bucket.seq_len, [RESERVED_BLOCK] * bucket.seq_len)] * bucket.batch_size
-            ids, positions, meta, last = self._prefill_tensors(bucket, dummy)
-            self.adapter.warm(("prefill", bucket), self.model, ids, positions, meta, last)
+            dummy = [PrefillInput([0] * bucket.seq_len, [RESERVED_BLOCK] * bucket.seq_len, adapter=self._warm_adapter(row))
+                     for row in range(bucket.batch_size)]
+            ids, positions, meta, last, *lora = self._prefill_tensors(bucket, dummy)
+            self.adapter.warm(("prefill", bucket), self.model, ids, positions, meta, last, *lora)
             if prompt_logprobs:
                 everywhere = self._to_device(torch.arange(bucket.tokens))
-                self.adapter.warm(("prefill_logprobs", bucket), self.model, ids, positions, meta, everywhere)
+                self.adapter.warm(("prefill_logprobs", bucket), self.model, ids, positions, meta, everywhere, *lora)
         else:
             dummy = _dummy_decode_rows(bucket)
+            for row, seq in enumerate(dummy):
+                seq.adapter = self._warm_adapter(row)
             self.adapter.warm(("decode", bucket), self.model, *self._decode_tensors(bucket, dummy))
 
     def _prefill_tensors(self, bucket: PrefillBucket, seqs: list[PrefillInput]):
@@ -121,7 +133,8 @@ class ModelRunner:
         last += [0] * padding_rows
         positions = torch.arange(width).expand(rows, width)
         meta = PrefillMetadata(slots=self._tensor(slots))
-        return self._tensor(ids).view(rows, width), self._to_device(positions), meta, self._tensor(last)
+        lora = self._lora_index([s.adapter for s in seqs], rows, width)
+        return self._tensor(ids).view(rows, width), self._to_device(positions), meta, self._tensor(last), *lora
 
     def _decode_tensors(self, bucket: DecodeBucket, seqs: list[DecodeInput]):
         padding_rows = bucket.batch_size - len(seqs)
@@ -137,7 +150,22 @@ class ModelRunner:
         )
         ids = [s.token_id for s in seqs] + [0] * padding_rows
         positions = [s.position for s in seqs] + [0] * padding_rows
-        return self._tensor(ids), self._tensor(positions), meta, self._tensor(list(range(bucket.batch_size)))
+        lora = self._lora_index([s.adapter for s in seqs], bucket.batch_size)
+        return self._tensor(ids), self._tensor(positions), meta, self._tensor(list(range(bucket.batch_size))), *lora
+
+    def _lora_index(self, adapters: list[int], rows: int, width: int = 1) -> tuple:
+        """The model's last input when LoRA adapters are loaded: every token's adapter slot (padding: none).
+        Its shape is the bucket's whatever the mix of adapters, so the warmed graph serves every mix."""
+        if self.model.lora_set is None:
+            return ()
+        per_row = adapters + [NO_ADAPTER] * (rows - len(adapters))
+        return (self._to_device(torch.tensor(per_row, dtype=torch.long).repeat_interleave(width)),)
+
+    def _warm_adapter(self, row: int) -> int:
+        """Warmup rows cycle through every adapter, then none: even one-row buckets run an adapter."""
+        count = len(self.model.lora_set.names) if self.model.lora_set is not None else 0
+        slot = row % (count + 1)
+        return NO_ADAPTER if slot == count else slot
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return self._to_device(torch.tensor(values, dtype=torch.long))

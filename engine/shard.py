@@ -1,8 +1,10 @@
 """One shard: the generate.v3 operations (warmup, prefill, decode, filter, clear) in plain Python."""
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
+import threading
 import time
 
 import torch
@@ -15,18 +17,29 @@ from engine.buckets import PaddingStats
 from engine.devices import get_adapter
 from engine.errors import InvalidRequestError
 from engine.kv_cache import BlockAllocator, KVCache
+from engine.lora_loader import load_adapters
 from engine.runner import ModelRunner
 from engine.sequence import Sequence
 from engine.steps import StepContext, admit_requests, decode_step, prefill_step
-from engine.warmup import WarmupLimits, build_plan, profile_free_memory, size_kv_cache, warm_all
+from engine.warmup import PhaseLog, WarmupLimits, bucket_limits, plan_for, profile_free_memory, run_warmup, size_kv_cache
 
 log = logging.getLogger(__name__)
+
+
+def _exclusive(method):
+    """Hold the device lock for a whole step: progressive warmup warms buckets from another thread."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.device_lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 class Shard:
     def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1, show_progress: bool = True):
         self.config, self.rank, self.world_size, self.show_progress = config, rank, world_size, show_progress
-        self.adapter = get_adapter(config.device, config.graph_mode, config.strict_shapes)
+        self.adapter = get_adapter(config.device, config.graph_mode, config.strict_shapes, rank=rank,
+                                   world_size=world_size, cache_dir=config.resolved_cache_dir)
         self.dtype = torch_dtype(config.dtype, self.adapter.default_dtype)
         self.block_size = config.block_size or self.adapter.default_block_size
         self.parallel = Parallel(rank, world_size)
@@ -36,6 +49,8 @@ class Shard:
         loaded = loader.load(config.model_id, config.resolved_cache_dir, self.dtype, self.adapter.torch_device, self.parallel)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path, self.eos_token_ids = loaded.path, loaded.eos_token_ids
+        # LoRA adapters load before warmup, so that every bucket is warmed with them active.
+        self.lora_set = load_adapters(self.model, config, self.adapter.default_lora_impl, self.parallel)
         self.special_token_ids = frozenset(self.tokenizer.all_special_ids)
         self.limits: WarmupLimits | None = None
         self.runner: ModelRunner | None = None
@@ -43,10 +58,13 @@ class Shard:
         self.batches: dict[int, list[Sequence]] = {}
         self._grammar_compiler = None
         self.last_timings: StepTimings | None = None  # of the latest prefill or decode
+        self.device_lock = threading.RLock()  # a step, or one bucket of background warmup
+        self.background = None                # progressive warmup's BackgroundWarmup while it runs
+        self.recorder = None                  # ShapeRecorder of --record-shapes
 
     def info(self) -> InfoResponse:
         return InfoResponse(
-            requires_padding=False, dtype=str(self.dtype).removeprefix("torch."), device_type=self.adapter.name,
+            requires_padding=False, dtype=str(self.dtype).removeprefix("torch."), device_type=self.adapter.device_type,
             window_size=self.model_config.sliding_window, speculate=0, support_chunking=False,
             use_prefix_caching=False, attention_impl="flat_paged", block_size=self.block_size,
         )
@@ -60,23 +78,61 @@ class Shard:
         is then prefilled once and dropped, so the sampling paths have run before serving too."""
         limits = self._limits(max_input_tokens, max_prefill_tokens, max_total_tokens, max_batch_size)
         self.clear()
+        self._stop_background_warmup()
         self.runner = None  # drop the previous cache before measuring free memory
+        self.adapter.shapes.warmed.clear()  # new limits, new cache: only what this warmup runs counts as warm
+        phases = PhaseLog(self.adapter)
         free = profile_free_memory(self.model, self.adapter, self.dtype, self.block_size, limits)
+        phases.mark("largest prefill")
         # Every rank sizes the same cache: the one that fits on the rank with the least memory.
         free = min_across_ranks(free, self.parallel)
         layers, kv_heads, head_dim = self.model_config.num_layers, self.model.local_kv_heads, self.model_config.head_dim
         per_block = KVCache.bytes_per_block(layers, self.block_size, kv_heads, head_dim, self.dtype)
         num_blocks = size_kv_cache(free, self.config.kv_cache_memory_fraction, per_block, self.block_size, limits)
         cache = KVCache(layers, num_blocks, self.block_size, kv_heads, head_dim, self.dtype, self.adapter.torch_device)
-        plan = build_plan(limits, self.block_size, num_blocks, self.config.bucket_strategy)
+        phases.mark("kv cache")
+        planned = bucket_limits(limits, self.block_size, num_blocks)
+        plan = plan_for(self.config, planned, self.fingerprint())
         self.runner = ModelRunner(self.model, self.adapter, cache, plan, self.dtype)
-        warm_all(self.runner, plan, self.config.warmup_prompt_logprobs, self.show_progress)
+        self.background = run_warmup(self.runner, plan, self.config.warmup_mode, planned, self.config.warmup_prompt_logprobs,
+                                     self.show_progress, self.device_lock, phases)
+        self.warmup_log = phases  # per-phase and per-bucket times and memory (warmup-profile reads them)
         self.allocator, self.limits = BlockAllocator(num_blocks), limits
         if batch is not None and batch.requests:
             self.prefill(batch)
             self.clear(batch.id)
+        self._start_recording()
         self.runner.padding = PaddingStats()  # serving_stats counts served traffic, not warmup
         return WarmupResult(cache.capacity_tokens, limits.max_input_tokens, limits.max_total_tokens)
+
+    def fingerprint(self) -> dict:
+        """What a warmup profile's latencies depend on (engine/profile.py)."""
+        from engine.profile import fingerprint
+
+        return fingerprint(self.model_path, self.adapter, self.dtype, self.world_size, self.block_size)
+
+    def warmup_progress(self) -> dict:
+        """Buckets warmed so far: progressive warmup goes on after Warmup has answered."""
+        if self.background is not None:
+            return self.background.progress()
+        if self.runner is None:
+            return {"warmed": 0, "total": 0, "done": False}
+        plan, warmed = self.runner.plan, self.adapter.shapes.warmed
+        count = sum(("prefill", b) in warmed for b in plan.prefill) + sum(("decode", b) in warmed for b in plan.decode)
+        return {"warmed": count, "total": plan.graphs, "done": count == plan.graphs}
+
+    def _stop_background_warmup(self) -> None:
+        if self.background is not None:
+            self.background.stop()
+            self.background = None
+
+    def _start_recording(self) -> None:
+        """--record-shapes: rank 0 only (every rank serves the same batches)."""
+        if self.config.record_shapes and self.rank == 0:
+            from engine.shapes import ShapeRecorder
+
+            self.recorder = self.recorder or ShapeRecorder(self.config.record_shapes)
+            self.runner.recorder = self.recorder
 
     def serving_stats(self) -> dict[str, int]:
         """Padding and unwarmed-shape counts since warmup, for the router's metrics."""
@@ -92,6 +148,7 @@ class Shard:
         if probe.item() != 2:
             raise RuntimeError(f"{self.adapter.name} device answered 1 + 1 = {probe.item()}")
 
+    @_exclusive
     def prefill(self, batch: Batch, cached_batch: CachedBatch | None = None) -> tuple[list[Generation], CachedBatch | None]:
         start, ctx = self._start_step()
         sequences = admit_requests(ctx, batch.requests)
@@ -107,6 +164,7 @@ class Shard:
         self._finish_step(start, concat_ns)
         return result
 
+    @_exclusive
     def decode(self, batches: list[CachedBatch]) -> tuple[list[Generation], CachedBatch | None]:
         if not batches:
             raise InvalidRequestError("decode needs at least one batch")
@@ -150,7 +208,7 @@ class Shard:
             raise InvalidRequestError("the shard has not been warmed up")
         return StepContext(self.runner, self.tokenizer, self.allocator, self.limits, self.eos_token_ids,
                            self.special_token_ids, self.block_size, self._grammars, self._unset_seed,
-                           self.rank, self.world_size)
+                           self.rank, self.world_size, self.lora_set)
 
     def _unset_seed(self, request_id: int) -> int:
         return (self.group_seed * 0x9E3779B97F4A7C15 + request_id) % 2**64 or 1

@@ -8,6 +8,7 @@ import sys
 import threading
 from dataclasses import replace
 
+from engine.config import env_lora_adapters
 from engine.errors import BucketserveError
 from launcher.checks import ConfigError, check_limits, check_port, check_socket_base, check_split, unique_socket_base
 from engine.devices.probe import DEVICES, DeviceError, DevicePlan, resolve_device
@@ -42,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-prefill-tokens", dest="max_prefill_tokens", type=int, default=d.max_prefill_tokens,
                    help="passed to each shard as --max-prefill-tokens")
     p.add_argument("--block-size", type=int, help="KV cache block size in tokens (default: the device's)")
+    p.add_argument("--warmup", choices=["full", "progressive", "none"],
+                   help="each shard's warmup: full (default), progressive (healthy sooner), none")
+    p.add_argument("--warmup-profile", help="profile.json of `python -m engine warmup-profile`: warm exactly its buckets")
+    p.add_argument("--record-shapes", help="JSONL file the shards append their served batch shapes to")
+    p.add_argument("--lora-adapters", help="PEFT LoRA adapters every shard serves, name=dir[,name=dir...] "
+                   "(default: $LORA_ADAPTERS)")
+    p.add_argument("--lora-impl", choices=["dense", "gather"], help="LoRA operations (default: the device's)")
     p.add_argument("--uds-path", help="socket base: rank r listens on BASE-r (default: a unique path per launch)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT,
                    help="the router's HTTP port (checked even with --no-router)")
@@ -65,7 +73,9 @@ def config_from_args(args: argparse.Namespace) -> LauncherConfig:
         model_id=args.model_id, num_shard=args.num_shard, device=args.device, dtype=args.dtype,
         max_batch_size=args.max_batch_size, max_input_tokens=args.max_input_tokens,
         max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens,
-        block_size=args.block_size, uds_path=args.uds_path, port=args.port, master_port=args.master_port,
+        block_size=args.block_size, warmup=args.warmup, warmup_profile=args.warmup_profile,
+        record_shapes=args.record_shapes, lora_adapters=args.lora_adapters or env_lora_adapters(),
+        lora_impl=args.lora_impl, uds_path=args.uds_path, port=args.port, master_port=args.master_port,
         hostname=args.hostname, max_concurrent_requests=args.max_concurrent_requests,
         no_router=args.no_router, restart_on_failure=args.restart_on_failure,
         startup_timeout=args.startup_timeout, shutdown_timeout=args.shutdown_timeout,

@@ -22,6 +22,11 @@ class LauncherConfig:
     max_total_tokens: int = _ENGINE.max_total_tokens
     max_prefill_tokens: int = _ENGINE.max_prefill_tokens  # --max-batch-prefill-tokens, TGI's name
     block_size: int | None = None
+    warmup: str | None = None            # engine serve --warmup (full | progressive | none); None: its default
+    warmup_profile: str | None = None    # engine serve --warmup-profile: a profile.json to warm from
+    record_shapes: str | None = None     # engine serve --record-shapes: rank 0 appends served shapes here
+    lora_adapters: str | None = None     # name=dir[,name=dir...], passed to every shard as --lora-adapters
+    lora_impl: str | None = None         # dense or gather; None: the device's default
     uds_path: str | None = None          # socket base; None: a unique one is picked per launch
     port: int = DEFAULT_PORT             # the router's HTTP port
     hostname: str = "0.0.0.0"            # the router's HTTP address (TGI's default: reachable from outside a container)
@@ -50,6 +55,14 @@ class LauncherConfig:
             args += ["--dtype", self.dtype]
         if self.block_size is not None:
             args += ["--block-size", str(self.block_size)]
+        if self.lora_adapters:
+            args += ["--lora-adapters", self.lora_adapters]
+        if self.lora_impl is not None:
+            args += ["--lora-impl", self.lora_impl]
+        for flag, value in (("--warmup", self.warmup), ("--warmup-profile", self.warmup_profile),
+                            ("--record-shapes", self.record_shapes)):
+            if value is not None:
+                args += [flag, value]
         return args
 
 
@@ -63,6 +76,8 @@ class LauncherConfig:
                 "--max-concurrent-requests", str(self.max_concurrent_requests)]
         if self.model_id is not None:
             args += ["--model-id", self.model_id]
+        if self.lora_adapters:  # the router checks adapter_id against these names
+            args += ["--lora-adapters", self.lora_adapters]
         return args
 
 

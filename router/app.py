@@ -16,7 +16,7 @@ import uvicorn
 from fastapi import FastAPI
 from transformers import AutoTokenizer
 
-from engine.config import default_cache_dir
+from engine.config import default_cache_dir, parse_lora_adapters
 from engine.loader import resolve_model_dir
 from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCriteriaParameters
 from router.allocator import BlockAllocator
@@ -145,5 +145,5 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 
 def adapter_names(spec: str) -> tuple[str, ...]:
-    """`a=/path/a,b=/path/b` (or bare names) -> ("a", "b")."""
-    return tuple(part.split("=", 1)[0].strip() for part in spec.split(",") if part.strip())
+    """`a=/path/a,b=/path/b` (or bare ids, served under their own string) -> ("a", "b")."""
+    return tuple(name for name, _ in parse_lora_adapters(spec))

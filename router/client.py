@@ -10,6 +10,7 @@ import asyncio
 import copy
 import functools
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -173,14 +174,24 @@ class InProcessClient:
     def __init__(self, shard, max_batch_size: int | None = None):
         self.shard, self.max_batch_size = shard, max_batch_size
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard")
+        self.seconds = {"prefill": 0.0, "decode": 0.0}  # time in the shard's steps, for the bench
 
     async def _call(self, name: str, fn, *args, **kwargs):
         loop = asyncio.get_running_loop()
+        call = functools.partial(self._timed, name.lower(), fn, *args, **kwargs)
         try:
-            return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+            return await loop.run_in_executor(self.executor, call)
         except Exception as error:  # noqa: BLE001 - the same ShardError the gRPC client raises
             code, message = status_for(error)
             raise ShardError(code, f"{name} on the in-process shard: {message}") from error
+
+    def _timed(self, phase: str, fn, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if phase in self.seconds:
+                self.seconds[phase] += time.perf_counter() - start
 
     async def info(self) -> InfoResponse:
         return await self._call("Info", self.shard.info)

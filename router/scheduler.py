@@ -22,8 +22,9 @@ from typing import Awaitable, Callable
 import grpc
 
 from engine.batch import Batch, CachedBatch, Generation, Request
-from router.allocator import Allocation, BlockAllocator
+from router.allocator import BlockAllocator
 from router.client import ShardClient, ShardError
+from router.streams import RequestCancelled, RequestStream, Entry
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +36,6 @@ class SchedulerLimits:
     max_input_tokens: int
     max_total_tokens: int
     max_concurrent_requests: int = 128  # queued + running; beyond it a submit is refused (HTTP 429)
-
-
-class RequestCancelled(Exception):
-    """Raised by a stream whose request was cancelled by someone other than its own consumer."""
 
 
 class Overloaded(Exception):
@@ -62,72 +59,6 @@ class SchedulerStats:
     failed_steps: int = 0
 
 
-@dataclass(eq=False)
-class _Entry:
-    """One submitted request, from submit until its blocks are back in the allocator."""
-    request: Request
-    input_length: int
-    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
-    allocation: Allocation | None = None
-    finished: bool = False   # its last generation or its error has been handed to the stream
-    cancelled: bool = False
-
-    @property
-    def id(self) -> int:
-        return self.request.id
-
-    @property
-    def tokens(self) -> int:
-        return self.input_length + self.request.stopping_parameters.max_new_tokens
-
-    @property
-    def live(self) -> bool:
-        return not (self.finished or self.cancelled)
-
-
-class RequestStream:
-    """The generations of one request, as an async iterator. Closing it before the last generation
-    (`aclose()`, `async with`, or dropping it) cancels the request."""
-
-    def __init__(self, scheduler: Scheduler, entry: _Entry):
-        self._scheduler, self._entry, self._done = scheduler, entry, False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> Generation:
-        if self._done:
-            raise StopAsyncIteration
-        item = await self._entry.outbox.get()
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        self._done = item.generated_text is not None
-        return item
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.close()
-
-    async def aclose(self) -> None:
-        self.close()
-
-    def close(self) -> None:
-        # By entry, not by id: the caller may already have reused the id for a new request.
-        if not self._done:
-            self._done = True
-            self._scheduler._cancel_entry(self._entry)
-
-    def __del__(self) -> None:
-        # A consumer that went away without closing (an HTTP client disconnect) still frees its blocks.
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - the loop may already be closed at interpreter exit
-            pass
-
-
 class Scheduler:
     """`rewarm`, when given, runs once the shards answer Health again after they were unreachable
     (a restarted shard has lost its warmed graphs and batches); `on_step(phase, batch_size)` is
@@ -140,8 +71,8 @@ class Scheduler:
         self.rewarm, self.on_step = rewarm, on_step
         self.stats = SchedulerStats()
         self.available = True  # False from a failed step whose shards were unreachable until they answer again
-        self._queue: deque[_Entry] = deque()
-        self._entries: dict[int, _Entry] = {}  # submitted and not yet released, by request id
+        self._queue: deque[Entry] = deque()
+        self._entries: dict[int, Entry] = {}  # submitted and not yet released, by request id
         self._running: CachedBatch | None = None
         self._batch_ids = itertools.count(1)
         self._wake = asyncio.Event()
@@ -181,7 +112,7 @@ class Scheduler:
             raise ShardsUnavailable("the shards are unavailable (restarting?): retry later")
         if len(self._entries) >= self.limits.max_concurrent_requests:
             raise Overloaded(f"Model is overloaded: {len(self._entries)} requests are queued or running")
-        entry = _Entry(request, input_length)
+        entry = Entry(request, input_length)
         self._entries[request.id] = entry
         self._queue.append(entry)
         self._wake.set()
@@ -211,7 +142,7 @@ class Scheduler:
         if needed > usable:  # block 0 is reserved
             raise ValueError(f"request {request.id} needs {needed} KV blocks, the cache has {usable}")
 
-    def _cancel_entry(self, entry: _Entry) -> None:
+    def _cancel_entry(self, entry: Entry) -> None:
         if not entry.live:
             return
         entry.cancelled = True
@@ -276,7 +207,7 @@ class Scheduler:
         self._wake.clear()
         await self._wake.wait()
 
-    def _next_batch(self) -> tuple[Batch, list[_Entry]] | None:
+    def _next_batch(self) -> tuple[Batch, list[Entry]] | None:
         """Take requests from the head of the queue while they fit; the head waits, never skipped."""
         running, taken, tokens = self.running_count, [], 0
         while self._queue:
@@ -296,7 +227,7 @@ class Scheduler:
             return None
         return self._batch(taken), taken
 
-    def _batch(self, entries: list[_Entry]) -> Batch:
+    def _batch(self, entries: list[Entry]) -> Batch:
         # Copies: the caller's Request stays as it was submitted.
         requests = [replace(e.request, blocks=list(e.allocation.blocks), slots=list(e.allocation.slots))
                     for e in entries]
@@ -304,7 +235,7 @@ class Scheduler:
                      max_tokens=sum(e.tokens for e in entries),
                      max_blocks=sum(len(e.allocation.blocks) for e in entries))
 
-    async def _prefill(self, batch: Batch, entries: list[_Entry]) -> CachedBatch | None:
+    async def _prefill(self, batch: Batch, entries: list[Entry]) -> CachedBatch | None:
         self.stats.prefill_sizes[len(entries)] += 1
         self._notify("prefill", len(entries))
         self.stats.prefills_while_running += self._running is not None
@@ -319,7 +250,7 @@ class Scheduler:
             return None
         return await self._settle(generations, cached, entries)
 
-    def _requeue(self, entries: list[_Entry], error: ShardError) -> None:
+    def _requeue(self, entries: list[Entry], error: ShardError) -> None:
         """The shards went away before these requests produced anything: they wait at the head of
         the queue, in their order, for the shards to come back (nothing is lost in a restart)."""
         log.warning("the shards are unavailable (%s): holding %d new request(s)", error, len(entries))
@@ -348,13 +279,13 @@ class Scheduler:
         if self.on_step is not None:
             self.on_step(phase, size)
 
-    def _entries_of(self, batches: list[CachedBatch]) -> list[_Entry]:
+    def _entries_of(self, batches: list[CachedBatch]) -> list[Entry]:
         return [self._entries[i] for b in batches for i in b.request_ids if i in self._entries]
 
     # --- after a step ---------------------------------------------------------------------------
 
     async def _settle(self, generations: list[Generation], cached: CachedBatch | None,
-                      entries: list[_Entry]) -> CachedBatch | None:
+                      entries: list[Entry]) -> CachedBatch | None:
         self._dispatch(generations)
         return await self._keep(cached, entries)
 
@@ -366,7 +297,7 @@ class Scheduler:
             entry.outbox.put_nowait(generation)
             entry.finished = generation.generated_text is not None
 
-    async def _keep(self, cached: CachedBatch | None, entries: list[_Entry]) -> CachedBatch | None:
+    async def _keep(self, cached: CachedBatch | None, entries: list[Entry]) -> CachedBatch | None:
         """The batch without its finished and cancelled requests; those that left give back blocks."""
         kept = await self._prune(cached, entries)
         listed = set(kept.request_ids) if kept is not None else set()
@@ -378,7 +309,7 @@ class Scheduler:
                 self._release(entry)
         return kept
 
-    async def _prune(self, cached: CachedBatch | None, entries: list[_Entry]) -> CachedBatch | None:
+    async def _prune(self, cached: CachedBatch | None, entries: list[Entry]) -> CachedBatch | None:
         if cached is None:
             return None
         keep = [i for i in cached.request_ids if i in self._entries and self._entries[i].live]
@@ -392,7 +323,7 @@ class Scheduler:
             await self._fail([cached.id], entries, error)
         return None
 
-    async def _fail(self, batch_ids: list[int], entries: list[_Entry], error: ShardError) -> None:
+    async def _fail(self, batch_ids: list[int], entries: list[Entry], error: ShardError) -> None:
         """A step failed: drop its batches on the shard, and every request in them gets the error."""
         self.stats.failed_steps += 1
         log.warning("shard step on batches %s failed: %s", batch_ids, error)
@@ -408,11 +339,11 @@ class Scheduler:
                 self._finish(entry, error)
             self._release(entry)
 
-    def _finish(self, entry: _Entry, item: Generation | BaseException) -> None:
+    def _finish(self, entry: Entry, item: Generation | BaseException) -> None:
         entry.finished = True
         entry.outbox.put_nowait(item)
 
-    def _release(self, entry: _Entry) -> None:
+    def _release(self, entry: Entry) -> None:
         if entry.allocation is not None:
             self.allocator.free(entry.allocation)
             entry.allocation = None

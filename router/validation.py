@@ -85,7 +85,7 @@ def check_sampling(p: Parameters) -> None:
 
 
 def check_adapter(adapter_id: str | None, limits: Limits) -> None:
-    if adapter_id is None:
+    if not adapter_id:  # none, or "" as TGI's clients send: the base model
         return
     loaded = ", ".join(limits.adapters) or "none"
     check(adapter_id in limits.adapters, f"unknown adapter_id {adapter_id!r} (loaded adapters: {loaded})")
@@ -147,5 +147,5 @@ def build_request(request_id: int, tokenizer, limits: Limits, inputs: str, p: Pa
     request = Request(request_id, inputs, truncate=p.truncate or 0, parameters=params,
                       stopping_parameters=StoppingCriteriaParameters(new, list(p.stop)),
                       prefill_logprobs=p.decoder_input_details, top_n_tokens=p.top_n_tokens or 0,
-                      adapter_id=p.adapter_id, add_special_tokens=add_special_tokens)
+                      adapter_id=p.adapter_id or None, add_special_tokens=add_special_tokens)
     return request, length

@@ -74,10 +74,20 @@ def test_malformed_prompts_file_names_the_line(capsys, tmp_path):
 @pytest.mark.slow
 def test_bench_runs_both_engines_and_prints_the_ratio():
     result = run_cli("bench", "--compare", "transformers", "--num-prompts", "3", "--max-tokens", "24",
-                     "--new-tokens", "4", "--repeat", "1")
+                     "--new-tokens", "6", "--min-new-tokens", "2", "--repeat", "1")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("workload: 3 prompts of 16-24 tokens")
-    assert lines[1].startswith("bucketserve:  12 tokens in ")  # 3 prompts x 4 tokens, eos ignored
+    assert "2-6 new tokens each (12 in all)" in lines[0]
+    assert lines[1].startswith("bucketserve:  12 tokens in ")  # 2 + 4 + 6 tokens, eos ignored
     assert lines[2].startswith("transformers: 12 tokens in ")
     assert lines[3].startswith("ratio: ") and lines[3].endswith("x transformers")
+
+
+def test_bench_output_lengths_spread_evenly_and_mix_with_prompt_lengths():
+    from engine.bench import Workload
+
+    lengths = Workload(num_prompts=32, new_tokens=128, min_new_tokens=16).output_lengths()
+    assert sorted(lengths) == [16 + 112 * i // 31 for i in range(32)]
+    assert lengths != sorted(lengths)  # not ordered like the prompts, which grow with i
+    assert Workload(num_prompts=4, new_tokens=9, min_new_tokens=9).output_lengths() == [9] * 4

@@ -57,8 +57,13 @@ def test_embedded_model_behind_the_launched_router(smollm_dir, tmp_path):
         expected = reference_tokens(smollm_dir, [prompt], 20, add_special_tokens=False, stop_on_eos=True)[0]
         assert answer.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
         assert "Paris" in answer.choices[0].message.content
-        streamed = list(Client(url, timeout=120).generate_stream("The capital of France is", max_new_tokens=5))
-        assert len(streamed) == 5 and streamed[-1].details.generated_tokens == 5
+        chunks = chat.chat.completions.create(model="tgi", messages=question, max_tokens=20, temperature=0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == answer.choices[0].message.content
+        tgi = Client(url, timeout=120)
+        whole = tgi.generate("The capital of France is", max_new_tokens=5)
+        streamed = list(tgi.generate_stream("The capital of France is", max_new_tokens=5))
+        assert [r.token.id for r in streamed] == [t.id for t in whole.details.tokens]
+        assert streamed[-1].generated_text == whole.generated_text
     finally:
         launch.clean_up()
 

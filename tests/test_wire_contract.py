@@ -269,6 +269,9 @@ class ScriptedShard:
         finally:
             self.active -= 1
 
+    def serving_stats(self):
+        return {"prefill_real": 0, "prefill_padded": 0, "decode_real": 0, "decode_padded": 0, "unwarmed_shapes": 0}
+
     def info(self):
         self._enter("info")
         return eb.InfoResponse(False, "float32", "scripted", None, 0, False, False, "none", 16)

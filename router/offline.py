@@ -1,0 +1,47 @@
+"""The router's scheduler driving an in-process shard: `generate` and `bench` batch exactly as the
+server does (continuous batching, router-assigned KV blocks), without sockets or HTTP."""
+from __future__ import annotations
+
+import asyncio
+
+from engine.batch import Generation, Request
+from router.allocator import BlockAllocator
+from router.client import InProcessClient
+from router.scheduler import Scheduler, SchedulerLimits
+
+
+def limits_of(shard, requests: int) -> SchedulerLimits:
+    """What the warmed shard serves; every request of the run may wait in the queue at once."""
+    warmed = shard.limits
+    return SchedulerLimits(warmed.max_batch_size, warmed.max_prefill_tokens, warmed.max_input_tokens,
+                           warmed.max_total_tokens, max_concurrent_requests=max(requests, 1))
+
+
+def run_scheduled(shard, requests: list[Request], lengths: list[int], capacity_tokens: int,
+                  seconds: dict | None = None) -> dict[int, list[Generation]]:
+    """Every request's generations. `lengths` are the prompts' token counts; `capacity_tokens` is
+    the KV capacity the shard's warmup reported. `seconds`, when given, accumulates the time the
+    shard spent in "prefill" and "decode"."""
+    return asyncio.run(_run(shard, requests, lengths, capacity_tokens, seconds))
+
+
+async def _run(shard, requests, lengths, capacity_tokens, seconds) -> dict[int, list[Generation]]:
+    client = InProcessClient(shard, max_batch_size=shard.limits.max_batch_size)
+    allocator = BlockAllocator(capacity_tokens // shard.block_size + 1, shard.block_size)
+    scheduler = Scheduler(client, allocator, limits_of(shard, len(requests)))
+    await scheduler.start()
+    try:
+        streams = [scheduler.submit(request, length) for request, length in zip(requests, lengths)]
+        outputs = await asyncio.gather(*(_collect(stream) for stream in streams))
+    finally:
+        await scheduler.stop()
+        await client.close()
+    if seconds is not None:
+        for phase in ("prefill", "decode"):
+            seconds[phase] = seconds.get(phase, 0.0) + client.seconds[phase]
+    return {request.id: output for request, output in zip(requests, outputs)}
+
+
+async def _collect(stream) -> list[Generation]:
+    async with stream:
+        return [generation async for generation in stream]
