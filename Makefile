@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 PORT ?= 8080
 
 run: $(STAMP)
-	$(PY) -m launcher --device cpu --hostname 127.0.0.1 --port $(PORT)
+	$(PY) -m launcher --device cpu --hostname 127.0.0.1 --port $(PORT) --warmup progressive
 
 generate: $(STAMP)
 	$(PY) -m engine generate --prompt "What is the capital of France?" --chat --max-new-tokens 20

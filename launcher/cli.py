@@ -17,7 +17,7 @@ from launcher.logs import Console
 from launcher.supervisor import supervise
 
 EXIT_CONFIG = 2  # as `python -m engine`: the command line or the host is wrong, nothing was started
-ENGINE_COMMANDS = ("generate", "bench", "serve")
+ENGINE_COMMANDS = ("generate", "bench", "serve", "buckets", "warmup-profile")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bucketserve(argv: list[str] | None = None) -> int:
-    """The `bucketserve` command: the launcher; with a first word of generate / bench / serve, that
-    command of the engine; with `loadtest`, the load generator against a running server."""
+    """The `bucketserve` command: the launcher; with a first word of generate / bench / serve /
+    buckets / warmup-profile, that command of the engine; with `loadtest`, the load generator."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "loadtest":
         from router.loadtest import main as loadtest_main

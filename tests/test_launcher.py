@@ -307,6 +307,10 @@ def test_bucketserve_runs_the_launcher_or_an_engine_command(capsys):
     with pytest.raises(SystemExit) as engine_help:
         bucketserve(["generate", "--help"])
     assert engine_help.value.code == 0 and "--max-new-tokens" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as buckets_help:
+        bucketserve(["buckets", "--help"])
+    assert buckets_help.value.code == 0 and "--shapes" in capsys.readouterr().out
+    assert bucketserve(["loadtest", "--help"]) == 0 and "--rate" in capsys.readouterr().out
 
 
 def test_split_rule_names_the_numbers():
