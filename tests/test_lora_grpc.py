@@ -13,7 +13,7 @@ from tests.conftest import tiny_config
 from tests.test_lora import MIX, lora_dirs, lora_expected  # noqa: F401 - fixtures
 from tests.test_server import (LIMITS, BackgroundServer, collect, drain, prompt_request, short_socket_dir,
                                start_cli_server, stop_cli_server, tgi_warmup_request, wait_until_serving)
-from tests.test_tensor_parallel import FanOut, free_port
+from tests.test_tensor_parallel import FanOut, free_port, two_batches_to_the_end
 
 NEW_TOKENS = 20
 
@@ -67,14 +67,7 @@ def run_sharded_with_adapters(model_dir, lora_dirs, world_size: int) -> dict:
     try:
         router = FanOut([wait_until_serving(p, f"unix://{base}-{r}", base) for r, p in enumerate(processes)])
         router.call("Warmup", tgi_warmup_request(64, 128, 128, 4))
-        tokens = {}
-        requests = [prompt_request(i, NEW_TOKENS, **adapter_fields(i)) for i in range(len(MIX))]
-        first = router.step("Prefill", pb.PrefillRequest(batch=pb.Batch(id=1, requests=requests[:3], size=3)), tokens)
-        second = router.step("Prefill", pb.PrefillRequest(batch=pb.Batch(id=2, requests=requests[3:], size=3)), tokens)
-        cached = router.step("Decode", pb.DecodeRequest(batches=[first, second]), tokens)
-        while cached is not None:
-            cached = router.step("Decode", pb.DecodeRequest(batches=[cached]), tokens)
-        return tokens
+        return two_batches_to_the_end(router, [prompt_request(i, NEW_TOKENS, **adapter_fields(i)) for i in range(len(MIX))])
     finally:
         for process in processes:
             stop_cli_server(process)

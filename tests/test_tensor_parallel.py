@@ -42,6 +42,18 @@ class FanOut:
         return batches[0] if batches else None
 
 
+def two_batches_to_the_end(router: FanOut, requests: list) -> dict[int, list[int]]:
+    """Prefill the first and second halves as two batches, then decode them together until done."""
+    tokens, half = {}, len(requests) // 2
+    first = router.step("Prefill", pb.PrefillRequest(batch=pb.Batch(id=1, requests=requests[:half], size=half)), tokens)
+    second = router.step("Prefill", pb.PrefillRequest(batch=pb.Batch(id=2, requests=requests[half:],
+                                                                     size=len(requests) - half)), tokens)
+    cached = router.step("Decode", pb.DecodeRequest(batches=[first, second]), tokens)
+    while cached is not None:
+        cached = router.step("Decode", pb.DecodeRequest(batches=[cached]), tokens)
+    return tokens
+
+
 def run_sharded(model_dir, world_size: int) -> dict:
     folder, port = short_socket_dir(), free_port()
     base = folder / "tp"
@@ -55,13 +67,7 @@ def run_sharded(model_dir, world_size: int) -> dict:
         router = FanOut(channels)
         warmed = router.call("Warmup", tgi_warmup_request(64, 128, 128, 4))
         assert len({w.SerializeToString() for w in warmed}) == 1  # every rank reports the same capacity
-        tokens = {}
-        first = router.step("Prefill", pb.PrefillRequest(batch=pb.Batch(id=1, requests=[prompt_request(i) for i in range(3)], size=3)), tokens)
-        second = router.step("Prefill", pb.PrefillRequest(batch=pb.Batch(id=2, requests=[prompt_request(i) for i in range(3, 6)], size=3)), tokens)
-        cached = router.step("Decode", pb.DecodeRequest(batches=[first, second]), tokens)
-        while cached is not None:
-            cached = router.step("Decode", pb.DecodeRequest(batches=[cached]), tokens)
-        return tokens
+        return two_batches_to_the_end(router, [prompt_request(i) for i in range(6)])
     finally:
         for process in processes:
             stop_cli_server(process)

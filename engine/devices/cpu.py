@@ -4,17 +4,26 @@ import torch
 from engine.devices.base import DeviceAdapter
 
 
-class CPUAdapter(DeviceAdapter):
+class CompiledGraphs:
+    """graph_for of an adapter whose graphs are torch.compile graphs (inductor): in compile mode one
+    static-shape graph per bucket, in eager mode the function itself."""
+
+    def graph_for(self, shape, fn):
+        if self.graph_mode == "eager":
+            return fn
+        compiled = self.__dict__.setdefault("_compiled", {})
+        if fn not in compiled:
+            compiled[fn] = compile_static(fn, backend="inductor")
+        return compiled[fn]
+
+
+class CPUAdapter(CompiledGraphs, DeviceAdapter):
     name = "cpu"
     dist_backend = "gloo"
     default_dtype = torch.float32
     default_block_size = 16
     graph_modes = ("eager", "compile")
     default_lora_impl = "dense"  # one GEMM per projection for all adapters beats per-token gathers on CPU
-
-    def __init__(self, graph_mode: str | None = None, strict_shapes: bool = True, **options):
-        super().__init__(graph_mode, strict_shapes, **options)
-        self._compiled: dict = {}
 
     @property
     def torch_device(self) -> torch.device:
@@ -23,13 +32,6 @@ class CPUAdapter(DeviceAdapter):
     def memory_info(self) -> tuple[int, int]:
         memory = psutil.virtual_memory()
         return memory.available, memory.total
-
-    def graph_for(self, shape, fn):
-        if self.graph_mode == "eager":
-            return fn
-        if fn not in self._compiled:
-            self._compiled[fn] = compile_static(fn, backend="inductor")
-        return self._compiled[fn]
 
 
 def compile_static(fn, backend: str):

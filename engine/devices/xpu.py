@@ -10,7 +10,7 @@ import logging
 import torch
 
 from engine.devices.base import DeviceAdapter
-from engine.devices.cpu import compile_static
+from engine.devices.cpu import CompiledGraphs
 from engine.devices.probe import require
 
 log = logging.getLogger(__name__)
@@ -19,7 +19,7 @@ ONECCL_BINDINGS = "oneccl_bindings_for_pytorch"
 IPEX = "intel_extension_for_pytorch"
 
 
-class XPUAdapter(DeviceAdapter):
+class XPUAdapter(CompiledGraphs, DeviceAdapter):
     name = "xpu"
     default_dtype = torch.bfloat16
     default_block_size = 16
@@ -34,7 +34,6 @@ class XPUAdapter(DeviceAdapter):
         self.dist_backend = distributed_backend()
         self.ipex = optional_module(IPEX)
         log.info("xpu: %s, collectives over %s", "IPEX kernels" if self.ipex else "native torch.xpu", self.dist_backend)
-        self._compiled: dict = {}
 
     @property
     def torch_device(self) -> torch.device:
@@ -46,13 +45,6 @@ class XPUAdapter(DeviceAdapter):
 
     def synchronize(self) -> None:
         torch.xpu.synchronize(self.index)
-
-    def graph_for(self, shape, fn):
-        if self.graph_mode == "eager":
-            return fn
-        if fn not in self._compiled:
-            self._compiled[fn] = compile_static(fn, backend="inductor")
-        return self._compiled[fn]
 
 
 def distributed_backend() -> str:
