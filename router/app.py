@@ -94,7 +94,10 @@ def info_dict(config: RouterConfig, info, limits: SchedulerLimits, result) -> di
 async def build_state(config: RouterConfig, client: ShardClient) -> RouterState:
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
     limits, allocator, info = await warm_up(client, config)
-    scheduler = Scheduler(client, allocator, limits, rewarm=lambda: rewarm(client, config))
+    async def capacity_after_rewarm() -> int | None:
+        return (await rewarm(client, config)).max_supported_total_tokens
+
+    scheduler = Scheduler(client, allocator, limits, rewarm=capacity_after_rewarm)
     metrics = RouterMetrics(scheduler, client)
     scheduler.on_step = metrics.on_step
     await scheduler.start()

@@ -67,15 +67,15 @@ class RouterMetrics:
         registry.register(ShardStatsCollector(client))
 
     def _gauges(self, scheduler) -> None:
-        allocator, registry = scheduler.allocator, self.registry
+        registry = self.registry  # scheduler.allocator is read each time: a recovery may replace it
         Gauge("bucketserve_queue_size", "requests waiting for admission",
               registry=registry).set_function(lambda: scheduler.queue_length)
         Gauge("bucketserve_running_requests", "requests in the shards' batch",
               registry=registry).set_function(lambda: scheduler.running_count)
         Gauge("bucketserve_kv_blocks_in_use", "KV cache blocks held by requests",
-              registry=registry).set_function(lambda: allocator.num_used)
+              registry=registry).set_function(lambda: scheduler.allocator.num_used)
         Gauge("bucketserve_kv_blocks_total", "usable KV cache blocks (block 0 is reserved)",
-              registry=registry).set_function(lambda: allocator.num_blocks - 1)
+              registry=registry).set_function(lambda: scheduler.allocator.num_blocks - 1)
         Gauge("bucketserve_shards_available", "1 while the shards answer",
               registry=registry).set_function(lambda: float(scheduler.available))
 

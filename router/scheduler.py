@@ -61,11 +61,11 @@ class SchedulerStats:
 
 class Scheduler:
     """`rewarm`, when given, runs once the shards answer Health again after they were unreachable
-    (a restarted shard has lost its warmed graphs and batches); `on_step(phase, batch_size)` is
-    called for every prefill and decode, for metrics."""
+    (a restarted shard has lost its warmed graphs and batches) and answers their KV capacity in
+    tokens; `on_step(phase, batch_size)` is called for every prefill and decode, for metrics."""
 
     def __init__(self, client: ShardClient, allocator: BlockAllocator, limits: SchedulerLimits,
-                 rewarm: Callable[[], Awaitable[None]] | None = None,
+                 rewarm: Callable[[], Awaitable[int | None]] | None = None,
                  on_step: Callable[[str, int], None] | None = None):
         self.client, self.allocator, self.limits = client, allocator, limits
         self.rewarm, self.on_step = rewarm, on_step
@@ -193,14 +193,25 @@ class Scheduler:
         while True:
             try:
                 await self.client.health()
-                if self.rewarm is not None:
-                    await self.rewarm()
+                capacity = await self.rewarm() if self.rewarm is not None else None
                 break
             except ShardError as error:
                 log.debug("shards still unavailable: %s", error)
                 await asyncio.sleep(RECOVERY_POLL_S)
+        if capacity is not None:
+            self._resize(capacity)
         log.warning("the shards answer again: serving the %d queued request(s)", len(self._queue))
         self.available = True
+
+    def _resize(self, capacity_tokens: int) -> None:
+        """New shards may have another KV capacity (free memory differs from start to start). No
+        request holds blocks now (the running ones were abandoned, the queued ones hold none), so
+        the allocator can simply be replaced."""
+        size, blocks = self.allocator.block_size, capacity_tokens // self.allocator.block_size + 1
+        if blocks != self.allocator.num_blocks:
+            assert self.allocator.idle, "resizing an allocator with blocks in use"
+            log.warning("the shards' KV capacity is now %d blocks (was %d)", blocks, self.allocator.num_blocks)
+            self.allocator = BlockAllocator(blocks, size)
 
     async def _idle(self) -> None:
         # Nothing running and nothing admissible: sleep until a submit or a cancel changes that.

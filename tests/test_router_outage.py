@@ -15,9 +15,10 @@ from tests.test_router_scheduler import (LIMITS, RecordingClient, consume, expec
 class OutageClient(RecordingClient):
     """A real in-process shard behind a switch: while `down`, every RPC fails as a dead socket does."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, capacity_after_restart: int | None = None):
         super().__init__(inner)
         self.down, self.health_checks, self.rewarms = False, 0, 0
+        self.capacity_after_restart = capacity_after_restart
 
     def _check(self):
         if self.down:
@@ -41,11 +42,12 @@ class OutageClient(RecordingClient):
 
     async def rewarm(self):
         self.rewarms += 1
+        return self.capacity_after_restart
 
 
-async def run(shard, allocator, body, limits=LIMITS):
+async def run(shard, allocator, body, limits=LIMITS, capacity_after_restart=None):
     inner = InProcessClient(shard, max_batch_size=limits.max_batch_size)
-    client = OutageClient(inner)
+    client = OutageClient(inner, capacity_after_restart)
     scheduler = Scheduler(client, allocator, limits, rewarm=client.rewarm)
     await scheduler.start()
     try:
@@ -75,12 +77,15 @@ def test_requests_that_had_not_started_are_held_through_an_outage(shard, warmed,
         await wait_for(lambda: client.health_checks >= 2)  # it keeps asking
         client.down = False
         outputs = await asyncio.gather(*(consume(s) for s in held))
-        return outputs, client.rewarms, scheduler.available
+        return outputs, client.rewarms, scheduler.available, scheduler.allocator
 
-    outputs, rewarms, available = asyncio.run(run(shard, allocator, body))
+    # The restarted shard has half the KV capacity: the router's allocator follows it.
+    smaller = warmed[1] // 2
+    outputs, rewarms, available, resized = asyncio.run(run(shard, allocator, body, capacity_after_restart=smaller))
     assert outputs == [expected[0][:10], expected[1][:10]]
     assert rewarms == 1 and available
-    assert allocator.idle and not shard.batches
+    assert resized.num_blocks == smaller // 16 + 1 != allocator.num_blocks
+    assert resized.idle and allocator.idle and not shard.batches
 
 
 def test_running_requests_fail_in_an_outage_and_later_ones_are_served(shard, warmed, expected):
