@@ -24,8 +24,12 @@ def chat_prompt(tokenizer, prompt: str) -> str:
     return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
 
 
+def token_count(shard: Shard, text: str, add_special_tokens: bool) -> int:
+    return len(shard.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
 def prompt_lengths(shard: Shard, texts: list[str], add_special_tokens: bool) -> list[int]:
-    return [len(shard.tokenizer(t, add_special_tokens=add_special_tokens)["input_ids"]) for t in texts]
+    return [token_count(shard, t, add_special_tokens) for t in texts]
 
 
 def warm_for(shard: Shard, texts: list[str], max_new_tokens: int, add_special_tokens: bool) -> WarmupResult:
@@ -51,7 +55,7 @@ def run_requests(shard: Shard, requests: list[Request], seconds: dict | None = N
     "prefill" and "decode"."""
     from router.offline import run_scheduled  # the router builds on the engine: imported on use
 
-    lengths = [prompt_length(shard, r) for r in requests]
+    lengths = [token_count(shard, r.inputs, r.add_special_tokens) for r in requests]
     outputs = run_scheduled(shard, requests, lengths, shard.runner.kv_cache.capacity_tokens, seconds)
     done = {}
     for request in requests:
@@ -60,10 +64,6 @@ def run_requests(shard: Shard, requests: list[Request], seconds: dict | None = N
         done[request.id] = Completion(request.inputs, [t for g in generations for t in g.tokens.ids], last.text,
                                       last.finish_reason.name.lower())
     return done
-
-
-def prompt_length(shard: Shard, request: Request) -> int:
-    return len(shard.tokenizer(request.inputs, add_special_tokens=request.add_special_tokens)["input_ids"])
 
 
 def generate(shard: Shard, prompts: list[str], max_new_tokens: int, chat: bool = False,

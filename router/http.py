@@ -69,11 +69,16 @@ def error_body(message: str, error_type: str) -> dict:
     return {"error": message, "error_type": error_type}
 
 
+def error_payload(error: Exception) -> dict:
+    """TGI's error body for `error`: a shard's own message (without the status name), else the text."""
+    message = error.message if isinstance(error, ShardError) else str(error)
+    return error_body(message, classify(error)[1])
+
+
 def error_response(state: RouterState, error: Exception) -> JSONResponse:
-    status, error_type, outcome = classify(error)
+    status, _, outcome = classify(error)
     state.metrics.outcome(outcome)
-    message = str(error) if not isinstance(error, ShardError) else error.message
-    return JSONResponse(error_body(message, error_type), status_code=status)
+    return JSONResponse(error_payload(error), status_code=status)
 
 
 # --- running a request ------------------------------------------------------------------------------
@@ -187,8 +192,7 @@ class TgiEvents:
 
 
 def tgi_error_event(error: Exception) -> str:
-    _, error_type, _ = classify(error)
-    return sse(error_body(error.message if isinstance(error, ShardError) else str(error), error_type))
+    return sse(error_payload(error))
 
 
 # --- TGI's routes ---------------------------------------------------------------------------------

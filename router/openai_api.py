@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from engine.batch import FinishReason, Generation
-from router.http import (RouterState, classify, collect, error_body, error_response, events, finite, submit)
+from router.http import RouterState, collect, error_payload, error_response, events, finite, submit
 from router.validation import Grammar, Parameters, ValidationError, check
 
 MAX_TOP_LOGPROBS = 5
@@ -168,8 +168,7 @@ def sse(payload: Any) -> str:
 
 
 def error_event(error: Exception) -> str:
-    _, error_type, _ = classify(error)
-    return sse(error_body(getattr(error, "message", str(error)), error_type))
+    return sse(error_payload(error))
 
 
 # --- chat completions -----------------------------------------------------------------------------

@@ -6,10 +6,10 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from router.client import InProcessClient, ShardError
-from router.scheduler import Overloaded, Scheduler, ShardsUnavailable
+from router.client import ShardError
+from router.scheduler import Overloaded, ShardsUnavailable
 from tests.test_router_scheduler import (LIMITS, RecordingClient, consume, expected, full_allocator,  # noqa: F401
-                                         make_request, shard, warmed)
+                                         make_request, shard, warmed, with_scheduler)
 
 
 class OutageClient(RecordingClient):
@@ -45,16 +45,9 @@ class OutageClient(RecordingClient):
         return self.capacity_after_restart
 
 
-async def run(shard, allocator, body, limits=LIMITS, capacity_after_restart=None):
-    inner = InProcessClient(shard, max_batch_size=limits.max_batch_size)
-    client = OutageClient(inner, capacity_after_restart)
-    scheduler = Scheduler(client, allocator, limits, rewarm=client.rewarm)
-    await scheduler.start()
-    try:
-        return await body(scheduler, client)
-    finally:
-        await scheduler.stop()
-        await inner.close()
+def run(shard, allocator, body, limits=LIMITS, capacity_after_restart=None):
+    return with_scheduler(shard, allocator, body, limits=limits,
+                          make_client=lambda inner: OutageClient(inner, capacity_after_restart))
 
 
 async def wait_for(condition, timeout: float = 30):

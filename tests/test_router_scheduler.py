@@ -95,11 +95,13 @@ async def consume(stream) -> list[int]:
     return tokens
 
 
-async def with_scheduler(shard, allocator, body, fail_decode_at=None):
-    """Run `body(scheduler, recording client)` against a started scheduler; always stop and close."""
-    inner = InProcessClient(shard, max_batch_size=LIMITS.max_batch_size)
-    client = RecordingClient(inner, fail_decode_at)
-    scheduler = Scheduler(client, allocator, LIMITS)
+async def with_scheduler(shard, allocator, body, fail_decode_at=None, limits=LIMITS, make_client=None):
+    """Run `body(scheduler, client)` against a started scheduler; always stop and close. The client
+    wraps the in-process one: a RecordingClient, or `make_client(inner)`; its `rewarm`, if it has
+    one, is the scheduler's."""
+    inner = InProcessClient(shard, max_batch_size=limits.max_batch_size)
+    client = make_client(inner) if make_client else RecordingClient(inner, fail_decode_at)
+    scheduler = Scheduler(client, allocator, limits, rewarm=getattr(client, "rewarm", None))
     await scheduler.start()
     try:
         return await body(scheduler, client)
