@@ -33,13 +33,13 @@ run: $(STAMP)
 	$(PY) -m launcher --device cpu --hostname 127.0.0.1 --port $(PORT) --warmup progressive
 
 generate: $(STAMP)
-	$(PY) -m engine generate --prompt "What is the capital of France?" --chat --max-new-tokens 20
+	$(VENV)/bin/bucketserve generate --prompt "What is the capital of France?" --chat --max-new-tokens 20
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) -m engine bench --compare transformers
+	$(VENV)/bin/bucketserve bench --compare transformers
 
 lint-docker: $(STAMP)
 	$(VENV)/bin/hadolint --config .hadolint.yaml Dockerfile_gaudi Dockerfile_cuda Dockerfile_xpu

@@ -48,7 +48,18 @@ def env_lora_adapters() -> str | None:
     return os.environ.get("LORA_ADAPTERS") or None
 
 
-WARMUP_MODES = ("full", "progressive", "none")  # engine/warmup.py
+WARMUP_MODES = ("full", "progressive", "none")  # engine/warmup/run.py
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """What a batch may hold: the shard plans and warms its buckets for these, and the router's
+    scheduler admits requests under the same ones."""
+    max_batch_size: int
+    max_prefill_tokens: int
+    max_input_tokens: int
+    max_total_tokens: int
+    max_concurrent_requests: int = 128  # router only: queued + running; beyond it a submit is refused (HTTP 429)
 
 
 @dataclass(frozen=True)
@@ -61,11 +72,11 @@ class EngineConfig:
     max_input_tokens: int = 1024
     max_total_tokens: int = 2048
     max_prefill_tokens: int = 4096
-    bucket_strategy: str = "exponential"  # linear | exponential | padding | file | fitted (engine/plans.py)
+    bucket_strategy: str = "exponential"  # linear | exponential | padding | file | fitted (engine/buckets/plans.py)
     bucket_shapes: str | None = None     # fitted: the JSONL trace of batch shapes to fit
     bucket_file: str | None = None       # file: JSON of the buckets
     max_graphs: int | None = None        # fitted: graph budget; None: the exponential plan's count
-    warmup_mode: str = "full"            # full | progressive | none (engine/warmup.py)
+    warmup_mode: str = "full"            # full | progressive | none (engine/warmup/run.py)
     warmup_profile: str | None = None    # profile.json of `engine warmup-profile`: its buckets and latencies
     record_shapes: str | None = None     # append the batch shapes served to this JSONL file
     graph_mode: str | None = None        # None: the device's (graphs on hpu and cuda, eager elsewhere)

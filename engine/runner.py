@@ -9,7 +9,7 @@ import torch
 
 from engine.attention import DecodeMetadata, PrefillMetadata
 from engine.attention.flat import flat_block_tensors, flat_mask
-from engine.buckets import BucketPlan, DecodeBucket, PaddingStats, PrefillBucket
+from engine.buckets.core import BucketPlan, DecodeBucket, PaddingStats, PrefillBucket
 from engine.devices.base import DeviceAdapter
 from engine.kv_cache import RESERVED_BLOCK, KVCache
 from engine.layers.lora import NO_ADAPTER
@@ -44,7 +44,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.padding = PaddingStats()
         self.forward_ns = 0  # device time of the forwards since the caller last reset it
-        self.recorder = None  # engine.shapes.ShapeRecorder (--record-shapes): the shapes served, unpadded
+        self.recorder = None  # engine.buckets.shapes.ShapeRecorder (--record-shapes): the shapes served, unpadded
         model.bind_kv_cache(kv_cache.layers)
         adapter.reset()  # graphs captured on a previous cache would write into freed memory
 

@@ -1,5 +1,7 @@
-"""The launcher: starts one `engine serve` process per tensor-parallel rank, waits until every one
-answers Health, supervises them (stop on a signal, stop or restart on a failure).
+"""The launcher and the `bucketserve` command, the top layer: starts one `engine serve` process per
+tensor-parallel rank, waits until every one answers Health, supervises them (stop on a signal, stop
+or restart on a failure), and starts the router. The offline commands that drive the router's
+scheduler over an in-process shard (`bucketserve generate|bench`) live here too.
 
 `python -m launcher --help` lists the flags; DESIGN.md section 1 places it in the system.
 """

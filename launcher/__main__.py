@@ -1,5 +1,6 @@
+"""`python -m launcher`: the same as the `bucketserve` command."""
 import sys
 
-from launcher.cli import main
+from launcher.cli import bucketserve
 
-sys.exit(main())
+sys.exit(bucketserve())

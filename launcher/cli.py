@@ -30,8 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m launcher", description="Start one `engine serve` shard per rank, wait until "
                       "all answer Health, start the HTTP router over them, and supervise them all. SIGTERM or "
                       "SIGINT stops them gracefully.",
-                      epilog="The engine's own commands: `bucketserve generate|bench|serve ...` "
-                             "(the same as `python -m engine ...`).")
+                      epilog="Other commands: `bucketserve generate|bench|serve|buckets|warmup-profile|loadtest ...` "
+                             "(serve, buckets and warmup-profile are also `python -m engine ...`).")
     p.add_argument("--model-id", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--num-shard", type=int, default=d.num_shard, help="tensor-parallel ranks, one process each")
     p.add_argument("--device", default=d.device, help=f"{'|'.join(DEVICES)} (auto: an accelerator when one is "
@@ -148,7 +148,8 @@ def bucketserve(argv: list[str] | None = None) -> int:
 
         return loadtest_main(argv[1:])
     if argv and argv[0] in ENGINE_COMMANDS:
-        from engine.cli import main as engine_main
+        from engine.cli.main import main as engine_main
+        from launcher.offline_cli import add_offline_commands
 
-        return engine_main(argv)
+        return engine_main(argv, prog="bucketserve", extra_commands=(add_offline_commands,))
     return main(argv)

@@ -13,18 +13,21 @@ from pathlib import Path
 from dataclasses import dataclass
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
 from transformers import AutoTokenizer
 
-from engine.config import default_cache_dir, parse_lora_adapters
+from engine.config import ServingLimits, default_cache_dir, parse_lora_adapters
 from engine.loader import resolve_model_dir
 from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCriteriaParameters
 from router.allocator import BlockAllocator
 from router.client import GrpcShardClient, ShardClient
-from router.http import RouterState, create_app
 from router.metrics import RouterMetrics
-from router.scheduler import Scheduler, SchedulerLimits
-from router.validation import MAX_TOP_N_TOKENS
+from router.openai_api import openai_routes
+from router.scheduler import Scheduler
+from router.state import RouterState, error_response
+from router.tgi_api import service_routes, tgi_routes
+from router.validation import MAX_TOP_N_TOKENS, ValidationError
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -60,14 +63,14 @@ def warmup_batch(max_input: int, max_prefill: int, max_total: int, max_batch: in
     return Batch(0, requests, size=len(requests), max_tokens=max_input)
 
 
-async def warm_up(client: ShardClient, config: RouterConfig) -> tuple[SchedulerLimits, BlockAllocator, dict]:
+async def warm_up(client: ShardClient, config: RouterConfig) -> tuple[ServingLimits, BlockAllocator, dict]:
     await client.clear_cache(None)
     info = await client.info()
     result = await rewarm(client, config)
     if result.max_supported_total_tokens is None:
         raise RuntimeError("the shards did not report their KV cache capacity")
     blocks = result.max_supported_total_tokens // info.block_size + 1
-    limits = SchedulerLimits(config.max_batch_size, config.max_batch_prefill_tokens, result.max_input_tokens,
+    limits = ServingLimits(config.max_batch_size, config.max_batch_prefill_tokens, result.max_input_tokens,
                              result.max_total_tokens, config.max_concurrent_requests)
     return limits, BlockAllocator(blocks, info.block_size), info_dict(config, info, limits, result)
 
@@ -80,7 +83,7 @@ async def rewarm(client: ShardClient, config: RouterConfig):
                                config.max_total_tokens)
 
 
-def info_dict(config: RouterConfig, info, limits: SchedulerLimits, result) -> dict:
+def info_dict(config: RouterConfig, info, limits: ServingLimits, result) -> dict:
     return {"model_id": config.model_id, "model_sha": None, "model_dtype": info.dtype,
             "model_device_type": info.device_type, "model_pipeline_tag": "text-generation",
             "max_concurrent_requests": limits.max_concurrent_requests, "max_best_of": 1, "max_stop_sequences": 4,
@@ -89,6 +92,20 @@ def info_dict(config: RouterConfig, info, limits: SchedulerLimits, result) -> di
             "max_batch_total_tokens": result.max_supported_total_tokens, "block_size": info.block_size,
             "validation_workers": 1, "max_client_batch_size": 1, "router": "bucketserve-router",
             "version": VERSION, "sha": None, "docker_label": None, "lora_adapters": list(config.lora_adapters)}
+
+
+def create_app(state: RouterState) -> FastAPI:
+    """The HTTP app: TGI's routes, OpenAI's, and the service routes, over one state."""
+    app = FastAPI(title="bucketserve router")
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_: HttpRequest, error: RequestValidationError):
+        return error_response(state, ValidationError(str(error.errors())))
+
+    tgi_routes(app, state)
+    openai_routes(app, state)
+    service_routes(app, state)
+    return app
 
 
 async def build_state(config: RouterConfig, client: ShardClient) -> RouterState:

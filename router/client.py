@@ -16,11 +16,11 @@ from typing import Protocol
 
 import grpc
 
-from engine import convert
+from engine.serving import convert
 from engine.batch import Batch, CachedBatch, Generation, InfoResponse, WarmupResult
 from engine.pb import generate_pb2 as pb
 from engine.pb import generate_pb2_grpc as pb_grpc
-from engine.server import MAX_MESSAGE_BYTES, STATS_METADATA_KEY, status_for
+from engine.serving.server import MAX_MESSAGE_BYTES, STATS_METADATA_KEY, status_for
 
 StepResult = tuple[list[Generation], CachedBatch | None]
 
@@ -164,7 +164,7 @@ def step_result(responses: list) -> StepResult:
     return generations, convert.cached_batch_from_pb(first.batch) if first.HasField("batch") else None
 
 
-# --- in process: the same interface over an engine.shard.Shard ---------------------------------
+# --- in process: the same interface over an engine.serving.shard.Shard ---------------------------------
 
 
 class InProcessClient:

@@ -7,13 +7,14 @@ import asyncio
 from engine.batch import Generation, Request
 from router.allocator import BlockAllocator
 from router.client import InProcessClient
-from router.scheduler import Scheduler, SchedulerLimits
+from engine.config import ServingLimits
+from router.scheduler import Scheduler
 
 
-def limits_of(shard, requests: int) -> SchedulerLimits:
+def limits_of(shard, requests: int) -> ServingLimits:
     """What the warmed shard serves; every request of the run may wait in the queue at once."""
     warmed = shard.limits
-    return SchedulerLimits(warmed.max_batch_size, warmed.max_prefill_tokens, warmed.max_input_tokens,
+    return ServingLimits(warmed.max_batch_size, warmed.max_prefill_tokens, warmed.max_input_tokens,
                            warmed.max_total_tokens, max_concurrent_requests=max(requests, 1))
 
 

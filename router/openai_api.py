@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from engine.batch import FinishReason, Generation
-from router.http import RouterState, collect, error_payload, error_response, events, finite, submit
+from router.state import RouterState, collect, error_payload, error_response, events, finite, submit
 from router.validation import Grammar, Parameters, ValidationError, check
 
 MAX_TOP_LOGPROBS = 5

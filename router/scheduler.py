@@ -22,20 +22,12 @@ from typing import Awaitable, Callable
 import grpc
 
 from engine.batch import Batch, CachedBatch, Generation, Request
+from engine.config import ServingLimits
 from router.allocator import BlockAllocator
 from router.client import ShardClient, ShardError
 from router.streams import RequestCancelled, RequestStream, Entry
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    max_batch_size: int
-    max_prefill_tokens: int
-    max_input_tokens: int
-    max_total_tokens: int
-    max_concurrent_requests: int = 128  # queued + running; beyond it a submit is refused (HTTP 429)
 
 
 class Overloaded(Exception):
@@ -64,7 +56,7 @@ class Scheduler:
     (a restarted shard has lost its warmed graphs and batches) and answers their KV capacity in
     tokens; `on_step(phase, batch_size)` is called for every prefill and decode, for metrics."""
 
-    def __init__(self, client: ShardClient, allocator: BlockAllocator, limits: SchedulerLimits,
+    def __init__(self, client: ShardClient, allocator: BlockAllocator, limits: ServingLimits,
                  rewarm: Callable[[], Awaitable[int | None]] | None = None,
                  on_step: Callable[[str, int], None] | None = None):
         self.client, self.allocator, self.limits = client, allocator, limits

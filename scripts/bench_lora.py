@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from engine.batch import Batch, Request, StoppingCriteriaParameters
-from engine.bench import Workload, make_prompts
+from launcher.bench import Workload, make_prompts
 from engine.config import EngineConfig
-from engine.generate import warm_for
+from launcher.generate import warm_for
 from engine.loader import resolve_model_dir
-from engine.shard import Shard
+from engine.serving.shard import Shard
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

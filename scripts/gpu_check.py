@@ -74,7 +74,7 @@ def as_text(ids: list[int]) -> str:
 
 def shard_for(model_dir: Path, device: str, dtype: str, batch: int, longest: int, new_tokens: int):
     from engine.config import EngineConfig
-    from engine.shard import Shard
+    from engine.serving.shard import Shard
 
     config = EngineConfig(model_id=str(model_dir), device=device, dtype=dtype, max_batch_size=batch,
                           max_input_tokens=longest, max_total_tokens=longest + new_tokens,
@@ -86,7 +86,7 @@ def shard_for(model_dir: Path, device: str, dtype: str, batch: int, longest: int
 def ours(shard, prompts: list[list[int]], new_tokens: int, ignore_eos: bool) -> tuple[list[list[int]], float, float]:
     """Generated ids per prompt, seconds of generation and seconds of warmup before it."""
     from engine.batch import Request, StoppingCriteriaParameters
-    from engine.generate import run_requests, warm_for
+    from launcher.generate import run_requests, warm_for
 
     texts = [as_text(p) for p in prompts]
     warm_start = time.perf_counter()

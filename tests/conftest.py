@@ -29,7 +29,7 @@ def tiny_config(model_dir, **overrides) -> EngineConfig:
 
 def warmed_llama_shard(tiny_model_dirs) -> "Shard":
     """A warmed shard on the tiny Llama, batch size 4 (each test module builds its own)."""
-    from engine.shard import Shard
+    from engine.serving.shard import Shard
 
     shard = Shard(tiny_config(tiny_model_dirs["llama"], max_batch_size=4), show_progress=False)
     shard.warmup()

@@ -1,4 +1,4 @@
-"""Tests of engine.buckets: ranges, plan coverage, bucket choice, splitting, padding stats."""
+"""Tests of engine.buckets.core: ranges, plan coverage, bucket choice, splitting, padding stats."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from engine.buckets import (
+from engine.buckets.core import (
     STRATEGIES,
     BucketLimits,
     BucketPlan,

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from engine.buckets import BucketLimits, BucketPlan, DecodeBucket, PrefillBucket, padding_range, plan_buckets
-from engine.cli import main
-from engine.fitted import _layers_1d, fit_plan
-from engine.plans import make_plan, plan_problems
-from engine.shapes import Shape, count_shapes, load_shapes
-from engine.trace_cost import decode_cost, prefill_cost, uniform_prefill_tokens
+from engine.buckets.core import BucketLimits, BucketPlan, DecodeBucket, PrefillBucket, padding_range, plan_buckets
+from engine.cli.main import main
+from engine.buckets.fitted import _layers_1d, fit_plan
+from engine.buckets.plans import make_plan, plan_problems
+from engine.buckets.shapes import Shape, count_shapes, load_shapes
+from engine.buckets.trace_cost import decode_cost, prefill_cost, uniform_prefill_tokens
 
 FAST = settings(max_examples=30, deadline=None)
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "shapes_chat_mixed.jsonl"

@@ -1,15 +1,15 @@
-"""The `python -m engine` commands as a user runs them."""
+"""The `bucketserve generate|bench` commands as a user runs them (`python -m launcher` is the same command)."""
 import json
 import subprocess
 import sys
 
 import pytest
 
-from engine.cli import main
+from launcher.cli import bucketserve as main
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "launcher", *args], capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.slow
@@ -85,7 +85,7 @@ def test_bench_runs_both_engines_and_prints_the_ratio():
 
 
 def test_bench_output_lengths_spread_evenly_and_mix_with_prompt_lengths():
-    from engine.bench import Workload
+    from launcher.bench import Workload
 
     lengths = Workload(num_prompts=32, new_tokens=128, min_new_tokens=16).output_lengths()
     assert sorted(lengths) == [16 + 112 * i // 31 for i in range(32)]

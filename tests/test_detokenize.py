@@ -1,4 +1,4 @@
-from engine.detokenize import REPLACEMENT_CHAR, decode_next
+from engine.serving.detokenize import REPLACEMENT_CHAR, decode_next
 
 
 def test_incremental_text_never_splits_a_character(smollm_dir):

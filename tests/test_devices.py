@@ -4,8 +4,8 @@ import torch
 from engine.devices import available_devices, get_adapter
 from engine.devices.base import ShapeRegistry
 from engine.errors import UnwarmedShapeError
-from engine.generate import generate
-from engine.shard import Shard
+from launcher.generate import generate
+from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 
 

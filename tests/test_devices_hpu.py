@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from engine.buckets import DecodeBucket, PrefillBucket
+from engine.buckets.core import DecodeBucket, PrefillBucket
 from engine.devices import get_adapter
 from engine.devices.graph_inputs import GraphInputError
 from engine.devices.hpu import HPUAdapter
@@ -160,7 +160,7 @@ def test_missing_device_names_what_is_missing(habana):
 
 
 def test_vllm_hpu_extension_kernels_serve_attention_when_importable(habana, monkeypatch):
-    from engine.buckets import BucketPlan
+    from engine.buckets.core import BucketPlan
     from tests.fakes.vllm_hpu_extension import FakeExtension
 
     extension = FakeExtension()

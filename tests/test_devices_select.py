@@ -3,9 +3,9 @@ import re
 
 import pytest
 
-from engine.cli import main as engine_main
 from engine.devices import choose_device, get_adapter
 from engine.devices.probe import Probe
+from launcher.cli import bucketserve
 
 
 def present(*devices, count=2):
@@ -37,13 +37,13 @@ def test_auto_here_is_cpu():
 ])
 def test_the_engine_refuses_a_missing_device_in_one_line(capsys, device, reason):
     # (the launcher's same refusal is tested in test_launcher.py)
-    code = engine_main(["generate", "--device", device, "--prompt", "hi", "--max-new-tokens", "1"])
+    code = bucketserve(["generate", "--device", device, "--prompt", "hi", "--max-new-tokens", "1"])
     err = capsys.readouterr().err
     assert code != 0 and re.fullmatch(f"error: --device {device} is not usable here: {reason}\n", err), err
 
 
 def test_info_reports_the_device_auto_chose(tiny_model_dirs):
-    from engine.shard import Shard
+    from engine.serving.shard import Shard
     from tests.conftest import tiny_config
 
     shard = Shard(tiny_config(tiny_model_dirs["llama"], device="auto"), show_progress=False)

@@ -3,8 +3,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.generate import chat_prompt, generate
-from engine.shard import Shard
+from launcher.generate import chat_prompt, generate
+from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 
 # Six prompts of clearly different lengths, decoded together in one mixed batch.

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.batch import Batch, FinishReason, Request, StoppingCriteriaParameters
-from engine.shard import Shard
+from engine.serving.shard import Shard
 from tests.conftest import tiny_config, warmed_llama_shard
 
 PROMPT = "The lighthouse keeper counted the ships that passed in the night"

@@ -6,8 +6,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.batch import Batch, Request, StoppingCriteriaParameters
 from engine.errors import InvalidRequestError
-from engine.generate import run_requests
-from engine.shard import Shard
+from launcher.generate import run_requests
+from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 from tests.test_equivalence import PROMPTS
 

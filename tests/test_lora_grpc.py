@@ -7,8 +7,8 @@ import grpc
 import pytest
 
 from engine.pb import generate_pb2 as pb
-from engine.server import ServerConfig
-from engine.shard import Shard
+from engine.serving.server import ServerConfig
+from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 from tests.test_lora import MIX, lora_dirs, lora_expected  # noqa: F401 - fixtures
 from tests.test_server import (LIMITS, BackgroundServer, collect, drain, prompt_request, short_socket_dir,

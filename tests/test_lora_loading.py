@@ -129,10 +129,11 @@ def test_adapter_specs_parse_and_reach_the_config(monkeypatch):
         parse_lora_adapters("=/x")
     with pytest.raises(ValueError, match="unknown LoRA implementation 'fast'"):
         lora_ops("fast")
-    from engine.cli import build_parser, engine_config
+    from engine.cli.main import build_parser, engine_config
+    from launcher.offline_cli import add_offline_commands
 
     monkeypatch.setenv("LORA_ADAPTERS", "env=/e")
-    args = build_parser().parse_args(["generate", "--max-new-tokens", "1"])
+    args = build_parser(extra_commands=(add_offline_commands,)).parse_args(["generate", "--max-new-tokens", "1"])
     assert engine_config(args).lora_adapters == (("env", "/e"),) and engine_config(args).lora_impl is None
     args = build_parser().parse_args(["serve", "--lora-adapters", "a=/a", "--lora-impl", "gather", "--max-lora-rank", "16"])
     config = engine_config(args)

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from engine.cli import main
-from engine.shard import Shard
+from engine.cli.main import main
+from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 from tests.test_warmup_invariant import trace_file
 

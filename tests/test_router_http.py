@@ -170,7 +170,7 @@ def test_disconnect_mid_stream_cancels_the_request(served):
         next(response.iter_lines())
         seen = len(rpc_lines(base))
     deadline = time.monotonic() + 10
-    while not any(line.startswith("DEBUG engine.server: ClearCache") for line in rpc_lines(base)[seen:]):
+    while not any(line.startswith("DEBUG engine.serving.server: ClearCache") for line in rpc_lines(base)[seen:]):
         assert time.monotonic() < deadline, "the shard never dropped the abandoned request"
         time.sleep(0.05)
     decodes = [line for line in rpc_lines(base)[seen:] if "Decode" in line]

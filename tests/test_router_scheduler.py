@@ -5,14 +5,15 @@ import grpc
 import pytest
 
 from engine.batch import Batch, Request, StoppingCriteriaParameters
-from engine.shard import Shard
+from engine.serving.shard import Shard
 from router.allocator import BlockAllocator
 from router.client import InProcessClient, ShardError
-from router.scheduler import Scheduler, SchedulerLimits
+from engine.config import ServingLimits
+from router.scheduler import Scheduler
 from tests.conftest import tiny_config
 from tests.test_equivalence import PROMPTS, reference_tokens
 
-LIMITS = SchedulerLimits(max_batch_size=4, max_prefill_tokens=128, max_input_tokens=64, max_total_tokens=128)
+LIMITS = ServingLimits(max_batch_size=4, max_prefill_tokens=128, max_input_tokens=64, max_total_tokens=128)
 MAX_NEW = 30
 
 

@@ -14,12 +14,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine.cli import build_parser, server_config
+from engine.cli.main import build_parser, server_config
 from engine.pb import generate_pb2 as pb
 from engine.pb import generate_pb2_grpc as pb_grpc
 from engine.errors import BucketserveError
-from engine.server import ServerConfig, ShardServer, remove_stale_socket
-from engine.shard import Shard
+from engine.serving.server import ServerConfig, ShardServer, remove_stale_socket
+from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 from tests.test_equivalence import PROMPTS, reference_tokens
 
@@ -336,7 +336,7 @@ def test_cli_server_replaces_a_stale_socket_and_also_serves_tcp(tiny_model_dirs,
     log = Path(f"{base}/shard.log").read_text()
     shutil.rmtree(base, ignore_errors=True)
     assert code == 0, log
-    assert "DEBUG engine.server: Prefill batch=3 requests=4 in" in log  # one line per RPC at debug level
+    assert "DEBUG engine.serving.server: Prefill batch=3 requests=4 in" in log  # one line per RPC at debug level
     assert not (base / "shard-0").exists()
 
 

@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.pb import generate_pb2 as pb
-from engine.server import ServerConfig
-from engine.shard import Shard
+from engine.serving.server import ServerConfig
+from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 from tests.test_server import LIMITS, BackgroundServer, short_socket_dir, text_request, tgi_warmup_request
 

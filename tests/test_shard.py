@@ -3,9 +3,9 @@ import pytest
 
 from engine.batch import Batch, FinishReason, Request, StoppingCriteriaParameters
 from engine.errors import InvalidRequestError, UnwarmedShapeError
-from engine.generate import run_requests
+from launcher.generate import run_requests
 from engine.runner import DecodeInput
-from engine.shard import Shard
+from engine.serving.shard import Shard
 from tests.conftest import tiny_config, warmed_llama_shard
 from tests.test_equivalence import PROMPTS, reference_tokens
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from engine.batch import Batch, Request, StoppingCriteriaParameters
-from engine.shapes import Shape
-from engine.shard import Shard
+from engine.buckets.shapes import Shape
+from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 
 # Small limits keep warmup short: 4 rows, prompts up to 48 tokens, 6 blocks of 16 per sequence.

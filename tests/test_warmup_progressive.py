@@ -5,9 +5,9 @@ import threading
 
 import pytest
 
-import engine.progressive
+import engine.warmup.progressive
 from engine.batch import Batch
-from engine.shard import Shard
+from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 from tests.test_equivalence import PROMPTS
 from tests.test_shard import drain, request
@@ -24,14 +24,14 @@ def expected(tiny_model_dirs):
 
 def test_serves_reference_tokens_before_the_background_warmup_ends(tiny_model_dirs, expected, monkeypatch):
     gate = threading.Event()
-    real = engine.progressive.warm_buckets
+    real = engine.warmup.progressive.warm_buckets
 
     def gated(runner, buckets, *args, **kwargs):
         if args and args[2] == "background warmup":
             gate.wait(60)  # hold the background phase until the requests below are served
         return real(runner, buckets, *args, **kwargs)
 
-    monkeypatch.setattr(engine.progressive, "warm_buckets", gated)
+    monkeypatch.setattr(engine.warmup.progressive, "warm_buckets", gated)
     shard = Shard(tiny_config(tiny_model_dirs["llama"], max_batch_size=4, warmup_mode="progressive",
                               strict_shapes=True), show_progress=False)
     shard.warmup()
@@ -54,8 +54,8 @@ def test_serves_reference_tokens_before_the_background_warmup_ends(tiny_model_di
 
 
 def test_covering_set_serves_any_batch_by_splitting():
-    from engine.buckets import BucketLimits, plan_buckets
-    from engine.progressive import covering_set
+    from engine.buckets.core import BucketLimits, plan_buckets
+    from engine.warmup.progressive import covering_set
 
     limits = BucketLimits(8, 128, 256, 512, 16, 100)
     plan = plan_buckets(limits, "exponential")

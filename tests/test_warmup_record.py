@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from engine.batch import Batch
-from engine.generate import prompt_lengths
-from engine.shapes import Shape, load_shapes
-from engine.shard import Shard
+from launcher.generate import prompt_lengths
+from engine.buckets.shapes import Shape, load_shapes
+from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 from tests.test_equivalence import PROMPTS
 from tests.test_shard import drain, request

@@ -18,10 +18,10 @@ import pytest
 from google.protobuf import descriptor_pb2
 
 from engine import batch as eb
-from engine import convert
+from engine.serving import convert
 from engine.errors import CapacityError, InvalidRequestError, UnwarmedShapeError
 from engine.pb import generate_pb2 as pb
-from engine.server import ServerConfig
+from engine.serving.server import ServerConfig
 from tests.test_equivalence import PROMPTS, reference_tokens
 from tests.test_server import (REPO, BackgroundServer, short_socket_dir, start_cli_server, stop_cli_server,
                                text_request, wait_until_serving)

@@ -2,6 +2,7 @@
 
 Every forward first writes the new keys and values into the cache by slot, then attends:
 prefill over the padded prompt batch (prompt.py), decode over a flat list of KV blocks (flat.py).
+Imports nothing else of the engine: devices may register faster kernels for it (backend.py).
 """
 from typing import NamedTuple
 

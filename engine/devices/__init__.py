@@ -1,4 +1,6 @@
-"""Device adapters, imported lazily so that asking for one never imports another vendor's stack."""
+"""Device adapters (HPU, CUDA/ROCm, XPU, CPU) and the device probes: the only place vendor libraries
+are imported, lazily, so that asking for one device never imports another vendor's stack. Imports
+engine.attention (kernels it replaces), engine.errors and its own modules."""
 import importlib
 import os
 

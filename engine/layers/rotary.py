@@ -3,12 +3,24 @@
 cos/sin are precomputed for every position and looked up with a positions *tensor*, so a graph
 never sees a sequence length as a Python scalar.
 """
+from __future__ import annotations
+
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from engine.models.config import RopeConfig
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    # llama3 scaling only
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Registry: Hugging Face architecture name -> model class."""
+"""Models, built on engine/layers and engine/attention: the native architectures and the registry
+that maps a Hugging Face architecture name to its model class."""
 from engine.errors import ModelLoadError
 from engine.models.llama import LlamaForCausalLM
 

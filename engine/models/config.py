@@ -5,17 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import ModelLoadError
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float = 10000.0
-    rope_type: str = "default"
-    # llama3 scaling only
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+from engine.layers.rotary import RopeConfig
 
 
 @dataclass(frozen=True)

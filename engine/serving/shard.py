@@ -11,17 +11,19 @@ import torch
 
 from engine import loader
 from engine.batch import Batch, CachedBatch, Generation, InfoResponse, StepTimings, WarmupResult
-from engine.config import EngineConfig, distributed_address, torch_dtype
+from engine.config import EngineConfig, ServingLimits, distributed_address, torch_dtype
 from engine.distributed import Parallel, broadcast_int, init_distributed, min_across_ranks
-from engine.buckets import PaddingStats
+from engine.buckets.core import PaddingStats
 from engine.devices import get_adapter
 from engine.errors import InvalidRequestError
 from engine.kv_cache import BlockAllocator, KVCache
 from engine.lora_loader import load_adapters
 from engine.runner import ModelRunner
-from engine.sequence import Sequence
-from engine.steps import StepContext, admit_requests, decode_step, prefill_step
-from engine.warmup import PhaseLog, WarmupLimits, bucket_limits, plan_for, profile_free_memory, run_warmup, size_kv_cache
+from engine.serving.sequence import Sequence
+from engine.serving.steps import StepContext, admit_requests, decode_step, prefill_step
+from engine.warmup.memory import profile_free_memory, size_kv_cache
+from engine.warmup.run import bucket_limits, plan_for, run_warmup
+from engine.warmup.warm import PhaseLog
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ class Shard:
         # LoRA adapters load before warmup, so that every bucket is warmed with them active.
         self.lora_set = load_adapters(self.model, config, self.adapter.default_lora_impl, self.parallel)
         self.special_token_ids = frozenset(self.tokenizer.all_special_ids)
-        self.limits: WarmupLimits | None = None
+        self.limits: ServingLimits | None = None
         self.runner: ModelRunner | None = None
         self.allocator: BlockAllocator | None = None
         self.batches: dict[int, list[Sequence]] = {}
@@ -106,8 +108,8 @@ class Shard:
         return WarmupResult(cache.capacity_tokens, limits.max_input_tokens, limits.max_total_tokens)
 
     def fingerprint(self) -> dict:
-        """What a warmup profile's latencies depend on (engine/profile.py)."""
-        from engine.profile import fingerprint
+        """What a warmup profile's latencies depend on (engine/warmup/profile.py)."""
+        from engine.warmup.profile import fingerprint
 
         return fingerprint(self.model_path, self.adapter, self.dtype, self.world_size, self.block_size)
 
@@ -129,7 +131,7 @@ class Shard:
     def _start_recording(self) -> None:
         """--record-shapes: rank 0 only (every rank serves the same batches)."""
         if self.config.record_shapes and self.rank == 0:
-            from engine.shapes import ShapeRecorder
+            from engine.buckets.shapes import ShapeRecorder
 
             self.recorder = self.recorder or ShapeRecorder(self.config.record_shapes)
             self.runner.recorder = self.recorder
@@ -253,8 +255,8 @@ class Shard:
         max_tokens = sum(s.prompt_len + s.max_new_tokens for s in sequences)
         return CachedBatch(batch_id, [s.id for s in sequences], len(sequences), max_tokens, tokens)
 
-    def _limits(self, max_input, max_prefill, max_total, max_batch) -> WarmupLimits:
-        limits = WarmupLimits(
+    def _limits(self, max_input, max_prefill, max_total, max_batch) -> ServingLimits:
+        limits = ServingLimits(
             max_batch_size=max_batch or self.config.max_batch_size,
             max_input_tokens=max_input or self.config.max_input_tokens,
             max_total_tokens=max_total or self.config.max_total_tokens,

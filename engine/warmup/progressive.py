@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import threading
 
-from engine.buckets import BucketLimits, BucketPlan, DecodeBucket
-from engine.warmup import PhaseLog, _size, describe, report, warm_buckets
+from engine.buckets.core import BucketLimits, BucketPlan, DecodeBucket
+from engine.warmup.warm import PhaseLog, bucket_size, describe, report, warm_buckets
 
 
 def covering_set(plan: BucketPlan, limits: BucketLimits) -> list:
@@ -31,7 +31,7 @@ def covering_set(plan: BucketPlan, limits: BucketLimits) -> list:
 def background_order(buckets) -> list:
     """Decode first (a decode forward per generated token: most forwards are decodes), smallest
     batches first within a phase (cheapest to warm, and light load uses them)."""
-    return sorted(buckets, key=lambda b: (not isinstance(b, DecodeBucket), b.batch_size, _size(b)))
+    return sorted(buckets, key=lambda b: (not isinstance(b, DecodeBucket), b.batch_size, bucket_size(b)))
 
 
 class BackgroundWarmup:

@@ -6,7 +6,7 @@ import datetime
 import sys
 from pathlib import Path
 
-from engine.cli_buckets import add_limit_args, add_plan_args, report
+from engine.cli.buckets import add_limit_args, add_plan_args, report
 from engine.config import EngineConfig
 
 COMPARED = ("linear", "exponential", "padding", "fitted")
@@ -24,15 +24,15 @@ def profile_config(args: argparse.Namespace) -> EngineConfig:
 
 def strategy_reports(shard, shapes) -> list[dict]:
     """Each strategy's padding on the trace, under this shard's limits and KV cache."""
-    from engine.plans import make_plan
-    from engine.warmup import bucket_limits
+    from engine.buckets.plans import make_plan
+    from engine.warmup.run import bucket_limits
 
     limits = bucket_limits(shard.limits, shard.block_size, shard.runner.kv_cache.num_blocks)
     return [report(make_plan(name, limits, shapes), name, limits, shapes) for name in COMPARED]
 
 
 def write_plots(out_dir: Path, entries: list[dict], reports: list[dict]) -> list[Path]:
-    from engine.profile_plots import latency_plot, waste_plot
+    from engine.warmup.plots import latency_plot, waste_plot
 
     paths = [latency_plot(entries, "prefill", "seq_len", out_dir / "prefill_latency.png"),
              latency_plot(entries, "decode", "num_blocks", out_dir / "decode_latency.png")]
@@ -42,9 +42,9 @@ def write_plots(out_dir: Path, entries: list[dict], reports: list[dict]) -> list
 
 
 def cmd_warmup_profile(args: argparse.Namespace) -> None:
-    from engine.profile import measure, summary_table, write_profile
-    from engine.shapes import load_shapes
-    from engine.shard import Shard
+    from engine.warmup.profile import measure, summary_table, write_profile
+    from engine.buckets.shapes import load_shapes
+    from engine.serving.shard import Shard
 
     if args.runs < 1:
         raise ValueError(f"--runs must be at least 1, got {args.runs}")

@@ -21,8 +21,8 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-from engine.buckets import BucketLimits, BucketPlan, DecodeBucket, PrefillBucket
-from engine.trace_cost import decode_outside, prefill_outside
+from engine.buckets.core import BucketLimits, BucketPlan, DecodeBucket, PrefillBucket
+from engine.buckets.trace_cost import decode_outside, prefill_outside
 
 MIN_GRAPHS = 2           # the covering prefill bucket and the covering decode bucket
 MAX_CANDIDATES = 256     # block values one decode group considers (quantiles beyond that)
@@ -205,7 +205,7 @@ def fit_plan(limits: BucketLimits, shapes, max_graphs: int, seq_step: int) -> Bu
         raise ValueError(f"--max-graphs {max_graphs} cannot cover the limits: the fitted strategy needs at "
                          f"least {MIN_GRAPHS} graphs (a prefill bucket for the longest prompt and a decode "
                          f"bucket for the largest batch)")
-    from engine.shapes import count_shapes
+    from engine.buckets.shapes import count_shapes
 
     prefill_counts, decode_counts = count_shapes(shapes, "prefill"), count_shapes(shapes, "decode")
     prefill = prefill_curve(limits, prefill_counts, seq_step, max_graphs - 1)

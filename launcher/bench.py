@@ -1,4 +1,4 @@
-"""`python -m engine bench --compare transformers`: one workload through bucketserve and through
+"""`bucketserve bench --compare transformers`: one workload through bucketserve and through
 transformers' batched generate, in the same process, on the same weights."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import Request, StoppingCriteriaParameters
-from engine.buckets import PaddingStats
-from engine.generate import run_requests, warm_for
-from engine.shard import Shard
+from engine.buckets.core import PaddingStats
+from launcher.generate import run_requests, warm_for
+from engine.serving.shard import Shard
 
 # Any text works: it is only cut into prompts of the wanted token lengths.
 SOURCE_TEXT = (

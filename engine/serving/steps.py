@@ -5,14 +5,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine.batch import FinishReason, GeneratedText, Generation, GrammarType, Request, Tokens
-from engine.detokenize import decode_next
+from engine.serving.detokenize import decode_next
 from engine.errors import InvalidRequestError
 from engine.kv_cache import BlockAllocator, blocks_needed
 from engine.layers.lora import NO_ADAPTER, LoraSet
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
 from engine.sampling import choose, is_sampling, new_sampling_state, validate_parameters
-from engine.sequence import Sequence
-from engine.warmup import WarmupLimits
+from engine.serving.sequence import Sequence
+from engine.config import ServingLimits
 
 
 @dataclass
@@ -20,7 +20,7 @@ class StepContext:
     runner: ModelRunner
     tokenizer: object
     allocator: BlockAllocator
-    limits: WarmupLimits
+    limits: ServingLimits
     eos_token_ids: frozenset[int]
     special_token_ids: frozenset[int]
     block_size: int

@@ -8,7 +8,7 @@ import argparse
 import json
 from collections import defaultdict
 
-from engine.buckets import BucketLimits, BucketPlan
+from engine.buckets.core import BucketLimits, BucketPlan
 from engine.config import EngineConfig
 
 DEFAULT_BLOCK_SIZE = 16  # the CPU adapter's; HPU uses 128
@@ -26,7 +26,7 @@ def add_limit_args(parser: argparse.ArgumentParser, block_size_default: int | No
 
 
 def add_plan_args(parser: argparse.ArgumentParser, strategy_default: str | None) -> None:
-    from engine.plans import ALL_STRATEGIES
+    from engine.buckets.plans import ALL_STRATEGIES
 
     parser.add_argument("--shapes", help="JSONL trace of batch shapes (from `engine serve --record-shapes`)")
     parser.add_argument("--strategy", default=strategy_default, choices=ALL_STRATEGIES)
@@ -43,8 +43,8 @@ def limits_from_args(args, block_size: int, max_kv_blocks: int | None = None) ->
 
 
 def report(plan: BucketPlan, strategy: str, limits: BucketLimits, shapes) -> dict:
-    from engine.shapes import count_shapes
-    from engine.trace_cost import decode_cost, prefill_cost
+    from engine.buckets.shapes import count_shapes
+    from engine.buckets.trace_cost import decode_cost, prefill_cost
 
     out = {"strategy": strategy, "prefill_buckets": [[b.batch_size, b.seq_len] for b in plan.prefill],
            "decode_buckets": [[b.batch_size, b.num_blocks] for b in plan.decode], "graphs": plan.graphs}
@@ -82,8 +82,8 @@ def format_report(out: dict) -> str:
 
 
 def cmd_buckets(args: argparse.Namespace) -> None:
-    from engine.plans import make_plan
-    from engine.shapes import load_shapes
+    from engine.buckets.plans import make_plan
+    from engine.buckets.shapes import load_shapes
 
     limits = limits_from_args(args, args.block_size, args.max_kv_blocks)
     shapes = load_shapes(args.shapes) if args.shapes else None

@@ -1,8 +1,10 @@
-"""Command line: `python -m engine generate|bench|serve`."""
+"""Command line of the engine alone: `python -m engine serve|buckets|warmup-profile`.
+
+The offline commands that drive the router's scheduler in process (`generate`, `bench`) sit a
+layer above, in launcher/offline_cli.py (`bucketserve generate|bench`)."""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -37,9 +39,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_bucket_args(parser: argparse.ArgumentParser, defaults: EngineConfig) -> None:
-    """Bucket planning and warmup (engine/plans.py, engine/warmup.py)."""
+    """Bucket planning and warmup (engine/buckets/plans.py, engine/warmup/)."""
     from engine.config import WARMUP_MODES
-    from engine.plans import ALL_STRATEGIES
+    from engine.buckets.plans import ALL_STRATEGIES
 
     parser.add_argument("--bucket-strategy", default=defaults.bucket_strategy, choices=ALL_STRATEGIES)
     parser.add_argument("--bucket-shapes", help="fitted: JSONL trace of batch shapes to fit (from --record-shapes)")
@@ -66,59 +68,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def offline_config(args: argparse.Namespace) -> EngineConfig:
-    """generate and bench never ask for prompt logprobs, so they skip warming that variant."""
-    from dataclasses import replace
-
-    return replace(engine_config(args), warmup_prompt_logprobs=False)
-
-
-def read_prompts(args: argparse.Namespace) -> list[str]:
-    prompts = list(args.prompt or [])
-    if args.prompts_file:
-        for number, line in enumerate(Path(args.prompts_file).read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    prompts.append(json.loads(line)["prompt"])
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise BucketserveError(f'{args.prompts_file}:{number}: expected {{"prompt": "..."}}') from None
-    if not prompts:
-        raise BucketserveError("no prompt: give --prompt TEXT or --prompts-file F.jsonl")
-    return prompts
-
-
-def cmd_generate(args: argparse.Namespace) -> None:
-    from engine.generate import generate
-    from engine.shard import Shard
-
-    prompts = read_prompts(args)
-    shard = Shard(offline_config(args), show_progress=args.verbose)
-    for completion in generate(shard, prompts, args.max_new_tokens, chat=args.chat):
-        if args.json:
-            print(json.dumps({"prompt": completion.prompt, "token_ids": completion.token_ids,
-                              "text": completion.text, "finish_reason": completion.finish_reason}))
-        else:
-            print(completion.text if len(prompts) == 1 else f"### {completion.prompt}\n{completion.text}\n")
-
-
-def cmd_bench(args: argparse.Namespace) -> None:
-    from engine.bench import Workload, bench
-    from engine.shard import Shard
-
-    if not 1 <= args.min_new_tokens <= args.new_tokens:
-        raise BucketserveError(f"need 1 <= --min-new-tokens ({args.min_new_tokens}) <= --new-tokens ({args.new_tokens})")
-    workload = Workload(args.num_prompts, args.min_tokens, args.max_tokens, args.new_tokens, args.min_new_tokens)
-    shard = Shard(offline_config(args), show_progress=True)
-    print(bench(shard, workload, args.compare, args.repeat))
-
-
 def cmd_serve(args: argparse.Namespace) -> None:
     import asyncio
     from dataclasses import replace
 
-    from engine.server import serve
-    from engine.shard import Shard
-    from engine.warmup import preflight
+    from engine.serving.server import serve
+    from engine.serving.shard import Shard
+    from engine.warmup.run import preflight
 
     if args.log_level:  # the engine's loggers only: the libraries' debug chatter stays off
         logging.getLogger("engine").setLevel(args.log_level.upper())
@@ -132,7 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 def server_config(args: argparse.Namespace):
     """Server settings: the flags, then what TGI's launcher puts in the environment, then defaults."""
-    from engine.server import ServerConfig
+    from engine.serving.server import ServerConfig
 
     rank, world_size = env_int("RANK"), env_int("WORLD_SIZE")
     max_batch_size = args.max_batch_size or env_int("MAX_BATCH_SIZE") or EngineConfig().max_batch_size
@@ -152,39 +108,24 @@ def add_serve_command(commands) -> None:
     srv.set_defaults(func=cmd_serve)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine", description="bucketserve engine")
+def build_parser(prog: str = "python -m engine", extra_commands=()) -> argparse.ArgumentParser:
+    """The engine's commands; `extra_commands` (functions of the subparsers) let a higher layer add its
+    own, such as the `bucketserve` command's generate and bench, without the engine importing it."""
+    parser = argparse.ArgumentParser(prog=prog, description="bucketserve engine")
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate text offline from prompts")
-    add_engine_args(gen)
-    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    gen.add_argument("--prompts-file", help='JSON lines of {"prompt": "..."}')
-    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    gen.add_argument("--max-new-tokens", type=int, required=True)
-    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    gen.set_defaults(func=cmd_generate)
-    ben = commands.add_parser("bench", help="throughput benchmark, optionally against transformers")
-    add_engine_args(ben)
-    ben.add_argument("--compare", choices=["transformers"], help="run the same workload through this peer")
-    ben.add_argument("--num-prompts", type=int, default=32)
-    ben.add_argument("--min-tokens", type=int, default=16)
-    ben.add_argument("--max-tokens", type=int, default=256)
-    ben.add_argument("--new-tokens", type=int, default=128, help="the longest output")
-    ben.add_argument("--min-new-tokens", type=int, default=16,
-                     help="the shortest output; each request's length is spread evenly in between")
-    ben.add_argument("--repeat", type=int, default=3, help="timed runs per engine (the median is reported)")
-    ben.set_defaults(func=cmd_bench)
+    for add in extra_commands:
+        add(commands)
     add_serve_command(commands)
-    from engine.cli_buckets import add_buckets_command
-    from engine.cli_profile import add_profile_command
+    from engine.cli.buckets import add_buckets_command
+    from engine.cli.warmup_profile import add_profile_command
 
     add_buckets_command(commands)
     add_profile_command(commands)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m engine", extra_commands=()) -> int:
+    args = build_parser(prog, extra_commands).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         args.func(args)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
-from engine.bucket_ranges import (  # noqa: F401 - re-exported: the planner's public names live here
+from engine.buckets.ranges import (  # noqa: F401 - re-exported: the planner's public names live here
     STRATEGIES,
     _require_positive,
     exponential_range,

@@ -1,7 +1,7 @@
 """Warmup profiles: per-bucket compile time, step latency and memory, measured once and reused.
 
 `python -m engine warmup-profile` warms every bucket of a plan, times each one, and writes
-DIR/profile.json (and plots, engine/profile_plots.py). `engine serve --warmup-profile
+DIR/profile.json (and plots, engine/warmup/plots.py). `engine serve --warmup-profile
 DIR/profile.json` then warms exactly those buckets, skipping planning, and picks buckets by
 measured latency. Latencies hold only for the setup they were measured on, so a profile carries
 a fingerprint of it and a shard refuses one measured elsewhere.
@@ -14,7 +14,7 @@ import statistics
 import time
 from pathlib import Path
 
-from engine.buckets import BucketLimits, BucketPlan, DecodeBucket, PrefillBucket
+from engine.buckets.core import BucketLimits, BucketPlan, DecodeBucket, PrefillBucket
 
 PROFILE_VERSION = 1
 
@@ -56,7 +56,7 @@ def bucket_of(entry: dict) -> PrefillBucket | DecodeBucket:
 
 def plan_from_profile(path, limits: BucketLimits, current_fingerprint: dict) -> BucketPlan:
     """Exactly the profile's buckets, choosing among them by measured latency."""
-    from engine.plans import check_plan
+    from engine.buckets.plans import check_plan
 
     data = read_profile(path)
     check_fingerprint(path, data.get("fingerprint", {}), current_fingerprint)

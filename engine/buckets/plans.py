@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.buckets import STRATEGIES, BucketLimits, BucketPlan, DecodeBucket, PrefillBucket, default_steps, plan_buckets
+from engine.buckets.core import STRATEGIES, BucketLimits, BucketPlan, DecodeBucket, PrefillBucket, default_steps, plan_buckets
 
 ALL_STRATEGIES = (*sorted(STRATEGIES), "file", "fitted")
 
@@ -33,7 +33,7 @@ def make_plan(strategy: str, limits: BucketLimits, shapes=None, bucket_file: str
 
 
 def _fitted(limits: BucketLimits, shapes, max_graphs: int | None) -> BucketPlan:
-    from engine.fitted import fit_plan  # numpy only when fitting
+    from engine.buckets.fitted import fit_plan  # numpy only when fitting
 
     if not shapes:
         raise ValueError("the fitted strategy needs a trace of batch shapes (--shapes FILE.jsonl, "

@@ -1,5 +1,6 @@
 """TGI's HTTP API over the scheduler: `/generate`, `/generate_stream`, `/` (the Python client's),
-`/tokenize`, `/health`, `/info`, `/metrics`; the OpenAI routes are added by router/openai_api.py.
+`/tokenize`, `/health`, `/info`, `/metrics`. Its peer router/openai_api.py serves the OpenAI routes;
+both build on router/state.py, and router/app.py assembles them.
 
 Bodies, events and errors follow text-generation-inference's documented schema, so TGI's own clients
 work unchanged. The router tokenizes each prompt to count its tokens; the shard tokenizes it again to
@@ -7,127 +8,20 @@ run it.
 """
 from __future__ import annotations
 
-import itertools
 import json
-import math
-import time
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
-import grpc
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from engine.batch import FinishReason, Generation, Request
-from router.client import ShardError
-from router.metrics import CONTENT_TYPE, RouterMetrics
-from router.scheduler import Overloaded, RequestCancelled, Scheduler, ShardsUnavailable
-from router.validation import GenerateRequest, Limits, Parameters, ValidationError, build_request
+from engine.batch import FinishReason, Generation
+from router.metrics import CONTENT_TYPE
+from router.state import RouterState, collect, error_body, error_payload, error_response, events, finite, submit
+from router.validation import GenerateRequest, Parameters, ValidationError
 
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "eos_token",
                   FinishReason.STOP_SEQUENCE: "stop_sequence"}
-
-
-@dataclass
-class RouterState:
-    scheduler: Scheduler
-    tokenizer: Any
-    client: Any
-    info: dict
-    metrics: RouterMetrics
-    ids: itertools.count = field(default_factory=lambda: itertools.count(1))
-
-    @property
-    def limits(self) -> Limits:
-        return Limits(self.info["max_input_tokens"], self.info["max_total_tokens"],
-                      tuple(self.info.get("lora_adapters") or ()))
-
-
-# --- errors: one mapping for every route ----------------------------------------------------------
-
-# (exception, HTTP status, TGI error_type, metrics outcome); checked in order.
-ERRORS = [(ValidationError, 422, "validation", "validation"), (Overloaded, 429, "overloaded", "overloaded"),
-          (ShardsUnavailable, 503, "unavailable", "unavailable"),
-          (RequestCancelled, 499, "cancelled", "cancelled")]
-
-
-def classify(error: Exception) -> tuple[int, str, str]:
-    if isinstance(error, ShardError):
-        if error.code == grpc.StatusCode.INVALID_ARGUMENT:  # e.g. a grammar the shard cannot compile
-            return 422, "validation", "validation"
-        if error.code == grpc.StatusCode.UNAVAILABLE:
-            return 503, "unavailable", "unavailable"
-    for kind, status, error_type, outcome in ERRORS:
-        if isinstance(error, kind):
-            return status, error_type, outcome
-    return 424, "generation", "error"  # TGI's status for a failed generation
-
-
-def error_body(message: str, error_type: str) -> dict:
-    return {"error": message, "error_type": error_type}
-
-
-def error_payload(error: Exception) -> dict:
-    """TGI's error body for `error`: a shard's own message (without the status name), else the text."""
-    message = error.message if isinstance(error, ShardError) else str(error)
-    return error_body(message, classify(error)[1])
-
-
-def error_response(state: RouterState, error: Exception) -> JSONResponse:
-    status, _, outcome = classify(error)
-    state.metrics.outcome(outcome)
-    return JSONResponse(error_payload(error), status_code=status)
-
-
-# --- running a request ------------------------------------------------------------------------------
-
-
-def submit(state: RouterState, inputs: str, parameters: Parameters, add_special_tokens: bool = True
-           ) -> tuple[AsyncIterator[Generation], int, Any]:
-    """Validate and queue; the stream of generations (timed for metrics), the prompt length, and the
-    scheduler's stream (to close on a disconnect)."""
-    request, length = build_request(next(state.ids), state.tokenizer, state.limits, inputs, parameters,
-                                    add_special_tokens)
-    return queue(state, request, length)
-
-
-def queue(state: RouterState, request: Request, length: int):
-    arrival = time.perf_counter()
-    try:
-        stream = state.scheduler.submit(request, length)
-    except ValueError as error:
-        raise ValidationError(str(error)) from None
-    return state.metrics.timed(stream, arrival), length, stream
-
-
-async def collect(state: RouterState, generations: AsyncIterator[Generation], stream) -> list[Generation]:
-    try:
-        result = [g async for g in generations]
-    finally:
-        stream.close()
-    state.metrics.outcome("success")
-    return result
-
-
-async def events(state: RouterState, http_request: HttpRequest, generations, stream, render, on_error):
-    """Server-sent events: `render(generation)` gives each generation's events. A client that goes
-    away cancels its request and frees its blocks; a failure becomes a last error event."""
-    outcome = "cancelled"  # unless the stream reaches its end: the client went away
-    try:
-        async for generation in generations:
-            if await http_request.is_disconnected():
-                return  # also for servers whose send() ignores a closed connection instead of raising
-            for event in render(generation):
-                yield event
-        outcome = "success"
-    except Exception as error:  # noqa: BLE001 - reported in the stream: the status line is already sent
-        outcome = classify(error)[2]
-        yield on_error(error)
-    finally:
-        state.metrics.outcome(outcome)
-        stream.close()
 
 
 def sse(payload: Any) -> str:
@@ -135,10 +29,6 @@ def sse(payload: Any) -> str:
 
 
 # --- TGI's bodies ---------------------------------------------------------------------------------
-
-
-def finite(logprob: float | None) -> float | None:
-    return logprob if logprob is not None and math.isfinite(logprob) else None
 
 
 def token_list(tokens, with_special: bool = True) -> list[dict]:
@@ -272,18 +162,3 @@ def service_routes(app: FastAPI, state: RouterState) -> None:
     @app.get("/metrics")
     async def metrics_route():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
-
-
-def create_app(state: RouterState) -> FastAPI:
-    from router.openai_api import openai_routes  # the OpenAI routes build on the helpers above
-
-    app = FastAPI(title="bucketserve router")
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(_: HttpRequest, error: RequestValidationError):
-        return error_response(state, ValidationError(str(error.errors())))
-
-    tgi_routes(app, state)
-    openai_routes(app, state)
-    service_routes(app, state)
-    return app

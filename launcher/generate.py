@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from engine.batch import Request, StoppingCriteriaParameters, WarmupResult
 from engine.errors import InvalidRequestError
-from engine.shard import Shard
+from engine.serving.shard import Shard
 
 
 @dataclass

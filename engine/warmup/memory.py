@@ -1,0 +1,34 @@
+"""Warmup's memory steps: free memory after the largest prefill, and the KV cache sized from it."""
+from __future__ import annotations
+
+from engine.buckets.core import BucketPlan, PrefillBucket
+from engine.config import ServingLimits
+from engine.errors import CapacityError
+from engine.kv_cache import KVCache, blocks_needed
+from engine.runner import ModelRunner
+
+
+def profile_free_memory(model, adapter, dtype, block_size: int, limits: ServingLimits) -> int:
+    """Free memory after the largest prefill, run on a one-block cache (padding writes only block 0)."""
+    config = model.config
+    scratch = KVCache(config.num_layers, 1, block_size, model.local_kv_heads, config.head_dim, dtype, adapter.torch_device)
+    rows = max(1, min(limits.max_batch_size, limits.max_prefill_tokens // limits.max_input_tokens))
+    largest = PrefillBucket(rows, limits.max_input_tokens)
+    plan = BucketPlan(prefill=(largest,), decode=())
+    ModelRunner(model, adapter, scratch, plan, dtype).warm(largest)
+    adapter.synchronize()
+    return adapter.memory_info()[0]
+
+
+def size_kv_cache(free_bytes: int, fraction: float, bytes_per_block: int, block_size: int, limits: ServingLimits) -> int:
+    """Blocks for the cache (block 0 included): what memory allows, but no more than the
+    max_batch_size longest sequences can ever use at once."""
+    per_sequence = blocks_needed(limits.max_total_tokens, block_size)
+    affordable = int(free_bytes * fraction) // bytes_per_block
+    useful = limits.max_batch_size * per_sequence + 1
+    if affordable < per_sequence + 1:
+        raise CapacityError(
+            f"KV cache too small: {affordable} blocks fit in free memory, one sequence of "
+            f"max_total_tokens={limits.max_total_tokens} needs {per_sequence + 1}"
+        )
+    return min(affordable, useful)

@@ -1,0 +1,87 @@
+"""Warmup: run the largest prefill, size the KV cache from free memory, plan the buckets, warm them.
+
+Modes: `full` warms every bucket before the shard answers Warmup; `progressive` warms a small
+covering set first (any batch within the limits can run, split into those buckets), answers, then
+warms the rest in a background thread, each bucket usable once warmed; `none` warms nothing and
+lets every shape run eagerly (debugging only: on a graph device every new shape compiles).
+Memory sizing lives in memory.py, warming one bucket after another in warm.py, the background
+warming in progressive.py.
+"""
+from __future__ import annotations
+
+import logging
+
+from engine.buckets.core import BucketLimits, BucketPlan
+from engine.config import WARMUP_MODES, ServingLimits
+from engine.runner import ModelRunner
+from engine.warmup.progressive import start_progressive
+from engine.warmup.warm import PhaseLog, report, warm_buckets, warmup_order
+
+log = logging.getLogger(__name__)
+
+
+def bucket_limits(limits: ServingLimits, block_size: int, kv_blocks: int) -> BucketLimits:
+    """The planner's limits for a cache of kv_blocks blocks (block 0 is reserved, not usable)."""
+    return BucketLimits(limits.max_batch_size, limits.max_input_tokens, limits.max_total_tokens,
+                        limits.max_prefill_tokens, block_size, kv_blocks - 1)
+
+
+def build_plan(limits: ServingLimits, block_size: int, kv_blocks: int, strategy: str = "exponential") -> BucketPlan:
+    from engine.buckets.plans import make_plan
+
+    return make_plan(strategy, bucket_limits(limits, block_size, kv_blocks))
+
+
+def plan_for(config, limits: BucketLimits, fingerprint: dict) -> BucketPlan:
+    """The shard's buckets: a warmup profile's exactly (with its latencies), else the strategy's."""
+    from engine.buckets.plans import make_plan
+
+    if config.warmup_profile:
+        from engine.warmup.profile import plan_from_profile
+
+        return plan_from_profile(config.warmup_profile, limits, fingerprint)
+    shapes = None
+    if config.bucket_shapes:
+        from engine.buckets.shapes import load_shapes
+
+        shapes = load_shapes(config.bucket_shapes)
+    return make_plan(config.bucket_strategy, limits, shapes, config.bucket_file, config.max_graphs)
+
+
+def run_warmup(runner: ModelRunner, plan: BucketPlan, mode: str, limits: BucketLimits, prompt_logprobs: bool,
+               show_progress: bool, lock, phases: PhaseLog):
+    """Warm per `mode`; returns the background warmup still running (progressive), else None."""
+    if mode not in WARMUP_MODES:
+        raise ValueError(f"unknown warmup mode {mode!r} (choose from {', '.join(WARMUP_MODES)})")
+    counts = f"{len(plan.prefill)} prefill + {len(plan.decode)} decode buckets"
+    if mode == "none":
+        # Nothing warmed: strict shape checking would refuse every forward, so every shape runs eagerly.
+        runner.adapter.shapes.strict = False
+        log.warning("--warmup none: no bucket is warmed; every forward runs eagerly (compiling on graph "
+                    "devices). For debugging only.")
+        report(f"warmup none: {counts} planned, none warmed; {phases.summary()}", show_progress)
+        return None
+    if mode == "progressive":
+        return start_progressive(runner, plan, limits, prompt_logprobs, show_progress, lock, phases)
+    phases.buckets += warm_buckets(runner, warmup_order(plan.prefill + plan.decode), prompt_logprobs, show_progress,
+                                   lock=lock)
+    phases.mark("buckets")
+    report(f"warmup full: {counts} ({plan.graphs} graphs) in {phases.summary()}", show_progress)
+    return None
+
+
+def preflight(config, fingerprint: dict) -> None:
+    """Check the warmup inputs named on the command line at start, not at the router's Warmup call
+    minutes later: a profile from another setup, a malformed trace or bucket file."""
+    if config.warmup_profile:
+        from engine.warmup.profile import check_fingerprint, read_profile
+
+        check_fingerprint(config.warmup_profile, read_profile(config.warmup_profile).get("fingerprint", {}), fingerprint)
+    if config.bucket_shapes:
+        from engine.buckets.shapes import load_shapes
+
+        load_shapes(config.bucket_shapes)
+    if config.bucket_file:
+        from engine.buckets.plans import load_bucket_file
+
+        load_bucket_file(config.bucket_file)

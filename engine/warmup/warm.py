@@ -1,0 +1,112 @@
+"""Warming buckets one by one: run each bucket's forward once (compiling or capturing its graph),
+with a progress bar, timing and free memory per bucket and per phase."""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from engine.buckets.core import BucketPlan, DecodeBucket, PrefillBucket
+from engine.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PhaseLog:
+    """Time and free device memory at the end of each warmup phase, for the summary line."""
+    adapter: object
+    start: float = field(default_factory=time.perf_counter)
+    phases: list = field(default_factory=list)  # (name, seconds since the previous mark, free bytes)
+    buckets: list = field(default_factory=list)  # BucketWarmup of every bucket warmed, in order
+
+    def __post_init__(self) -> None:
+        self._last, self.free_at_start = self.start, self.adapter.memory_info()[0]
+
+    def mark(self, name: str) -> None:
+        self.adapter.synchronize()
+        now = time.perf_counter()
+        self.phases.append((name, now - self._last, self.adapter.memory_info()[0]))
+        self._last = now
+
+    def summary(self) -> str:
+        """Total time and memory, then per phase, e.g. '3.2s, free memory -1.10 GiB: largest prefill 0.4s ...'."""
+        parts, free = [], self.free_at_start
+        for name, seconds, after in self.phases:
+            parts.append(f"{name} {seconds:.1f}s {_gib(after - free)}")
+            free = after
+        total = time.perf_counter() - self.start
+        return f"{total:.1f}s, free memory {_gib(free - self.free_at_start)}: " + ", ".join(parts)
+
+
+def _gib(delta: int) -> str:
+    return f"{delta / 2**30:+.2f} GiB"
+
+
+@dataclass
+class BucketWarmup:
+    """One bucket's warmup: its first run (where a graph is compiled or captured) and memory."""
+    bucket: PrefillBucket | DecodeBucket
+    seconds: float
+    free_before: int
+    free_after: int
+
+
+def warmup_order(buckets) -> list:
+    """Largest first, so memory peaks early: a bucket that does not fit fails in the first seconds."""
+    return sorted(buckets, key=lambda b: (isinstance(b, DecodeBucket), -b.batch_size * bucket_size(b)))
+
+
+def bucket_size(bucket) -> int:
+    return bucket.seq_len if isinstance(bucket, PrefillBucket) else bucket.num_blocks
+
+
+def describe(bucket) -> str:
+    if isinstance(bucket, PrefillBucket):
+        return f"prefill bs={bucket.batch_size} seq={bucket.seq_len}"
+    return f"decode bs={bucket.batch_size} blocks={bucket.num_blocks}"
+
+
+def warm_buckets(runner: ModelRunner, buckets, prompt_logprobs: bool, show_progress: bool, desc: str = "warmup",
+                 lock=None, on_warmed=None, stop: threading.Event | None = None) -> list[BucketWarmup]:
+    """Warm `buckets` in order with a progress bar (the bucket being warmed, an ETA). Each bucket
+    holds `lock` (progressive warmup shares the device with serving) and then calls on_warmed."""
+    lock = lock or threading.Lock()
+    done = []
+    with tqdm(buckets, desc=desc, unit="bucket", disable=not show_progress, file=sys.stderr) as bar:
+        for bucket in bar:
+            if stop is not None and stop.is_set():
+                break
+            bar.set_postfix_str(describe(bucket))
+            with lock:
+                done.append(_warm_one(runner, bucket, prompt_logprobs))
+                if on_warmed is not None:
+                    on_warmed(bucket)
+    return done
+
+
+def _warm_one(runner: ModelRunner, bucket, prompt_logprobs: bool) -> BucketWarmup:
+    adapter = runner.adapter
+    free_before, start = adapter.memory_info()[0], time.perf_counter()
+    runner.warm(bucket, prompt_logprobs)
+    adapter.synchronize()
+    return BucketWarmup(bucket, time.perf_counter() - start, free_before, adapter.memory_info()[0])
+
+
+def warm_all(runner: ModelRunner, plan: BucketPlan, prompt_logprobs: bool = True, show_progress: bool = True) -> float:
+    """Run every bucket once, largest first; returns seconds spent."""
+    start = time.perf_counter()
+    warm_buckets(runner, warmup_order(plan.prefill + plan.decode), prompt_logprobs, show_progress)
+    return time.perf_counter() - start
+
+
+def report(message: str, show_progress: bool) -> None:
+    """A summary line: on stderr next to the progress bar when there is one, else in the log."""
+    if show_progress:
+        print(message, file=sys.stderr, flush=True)
+    else:
+        log.info("%s", message)
