@@ -1,9 +1,11 @@
 """Bucket strategies beyond the grids: padding-aware, file, fitted; trace costs; latency-based choice; the CLI."""
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import random
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -81,6 +83,31 @@ def test_fitted_budget_below_the_minimum_names_it():
         make_plan("fitted", SMALL, [Shape("decode", 1, 1)], max_graphs=1)
     with pytest.raises(ValueError, match="needs a trace"):
         make_plan("fitted", SMALL, None)
+
+
+def simulated_trace(seed: int) -> list[Shape]:
+    """A trace of the example's simulation with another seed: traffic the fit has not seen."""
+    spec = importlib.util.spec_from_file_location("make_shapes", EXAMPLE.with_name("make_shapes.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["make_shapes"] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return [Shape(r["phase"], r["batch_size"], r.get("seq_len") or r["num_blocks"])
+            for r in module.simulate(seed, 8000, module.Limits())]
+
+
+@pytest.mark.parametrize("block_size", [16, 128])  # the CPU's and HPU's KV block sizes
+def test_fitted_prefill_wastes_a_third_of_exponential_on_held_out_traffic(block_size):
+    limits = BucketLimits(32, 1024, 2048, 4096, block_size, 32 * 2048 // block_size)
+    fitted = make_plan("fitted", limits, load_shapes(EXAMPLE))
+    exponential = plan_buckets(limits, "exponential")
+    assert fitted.graphs <= exponential.graphs
+    held_out = count_shapes(simulated_trace(seed=1), "prefill")
+    waste = {}
+    for name, plan in (("exponential", exponential), ("fitted", fitted)):
+        cost = prefill_cost(plan, limits, held_out)
+        assert not cost.outside
+        waste[name] = cost.padded - cost.real
+    assert 3 * waste["fitted"] <= waste["exponential"], waste
 
 
 def test_fitted_beats_exponential_by_three_times_on_the_example_trace():

@@ -27,6 +27,10 @@ from engine.buckets.trace_cost import decode_outside, prefill_outside
 MIN_GRAPHS = 2           # the covering prefill bucket and the covering decode bucket
 MAX_CANDIDATES = 256     # block values one decode group considers (quantiles beyond that)
 MAX_PREFILL_CELLS = 4_000_000  # candidate x point matrix of the prefill greedy
+# Prefill bucket lengths lie on this grid whatever the KV block size: prefill writes the KV cache by
+# slot, so a bucket's length need not be a multiple of the block size (the grid strategies use the
+# block size, 128 on HPU, and pad a 129-token prompt to 256).
+SEQ_STEP = 16
 
 
 def _round_up(value: int, step: int) -> int:

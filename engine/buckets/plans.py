@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.buckets.core import STRATEGIES, BucketLimits, BucketPlan, DecodeBucket, PrefillBucket, default_steps, plan_buckets
+from engine.buckets.core import STRATEGIES, BucketLimits, BucketPlan, DecodeBucket, PrefillBucket, plan_buckets
 
 ALL_STRATEGIES = (*sorted(STRATEGIES), "file", "fitted")
 
@@ -33,14 +33,13 @@ def make_plan(strategy: str, limits: BucketLimits, shapes=None, bucket_file: str
 
 
 def _fitted(limits: BucketLimits, shapes, max_graphs: int | None) -> BucketPlan:
-    from engine.buckets.fitted import fit_plan  # numpy only when fitting
+    from engine.buckets.fitted import SEQ_STEP, fit_plan  # numpy only when fitting
 
     if not shapes:
         raise ValueError("the fitted strategy needs a trace of batch shapes (--shapes FILE.jsonl, "
                          "recorded with `engine serve --record-shapes`)")
     budget = max_graphs if max_graphs is not None else plan_buckets(limits, "exponential").graphs
-    seq_step = default_steps("exponential", limits.block_size).prefill_seq_step
-    plan = fit_plan(limits, shapes, budget, seq_step)
+    plan = fit_plan(limits, shapes, budget, SEQ_STEP)
     check_plan(plan, limits, "fitted plan")  # the planner's own guarantees, checked where they matter
     return plan
 
