@@ -67,7 +67,7 @@ def test_one_dimensional_fit_is_optimal_against_brute_force(points, layers):
 
 
 @settings(max_examples=15, deadline=None)
-@given(st.integers(0, 10**6), st.integers(2, 40))
+@given(st.integers(0, 10**6), st.integers(5, 40))  # 5: a prefill bucket, decode batches 1, 2, 4 and 8
 def test_fitted_plan_covers_the_limits_within_its_budget(seed, budget):
     rng = random.Random(seed)
     trace = random_trace(rng, SMALL, rng.randint(0, 40))
@@ -79,10 +79,18 @@ def test_fitted_plan_covers_the_limits_within_its_budget(seed, budget):
 
 
 def test_fitted_budget_below_the_minimum_names_it():
-    with pytest.raises(ValueError, match="needs at least 2 graphs"):
-        make_plan("fitted", SMALL, [Shape("decode", 1, 1)], max_graphs=1)
+    with pytest.raises(ValueError, match="needs at least 5 graphs .* each batch size of 1, 2, 4, 8"):
+        make_plan("fitted", SMALL, [Shape("decode", 1, 1)], max_graphs=4)
     with pytest.raises(ValueError, match="needs a trace"):
         make_plan("fitted", SMALL, None)
+
+
+@pytest.mark.parametrize("strategy", ["linear", "exponential", "padding", "fitted"])
+def test_every_plan_has_decode_buckets_for_one_two_and_four_requests(strategy):
+    busy = [Shape("decode", b, 3 * b) for b in range(5, 33)]  # a trace without a single small batch
+    plan = make_plan(strategy, EXAMPLE_LIMITS, busy + [Shape("prefill", 8, 100)])
+    assert {1, 2, 4} <= {b.batch_size for b in plan.decode}
+    assert plan.decode_bucket(1, 3).batch_size == 1
 
 
 def simulated_trace(seed: int) -> list[Shape]:

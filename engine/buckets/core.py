@@ -221,6 +221,9 @@ class BucketPlan:
         return groups
 
 
+SMALL_DECODE_BATCHES = (1, 2, 4)
+
+
 def _strategy(name: str) -> Callable[[int, int, int], list[int]]:
     if name not in STRATEGIES:
         raise ValueError(f"unknown bucket strategy {name!r}; known: {', '.join(sorted(STRATEGIES))}")
@@ -238,13 +241,19 @@ def _prefill_buckets(limits: BucketLimits, strategy: Callable, steps: StrategySt
             if bs * seq <= limits.max_prefill_tokens]
 
 
+def small_decode_batches(top_batch: int) -> list[int]:
+    """The decode batch sizes every plan has (up to top_batch), so that a lone request or two are
+    never padded to a batch of 8: at small batch a padded row costs as much as a real one."""
+    return [b for b in SMALL_DECODE_BATCHES if b <= top_batch]
+
+
 def _decode_buckets(limits: BucketLimits, strategy: Callable, steps: StrategySteps) -> list[DecodeBucket]:
     # Every sequence holds at least one block, so a batch never has more rows than
     # blocks. Capping the batch range (rather than dropping batch sizes above the cap)
     # keeps a bucket for batches of up to max_kv_blocks sequences.
     top_batch = min(limits.max_batch_size, limits.max_kv_blocks)
     buckets = []
-    for bs in strategy(1, steps.decode_batch_step, top_batch):
+    for bs in sorted(set(strategy(1, steps.decode_batch_step, top_batch)) | set(small_decode_batches(top_batch))):
         top = min(bs * limits.blocks_per_sequence, limits.max_kv_blocks)
         buckets += [DecodeBucket(bs, n) for n in strategy(bs, steps.decode_block_step, top)]
     return buckets

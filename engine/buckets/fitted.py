@@ -10,7 +10,7 @@ largest possible block count (any decode within the limits runs unsplit).
   only shrinks as others are added (diminishing returns), which is when greedy choices are good.
 - Decode: exact within a family. The runner picks the fewest rows first, so a decode shape lands
   in the smallest batch value that holds it and the problem separates: choose batch values (a 1-D
-  dynamic program on rows), then block values inside each batch group (a 1-D dynamic program per
+  dynamic program on rows; batch sizes 1, 2 and 4 are always among them), then block values inside each batch group (a 1-D dynamic program per
   group), and share the graphs among groups by a knapsack over their cost curves.
 - Prefill and decode share max_graphs: each phase gives a cost curve over graph counts, and the
   split minimises prefill waste plus decode waste (rows and blocks weighted equally).
@@ -21,10 +21,9 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-from engine.buckets.core import BucketLimits, BucketPlan, DecodeBucket, PrefillBucket
+from engine.buckets.core import BucketLimits, BucketPlan, DecodeBucket, PrefillBucket, small_decode_batches
 from engine.buckets.trace_cost import decode_outside, prefill_outside
 
-MIN_GRAPHS = 2           # the covering prefill bucket and the covering decode bucket
 MAX_CANDIDATES = 256     # block values one decode group considers (quantiles beyond that)
 MAX_PREFILL_CELLS = 4_000_000  # candidate x point matrix of the prefill greedy
 # Prefill bucket lengths lie on this grid whatever the KV block size: prefill writes the KV cache by
@@ -176,6 +175,20 @@ def _knapsack(curves: list[list[tuple[float, list[int]]]], budget: int):
     return best
 
 
+def _batch_curve(rows: Counter, top: int, max_layers: int) -> list[tuple[float, list[int]]]:
+    """[(row padding, batch values)] for each count of batch values that holds the small batch sizes
+    and `top`. Those mandatory values cut the batch axis into segments fitted independently, then
+    the values are shared among the segments like block values among groups."""
+    ends = sorted(set(small_decode_batches(top)) | {top})
+    curves = []
+    for lo, hi in zip([0] + ends[:-1], ends):
+        points = Counter({b: n for b, n in rows.items() if lo < b <= hi}) or Counter({hi: 0})
+        curves.append(_layers_1d(points, sorted(set(points) | {hi}), max_layers))
+    shares = _knapsack(curves, max_layers)
+    return [(cost, sorted(v for curve, count in zip(curves, counts) for v in curve[count - 1][1]))
+            for _, (cost, counts) in sorted(shares.items())]
+
+
 def decode_curve(limits: BucketLimits, counts: Counter, max_buckets: int):
     """[(objective, buckets)] for 1..max_buckets decode buckets, objective = row padding / real
     rows + block padding / real blocks, halved (one unit per phase, like prefill's)."""
@@ -186,7 +199,7 @@ def decode_curve(limits: BucketLimits, counts: Counter, max_buckets: int):
     real_blocks = max(1.0, sum(k * n for c in by_batch.values() for k, n in c.items()))
     groups = _DecodeGroups(limits, by_batch, max_buckets)
     best: dict[int, tuple[float, list]] = {}
-    for row_cost, batch_values in _layers_1d(rows, sorted(set(rows) | {top}), max_buckets):
+    for row_cost, batch_values in _batch_curve(rows, top, max_buckets):
         bounds = list(zip([0] + batch_values[:-1], batch_values))
         shares = _knapsack([groups.curve(lo, hi) for lo, hi in bounds], max_buckets)
         for used, (block_cost, per_group) in shares.items():
@@ -203,24 +216,31 @@ def _decode_buckets(groups: _DecodeGroups, bounds, per_group: list[int]) -> list
 
 # ---------------------------------------------------------------------------------- together
 
+def mandatory_decode_batches(limits: BucketLimits) -> list[int]:
+    top = min(limits.max_batch_size, limits.max_kv_blocks)
+    return sorted(set(small_decode_batches(top)) | {top})
+
+
 def fit_plan(limits: BucketLimits, shapes, max_graphs: int, seq_step: int) -> BucketPlan:
     """The plan of at most max_graphs buckets that pads the trace `shapes` least (see module doc)."""
-    if max_graphs < MIN_GRAPHS:
+    mandatory = mandatory_decode_batches(limits)
+    if max_graphs < 1 + len(mandatory):
         raise ValueError(f"--max-graphs {max_graphs} cannot cover the limits: the fitted strategy needs at "
-                         f"least {MIN_GRAPHS} graphs (a prefill bucket for the longest prompt and a decode "
-                         f"bucket for the largest batch)")
+                         f"least {1 + len(mandatory)} graphs (a prefill bucket for the longest prompt and a "
+                         f"decode bucket for each batch size of {', '.join(map(str, mandatory))})")
     from engine.buckets.shapes import count_shapes
 
     prefill_counts, decode_counts = count_shapes(shapes, "prefill"), count_shapes(shapes, "decode")
-    prefill = prefill_curve(limits, prefill_counts, seq_step, max_graphs - 1)
+    prefill = prefill_curve(limits, prefill_counts, seq_step, max_graphs - len(mandatory))
     decode = decode_curve(limits, decode_counts, max_graphs - 1)
     real_tokens = max(1.0, sum(b * s * n for (b, s), n in prefill_counts.items()
                                if prefill_outside(limits, b, s) is None))
     options = []
-    for p, (padded, prefill_buckets) in enumerate(prefill):
-        for d, (objective, decode_buckets) in enumerate(decode):
-            if p + d + 2 <= max_graphs:
-                options.append(((padded - real_tokens) / real_tokens + objective, p + d, prefill_buckets, decode_buckets))
+    for padded, prefill_buckets in prefill:
+        for objective, decode_buckets in decode:
+            graphs = len(prefill_buckets) + len(decode_buckets)
+            if graphs <= max_graphs:
+                options.append(((padded - real_tokens) / real_tokens + objective, graphs, prefill_buckets, decode_buckets))
     _, _, prefill_buckets, decode_buckets = min(options, key=lambda o: (o[0], o[1]))
     return BucketPlan(tuple(sorted(set(prefill_buckets), key=lambda b: (b.batch_size, b.seq_len))),
                       tuple(sorted(set(decode_buckets), key=lambda b: (b.batch_size, b.num_blocks))))
