@@ -21,7 +21,8 @@ from engine.devices import hpu_attention
 from engine.devices.base import DeviceAdapter, kind_of
 from engine.devices.cpu import compile_static
 from engine.devices.graph_inputs import check_tensor_inputs
-from engine.devices.hpu_env import apply_environment, check_bridge_mode, hpu_environment
+from engine.devices.hpu_env import apply_environment, check_bridge_mode
+from engine.devices.hpu_vars import hpu_environment
 from engine.devices.probe import require
 
 
