@@ -83,6 +83,7 @@ class EngineConfig:
     strict_shapes: bool = True           # a forward at an unwarmed shape raises
     warmup_prompt_logprobs: bool = True  # also warm the prefill variant behind prefill_logprobs
     kv_cache_memory_fraction: float = 0.9
+    graph_memory_fraction: float = 0.1   # of that, kept for device graphs where they are captured
     cache_dir: Path | None = None        # None: default_cache_dir()
     seed: int = 0
     lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, directory) of each PEFT LoRA adapter served

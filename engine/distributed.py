@@ -9,8 +9,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.devices.hooks import mark_step
-
 
 @dataclass(frozen=True)
 class Parallel:
@@ -26,18 +24,25 @@ class Parallel:
 
 SINGLE = Parallel()
 
+# Host values the ranks agree on (free memory, a seed) are CPU tensors, which nccl, hccl and xccl
+# refuse: they travel over a gloo group beside the device one, as TGI's process_group_cpu does.
+# None: the default group (a gloo one, or a single rank).
+_host_group = None
+
 
 def init_distributed(parallel: Parallel, backend: str, master_addr: str, master_port: int) -> None:
     """Join the shard group (every rank calls this with the same address)."""
     if parallel.world_size == 1 or dist.is_initialized():
         return
+    global _host_group
     dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
                             rank=parallel.rank, world_size=parallel.world_size)
+    if backend != "gloo":
+        _host_group = dist.new_group(backend="gloo")  # every rank creates it, in the same order
 
 
 def all_reduce_sum(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
     if parallel.world_size > 1:
-        mark_step()  # HPU lazy collectives: the graph is cut before the ranks communicate
         dist.all_reduce(x)
     return x
 
@@ -46,7 +51,6 @@ def all_gather_last_dim(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
     """Concatenate every rank's x along the last dimension, in rank order."""
     if parallel.world_size == 1:
         return x
-    mark_step()
     parts = [torch.empty_like(x) for _ in range(parallel.world_size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
@@ -57,7 +61,7 @@ def min_across_ranks(value: int, parallel: Parallel) -> int:
     if parallel.world_size == 1:
         return value
     tensor = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=_host_group)
     return int(tensor.item())
 
 
@@ -66,5 +70,5 @@ def broadcast_int(value: int, parallel: Parallel) -> int:
     if parallel.world_size == 1:
         return value
     tensor = torch.tensor([value], dtype=torch.int64)
-    dist.broadcast(tensor, src=0)
+    dist.broadcast(tensor, src=0, group=_host_group)
     return int(tensor.item())

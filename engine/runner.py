@@ -103,21 +103,23 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def warm(self, bucket: PrefillBucket | DecodeBucket, prompt_logprobs: bool = False) -> None:
-        """Run one bucket on dummy rows that read and write only the reserved block."""
+    def warm(self, bucket: PrefillBucket | DecodeBucket, prompt_logprobs: bool = False, graph: bool = True) -> None:
+        """Run one bucket on dummy rows that read and write only the reserved block (graph=False: warmed
+        to run without a device graph, as when the graph memory budget is spent)."""
         if isinstance(bucket, PrefillBucket):
             dummy = [PrefillInput([0] * bucket.seq_len, [RESERVED_BLOCK] * bucket.seq_len, adapter=self._warm_adapter(row))
                      for row in range(bucket.batch_size)]
             ids, positions, meta, last, *lora = self._prefill_tensors(bucket, dummy)
-            self.adapter.warm(("prefill", bucket), self.model, ids, positions, meta, last, *lora)
+            self.adapter.warm(("prefill", bucket), self.model, ids, positions, meta, last, *lora, graph=graph)
             if prompt_logprobs:
                 everywhere = self._to_device(torch.arange(bucket.tokens))
-                self.adapter.warm(("prefill_logprobs", bucket), self.model, ids, positions, meta, everywhere, *lora)
+                self.adapter.warm(("prefill_logprobs", bucket), self.model, ids, positions, meta, everywhere, *lora,
+                                  graph=graph)
         else:
             dummy = _dummy_decode_rows(bucket)
             for row, seq in enumerate(dummy):
                 seq.adapter = self._warm_adapter(row)
-            self.adapter.warm(("decode", bucket), self.model, *self._decode_tensors(bucket, dummy))
+            self.adapter.warm(("decode", bucket), self.model, *self._decode_tensors(bucket, dummy), graph=graph)
 
     def _prefill_tensors(self, bucket: PrefillBucket, seqs: list[PrefillInput]):
         rows, width = bucket.batch_size, bucket.seq_len

@@ -131,3 +131,12 @@ def test_a_new_kv_cache_drops_the_graphs_captured_on_the_old_one(gpus):
     assert not adapter.graphs.captured and not adapter.shapes.warmed
     with pytest.raises(Exception, match="warmup did not run"):
         runner.decode(next_steps())
+
+
+def test_compile_mode_without_a_c_compiler_is_refused_at_start(gpus, monkeypatch):
+    # Finding 11: the CUDA -runtime image has no compiler; torch.compile would fail at the first bucket.
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with pytest.raises(DeviceError, match=r"--graph-mode compile needs a C compiler .+ \(Dockerfile_cuda's -devel"):
+        get_adapter("cuda", graph_mode="compile")
+    get_adapter("cuda", graph_mode="graphs")  # needs none

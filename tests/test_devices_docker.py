@@ -44,6 +44,30 @@ def test_the_gaudi_image_runs_lazy_mode_with_the_extension():
     assert any("vllm-hpu-extension" in run for run in found["RUN"])
 
 
+def test_the_gaudi_image_pins_an_extension_commit_and_keeps_habanas_torch():
+    # Finding 11 (and 1): one pinned extension commit per Habana release; a pip constraint of the
+    # image's own torch build on every install, so no dependency can replace it.
+    found = instructions("Dockerfile_gaudi")
+    commit = next(a.split("=", 1)[1] for a in found["ARG"] if a.startswith("VLLM_HPU_EXTENSION_COMMIT="))
+    assert re.fullmatch(r"[0-9a-f]{40}", commit)
+    assert commit in (REPO / "tests" / "fakes" / "vllm_hpu_extension.py").read_text()  # a release we mirror
+    (run,) = [r for r in found["RUN"] if "vllm-hpu-extension" in r]
+    steps = [step.strip() for step in run.split("&&")]
+    assert steps[0].startswith("pip list --format=freeze | grep") and "torch" in steps[0]
+    assert steps[1] == "export PIP_CONSTRAINT=/etc/pip-habana-constraints.txt"
+    assert all(step.startswith("pip install") for step in steps[2:])
+    assert any("pipefail" in shell for shell in found["SHELL"])
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_each_image_installs_grammar_support(name):
+    assert any("xgrammar==" in run for run in instructions(name)["RUN"])
+
+
+def test_the_cuda_image_has_the_compiler_that_compile_mode_needs():
+    assert any(arg.startswith("BASE_IMAGE=") and arg.endswith("-devel") for arg in instructions("Dockerfile_cuda")["ARG"])
+
+
 def test_the_entrypoint_command_exists():
     done = subprocess.run([sys.executable, "-m", "launcher", "--help"], cwd=REPO, capture_output=True, text=True,
                           timeout=60)

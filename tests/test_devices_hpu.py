@@ -1,5 +1,7 @@
-"""The HPU adapter's own decisions, checked against a fake habana_frameworks on CPU."""
+"""The HPU adapter's own decisions, checked against a strict fake habana_frameworks on CPU
+(tests/fakes/habana.py: graphs keyed by input shapes, static outputs, PT_HPU_LAZY_MODE read at import)."""
 import os
+import sys
 
 import pytest
 import torch
@@ -17,14 +19,23 @@ from tests.fakes.tiny import PLAN, next_steps, prompts, runner_for, tiny_model
 HPU_VARS = ("PT_HPU_LAZY_MODE", "PT_HPU_ENABLE_LAZY_COLLECTIVES", "PT_HPU_RECIPE_CACHE_CONFIG")
 
 
+def start_bridge(monkeypatch, lazy_mode: str | None = "1", **options) -> FakeHabana:
+    """The environment a shard starts with, then the bridge's import (which reads it)."""
+    environ = {k: v for k, v in os.environ.items() if k not in HPU_VARS}
+    if lazy_mode is not None:
+        environ["PT_HPU_LAZY_MODE"] = lazy_mode
+    monkeypatch.setattr(os, "environ", environ)
+    fake = FakeHabana(**options)
+    fake.install(monkeypatch)
+    return fake
+
+
 @pytest.fixture
 def habana(monkeypatch):
-    fake = FakeHabana()
-    fake.install(monkeypatch)
-    monkeypatch.setitem(__import__("sys").modules, "vllm_hpu_extension", None)  # absent: pure torch attention
-    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in HPU_VARS})
+    for name in ("vllm_hpu_extension", "vllm_gaudi"):
+        monkeypatch.setitem(sys.modules, name, None)  # absent: pure torch decode attention
     monkeypatch.setattr(HPUAdapter, "torch_device_type", "cpu")  # the fake runs everything on CPU
-    return fake
+    return start_bridge(monkeypatch)
 
 
 def hpu(**options) -> HPUAdapter:
@@ -57,6 +68,44 @@ def test_each_warmed_bucket_gets_one_graph_and_serving_replays_it(habana):
     torch.testing.assert_close(decode, expected_decode)
 
 
+def test_a_new_kv_cache_drops_the_graphs_captured_on_the_old_one(habana):
+    # Finding 2: the wrapper keys graphs by input shapes alone, and the KV cache is a module
+    # attribute: a graph replayed after a new cache is bound reads and writes the old one.
+    # Here the first cache saw only the prefill buckets (as the memory-profiling run's scratch cache
+    # sees the largest one): replayed afterwards, they write the prompts into the old cache, and the
+    # decode graph captured on the new cache finds nothing there.
+    adapter, model = hpu(), tiny_model()
+    warmed(adapter, model, buckets=PLAN.prefill)
+    runner = warmed(adapter, model)  # Shard.warmup again: a new cache
+    prefill, decode = runner.prefill(prompts()).logits, runner.decode(next_steps())
+    expected_prefill, expected_decode = reference_logits()
+    torch.testing.assert_close(prefill, expected_prefill)
+    torch.testing.assert_close(decode, expected_decode)
+    assert len(habana.captures) == len(PLAN.prefill) + len(PLAN.prefill) + len(PLAN.decode)
+
+
+def test_the_memory_profiling_run_keeps_no_graph(habana):
+    from engine.warmup.memory import profile_free_memory
+    from tests.fakes.tiny import BLOCK, LIMITS
+
+    adapter = hpu()
+    profile_free_memory(tiny_model(), adapter, torch.float32, BLOCK, LIMITS)
+    assert not habana.captures and len(habana.bypasses) == 1 and not adapter.shapes.warmed
+
+
+@torch.inference_mode()  # as the runner calls the adapter
+def test_each_replay_returns_its_own_tensor(habana):
+    # Finding 3: a replay returns the graph's static output; two groups of one bucket share it.
+    adapter = hpu()
+    runner = warmed(adapter)
+    runner.prefill(prompts())
+    bucket = DecodeBucket(2, 4)
+    first = adapter.run(("decode", bucket), runner.model, *runner._decode_tensors(bucket, next_steps()))
+    kept = first.clone()
+    adapter.run(("decode", bucket), runner.model, *runner._decode_tensors(bucket, next_steps(tokens=(40, 41))))
+    assert torch.equal(first, kept)
+
+
 def test_an_unwarmed_shape_is_bypassed_never_captured(habana):
     lenient = hpu(strict_shapes=False)
     runner = warmed(lenient, buckets=PLAN.prefill + (DecodeBucket(4, 8),))  # (2, 4) is not warmed
@@ -71,7 +120,7 @@ def test_an_unwarmed_shape_is_bypassed_never_captured(habana):
     runner = warmed(strict, buckets=PLAN.prefill)
     with pytest.raises(UnwarmedShapeError):
         runner.decode(next_steps())
-    assert len(habana.bypasses) == 1 and len(habana.captures) == 3  # the fake saw nothing more
+    assert len(habana.bypasses) == 1 and len(habana.captures) == 3 + 2  # its own two prefill graphs, no more
 
 
 def test_python_scalars_never_reach_a_graph_input(habana):
@@ -88,7 +137,8 @@ def test_python_scalars_never_reach_a_graph_input(habana):
 
 
 def traced_forward(habana, monkeypatch, adapter, parallel):
-    """Run one warmed decode bucket; the trace interleaves layer ends, collectives and mark_steps."""
+    """Warm one decode bucket (in graphs mode: its capture, the one run where Python executes); the
+    trace interleaves layer ends, collectives and mark_steps."""
     model = tiny_model(parallel)
     for layer in model.layers:
         layer.register_forward_hook(lambda *_: habana.trace.append("layer"))
@@ -97,9 +147,9 @@ def traced_forward(habana, monkeypatch, adapter, parallel):
     monkeypatch.setattr(distributed.dist, "all_reduce", lambda x, *a, **k: habana.trace.append("all_reduce"))
     monkeypatch.setattr(distributed.dist, "all_gather",
                         lambda parts, x, *a, **k: [p.copy_(x) for p in parts] and habana.trace.append("all_gather"))
-    runner = warmed(adapter, model, buckets=(DecodeBucket(2, 4),))
+    runner = runner_for(model, adapter)
     habana.trace.clear()
-    runner.decode(next_steps())
+    runner.warm(DecodeBucket(2, 4))
     return habana.trace
 
 
@@ -110,34 +160,40 @@ def test_one_rank_marks_a_step_after_each_layer(habana, monkeypatch, mode):
 
 
 @pytest.mark.parametrize("mode", ["graphs", "lazy"])
-def test_step_markers_follow_each_layer_and_precede_each_collective(habana, monkeypatch, mode):
-    trace = traced_forward(habana, monkeypatch, hpu(graph_mode=mode), Parallel(0, 2))
+def test_collectives_stay_inside_the_layer_graph(habana, monkeypatch, mode):
+    # Finding 10: lazy collectives (PT_HPU_ENABLE_LAZY_COLLECTIVES) run inside the lazy graph; a
+    # mark_step before each one cut every layer's graph three times.
+    trace = traced_forward(habana, monkeypatch, hpu(graph_mode=mode, world_size=2), Parallel(0, 2))
     assert trace.count("layer") == 3 and "all_reduce" in trace and "all_gather" in trace
-    assert trace[0] == trace[-1] == "mark_step"  # input copies and the result stay out of the model's graph
-    for i, event in enumerate(trace):
-        if event == "layer":
-            assert trace[i + 1] == "mark_step", trace
-        if event.startswith("all_"):
-            assert trace[i - 1] == "mark_step", trace
+    assert [e for e in trace if e in ("layer", "mark_step")] == ["mark_step"] + ["layer", "mark_step"] * 3 + ["mark_step"]
 
 
 def test_no_step_markers_in_compile_mode_or_on_other_devices(habana, monkeypatch):
     trace = traced_forward(habana, monkeypatch, get_adapter("cpu"), Parallel(0, 2))
     assert "layer" in trace and "mark_step" not in trace
+    habana = start_bridge(monkeypatch, lazy_mode="0")
     monkeypatch.setattr("engine.devices.hpu.compile_static", lambda fn, backend: fn)  # no hpu_backend here
-    compiled = hpu(graph_mode="compile")
-    assert os.environ["PT_HPU_LAZY_MODE"] == "0" and compiled.step_marker is None
+    compiled = hpu(graph_mode="compile", world_size=2)
+    assert compiled.step_marker is None
     trace = traced_forward(habana, monkeypatch, compiled, Parallel(0, 2))
     assert "layer" in trace and "mark_step" not in trace and not habana.wraps
 
 
 def test_environment_backend_and_defaults(habana, tmp_path):
     adapter = hpu(world_size=2, rank=1, cache_dir=tmp_path)
-    assert os.environ["PT_HPU_LAZY_MODE"] == "1" and os.environ["PT_HPU_ENABLE_LAZY_COLLECTIVES"] == "1"
+    assert os.environ["PT_HPU_ENABLE_LAZY_COLLECTIVES"] == "1"
     assert os.environ["PT_HPU_RECIPE_CACHE_CONFIG"].startswith(f"{tmp_path / 'hpu_recipes'},False,")
     assert adapter.dist_backend == "hccl" and adapter.default_dtype == torch.bfloat16
     assert adapter.default_block_size == 128 and adapter.graph_mode == "graphs"
     assert adapter.memory_info() == habana.memory and adapter.device_type == "hpu"
+
+
+def test_several_ranks_register_hccl_before_joining_the_group(habana):
+    # Finding 5: init_process_group("hccl") needs habana_frameworks.torch.distributed.hccl imported.
+    hpu(world_size=1)
+    assert not habana.hccl_imported
+    hpu(world_size=2, rank=1)
+    assert habana.hccl_imported
 
 
 def test_single_rank_leaves_collectives_alone_and_a_user_recipe_cache_wins(habana, tmp_path):
@@ -148,49 +204,35 @@ def test_single_rank_leaves_collectives_alone_and_a_user_recipe_cache_wins(haban
 
 
 def test_a_lazy_mode_that_contradicts_the_graph_mode_is_refused(habana):
-    os.environ["PT_HPU_LAZY_MODE"] = "1"
     with pytest.raises(DeviceError, match="PT_HPU_LAZY_MODE=1 is set: set PT_HPU_LAZY_MODE=0"):
         hpu(graph_mode="compile")
+
+
+def test_a_bridge_started_in_eager_mode_is_refused_for_graphs(monkeypatch, habana):
+    # Finding 6: the bridge reads PT_HPU_LAZY_MODE when torch is imported (unset: eager); setting it
+    # afterwards, as the adapter used to, changes nothing.
+    start_bridge(monkeypatch, lazy_mode=None)
+    with pytest.raises(DeviceError, match=r"--graph-mode graphs needs the Habana bridge in lazy mode, but the "
+                                          r"Habana bridge started in eager mode: set PT_HPU_LAZY_MODE=1"):
+        hpu()
+
+
+def test_the_launcher_gives_every_hpu_shard_the_same_module_list_and_the_bridge_mode(monkeypatch):
+    # Findings 5 and 6: Habana wants one HABANA_VISIBLE_MODULES for all processes (each takes its
+    # LOCAL_RANK-th), and PT_HPU_LAZY_MODE in the environment before the shard imports torch.
+    from engine.devices.probe import Probe, resolve_device
+
+    gaudi = lambda asked: [Probe("hpu", True, count=8)]  # noqa: E731
+    plan = resolve_device("hpu", 4, {}, lambda: ["hpu"], probe=gaudi)
+    envs = [plan.env(rank) for rank in range(4)]
+    assert {env["HABANA_VISIBLE_MODULES"] for env in envs} == {"0,1,2,3"}
+    assert all(env["PT_HPU_LAZY_MODE"] == "1" and env["PT_HPU_ENABLE_LAZY_COLLECTIVES"] == "1" for env in envs)
+    narrowed = resolve_device("hpu", 2, {"HABANA_VISIBLE_MODULES": "4,6", "PT_HPU_LAZY_MODE": "1"},
+                              lambda: ["hpu"], probe=gaudi)
+    assert narrowed.env(1)["HABANA_VISIBLE_MODULES"] == "4,6" and "PT_HPU_LAZY_MODE" not in narrowed.env(1)
 
 
 def test_missing_device_names_what_is_missing(habana):
     habana.devices = 0
     with pytest.raises(DeviceError, match=r"--device hpu is not usable here: no Gaudi device is visible"):
         hpu()
-
-
-def test_vllm_hpu_extension_kernels_serve_attention_when_importable(habana, monkeypatch):
-    from engine.buckets.core import BucketPlan
-    from tests.fakes.vllm_hpu_extension import FakeExtension
-
-    extension = FakeExtension()
-    monkeypatch.delitem(__import__("sys").modules, "vllm_hpu_extension")
-    extension.install(monkeypatch)
-    adapter = hpu()
-    assert adapter.attention_backend.name == "vllm-hpu-extension"
-    padded = BucketPlan(prefill=PLAN.prefill, decode=(DecodeBucket(4, 8),))  # 2 padding rows, 4 padding blocks
-    runner = runner_for(tiny_model(), adapter, padded)
-    for bucket in padded.prefill + padded.decode:
-        runner.warm(bucket)
-    extension.calls.update(flat_pa=0, prompt_attention=0, fused_sdpa=0)
-    prefill, decode = runner.prefill(prompts()).logits, runner.decode(next_steps())
-    assert extension.calls == {"flat_pa": 3, "prompt_attention": 3, "fused_sdpa": 3}  # one per layer
-    expected_prefill, expected_decode = reference_logits()
-    torch.testing.assert_close(prefill, expected_prefill)
-    torch.testing.assert_close(decode, expected_decode)
-    cpu_runner = warmed(get_adapter("cpu"))
-    cpu_runner.decode(next_steps())
-    assert extension.calls["flat_pa"] == 3
-
-
-def test_without_the_extension_attention_is_pure_torch(habana, caplog):
-    import engine.devices.hpu_attention as hpu_attention
-
-    hpu_attention._told = False
-    with caplog.at_level("INFO", logger="engine.devices.hpu_attention"):
-        first, second = hpu(), hpu()
-    assert first.attention_backend is None and second.attention_backend is None
-    messages = [r.getMessage() for r in caplog.records]
-    assert len(messages) == 1 and messages[0].startswith("vllm-hpu-extension is not importable (import of "
-                                                         "vllm_hpu_extension halted")
-    assert messages[0].endswith("attention runs in pure torch")

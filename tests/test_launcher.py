@@ -334,7 +334,7 @@ def test_device_plans_give_each_rank_its_own_device():
     rocm = fake_probe(cuda=Probe("cuda", True, count=1, rocm=True))
     assert resolve_device("cuda", 1, {}, lambda: ["cuda"], probe=rocm).env(0) == {"HIP_VISIBLE_DEVICES": "0"}
     hpu = fake_probe(hpu=Probe("hpu", True, count=8))
-    assert resolve_device("hpu", 8, {}, lambda: ["hpu"], probe=hpu).env(7) == {"HABANA_VISIBLE_MODULES": "7"}
+    assert resolve_device("hpu", 8, {}, lambda: ["hpu"], probe=hpu).env(7)["HABANA_VISIBLE_MODULES"] == "0,1,2,3,4,5,6,7"
     xpu = fake_probe(xpu=Probe("xpu", True, count=2))
     assert resolve_device("auto", 2, {}, lambda: ["cpu", "xpu"], probe=xpu).env(1) == {"ZE_AFFINITY_MASK": "1"}
     with pytest.raises(DeviceError, match="--num-shard 8 needs 8 cuda devices, 4 visible"):

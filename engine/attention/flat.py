@@ -33,24 +33,23 @@ def flat_attention(
     kv_heads = key_cache.shape[1]
     group = heads // kv_heads
 
-    # Each block gets its owner's query: [blocks, heads, dim].
-    qb = (block_mapping @ (q * scale).reshape(batch, heads * dim)).view(num_blocks, heads, dim)
-    # A block's keys as [block_size * kv_heads, dim] rows: a contiguous gather, no transposed copy.
-    keys = key_cache.view(-1, block_size * kv_heads, dim).index_select(0, block_list)
-    values = value_cache.view(-1, block_size * kv_heads, dim).index_select(0, block_list)
-    # Every query head meets every kv head; pairs of different groups (GQA) are masked out. That
-    # is kv_heads times the multiply-adds of a per-head product, but these are tiny next to the
-    # copies a per-head layout would need.
-    scores = (qb @ keys.transpose(1, 2)).view(num_blocks, kv_heads, group, block_size, kv_heads)
+    # Each block gets its owner's query, its heads grouped by kv head: [blocks, kv_heads, group, dim].
+    qb = (block_mapping @ (q * scale).reshape(batch, heads * dim)).view(num_blocks, kv_heads, group, dim)
+    # The blocks' keys and values per kv head, [blocks, kv_heads, block_size, dim]: one gather of the
+    # blocks in use, then a view. Each query head meets only its own kv head (GQA), so no pair of
+    # different groups is computed and then masked.
+    keys = key_cache.view(-1, block_size, kv_heads, dim).index_select(0, block_list).transpose(1, 2)
+    values = value_cache.view(-1, block_size, kv_heads, dim).index_select(0, block_list).transpose(1, 2)
+    scores = qb @ keys.transpose(-1, -2)  # [blocks, kv_heads, group, block_size]
     if masked is None:
         masked = flat_masked(block_bias, kv_heads)
     scores = scores.masked_fill(masked, torch.finfo(scores.dtype).min / 2)
 
-    block_max = scores.amax(dim=(-2, -1), keepdim=True)
+    block_max = scores.amax(dim=-1, keepdim=True)
     probs = (scores - block_max).clamp_min_(EXP_FLOOR).exp_().masked_fill_(masked, 0.0)
     block_max = block_max.view(num_blocks, heads)
-    block_sum = probs.sum(dim=(-2, -1)).view(num_blocks, heads)
-    block_out = probs.view(num_blocks, heads, block_size * kv_heads) @ values  # [blocks, heads, dim]
+    block_sum = probs.sum(dim=-1).view(num_blocks, heads)
+    block_out = (probs @ values).view(num_blocks, heads, dim)
 
     row_max = _row_max(block_max, block_groups, batch)  # [batch, heads]
     rescale = (block_max - row_max.index_select(0, block_groups)).clamp_min_(EXP_FLOOR).exp_()
@@ -63,12 +62,10 @@ def flat_attention(
 
 
 def flat_masked(block_bias: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[blocks, kv_heads, 1, block_size, kv_heads]: True for positions past a block's usage and for
-    pairs of a query head with a kv head of another group (the same for every layer)."""
+    """[blocks, 1, 1, block_size]: True for positions past a block's usage (the same for every layer
+    and every head; the scores it masks are [blocks, kv_heads, group, block_size])."""
     num_blocks, block_size = block_bias.shape
-    heads = torch.arange(kv_heads, device=block_bias.device)
-    other_group = heads.view(kv_heads, 1, 1, 1) != heads.view(1, 1, 1, kv_heads)
-    return (block_bias.view(num_blocks, 1, 1, block_size, 1) < 0) | other_group
+    return (block_bias < 0).view(num_blocks, 1, 1, block_size)
 
 
 def _row_max(block_max: torch.Tensor, block_groups: torch.Tensor, batch: int) -> torch.Tensor:

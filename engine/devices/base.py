@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Callable, Hashable
 
@@ -20,10 +20,17 @@ class ShapeRegistry:
     def __init__(self, strict: bool):
         self.strict = strict
         self.warmed: set[Hashable] = set()
+        self.without_graph: set[Hashable] = set()  # warmed, but run without a graph (graph memory budget)
         self.unwarmed: Counter = Counter()  # shape -> forwards run at it without warmup
 
-    def mark_warmed(self, shape: Hashable) -> None:
+    def mark_warmed(self, shape: Hashable, graph: bool = True) -> None:
         self.warmed.add(shape)
+        if not graph:
+            self.without_graph.add(shape)
+
+    def clear(self) -> None:
+        self.warmed.clear()
+        self.without_graph.clear()
 
     def check(self, shape: Hashable) -> None:
         if shape in self.warmed:
@@ -43,6 +50,7 @@ class DeviceAdapter(ABC):
     default_lora_impl: str = "dense"  # engine/layers/lora.py: static shapes, safe in graphs and buckets
     step_marker: Callable[[], None] | None = None        # installed around forwards (HPU lazy mode)
     attention_backend: AttentionBackend | None = None    # None: pure torch attention
+    graph_budget = None  # engine.warmup.budget.GraphBudget, set by the shard when graphs are captured
 
     def __init__(self, graph_mode: str | None = None, strict_shapes: bool = True, *, rank: int = 0,
                  world_size: int = 1, cache_dir: Path | None = None):
@@ -53,6 +61,7 @@ class DeviceAdapter(ABC):
         self.rank, self.world_size, self.cache_dir = rank, world_size, cache_dir
         self.shapes = ShapeRegistry(strict_shapes)
         self.stats: Counter = Counter()  # "replay", "capture", "bypass", ... per kind of shape
+        self._profiling = False
 
     @property
     def device_type(self) -> str:
@@ -70,16 +79,36 @@ class DeviceAdapter(ABC):
     def synchronize(self) -> None:
         """Wait for queued device work (no-op where execution is synchronous)."""
 
+    @property
+    def captures_graphs(self) -> bool:
+        """Whether warmup keeps a device graph per bucket (memory the KV cache must leave free)."""
+        return False
+
     def reset(self) -> None:
         """Forget the warmed shapes (and graphs): a new KV cache was bound, so they must be warmed again."""
-        self.shapes.warmed.clear()
+        self.shapes.clear()
 
-    def warm(self, shape: Hashable, fn: Callable, *args):
-        """Run `fn` once at `shape` during warmup (capturing or compiling a graph where the device does)."""
+    @contextmanager
+    def profiling(self):
+        """Warm runs inside run eagerly and leave nothing behind: no graph, no shape marked warm
+        (the memory-profiling run, on a scratch cache that is freed right after)."""
+        self._profiling = True
+        try:
+            yield
+        finally:
+            self._profiling = False
+
+    def warm(self, shape: Hashable, fn: Callable, *args, graph: bool = True):
+        """Run `fn` once at `shape` during warmup (capturing or compiling a graph where the device does;
+        with graph=False the shape is warmed to run without one)."""
         with self._hooks():
+            if self._profiling:
+                return self.forward(shape, fn, args, warming=False)
+            if not graph:
+                self.shapes.without_graph.add(shape)
             out = self.forward(shape, fn, args, warming=True)
         self.synchronize()
-        self.shapes.mark_warmed(shape)
+        self.shapes.mark_warmed(shape, graph)
         return out
 
     def run(self, shape: Hashable, fn: Callable, *args):
@@ -97,7 +126,7 @@ class DeviceAdapter(ABC):
     def forward(self, shape: Hashable, fn: Callable, args: tuple, warming: bool):
         """One forward. A shape warmup never ran (lenient mode) runs eagerly: compiling or
         capturing at serving time would stall every request in the batch."""
-        if warming or shape in self.shapes.warmed:
+        if (warming or shape in self.shapes.warmed) and shape not in self.shapes.without_graph:
             return self.graph_for(shape, fn)(*args)
         self.stats[("bypass", kind_of(shape))] += 1
         return fn(*args)

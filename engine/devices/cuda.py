@@ -6,12 +6,15 @@ launch overhead is negligible there). "eager" and "compile" (torch.compile per b
 """
 from __future__ import annotations
 
+import os
+import shutil
+
 import torch
 
 from engine.devices.base import DeviceAdapter, kind_of
 from engine.devices.cpu import compile_static
 from engine.devices.cuda_graphs import GraphSet
-from engine.devices.probe import VISIBILITY_VARS, require
+from engine.devices.probe import VISIBILITY_VARS, DeviceError, require
 
 GRAPHED_KINDS = ("decode",)
 
@@ -29,6 +32,8 @@ class CUDAAdapter(DeviceAdapter):
     def __init__(self, graph_mode: str | None = None, strict_shapes: bool = True, **options):
         super().__init__(graph_mode, strict_shapes, **options)
         found = require("cuda")
+        if self.graph_mode == "compile":
+            require_compiler()
         self.rocm = found.rocm
         # One visible device per rank when the launcher narrowed visibility; otherwise rank r takes device r.
         self.index = self.rank % max(1, found.count)
@@ -55,13 +60,17 @@ class CUDAAdapter(DeviceAdapter):
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.index)
 
+    @property
+    def captures_graphs(self) -> bool:
+        return self.graph_mode == "graphs"
+
     def reset(self) -> None:
         super().reset()
         self.graphs = GraphSet(torch.cuda)  # they point into the previous KV cache
 
     def forward(self, shape, fn, args, warming):
         kind = kind_of(shape)
-        graphed = self.graph_mode == "graphs" and kind in GRAPHED_KINDS
+        graphed = self.graph_mode == "graphs" and kind in GRAPHED_KINDS and shape not in self.shapes.without_graph
         if graphed and warming:
             out = fn(*args)  # the eager run first: lazy initialisation (cuBLAS, allocator) stays out of the graph
             self.synchronize()
@@ -80,3 +89,13 @@ class CUDAAdapter(DeviceAdapter):
         if fn not in self._compiled:
             self._compiled[fn] = compile_static(fn, backend="inductor")
         return self._compiled[fn]
+
+
+def require_compiler() -> None:
+    """torch.compile on a GPU builds triton's kernel launchers with the host C compiler, which the
+    CUDA "-runtime" images lack: say so at start rather than at the first bucket's compile."""
+    candidates = [os.environ.get("CC", ""), "cc", "gcc", "clang"]
+    if not any(name and shutil.which(name) for name in candidates):
+        raise DeviceError("--graph-mode compile needs a C compiler to build its GPU kernels and none was found "
+                          "(no $CC, cc, gcc or clang on PATH): use an image with one (Dockerfile_cuda's -devel "
+                          "base) or --graph-mode graphs")

@@ -5,12 +5,14 @@ Graph modes:
   bucket is captured during warmup and replayed afterwards, and any other shape bypasses the
   graphs per call (a capture at serving time would stall the batch and grow device memory).
 - "lazy": lazy mode without graphs (each forward is traced and its recipe looked up).
-- "compile": `torch.compile(backend="hpu_backend")`, one static graph per warmed bucket.
-In the lazy modes a step marker cuts the graph after each decoder layer and before every
-collective; graph inputs are checked to be tensors only.
+- "compile": `torch.compile(backend="hpu_backend")`, one static graph per warmed bucket (eager bridge).
+In the lazy modes a step marker cuts the graph after each decoder layer; graph inputs are checked
+to be tensors only. The bridge reads PT_HPU_LAZY_MODE once, when torch is imported, so the
+launcher puts it in each shard's environment (engine/devices/hpu_env.py); here we only check it.
 """
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -19,7 +21,8 @@ from engine.devices import hpu_attention
 from engine.devices.base import DeviceAdapter, kind_of
 from engine.devices.cpu import compile_static
 from engine.devices.graph_inputs import check_tensor_inputs
-from engine.devices.hpu_env import apply_environment, hpu_environment
+from engine.devices.hpu_env import apply_environment, check_bridge_mode
+from engine.devices.hpu_vars import hpu_environment
 from engine.devices.probe import require
 
 
@@ -37,10 +40,19 @@ class HPUAdapter(DeviceAdapter):
         environment = hpu_environment(self.graph_mode, self.world_size, self.cache_dir)
         self.htorch = load_habana(lambda: apply_environment(environment, os.environ))
         self.lazy = self.graph_mode != "compile"
+        check_bridge_mode(self.htorch, self.lazy, self.graph_mode)
+        if self.world_size > 1:
+            # Registers the "hccl" backend with torch.distributed; init_process_group needs it first.
+            importlib.import_module("habana_frameworks.torch.distributed.hccl")
         if self.lazy:
             self.step_marker = self.htorch.core.mark_step
-        self.attention_backend = hpu_attention.load_backend()
+        self.kernels = hpu_attention.load_kernels()
+        self.attention_backend = self.kernels.backend
         self._graphed: dict = {}  # model -> the same model, its forward wrapped in HPU graphs
+
+    @property
+    def captures_graphs(self) -> bool:
+        return self.graph_mode == "graphs"
 
     @property
     def torch_device(self) -> torch.device:
@@ -53,13 +65,26 @@ class HPUAdapter(DeviceAdapter):
     def synchronize(self) -> None:
         self.htorch.hpu.synchronize()
 
+    def reset(self) -> None:
+        """A new KV cache: the wrapper keys graphs by input shapes alone, so a graph captured on the
+        old cache would be replayed on the new one's shapes, reading and writing freed memory."""
+        super().reset()
+        for model in self._graphed.values():
+            if hasattr(model, "clear_cache"):
+                model.clear_cache()
+
     def forward(self, shape, fn, args, warming):
         check_tensor_inputs(args)
-        graphed = warming or shape in self.shapes.warmed
+        self.kernels.configure(fn)
+        graphed = (warming or shape in self.shapes.warmed) and shape not in self.shapes.without_graph
         self.mark_step()  # the inputs' host-to-device copies stay out of the model's graph
         if self.graph_mode == "graphs":
             self.stats[(("capture" if warming else "replay") if graphed else "bypass", kind_of(shape))] += 1
             out = self._wrapped(fn)(*args, bypass_hpu_graphs=not graphed)
+            if graphed:
+                # A graph returns the same static output tensor every time: the next replay of this
+                # bucket (a batch split in two groups) would overwrite what the caller still holds.
+                out = out.clone()
         elif self.graph_mode == "compile" and graphed:
             self.stats[("compiled", kind_of(shape))] += 1
             out = self._compiled(fn)(*args)
@@ -92,5 +117,6 @@ def load_habana(before_import):
     import habana_frameworks.torch as htorch
     import habana_frameworks.torch.core  # noqa: F401 - mark_step
     import habana_frameworks.torch.hpu  # noqa: F401 - graphs, synchronize
+    import habana_frameworks.torch.utils.internal  # noqa: F401 - is_lazy
 
     return htorch

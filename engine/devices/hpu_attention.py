@@ -1,66 +1,88 @@
-"""vllm-hpu-extension's kernels behind our attention contracts: flat_pa for decode, the fused SDPA
-kernel for prefill. Without the extension, attention stays pure torch (logged once)."""
+"""Gaudi attention kernels behind our attention contracts: Habana's FusedSDPA for prefill and
+vllm-hpu-extension's flat_pa (any supported release, engine/devices/hpu_ops.py) for decode.
+Whatever is missing runs in pure torch, said once as a WARNING with the reason."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.flat import flat_attention
+from engine.attention.prompt import prompt_attention
+from engine.devices.hpu_ops import FlatPA, load_flat_pa
 
 log = logging.getLogger(__name__)
-_told = False
+_told: set[str] = set()
 
 
-def load_backend() -> AttentionBackend | None:
+@dataclass
+class HPUKernels:
+    backend: AttentionBackend | None  # None: pure torch for both
+    flat_pa: FlatPA | None
+
+    def configure(self, model) -> None:
+        """Before the first forward: the extension's runtime config needs the model type."""
+        if self.flat_pa is not None:
+            self.flat_pa.configure(model_type(model))
+
+
+def model_type(model) -> str:
+    """HF's model_type from our architecture name ("Qwen2ForCausalLM" -> "qwen2")."""
+    architecture = getattr(getattr(model, "config", None), "architecture", "")
+    return architecture.removesuffix("ForCausalLM").lower() or "unknown"
+
+
+def load_kernels() -> HPUKernels:
+    fused = load_fused_sdpa()
+    flat_pa, reasons = load_flat_pa()
+    if flat_pa is None:
+        _warn_once("decode attention runs in pure torch: no usable vllm-hpu-extension ("
+                   + "; ".join(reasons) + ")")
+    if fused is None and flat_pa is None:
+        return HPUKernels(None, None)
+    prefill = partial(fused_prefill, fused) if fused else prompt_attention
+    decode = partial(flat_pa_decode, flat_pa) if flat_pa else flat_attention
+    name = "+".join(filter(None, ["fusedsdpa" if fused else "", f"flat_pa {flat_pa.release}" if flat_pa else ""]))
+    _info_once(f"attention: {name}")
+    return HPUKernels(AttentionBackend(name, prefill, decode), flat_pa)
+
+
+def load_fused_sdpa():
     try:
-        from vllm_hpu_extension import ops
-        from vllm_hpu_extension.utils import ModuleFusedSDPA
         from habana_frameworks.torch.hpex.kernels import FusedSDPA
     except ImportError as err:
-        _tell_once(f"vllm-hpu-extension is not importable ({err}): attention runs in pure torch")
+        _warn_once(f"prefill attention runs in pure torch: FusedSDPA is not importable ({err})")
         return None
-    _tell_once("attention: vllm-hpu-extension flat_pa (decode) and FusedSDPA (prefill)")
-    return AttentionBackend("vllm-hpu-extension", partial(fused_prefill, ops, ModuleFusedSDPA(FusedSDPA)),
-                            partial(flat_pa_decode, ops))
+    return FusedSDPA
 
 
-def _tell_once(message: str) -> None:
-    global _told
-    if not _told:
+def fused_prefill(fused, q, k, v, scale: float) -> torch.Tensor:
+    """q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim], right-padded prompts (the kernel
+    takes grouped kv heads as they are). Every row is given the full width as its valid length:
+    causality alone keeps real tokens from seeing the padding after them, as in prompt_attention."""
+    batch, seq = q.shape[:2]
+    lengths = torch.full((batch,), seq, dtype=torch.int32, device=q.device)
+    out = fused.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, 0.0, True, scale,
+                      "None", None, lengths, "right")  # FusedSDPA is an autograd Function: positional only
+    return out.transpose(1, 2)
+
+
+def flat_pa_decode(flat_pa: FlatPA, q, key_cache, value_cache, block_list, block_mapping, block_groups, block_bias,
+                   scale, masked=None) -> torch.Tensor:
+    """flat_attention's contract (`masked` is pure torch's own precomputation, unused here)."""
+    return flat_pa(q, key_cache, value_cache, block_list, block_mapping, block_groups, block_bias, scale)
+
+
+def _warn_once(message: str) -> None:
+    if message not in _told:
+        _told.add(message)
+        log.warning(message)
+
+
+def _info_once(message: str) -> None:
+    if message not in _told:
+        _told.add(message)
         log.info(message)
-        _told = True
-
-
-def fused_prefill(ops, fsdpa, q, k, v, scale: float) -> torch.Tensor:
-    """q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim], right-padded prompts.
-    Every row is given the full width as its valid length: causality alone keeps real tokens
-    from seeing padding (it sits after them), as in prompt_attention."""
-    lengths = torch.full((q.shape[0],), q.shape[1], dtype=torch.int32, device=q.device)
-    return ops.prompt_attention(impl="fsdpa_impl", query=q, key=k, value=v, scale=scale, fsdpa_op=fsdpa,
-                                is_causal=True, attn_bias=None, valid_seq_lengths=lengths)
-
-
-def flat_pa_decode(ops, q, key_cache, value_cache, block_list, block_mapping, block_groups, block_bias, scale,
-                   masked=None) -> torch.Tensor:
-    """flat_attention's contract on flat_pa. Two layouts differ: flat_pa wants the cache as
-    [blocks, block_size, kv_heads, dim], and padding blocks in a group of their own (row `batch`):
-    grouped with a real row, their zero weight would meet a 0/0 in the block merge."""
-    batch, heads, dim = q.shape
-    block_size, kv_heads = block_bias.shape[1], key_cache.shape[1]
-    padding = block_mapping.sum(dim=1) == 0
-    return ops.flat_pa(
-        query=q.reshape(batch, 1, heads * dim),
-        key_cache=key_cache.view(-1, block_size, kv_heads, dim),
-        value_cache=value_cache.view(-1, block_size, kv_heads, dim),
-        block_list=block_list, block_mapping=block_mapping, block_bias=block_bias,
-        block_groups=block_groups.masked_fill(padding, batch), scale=scale,
-        matmul_qk_op=torch.matmul, matmul_av_op=torch.matmul,
-        batch2block_matmul_op=torch.matmul, block2batch_matmul_op=torch.matmul,
-        keys_fetch_func=_fetch_blocks, values_fetch_func=_fetch_blocks,
-    ).view(batch, heads, dim)
-
-
-def _fetch_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    return cache.index_select(0, blocks)

@@ -47,11 +47,12 @@ class DevicePlan:
     visibility_var: str | None = None
     ids: tuple[str, ...] = ()
     env_extra: tuple[tuple[str, str], ...] = ()  # the same for every rank
+    shared_list: bool = False  # every rank sees the whole list and takes its LOCAL_RANK-th (Habana)
 
     def env(self, rank: int) -> dict[str, str]:
         env = dict(self.env_extra)
         if self.visibility_var is not None:
-            env[self.visibility_var] = self.ids[rank]
+            env[self.visibility_var] = ",".join(self.ids) if self.shared_list else self.ids[rank]
         return env
 
 
@@ -193,7 +194,20 @@ def plan_for(found: Probe, num_shard: int, environ) -> DevicePlan:
     # Honour a list the user already narrowed (CUDA_VISIBLE_DEVICES=2,3): rank r gets its r-th entry.
     preset = [i.strip() for i in environ.get(var, "").split(",") if i.strip()]
     ids = tuple(preset[:num_shard]) if len(preset) >= num_shard else tuple(str(r) for r in range(num_shard))
+    if found.device == "hpu":
+        return hpu_plan(ids, num_shard, environ)
     return DevicePlan(found.device, var, ids)
+
+
+def hpu_plan(ids: tuple[str, ...], num_shard: int, environ) -> DevicePlan:
+    """Habana's process assignment: every process is given the same HABANA_VISIBLE_MODULES and takes
+    the module at its LOCAL_RANK (the launcher sets it). The bridge's mode must be in the environment
+    before a shard imports torch; shards run the default graph mode, HPU graphs (lazy)."""
+    from engine.config import default_cache_dir
+    from engine.devices.hpu_vars import launch_environment
+
+    extra = launch_environment("graphs", num_shard, default_cache_dir(), environ)
+    return DevicePlan("hpu", VISIBILITY_VARS["hpu"], ids, tuple(sorted(extra.items())), shared_list=True)
 
 
 def cpu_plan(num_shard: int, environ) -> DevicePlan:

@@ -21,6 +21,7 @@ from engine.lora_loader import load_adapters
 from engine.runner import ModelRunner
 from engine.serving.sequence import Sequence
 from engine.serving.steps import StepContext, admit_requests, decode_step, prefill_step
+from engine.warmup.budget import GraphBudget, split_free_memory
 from engine.warmup.memory import profile_free_memory, size_kv_cache
 from engine.warmup.run import bucket_limits, plan_for, run_warmup
 from engine.warmup.warm import PhaseLog
@@ -82,7 +83,7 @@ class Shard:
         self.clear()
         self._stop_background_warmup()
         self.runner = None  # drop the previous cache before measuring free memory
-        self.adapter.shapes.warmed.clear()  # new limits, new cache: only what this warmup runs counts as warm
+        self.adapter.shapes.clear()  # new limits, new cache: only what this warmup runs counts as warm
         phases = PhaseLog(self.adapter)
         free = profile_free_memory(self.model, self.adapter, self.dtype, self.block_size, limits)
         phases.mark("largest prefill")
@@ -90,8 +91,11 @@ class Shard:
         free = min_across_ranks(free, self.parallel)
         layers, kv_heads, head_dim = self.model_config.num_layers, self.model.local_kv_heads, self.model_config.head_dim
         per_block = KVCache.bytes_per_block(layers, self.block_size, kv_heads, head_dim, self.dtype)
-        num_blocks = size_kv_cache(free, self.config.kv_cache_memory_fraction, per_block, self.block_size, limits)
+        kv_bytes, graph_bytes = split_free_memory(free, self.config.kv_cache_memory_fraction,
+                                                  self.config.graph_memory_fraction, self.adapter.captures_graphs)
+        num_blocks = size_kv_cache(kv_bytes, 1.0, per_block, self.block_size, limits)
         cache = KVCache(layers, num_blocks, self.block_size, kv_heads, head_dim, self.dtype, self.adapter.torch_device)
+        self.adapter.graph_budget = GraphBudget(self.adapter, graph_bytes) if graph_bytes else None
         phases.mark("kv cache")
         planned = bucket_limits(limits, self.block_size, num_blocks)
         plan = plan_for(self.config, planned, self.fingerprint())
@@ -143,8 +147,10 @@ class Shard:
                 "decode_real": padding.real("decode"), "decode_padded": padding.padded("decode"),
                 "unwarmed_shapes": unwarmed}
 
+    @_exclusive
     def health(self) -> None:
-        """Touch the device: a failed or hung device fails this instead of a user's request."""
+        """Touch the device: a failed or hung device fails this instead of a user's request. Under the
+        device lock: progressive warmup may be capturing a graph, which a stray device op would break."""
         probe = torch.ones(1, device=self.adapter.torch_device) + 1
         self.adapter.synchronize()
         if probe.item() != 2:

@@ -15,7 +15,8 @@ def profile_free_memory(model, adapter, dtype, block_size: int, limits: ServingL
     rows = max(1, min(limits.max_batch_size, limits.max_prefill_tokens // limits.max_input_tokens))
     largest = PrefillBucket(rows, limits.max_input_tokens)
     plan = BucketPlan(prefill=(largest,), decode=())
-    ModelRunner(model, adapter, scratch, plan, dtype).warm(largest)
+    with adapter.profiling():  # no graph is captured on a cache that is freed right after
+        ModelRunner(model, adapter, scratch, plan, dtype).warm(largest)
     adapter.synchronize()
     return adapter.memory_info()[0]
 

@@ -73,7 +73,7 @@ def time_bucket(runner, bucket, runs: int) -> list[float]:
     The dummy inputs are the ones runner.warm builds: its call to adapter.warm is intercepted for
     them, so the profile times exactly what warmup ran, LoRA inputs and all."""
     adapter, calls = runner.adapter, []
-    adapter.warm = lambda shape, fn, *args: calls.append((shape, fn, args))
+    adapter.warm = lambda shape, fn, *args, graph=True: calls.append((shape, fn, args))
     try:
         runner.warm(bucket)
     finally:

@@ -76,23 +76,30 @@ def warm_buckets(runner: ModelRunner, buckets, prompt_logprobs: bool, show_progr
     """Warm `buckets` in order with a progress bar (the bucket being warmed, an ETA). Each bucket
     holds `lock` (progressive warmup shares the device with serving) and then calls on_warmed."""
     lock = lock or threading.Lock()
-    done = []
+    budget = runner.adapter.graph_budget  # engine/warmup/budget.py; None: graphs are not limited
+    done, dropped = [], []
     with tqdm(buckets, desc=desc, unit="bucket", disable=not show_progress, file=sys.stderr) as bar:
         for bucket in bar:
             if stop is not None and stop.is_set():
                 break
             bar.set_postfix_str(describe(bucket))
             with lock:
-                done.append(_warm_one(runner, bucket, prompt_logprobs))
+                graph = budget is None or budget.allows(bucket)
+                done.append(_warm_one(runner, bucket, prompt_logprobs, graph))
+                if graph and budget is not None:
+                    budget.spent(bucket, done[-1].free_before, done[-1].free_after)
+                dropped += [] if graph else [bucket]
                 if on_warmed is not None:
                     on_warmed(bucket)
+    if budget is not None:
+        budget.report(dropped, describe)
     return done
 
 
-def _warm_one(runner: ModelRunner, bucket, prompt_logprobs: bool) -> BucketWarmup:
+def _warm_one(runner: ModelRunner, bucket, prompt_logprobs: bool, graph: bool = True) -> BucketWarmup:
     adapter = runner.adapter
     free_before, start = adapter.memory_info()[0], time.perf_counter()
-    runner.warm(bucket, prompt_logprobs)
+    runner.warm(bucket, prompt_logprobs, graph=graph)
     adapter.synchronize()
     return BucketWarmup(bucket, time.perf_counter() - start, free_before, adapter.memory_info()[0])
 

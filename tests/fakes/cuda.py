@@ -1,62 +1,30 @@
-"""A fake CUDA graph that really records and replays, on CPU.
-
-While capturing, every aten op is recorded with the very tensors it read and wrote. `replay()`
-runs the recorded ops again on those same tensors, writing each result into the tensor the op
-produced at capture. So, as with a real CUDA graph, a replay computes from whatever the static
-input buffers hold now: a caller that forgets to copy fresh inputs in gets stale results.
-A host synchronisation during capture (`.item()`) fails, as it does on a GPU.
+"""A fake CUDA graph that really records and replays, on CPU (tests/fakes/recording.py), as
+torch.cuda.CUDAGraph does (pytorch/pytorch v2.7.1, torch/cuda/graphs.py): a replay computes from
+whatever the static input buffers hold now, so a caller that forgets to copy fresh inputs in gets
+stale results, and a host synchronisation during capture (`.item()`) fails.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-SYNCS = {torch.ops.aten._local_scalar_dense.default}
+from tests.fakes.recording import RecordedOps, recording
 
 
-class FakeCUDAGraph:
+class FakeCUDAGraph(RecordedOps):
     instances: list["FakeCUDAGraph"] = []
 
     def __init__(self):
-        self.ops: list = []
-        self.pool_used = None
-        self.replays = 0
-        FakeCUDAGraph.instances.append(self)
-
-    def replay(self) -> None:
-        self.replays += 1
-        for func, args, kwargs, out in self.ops:
-            _refresh(out, func(*args, **kwargs))
-
-
-def _refresh(recorded, fresh) -> None:
-    if isinstance(recorded, (tuple, list)):
-        for r, f in zip(recorded, fresh):
-            _refresh(r, f)
-    elif isinstance(recorded, torch.Tensor) and fresh is not recorded and not recorded._is_view():
-        recorded.copy_(fresh)  # views alias a refreshed tensor already; in-place ops re-ran in place
-
-
-class _Recorder(TorchDispatchMode):
-    def __init__(self, graph: FakeCUDAGraph):
         super().__init__()
-        self.graph = graph
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in SYNCS:
-            raise RuntimeError("operation not permitted when stream is capturing (a host sync in the graph)")
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self.graph.ops.append((func, args, kwargs, out))
-        return out
+        self.pool_used = None
+        FakeCUDAGraph.instances.append(self)
 
 
 @contextmanager
 def fake_graph(graph: FakeCUDAGraph, pool=None):
     graph.pool_used = pool
-    with _Recorder(graph):
+    with recording(graph):
         yield
 
 

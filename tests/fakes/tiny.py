@@ -9,6 +9,7 @@ from engine.distributed import SINGLE, Parallel
 from engine.kv_cache import KVCache
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
+from engine.config import ServingLimits
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
 
 BLOCK = 4
@@ -18,6 +19,8 @@ CONFIG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size
                      mlp_bias=False)
 PLAN = BucketPlan(prefill=(PrefillBucket(1, 8), PrefillBucket(2, 8)),
                   decode=(DecodeBucket(2, 4), DecodeBucket(2, 8), DecodeBucket(4, 8)))
+
+LIMITS = ServingLimits(max_batch_size=2, max_prefill_tokens=16, max_input_tokens=8, max_total_tokens=16)
 
 
 def tiny_model(parallel: Parallel = SINGLE, seed: int = 0) -> LlamaForCausalLM:

@@ -1,72 +1,184 @@
-"""A fake vllm-hpu-extension: `ops.flat_pa` and `ops.prompt_attention` computed naively, straight
-from the arguments the real kernels take, so a caller that passes a wrong layout gets wrong numbers.
-The contract flat_pa relies on is checked: padding blocks (all-zero mapping rows) must sit in a
-group of their own (index `batch`), or the real kernel divides 0 by 0 in its block merge."""
+"""Fakes of vllm-hpu-extension's attention ops, one per supported release, and of Habana's FusedSDPA.
+
+Each `flat_pa` has the exact signature of the release it mirrors and reads its arguments the way
+that release does, then computes attention naively from them, so a caller that passes another
+release's layout fails or gets wrong numbers:
+- v1.21.0 (HabanaAI/vllm-hpu-extension@058a49bb0d6d17a845ff950ef39dc51fc8929d27): a 4-D cache
+  [blocks, block_size, kv_heads, dim], no block_size; prompt_attention impls 'fsdpa'/'naive'/'flex';
+  ops.py imports vLLM at module level, so without vLLM `import vllm_hpu_extension.ops` fails.
+- v1.21.3 (@6c4fe39ea63ead53ac618d00ca3084b0bc117630): a required block_size and a 3-D cache
+  [slots, kv_heads, dim], unflattened to blocks before the fetch functions see it.
+- v1.22.0 (@8211e0ba420e976cca07be323328e41fa8a1a9da; main @7717587d178061aaab7498c077b41501944bb288
+  has the same ops signatures): also a required position_bias, impls 'fsdpa_impl'/'naive_impl'/
+  'flex_impl', and the ops read runtime.get_config(), which must come after
+  environment.set_vllm_config() (it is computed once, from the model type set there).
+- vllm-gaudi (vllm-project/vllm-gaudi@091bbadda10bee4fd3f6d0efc1844d2610dd2707,
+  vllm_gaudi/extension/ops.py): also required sinks, k_scales, v_scales; fetch functions are called
+  with `blocks=`.
+Every release's block merge needs padding blocks (all-zero mapping rows) in a group of their own
+(index `batch`): grouped with a real row, their 0/0 adjustment turns the row into NaN.
+
+FusedSDPA mirrors habana_frameworks.torch.hpex.kernels.FusedSDPA.apply (positional arguments only,
+an autograd Function): q, k, v [batch, heads, seq, dim] (k, v may have fewer heads), with
+valid_sequence_lengths masking the keys past each row's length on the padding side.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
 
-from tests.fakes.modules import fake_module, install
+from tests.fakes.modules import fake_module, install, install_on_import
+
+VERSIONS = ("v1.21.0", "v1.21.3", "v1.22.0", "vllm-gaudi")
+IMPLS = {"v1.21.0": ("naive", "fsdpa", "flex"), "v1.21.3": ("naive", "fsdpa", "flex")}
 
 
 class FakeExtension:
-    def __init__(self):
+    def __init__(self, version: str = "v1.22.0", with_vllm: bool = False):
+        assert version in VERSIONS, version
+        self.version, self.with_vllm = version, with_vllm
         self.calls = {"flat_pa": 0, "prompt_attention": 0, "fused_sdpa": 0}
+        self.model_type = None  # set by environment.set_vllm_config (v1.22.0 on)
+        self.config_read = False
 
-    def flat_pa(self, *, query, key_cache, value_cache, block_list, block_mapping, block_bias, block_groups, scale,
-                keys_fetch_func, values_fetch_func, **matmul_ops):
+    # --- flat_pa, one signature per release --------------------------------------------------
+
+    def ops_functions(self) -> dict:
+        fake = self
+
+        def flat_pa_v1_21_0(query, key_cache, value_cache, block_list, block_mapping, block_bias, block_groups,
+                            scale, matmul_qk_op, matmul_av_op, batch2block_matmul_op, block2batch_matmul_op,
+                            keys_fetch_func, values_fetch_func, **ignored_args):
+            _, _, kv_heads, head_size = key_cache.shape  # 4-D, as this release unpacks it
+            return fake._flat_pa(query, keys_fetch_func(key_cache, block_list),
+                                 values_fetch_func(value_cache, block_list), block_mapping, block_bias, block_groups,
+                                 scale, head_size)
+
+        def flat_pa_v1_21_3(query, key_cache, value_cache, block_list, block_mapping, block_bias, block_groups,
+                            block_size, scale, matmul_qk_op, matmul_av_op, batch2block_matmul_op,
+                            block2batch_matmul_op, keys_fetch_func, values_fetch_func, **ignored_args):
+            _, kv_heads, head_size = key_cache.shape  # 3-D slots
+            return fake._flat_pa(query, keys_fetch_func(key_cache.unflatten(0, (-1, block_size)), block_list),
+                                 values_fetch_func(value_cache.unflatten(0, (-1, block_size)), block_list),
+                                 block_mapping, block_bias, block_groups, scale, head_size)
+
+        def flat_pa_v1_22_0(query, key_cache, value_cache, block_list, block_mapping, block_bias, block_groups,
+                            block_size, scale, matmul_qk_op, position_bias, matmul_av_op, batch2block_matmul_op,
+                            block2batch_matmul_op, keys_fetch_func, values_fetch_func, **ignored_args):
+            _, kv_heads, head_size = key_cache.shape
+            fake.get_config()
+            assert position_bias is None, "the fake computes no position bias (ALiBi)"
+            return fake._flat_pa(query, keys_fetch_func(key_cache.unflatten(0, (-1, block_size)), block_list),
+                                 values_fetch_func(value_cache.unflatten(0, (-1, block_size)), block_list),
+                                 block_mapping, block_bias, block_groups, scale, head_size)
+
+        def flat_pa_vllm_gaudi(query, key_cache, value_cache, block_list, block_mapping, block_bias, block_groups,
+                               block_size, scale, matmul_qk_op, position_bias, matmul_av_op, batch2block_matmul_op,
+                               block2batch_matmul_op, keys_fetch_func, values_fetch_func, sinks, k_scales, v_scales,
+                               **ignored_args):
+            _, kv_heads, head_size = key_cache.shape
+            fake.get_config()
+            assert position_bias is None and sinks is None and k_scales is None and v_scales is None
+            return fake._flat_pa(query, keys_fetch_func(key_cache.unflatten(0, (-1, block_size)), blocks=block_list),
+                                 values_fetch_func(value_cache.unflatten(0, (-1, block_size)), blocks=block_list),
+                                 block_mapping, block_bias, block_groups, scale, head_size)
+
+        flat_pa = {"v1.21.0": flat_pa_v1_21_0, "v1.21.3": flat_pa_v1_21_3, "v1.22.0": flat_pa_v1_22_0,
+                   "vllm-gaudi": flat_pa_vllm_gaudi}[self.version]
+        return {"flat_pa": flat_pa, "prompt_attention": self.prompt_attention}
+
+    def _flat_pa(self, query, keys, values, block_mapping, block_bias, block_groups, scale, head_size):
+        """query [batch, 1, heads * dim]; keys, values [blocks, block_size, kv_heads, dim] as fetched.
+        Static shapes throughout, as the real op: it is captured in HPU graphs."""
         self.calls["flat_pa"] += 1
         batch, one, hidden = query.shape
-        _, block_size, kv_heads, dim = key_cache.shape
-        assert one == 1 and block_mapping.shape == (len(block_list), batch)
-        padding = block_mapping.sum(1) == 0
-        assert bool((block_groups[padding] == batch).all()), "padding blocks share a real row's group"
-        keys, values = keys_fetch_func(key_cache, block_list), values_fetch_func(value_cache, block_list)
-        heads = hidden // dim
-        out = torch.zeros(batch, heads, dim, dtype=query.dtype)
-        for row in range(batch):
-            mine = block_groups == row
-            if mine.any():
-                out[row] = _attend(query[row].view(heads, dim), keys[mine].reshape(-1, kv_heads, dim),
-                                   values[mine].reshape(-1, kv_heads, dim), block_bias[mine].reshape(-1), scale)
-        return out
+        num_blocks, block_size, kv_heads, _ = keys.shape
+        with _not_recorded():  # the contract, checked when the op is called (not on a graph replay)
+            assert one == 1 and block_mapping.shape == (num_blocks, batch) == (len(block_groups), batch)
+            assert block_bias.shape == (num_blocks, block_size)
+            padding = block_mapping.sum(1) == 0
+            assert bool((block_groups[padding] == batch).all()), "padding blocks share a real row's group: 0/0"
+            assert bool((block_groups[~padding] < batch).all())
+        heads = hidden // head_size
+        group = heads // kv_heads
+        q = query.view(batch, heads, head_size) * scale
+        k = keys.flatten(0, 1).repeat_interleave(group, 1)    # [tokens, heads, dim]
+        v = values.flatten(0, 1).repeat_interleave(group, 1)
+        scores = torch.einsum("bhd,thd->bht", q, k) + block_bias.flatten().to(q.dtype)
+        owner = block_groups.repeat_interleave(block_size)
+        mine = owner.view(1, 1, -1) == torch.arange(batch, device=owner.device).view(batch, 1, 1)
+        probs = torch.softmax(scores.masked_fill(~mine, float("-inf")), dim=-1).nan_to_num(0.0)
+        return torch.einsum("bht,thd->bhd", probs, v)  # as block2batch(...).squeeze(-2).flatten(1, 2) leaves it
 
-    def prompt_attention(self, impl, *, query, key, value, scale, fsdpa_op, is_causal, attn_bias, valid_seq_lengths):
+    def prompt_attention(self, impl, **args):
         self.calls["prompt_attention"] += 1
-        assert impl == "fsdpa_impl" and (attn_bias is not None or valid_seq_lengths is not None)
-        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-        return fsdpa_op(q, k, v, attn_bias, 0.0, is_causal, scale, "fast", True, valid_seq_lengths, "right").transpose(1, 2)
+        names = IMPLS.get(self.version, ("naive_impl", "fsdpa_impl", "flex_impl"))
+        assert impl in names, f"Unsupported implementation: {impl}"
+        raise NotImplementedError("the adapter calls FusedSDPA directly for prefill")
 
-    def fused_sdpa(self, q, k, v, mask, dropout, is_causal, scale, softmax_mode, recompute, lengths, padding_side):
+    # --- the runtime configuration (v1.22.0 on) ----------------------------------------------
+
+    def set_vllm_config(self, cfg) -> None:
+        model_config = cfg.model_config
+        self.model_type = (model_config.hf_config if hasattr(model_config, "hf_config") else model_config).model_type
+        assert isinstance(cfg.cache_config.enable_prefix_caching, bool)
+
+    def get_config(self):
+        # The real get_config() computes the configuration once and keeps it: read before
+        # set_vllm_config, it keeps a missing model type (qwen2's fp32 softmax is then lost).
+        if self.model_type is None:
+            raise AssertionError("runtime.get_config() read before environment.set_vllm_config(): "
+                                 "the configuration would be frozen without a model type")
+        self.config_read = True
+
+    # --- FusedSDPA ---------------------------------------------------------------------------
+
+    def fused_sdpa(self, *args, **kwargs):
+        assert not kwargs, "FusedSDPA.apply takes positional arguments only (an autograd Function)"
+        defaults = [None, 0.0, False, None, "None", None, None, "left"]
+        q, k, v, mask, dropout, is_causal, scale, softmax_mode, recompute, lengths, side = (
+            list(args) + defaults[len(args) - 3:])[:11]
         self.calls["fused_sdpa"] += 1
-        assert padding_side == "right" and bool((lengths == q.shape[2]).all())
-        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True)
+        assert softmax_mode in ("None", "fast", "fp32") and side in ("left", "right") and dropout == 0.0
+        batch, _, seq, _ = q.shape
+        allowed = torch.ones(batch, 1, seq, seq, dtype=torch.bool).tril() if is_causal else \
+            torch.ones(batch, 1, seq, seq, dtype=torch.bool)
+        if lengths is not None:
+            assert lengths.shape == (batch,) and not lengths.is_floating_point()
+            positions = torch.arange(seq)
+            valid = positions < lengths.view(batch, 1) if side == "right" else positions >= seq - lengths.view(batch, 1)
+            allowed = allowed & valid.view(batch, 1, 1, seq) & valid.view(batch, 1, seq, 1)
+        if mask is not None:
+            allowed = allowed & mask.bool()
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
+        return torch.where(allowed.any(-1, keepdim=True), out, torch.zeros_like(out))  # empty rows: no NaN
+
+    # --- installing ----------------------------------------------------------------------------
 
     def install(self, monkeypatch) -> None:
         fused = type("FusedSDPA", (), {"apply": staticmethod(self.fused_sdpa)})
-
-        class ModuleFusedSDPA:
-            def __init__(self, kernel):
-                self.kernel = kernel
-
-            def __call__(self, *args):
-                return self.kernel.apply(*args)
-
         install(monkeypatch, {
-            "vllm_hpu_extension": fake_module("vllm_hpu_extension"),
-            "vllm_hpu_extension.ops": fake_module("vllm_hpu_extension.ops", flat_pa=self.flat_pa,
-                                                  prompt_attention=self.prompt_attention),
-            "vllm_hpu_extension.utils": fake_module("vllm_hpu_extension.utils", ModuleFusedSDPA=ModuleFusedSDPA),
             "habana_frameworks.torch.hpex": fake_module("habana_frameworks.torch.hpex"),
-            "habana_frameworks.torch.hpex.kernels": fake_module("habana_frameworks.torch.hpex.kernels", FusedSDPA=fused),
+            "habana_frameworks.torch.hpex.kernels": fake_module("habana_frameworks.torch.hpex.kernels",
+                                                                FusedSDPA=fused),
         })
+        package = "vllm_gaudi.extension" if self.version == "vllm-gaudi" else "vllm_hpu_extension"
+        parents = {"vllm_gaudi": fake_module("vllm_gaudi")} if self.version == "vllm-gaudi" else {}
+        modules = {**parents, package: fake_module(package)}
+        if self.version not in ("v1.21.0", "v1.21.3"):
+            modules[f"{package}.environment"] = fake_module(f"{package}.environment",
+                                                            set_vllm_config=self.set_vllm_config)
+        install(monkeypatch, modules)
+        install_on_import(monkeypatch, f"{package}.ops", self._exec_ops)
+
+    def _exec_ops(self, module) -> None:
+        needs_vllm = self.version in ("v1.21.0", "vllm-gaudi")
+        if needs_vllm and not self.with_vllm:
+            raise ModuleNotFoundError("No module named 'vllm'", name="vllm")  # ops.py: from vllm.logger import ...
+        module.__dict__.update(self.ops_functions())
 
 
-def _attend(q, keys, values, bias, scale):
-    """q: [heads, dim]; keys, values: [tokens, kv_heads, dim]; bias: [tokens] (negative: masked)."""
-    group = q.shape[0] // keys.shape[1]
-    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-    valid = bias >= 0
-    weights = torch.softmax(torch.einsum("hd,thd->ht", q * scale, keys[valid]), dim=-1)
-    return torch.einsum("ht,thd->hd", weights, values[valid])
+def _not_recorded():
+    """Host-side checks stay out of a graph capture (tests/fakes/recording.py refuses host syncs)."""
+    return _disable_current_modes()
