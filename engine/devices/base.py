@@ -84,6 +84,13 @@ class DeviceAdapter(ABC):
         """Whether warmup keeps a device graph per bucket (memory the KV cache must leave free)."""
         return False
 
+    @property
+    def warm_runs_forward(self) -> bool:
+        """Whether warming a bucket must run its forward: yes wherever a graph is compiled or
+        captured. Where nothing is (CPU eager), warmup registers the bucket's shape without running
+        it, so start-up takes seconds and strict mode still refuses any other shape."""
+        return True
+
     def reset(self) -> None:
         """Forget the warmed shapes (and graphs): a new KV cache was bound, so they must be warmed again."""
         self.shapes.clear()
@@ -101,6 +108,9 @@ class DeviceAdapter(ABC):
     def warm(self, shape: Hashable, fn: Callable, *args, graph: bool = True):
         """Run `fn` once at `shape` during warmup (capturing or compiling a graph where the device does;
         with graph=False the shape is warmed to run without one)."""
+        if not (self._profiling or self.warm_runs_forward):
+            self.shapes.mark_warmed(shape, graph)
+            return None
         with self._hooks():
             if self._profiling:
                 return self.forward(shape, fn, args, warming=False)

@@ -29,6 +29,10 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
     def torch_device(self) -> torch.device:
         return torch.device("cpu")
 
+    @property
+    def warm_runs_forward(self) -> bool:
+        return self.graph_mode != "eager"  # eager CPU kernels need no first run: nothing compiles
+
     def memory_info(self) -> tuple[int, int]:
         memory = psutil.virtual_memory()
         return memory.available, memory.total

@@ -78,7 +78,8 @@ class Shard:
         """Size the KV cache, plan buckets and run every one of them. Limits left None take the config's.
 
         A router's warmup `batch` (TGI sends one whose parameters exercise every logits processor)
-        is then prefilled once and dropped, so the sampling paths have run before serving too."""
+        is then prefilled once and dropped, so the sampling paths have run before serving too; not
+        where warming runs no forward (eager CPU), since there nothing compiles on a first run."""
         limits = self._limits(max_input_tokens, max_prefill_tokens, max_total_tokens, max_batch_size)
         self.clear()
         self._stop_background_warmup()
@@ -104,7 +105,7 @@ class Shard:
                                      self.show_progress, self.device_lock, phases)
         self.warmup_log = phases  # per-phase and per-bucket times and memory (warmup-profile reads them)
         self.allocator, self.limits = BlockAllocator(num_blocks), limits
-        if batch is not None and batch.requests:
+        if batch is not None and batch.requests and self.adapter.warm_runs_forward:
             self.prefill(batch)
             self.clear(batch.id)
         self._start_recording()

@@ -9,7 +9,12 @@ from engine.runner import ModelRunner
 
 
 def profile_free_memory(model, adapter, dtype, block_size: int, limits: ServingLimits) -> int:
-    """Free memory after the largest prefill, run on a one-block cache (padding writes only block 0)."""
+    """Free memory after the largest prefill, run on a one-block cache (padding writes only block 0).
+
+    Where warming runs no forward (eager CPU), neither does this: activations come and go in host
+    memory, and what the KV cache does not take of it (kv_cache_memory_fraction) is their room."""
+    if not adapter.warm_runs_forward:
+        return adapter.memory_info()[0]
     config = model.config
     scratch = KVCache(config.num_layers, 1, block_size, model.local_kv_heads, config.head_dim, dtype, adapter.torch_device)
     rows = max(1, min(limits.max_batch_size, limits.max_prefill_tokens // limits.max_input_tokens))
