@@ -48,7 +48,8 @@ class Shard:
         init_distributed(self.parallel, self.adapter.dist_backend, *distributed_address())
         # Requests without a seed get one derived from this, which rank 0 picks for the whole group.
         self.group_seed = broadcast_int(secrets.randbits(62), self.parallel)
-        loaded = loader.load(config.model_id, config.resolved_cache_dir, self.dtype, self.adapter.torch_device, self.parallel)
+        loaded = loader.load(config.model_id, config.resolved_cache_dir, self.dtype, self.adapter.torch_device, self.parallel,
+                             moe_impl=config.moe_impl or self.adapter.default_moe_impl)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path, self.eos_token_ids = loaded.path, loaded.eos_token_ids
         # LoRA adapters load before warmup, so that every bucket is warmed with them active.
