@@ -75,3 +75,14 @@ def test_refusals_name_the_reason(tmp_path):
     (unknown / "config.json").write_text(json.dumps({"model_type": "no-such-model", "architectures": ["NoSuchForCausalLM"]}))
     with pytest.raises(ModelLoadError, match="transformers cannot build a model from"):
         load(str(unknown), tmp_path, torch.float32, torch.device("cpu"))
+
+
+def test_sharding_a_fallback_without_a_tp_plan_is_refused(tmp_path):
+    import transformers
+
+    from engine.distributed import Parallel
+
+    model_dir = write_config(tmp_path / "gpt2", transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2,
+                                                                       architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel declares no tensor-parallel plan"):
+        load(model_dir, tmp_path, torch.float32, torch.device("cpu"), Parallel(0, 2))

@@ -15,3 +15,16 @@ def test_two_shards_give_the_tokens_of_one(family_dirs, family):
     expected = reference_tokens(model_dir, PROMPTS, NEW_TOKENS)
     tokens = run_sharded(model_dir, 2)
     assert [tokens[i] for i in range(6)] == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["granite", "olmo2"])
+def test_two_fallback_shards_give_the_tokens_of_one(tmp_path_factory, smollm_dir, name):
+    """Granite's plan splits attention heads; Olmo2's gathers q/k/v (its norms span all heads)."""
+    from tests.models import build_tiny_model
+    from tests.test_models_fallback import FALLBACKS
+
+    model_dir = build_tiny_model(name, tmp_path_factory.mktemp("tp") / name, smollm_dir, variants=FALLBACKS)
+    expected = reference_tokens(model_dir, PROMPTS, NEW_TOKENS)
+    tokens = run_sharded(model_dir, 2)
+    assert [tokens[i] for i in range(6)] == expected

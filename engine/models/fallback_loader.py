@@ -58,9 +58,17 @@ def load_transformers_model(model_dir: Path, dtype: torch.dtype, device: torch.d
     except Exception as err:
         raise ModelLoadError(f"transformers cannot load {cls.__name__} from {model_dir}: {err}") from None
     config = fallback_config(hf_config, cls.__name__)
-    kv_heads = max(1, config.num_kv_heads // parallel.world_size)
+    kv_heads = local_kv_heads(hf_config, config.num_kv_heads, parallel.world_size)
     log.info("%s runs through the transformers fallback (attention: bucketserve paged)", cls.__name__)
     return TransformersCausalLM(hf_model.to(device).eval(), config, kv_heads), config
+
+
+def local_kv_heads(hf_config, kv_heads: int, world_size: int) -> int:
+    """The kv heads each rank's attention sees (and caches): split when the TP plan shards k_proj
+    column-wise, all of them when it gathers k_proj's output (Olmo2) or leaves attention replicated."""
+    plan = getattr(hf_config, "base_model_tp_plan", None) or {}
+    styles = [style for name, style in plan.items() if name.endswith(".k_proj")]
+    return kv_heads // world_size if world_size > 1 and styles == ["colwise"] else kv_heads
 
 
 def fallback_config(hf_config, architecture: str) -> ModelConfig:
