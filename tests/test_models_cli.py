@@ -27,3 +27,13 @@ def test_generate_json_matches_transformers(capsys, family_dirs, fallback_dirs, 
     expected = reference_tokens(model_dir, PROMPTS, NEW_TOKENS, stop_on_eos=True)
     assert [a["prompt"] for a in answers] == PROMPTS
     assert [a["token_ids"] for a in answers] == expected
+
+
+def test_launcher_passes_the_implementation_to_every_shard():
+    from engine.cli import build_parser, engine_config
+    from launcher.config import LauncherConfig
+
+    shard_args = LauncherConfig(implementation="transformers", moe_impl="gather", uds_path="/tmp/s").shard_args()
+    config = engine_config(build_parser().parse_args(["serve", *shard_args]))
+    assert (config.implementation, config.moe_impl) == ("transformers", "gather")
+    assert engine_config(build_parser().parse_args(["serve"])).implementation == "auto"

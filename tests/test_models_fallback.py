@@ -86,3 +86,9 @@ def test_sharding_a_fallback_without_a_tp_plan_is_refused(tmp_path):
                                                                        architectures=["GPT2LMHeadModel"]))
     with pytest.raises(ModelLoadError, match="GPT2LMHeadModel declares no tensor-parallel plan"):
         load(model_dir, tmp_path, torch.float32, torch.device("cpu"), Parallel(0, 2))
+
+
+def test_lora_adapters_on_the_fallback_are_refused(tiny_model_dirs):
+    config = tiny_config(tiny_model_dirs["qwen2"], implementation="transformers", lora_adapters=(("a", "/a"),))
+    with pytest.raises(ModelLoadError, match="LoRA adapters are served with native implementations only"):
+        Shard(config, show_progress=False)

@@ -15,7 +15,7 @@ from engine.config import EngineConfig, ServingLimits, distributed_address, torc
 from engine.distributed import Parallel, broadcast_int, init_distributed, min_across_ranks
 from engine.buckets.core import PaddingStats
 from engine.devices import get_adapter
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, ModelLoadError
 from engine.kv_cache import BlockAllocator, KVCache
 from engine.lora_loader import load_adapters
 from engine.runner import ModelRunner
@@ -55,6 +55,8 @@ class Shard:
         self.model_path, self.eos_token_ids = loaded.path, loaded.eos_token_ids
         self.implementation = getattr(self.model, "implementation", "native")
         log.info("serving %s with the %s implementation", self.model_config.architecture, self.implementation)
+        if config.lora_adapters and self.implementation != "native":
+            raise ModelLoadError("LoRA adapters are served with native implementations only (not --implementation transformers)")
         # LoRA adapters load before warmup, so that every bucket is warmed with them active.
         self.lora_set = load_adapters(self.model, config, self.adapter.default_lora_impl, self.parallel)
         self.special_token_ids = frozenset(self.tokenizer.all_special_ids)
