@@ -30,7 +30,7 @@ def test_generate_json_matches_transformers(capsys, family_dirs, fallback_dirs, 
 
 
 def test_launcher_passes_the_implementation_to_every_shard():
-    from engine.cli import build_parser, engine_config
+    from engine.cli.main import build_parser, engine_config
     from launcher.config import LauncherConfig
 
     shard_args = LauncherConfig(implementation="transformers", moe_impl="gather", uds_path="/tmp/s").shard_args()

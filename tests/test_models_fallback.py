@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from engine.errors import ModelLoadError
-from engine.generate import generate
+from launcher.generate import generate
 from engine.loader import load
 from engine.models.fallback import TransformersCausalLM
-from engine.shard import Shard
+from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 from tests.models import build_tiny_model
 from tests.test_equivalence import NEW_TOKENS, PROMPTS, reference_tokens

@@ -6,9 +6,9 @@ import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 from engine.distributed import SINGLE
-from engine.generate import generate
+from launcher.generate import generate
 from engine.layers.moe import MOE_IMPLS, SparseMoeBlock, moe_ops
-from engine.shard import Shard
+from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 from tests.family_models import family_dirs  # noqa: F401 (a fixture)
 from tests.test_equivalence import NEW_TOKENS, PROMPTS, reference_tokens

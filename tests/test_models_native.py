@@ -2,8 +2,8 @@
 transformers' own generate on the same tiny random weights (fp32, strict shapes)."""
 import pytest
 
-from engine.generate import generate
-from engine.shard import Shard
+from launcher.generate import generate
+from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 from tests.family_models import FAMILIES, WINDOW, family_dirs  # noqa: F401 (a fixture)
 from tests.test_equivalence import NEW_TOKENS, PROMPTS, reference_tokens

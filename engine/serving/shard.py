@@ -74,8 +74,8 @@ class Shard:
         return InfoResponse(
             requires_padding=False, dtype=str(self.dtype).removeprefix("torch."), device_type=self.adapter.device_type,
             window_size=self.model_config.sliding_window, speculate=0, support_chunking=False,
-            use_prefix_caching=False,
-            attention_impl="flat_paged" if self.implementation == "native" else "transformers+flat_paged", block_size=self.block_size,
+            use_prefix_caching=False, block_size=self.block_size,
+            attention_impl="flat_paged" if self.implementation == "native" else "transformers+flat_paged",
         )
 
     def warmup(self, max_input_tokens: int | None = None, max_prefill_tokens: int | None = None,
