@@ -57,7 +57,8 @@ def write_config(tmp_path, config) -> str:
     return str(tmp_path)
 
 
-def test_refusals_name_the_reason(tmp_path):
+def refused_model_dirs(tmp_path) -> list[tuple[str, str]]:
+    """(model directory, the reason its refusal must give) for each kind of model we refuse."""
     import transformers
 
     cases = {
@@ -67,14 +68,17 @@ def test_refusals_name_the_reason(tmp_path):
         "no interface": (transformers.StableLmConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2),
                          "StableLmForCausalLM does not run its attention through transformers' attention interface"),
     }
-    for name, (config, message) in cases.items():
-        with pytest.raises(ModelLoadError, match=message):
-            load(write_config(tmp_path / name.replace(" ", "_"), config), tmp_path, torch.float32, torch.device("cpu"))
+    dirs = [(write_config(tmp_path / name.replace(" ", "_"), config), message) for name, (config, message) in cases.items()]
     unknown = tmp_path / "unknown"
     unknown.mkdir()
     (unknown / "config.json").write_text(json.dumps({"model_type": "no-such-model", "architectures": ["NoSuchForCausalLM"]}))
-    with pytest.raises(ModelLoadError, match="transformers cannot build a model from"):
-        load(str(unknown), tmp_path, torch.float32, torch.device("cpu"))
+    return dirs + [(str(unknown), "transformers cannot build a model from")]
+
+
+def test_refusals_name_the_reason(tmp_path):
+    for model_dir, message in refused_model_dirs(tmp_path):
+        with pytest.raises(ModelLoadError, match=message):
+            load(model_dir, tmp_path, torch.float32, torch.device("cpu"))
 
 
 def test_sharding_a_fallback_without_a_tp_plan_is_refused(tmp_path):

@@ -27,7 +27,8 @@ def causal_lm_class(model_dir: Path):
     try:
         hf_config = AutoConfig.from_pretrained(model_dir)
     except Exception as err:  # transformers raises many types for a config it cannot read
-        raise ModelLoadError(f"transformers cannot build a model from {model_dir / 'config.json'}: {err}") from None
+        raise ModelLoadError(f"transformers cannot build a model from {model_dir / 'config.json'}: "
+                             f"{_one_line(err)}") from None
     kind = hf_config.model_type
     if getattr(hf_config, "is_encoder_decoder", False):
         raise ModelLoadError(f"model type {kind!r} is an encoder-decoder model: only decoder-only causal LMs are served")
@@ -56,11 +57,15 @@ def load_transformers_model(model_dir: Path, dtype: torch.dtype, device: torch.d
     try:
         hf_model = cls.from_pretrained(model_dir, **options)
     except Exception as err:
-        raise ModelLoadError(f"transformers cannot load {cls.__name__} from {model_dir}: {err}") from None
+        raise ModelLoadError(f"transformers cannot load {cls.__name__} from {model_dir}: {_one_line(err)}") from None
     config = fallback_config(hf_config, cls.__name__)
     kv_heads = local_kv_heads(hf_config, config.num_kv_heads, parallel.world_size)
     log.info("%s runs through the transformers fallback (attention: bucketserve paged)", cls.__name__)
     return TransformersCausalLM(hf_model.to(device).eval(), config, kv_heads), config
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())  # transformers' messages span lines; ours are one `error:` line
 
 
 def local_kv_heads(hf_config, kv_heads: int, world_size: int) -> int:
