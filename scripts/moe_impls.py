@@ -15,12 +15,16 @@ from engine.layers.moe import MOE_IMPLS, SparseMoeBlock, moe_ops
 
 
 def time_block(block: SparseMoeBlock, tokens: int, repeat: int) -> float:
-    x = torch.randn(tokens, block.hidden, dtype=block.gate_up.dtype)
+    device = block.gate_up.device
+    x = torch.randn(tokens, block.hidden, dtype=block.gate_up.dtype, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with torch.inference_mode():
         block(x)  # first call allocates
+        sync()
         start = time.perf_counter()
         for _ in range(repeat):
             block(x)
+        sync()
     return (time.perf_counter() - start) / repeat * 1000
 
 
@@ -32,13 +36,15 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 512])
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"{args.experts} experts, top-{args.top_k}, hidden {args.hidden}, intermediate {args.intermediate}, "
-          f"{torch.get_num_threads()} threads")
+          f"{args.device}, {args.dtype}, {torch.get_num_threads()} CPU threads")
     for impl in MOE_IMPLS:
         block = SparseMoeBlock(args.hidden, args.intermediate, args.experts, args.top_k, True, F.silu, SINGLE,
-                               moe_ops(impl))
+                               moe_ops(impl)).to(args.device, getattr(torch, args.dtype))
         with torch.no_grad():
             for param in block.parameters():
                 param.normal_(0, 0.02)
