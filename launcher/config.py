@@ -27,6 +27,8 @@ class LauncherConfig:
     record_shapes: str | None = None     # engine serve --record-shapes: rank 0 appends served shapes here
     lora_adapters: str | None = None     # name=dir[,name=dir...], passed to every shard as --lora-adapters
     lora_impl: str | None = None         # dense or gather; None: the device's default
+    implementation: str | None = None    # auto, native or transformers; None: the engine's default (auto)
+    moe_impl: str | None = None          # MoE experts, dense or gather; None: the device's default
     uds_path: str | None = None          # socket base; None: a unique one is picked per launch
     port: int = DEFAULT_PORT             # the router's HTTP port
     hostname: str = "0.0.0.0"            # the router's HTTP address (TGI's default: reachable from outside a container)
@@ -60,7 +62,8 @@ class LauncherConfig:
         if self.lora_impl is not None:
             args += ["--lora-impl", self.lora_impl]
         for flag, value in (("--warmup", self.warmup), ("--warmup-profile", self.warmup_profile),
-                            ("--record-shapes", self.record_shapes)):
+                            ("--record-shapes", self.record_shapes), ("--implementation", self.implementation),
+                            ("--moe-impl", self.moe_impl)):
             if value is not None:
                 args += [flag, value]
         return args

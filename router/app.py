@@ -90,6 +90,7 @@ def info_dict(config: RouterConfig, info, limits: ServingLimits, result) -> dict
             "max_input_tokens": limits.max_input_tokens, "max_total_tokens": limits.max_total_tokens,
             "max_batch_prefill_tokens": limits.max_prefill_tokens, "max_batch_size": limits.max_batch_size,
             "max_batch_total_tokens": result.max_supported_total_tokens, "block_size": info.block_size,
+            "attention_impl": info.attention_impl,  # flat_paged (native model) or transformers+flat_paged
             "validation_workers": 1, "max_client_batch_size": 1, "router": "bucketserve-router",
             "version": VERSION, "sha": None, "docker_label": None, "lora_adapters": list(config.lora_adapters)}
 

@@ -24,8 +24,8 @@ def test_unsupported_architecture_names_the_supported_ones(tiny_model_dirs, tmp_
     config = json.loads((model_dir / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"'GPT2LMHeadModel' is not supported \(supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM\)"):
-        load(str(model_dir), tmp_path, torch.float32, CPU)
+    with pytest.raises(ModelLoadError, match=r"'GPT2LMHeadModel' is not supported \(supported: Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM\)"):
+        load(str(model_dir), tmp_path, torch.float32, CPU, implementation="native")
 
 
 def test_missing_weight_files(tiny_model_dirs, tmp_path):
@@ -92,8 +92,8 @@ def test_legacy_rope_fields_parse_like_rope_parameters():
     legacy = ModelConfig.from_hf({**base, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **scaling}})
     modern = ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}})
     assert legacy == modern and legacy.rope.rope_type == "llama3" and legacy.rope.theta == 5e5
-    with pytest.raises(ModelLoadError, match="rope type 'yarn' is not supported"):
-        ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(ModelLoadError, match="rope type 'proportional' is not supported"):
+        ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "proportional", "factor": 2.0}})
 
 
 def test_gguf_conversion_is_cached(smollm_dir, tmp_path):

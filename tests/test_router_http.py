@@ -149,6 +149,7 @@ def test_health_and_info(router_url):
     info = httpx.get(f"{router_url}/info", timeout=30).json()
     assert info["max_input_tokens"] == 64 and info["max_total_tokens"] == 128
     assert info["max_batch_size"] == 4 and info["version"] and info["model_id"]
+    assert info["attention_impl"] == "flat_paged"  # the native model, not the transformers fallback
 
 
 def test_concurrent_requests_equal_alone(router_url):

@@ -9,7 +9,8 @@ from typing import NamedTuple
 import torch
 
 from engine.attention.backend import active_backend
-from engine.attention.flat import flat_masked
+from engine.attention.flat import flat_attention, flat_masked
+from engine.attention.prompt import prompt_attention
 
 
 class PrefillMetadata(NamedTuple):
@@ -35,20 +36,48 @@ def prepare_metadata(meta: AttentionMetadata, kv_heads: int) -> AttentionMetadat
     return meta
 
 
+def windowed_metadata(meta: DecodeMetadata, positions: torch.Tensor, window: int, kv_heads: int) -> DecodeMetadata:
+    """The decode metadata of sliding-window layers: the block bias also masks every cached token
+    that lies `window` or more positions behind its row's new token (transformers' rule: a query at
+    q sees keys k with q - window < k <= q). Shared by every sliding layer of the forward.
+
+    A block's first position is derived from the flat block list, whose blocks are each row's own
+    blocks in sequence order (engine.attention.flat.flat_block_tensors): all tensors, no scalars."""
+    num_blocks, block_size = meta.block_bias.shape
+    groups = meta.block_groups
+    index = torch.arange(num_blocks, device=groups.device)
+    first = torch.full((positions.shape[0],), num_blocks, dtype=index.dtype, device=groups.device)
+    first = first.scatter_reduce(0, groups, index, reduce="amin")
+    start = (index - first.index_select(0, groups)) * block_size
+    token_positions = start.unsqueeze(1) + torch.arange(block_size, device=groups.device)
+    too_old = token_positions <= (positions.index_select(0, groups) - window).unsqueeze(1)
+    bias = meta.block_bias.masked_fill(too_old, torch.finfo(meta.block_bias.dtype).min / 2)
+    return prepare_metadata(meta._replace(block_bias=bias, block_masked=None), kv_heads)
+
+
 def write_kv(cache: tuple[torch.Tensor, torch.Tensor], slots, k, v) -> None:
     key_cache, value_cache = cache
     key_cache.index_copy_(0, slots, k.reshape(-1, *key_cache.shape[1:]))
     value_cache.index_copy_(0, slots, v.reshape(-1, *value_cache.shape[1:]))
 
 
-def attention(q, k, v, cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [..., heads, head_dim]; k, v: [..., kv_heads, head_dim]. Returns q's shape."""
+def attention(q, k, v, cache, meta: AttentionMetadata, scale: float, window: int | None = None,
+              softcap: float | None = None) -> torch.Tensor:
+    """q: [..., heads, head_dim]; k, v: [..., kv_heads, head_dim]. Returns q's shape.
+
+    `window`: a sliding-window layer's window, applied here in prefill; in decode the caller passes
+    the windowed metadata (windowed_metadata). `softcap`: Gemma 2's tanh cap on the scores. Device
+    kernels take neither a window nor a cap, so such prefills, and capped decodes, run the pure-torch
+    kernels; a windowed decode keeps the device's kernel, the window being in the block bias."""
     write_kv(cache, meta.slots, k, v)
     kernels = active_backend()  # pure torch unless the device adapter supplied its own
     if isinstance(meta, PrefillMetadata):
+        if window is not None or softcap is not None:
+            return prompt_attention(q, k, v, scale, window=window, softcap=softcap)
         return kernels.prefill(q, k, v, scale)
     key_cache, value_cache = cache
-    return kernels.decode(
-        q, key_cache, value_cache, meta.block_list, meta.block_mapping, meta.block_groups, meta.block_bias, scale,
-        meta.block_masked,
-    )
+    args = (q, key_cache, value_cache, meta.block_list, meta.block_mapping, meta.block_groups, meta.block_bias, scale,
+            meta.block_masked)
+    if softcap is not None:
+        return flat_attention(*args, softcap=softcap)
+    return kernels.decode(*args)

@@ -27,6 +27,7 @@ def flat_attention(
     block_bias: torch.Tensor,     # [num_blocks, block_size] 0 where valid, negative past usage
     scale: float,
     masked: torch.Tensor | None = None,  # flat_masked(block_bias, kv_heads), when already computed
+    softcap: float | None = None,  # Gemma 2: scores become softcap * tanh(scores / softcap)
 ) -> torch.Tensor:
     batch, heads, dim = q.shape
     num_blocks, block_size = block_bias.shape
@@ -41,6 +42,8 @@ def flat_attention(
     keys = key_cache.view(-1, block_size, kv_heads, dim).index_select(0, block_list).transpose(1, 2)
     values = value_cache.view(-1, block_size, kv_heads, dim).index_select(0, block_list).transpose(1, 2)
     scores = qb @ keys.transpose(-1, -2)  # [blocks, kv_heads, group, block_size]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if masked is None:
         masked = flat_masked(block_bias, kv_heads)
     scores = scores.masked_fill(masked, torch.finfo(scores.dtype).min / 2)

@@ -35,6 +35,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "dense on CPU and HPU, static shapes; gather on CUDA)")
     parser.add_argument("--max-lora-rank", type=int, default=defaults.max_lora_rank,
                         help="adapters of a higher rank are refused at start")
+    parser.add_argument("--implementation", choices=["auto", "native", "transformers"], default=defaults.implementation,
+                        help="auto (default): our native model when the architecture has one, else the transformers "
+                             "fallback on the paged KV cache; native or transformers: that one only")
+    parser.add_argument("--moe-impl", choices=["dense", "gather"], help="MoE experts (default: the device's: dense, "
+                        "every expert over every token, on CPU and HPU; gather on CUDA)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
 
 
@@ -64,7 +69,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         bucket_shapes=args.bucket_shapes, bucket_file=args.bucket_file, max_graphs=args.max_graphs,
         warmup_mode=args.warmup, warmup_profile=args.warmup_profile, record_shapes=args.record_shapes,
         lora_adapters=parse_lora_adapters(args.lora_adapters or env_lora_adapters()),
-        lora_impl=args.lora_impl, max_lora_rank=args.max_lora_rank,
+        lora_impl=args.lora_impl, max_lora_rank=args.max_lora_rank, implementation=args.implementation,
+        moe_impl=args.moe_impl,
     )
 
 

@@ -48,6 +48,7 @@ class DeviceAdapter(ABC):
     graph_modes: tuple[str, ...] = ("eager",)
     default_graph_mode: str = "eager"
     default_lora_impl: str = "dense"  # engine/layers/lora.py: static shapes, safe in graphs and buckets
+    default_moe_impl: str = "dense"   # engine/layers/moe.py: every expert over every token, graph-friendly
     step_marker: Callable[[], None] | None = None        # installed around forwards (HPU lazy mode)
     attention_backend: AttentionBackend | None = None    # None: pure torch attention
     graph_budget = None  # engine.warmup.budget.GraphBudget, set by the shard when graphs are captured

@@ -26,6 +26,7 @@ class CUDAAdapter(DeviceAdapter):
     default_block_size = 16
     graph_modes = ("graphs", "eager", "compile")
     default_graph_mode = "graphs"
+    default_moe_impl = "gather"  # per-token expert weights: arithmetic does not grow with the experts
     default_lora_impl = "gather"  # per-token adapter weights: cost does not grow with the adapters loaded
     torch_device_type = "cuda"
 

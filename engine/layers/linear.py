@@ -14,6 +14,9 @@ from engine.distributed import Parallel, all_reduce_sum
 from engine.errors import ModelLoadError
 
 
+STACKED = "stacked"  # a checkpoint tensor that holds every part of a fused module, in order (Phi-3)
+
+
 def shape_of(source) -> tuple[int, ...]:
     return tuple(source.get_shape()) if hasattr(source, "get_shape") else tuple(source.shape)
 
@@ -52,6 +55,20 @@ class ColumnParallelLinear(nn.Module):
         dest = getattr(self, kind)[self.offsets[part] : self.offsets[part] + local]
         full = (rows, self.in_features) if kind == "weight" else (rows,)
         copy_checked(dest, source, slice(start, start + local), full, name)
+
+    def load_stacked(self, kind: str, source, name: str) -> None:
+        """A checkpoint tensor holding every part stacked in order (Phi-3's qkv_proj, gate_up_proj):
+        each part's slice of this rank is read at that part's offset in the stack."""
+        total = sum(rows for rows, _, _ in self.parts.values())
+        full = (total, self.in_features) if kind == "weight" else (total,)
+        if shape_of(source) != full:
+            raise ModelLoadError(f"checkpoint tensor {name!r} has shape {shape_of(source)}, expected {full}")
+        base = 0
+        for part, (rows, start, local) in self.parts.items():
+            dest = getattr(self, kind)[self.offsets[part] : self.offsets[part] + local]
+            with torch.no_grad():
+                dest.copy_(torch.as_tensor(source[base + start : base + start + local]))
+            base += rows
 
 
 def qkv_parallel(hidden: int, head_dim: int, heads: int, kv_heads: int, bias: bool, parallel: Parallel) -> ColumnParallelLinear:

@@ -15,3 +15,20 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's norm: the weight is stored as an offset from one, and the product is taken in float32
+    before the cast (Llama casts first), which matters in bfloat16."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__(hidden_size, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def rms_norm(hidden_size: int, eps: float, gemma: bool) -> RMSNorm:
+    return GemmaRMSNorm(hidden_size, eps) if gemma else RMSNorm(hidden_size, eps)

@@ -1,7 +1,9 @@
-"""Rotary position embedding with the 'default' and 'llama3' frequency schedules.
+"""Rotary position embedding and the frequency schedules of the checkpoints we serve.
 
 cos/sin are precomputed for every position and looked up with a positions *tensor*, so a graph
-never sees a sequence length as a Python scalar.
+never sees a sequence length as a Python scalar. Schedules whose frequencies depend on the length
+(`dynamic`, `longrope`) are tabulated per position: position p uses what a sequence of p + 1
+tokens uses, so a token's rotation never depends on the other rows of its batch.
 """
 from __future__ import annotations
 
@@ -11,23 +13,50 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
+
 
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
     rope_type: str = "default"
-    # llama3 scaling only
     factor: float = 1.0
+    partial_rotary_factor: float = 1.0  # rotate only the first fraction of each head (Phi-3 mini-style)
+    max_position_embeddings: int = 4096  # the model's; dynamic NTK scales past it
+    original_max_position_embeddings: int = 8192  # llama3, yarn, longrope: the pretraining length
+    # llama3
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    # yarn and longrope: multiplies cos and sin; None derives it from the factor
+    attention_factor: float | None = None
+    # longrope: per-frequency divisors below and past original_max_position_embeddings
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+
+    def rotary_dim(self, head_dim: int) -> int:
+        return int(head_dim * self.partial_rotary_factor)
+
+
+def _exponents(dim: int) -> torch.Tensor:
+    return torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (rope.theta**exponents)
+    """Frequencies of the position-independent schedules (not dynamic, longrope)."""
+    dim = rope.rotary_dim(head_dim)
+    inv_freq = 1.0 / (rope.theta ** _exponents(dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
     if rope.rope_type == "llama3":
-        inv_freq = _llama3_schedule(inv_freq, rope)
+        return _llama3_schedule(inv_freq, rope)
+    if rope.rope_type == "yarn":
+        return _yarn_schedule(rope, dim)
     return inv_freq
 
 
@@ -44,6 +73,63 @@ def _llama3_schedule(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_schedule(rope: RopeConfig, dim: int) -> torch.Tensor:
+    # High frequencies (many rotations within the pretraining length) are kept, low ones
+    # interpolated by `factor`, with a linear ramp between the two correction dimensions.
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1.0 / (rope.theta ** torch.arange(0, dim, 2).float().div(dim))
+    interpolation = extrapolation / rope.factor
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def attention_factor(rope: RopeConfig) -> float:
+    """What cos and sin are multiplied by (yarn and longrope temper the attention's sharpness)."""
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.rope_type == "yarn":
+        if rope.mscale and rope.mscale_all_dim:
+            return _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor, rope.mscale_all_dim)
+        return _yarn_mscale(rope.factor)
+    if rope.rope_type == "longrope":
+        factor = rope.factor  # the parser defaults it to max / original positions
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(rope.original_max_position_embeddings))
+    return 1.0
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def position_angles(rope: RopeConfig, head_dim: int, max_positions: int) -> torch.Tensor:
+    """[max_positions, rotary_dim / 2]: the angle of every frequency at every position."""
+    positions = torch.arange(max_positions).float()
+    dim = rope.rotary_dim(head_dim)
+    if rope.rope_type == "longrope":
+        # The long factors apply once the sequence outgrows the pretraining length.
+        short = 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * rope.theta ** _exponents(dim))
+        long = 1.0 / (torch.tensor(rope.long_factor, dtype=torch.float32) * rope.theta ** _exponents(dim))
+        is_long = (positions >= rope.original_max_position_embeddings).unsqueeze(1)
+        return torch.where(is_long, positions.unsqueeze(1) * long, positions.unsqueeze(1) * short)
+    if rope.rope_type == "dynamic":
+        # NTK-aware: past the model's length, the base grows with the sequence length (p + 1).
+        limit = rope.max_position_embeddings
+        length = (positions + 1).clamp_min(limit)
+        base = rope.theta * ((rope.factor * length / limit) - (rope.factor - 1)) ** (dim / (dim - 2))
+        inv_freq = 1.0 / (base.unsqueeze(1) ** _exponents(dim))
+        return positions.unsqueeze(1) * inv_freq
+    return torch.outer(positions, inverse_frequencies(rope, head_dim))
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
@@ -52,17 +138,25 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int):
         super().__init__()
-        freqs = torch.outer(torch.arange(max_positions).float(), inverse_frequencies(rope, head_dim))
-        angles = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        angles = position_angles(rope, head_dim, max_positions)
+        angles = torch.cat((angles, angles), dim=-1)
+        scale = attention_factor(rope)
+        self.register_buffer("cos", angles.cos() * scale, persistent=False)
+        self.register_buffer("sin", angles.sin() * scale, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for `positions`, shaped to broadcast over heads: [..., 1, head_dim].
+        """cos and sin for `positions`, shaped to broadcast over heads: [..., 1, rotary_dim].
         Looked up once per forward and shared by every layer."""
         return self.cos[positions].unsqueeze(-2).to(dtype), self.sin[positions].unsqueeze(-2).to(dtype)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q, k: [..., heads, head_dim] with leading dims matching the positions of cos/sin."""
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    """q, k: [..., heads, head_dim] with leading dims matching the positions of cos/sin. With a
+    partial rotary factor only the first cos.shape[-1] dimensions of each head rotate."""
+    rotary = cos.shape[-1]
+    if rotary == q.shape[-1]:
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    q_rot, q_pass = q[..., :rotary], q[..., rotary:]
+    k_rot, k_pass = k[..., :rotary], k[..., rotary:]
+    return (torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q_pass), dim=-1),
+            torch.cat((k_rot * cos + rotate_half(k_rot) * sin, k_pass), dim=-1))

@@ -1,13 +1,26 @@
-"""Models, built on engine/layers and engine/attention: the native architectures and the registry
-that maps a Hugging Face architecture name to its model class."""
+"""Models, built on engine/layers and engine/attention: the native architectures, the transformers
+fallback, and the registry that maps a Hugging Face architecture name to its native model class."""
 from engine.errors import ModelLoadError
+from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from engine.models.phi3 import Phi3ForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,  # per-head q/k norms: a ModelConfig switch
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
+
+
+def has_native(architecture: str) -> bool:
+    return architecture in MODEL_REGISTRY
 
 
 def model_class(architecture: str):

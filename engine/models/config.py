@@ -1,4 +1,8 @@
-"""The subset of a Hugging Face config.json that the Llama-family models need."""
+"""The subset of a Hugging Face config.json that our native decoder models need.
+
+One dataclass covers every native family: each family is the Llama decoder plus a few switches
+(per-head q/k norms, Gemma's norms and soft-capping, sliding-window layers, sparse MoE blocks).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,6 +10,20 @@ from typing import Any
 
 from engine.errors import ModelLoadError
 from engine.layers.rotary import RopeConfig
+from engine.models.rope_config import parse_rope
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+QWEN_WINDOWED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    normalize_top_k: bool  # renormalize the chosen experts' probabilities to sum to one
+    sparse_layers: tuple[bool, ...]  # per layer: a MoE block, or a dense MLP of intermediate_size
 
 
 @dataclass(frozen=True)
@@ -25,9 +43,18 @@ class ModelConfig:
     o_bias: bool
     mlp_bias: bool
     rope: RopeConfig = field(default_factory=RopeConfig)
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the window of the sliding layers (None: every layer is global)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    hidden_act: str = "silu"
+    layer_types: tuple[str, ...] = ()  # FULL or SLIDING per layer
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head of q and k
+    gemma_norms: bool = False  # (1 + weight) norms, scaled embeddings, norms around the MLP too
+    query_pre_attn_scalar: float | None = None  # attention scale is its inverse square root
+    attn_softcap: float | None = None  # Gemma 2: cap * tanh(score / cap) before the softmax
+    final_softcap: float | None = None  # Gemma 2: the same on the logits
+    local_rope: RopeConfig | None = None  # Gemma 3: the sliding layers' own rope
+    moe: MoeConfig | None = None
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> "ModelConfig":
@@ -39,15 +66,22 @@ class ModelConfig:
         except KeyError as missing:
             raise ModelLoadError(f"config.json lacks the field {missing}") from None
 
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def window_of(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
 
 def _parse(architecture: str, raw: dict[str, Any]) -> ModelConfig:
     hidden = raw["hidden_size"]
     heads = raw["num_attention_heads"]
     attention_bias = bool(raw.get("attention_bias", False))
     is_qwen2 = architecture == "Qwen2ForCausalLM"
-    window = raw.get("sliding_window")
-    if is_qwen2 and not raw.get("use_sliding_window", False):
-        window = None  # Qwen2 configs carry a window size they do not use
+    gemma = architecture in GEMMA
+    layer_types, window = _layer_types(architecture, raw)
+    rope, local_rope = parse_rope(raw, gemma3=architecture == "Gemma3ForCausalLM")
     return ModelConfig(
         architecture=architecture,
         vocab_size=raw["vocab_size"],
@@ -59,34 +93,67 @@ def _parse(architecture: str, raw: dict[str, Any]) -> ModelConfig:
         head_dim=raw.get("head_dim") or hidden // heads,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
         qkv_bias=is_qwen2 or attention_bias,
         o_bias=attention_bias and not is_qwen2,
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        rope=_parse_rope(raw),
+        rope=rope,
         sliding_window=window,
         eos_token_ids=_as_ids(raw.get("eos_token_id")),
         bos_token_id=raw.get("bos_token_id"),
+        hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
+        layer_types=layer_types,
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+        gemma_norms=gemma,
+        query_pre_attn_scalar=raw.get("query_pre_attn_scalar") if gemma else None,
+        attn_softcap=raw.get("attn_logit_softcapping") if gemma else None,
+        final_softcap=raw.get("final_logit_softcapping") if gemma else None,
+        local_rope=local_rope,
+        moe=_parse_moe(architecture, raw),
     )
 
 
-def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
-    # transformers >= 5 writes "rope_parameters"; older configs have rope_theta + rope_scaling.
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ModelLoadError(f"rope type {rope_type!r} is not supported (supported: default, llama3)")
-    if rope_type == "default":
-        return RopeConfig(theta=theta)
-    return RopeConfig(
-        theta=theta,
-        rope_type="llama3",
-        factor=params["factor"],
-        low_freq_factor=params["low_freq_factor"],
-        high_freq_factor=params["high_freq_factor"],
-        original_max_position_embeddings=params["original_max_position_embeddings"],
-    )
+def _layer_types(architecture: str, raw: dict[str, Any]) -> tuple[tuple[str, ...], int | None]:
+    """Each layer's attention type, and the sliding window (None when no layer slides)."""
+    layers, window = raw["num_hidden_layers"], raw.get("sliding_window")
+    if architecture in QWEN_WINDOWED and not raw.get("use_sliding_window", False):
+        window = None  # Qwen configs carry a window size they do not use
+    types = raw.get("layer_types")
+    if types is None:
+        types = [_default_type(architecture, raw, i) if window else FULL for i in range(layers)]
+    unknown = sorted(set(types) - {FULL, SLIDING})
+    if unknown:
+        raise ModelLoadError(f"layer types {unknown} are not supported natively (supported: {FULL}, {SLIDING})")
+    if len(types) != layers:
+        raise ModelLoadError(f"config.json lists {len(types)} layer_types for {layers} layers")
+    if window is None and SLIDING in types:
+        raise ModelLoadError("config.json has sliding-window layers but no sliding_window size")
+    return tuple(types), window if SLIDING in types else None
+
+
+def _default_type(architecture: str, raw: dict[str, Any], layer: int) -> str:
+    """Layer types of configs written before transformers listed them."""
+    if architecture == "Gemma2ForCausalLM":
+        return SLIDING if (layer + 1) % 2 else FULL
+    if architecture == "Gemma3ForCausalLM":
+        return SLIDING if (layer + 1) % raw.get("sliding_window_pattern", 6) else FULL
+    if architecture in QWEN_WINDOWED:
+        return SLIDING if layer >= raw.get("max_window_layers", 0) else FULL
+    return SLIDING  # Mistral, Mixtral, Phi-3: a window means every layer slides
+
+
+def _parse_moe(architecture: str, raw: dict[str, Any]) -> MoeConfig | None:
+    layers = raw["num_hidden_layers"]
+    if architecture == "MixtralForCausalLM":
+        return MoeConfig(raw["num_local_experts"], raw["num_experts_per_tok"], raw["intermediate_size"], True,
+                         (True,) * layers)
+    if architecture == "Qwen3MoeForCausalLM":
+        experts = raw.get("num_experts") or raw["num_local_experts"]
+        step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
+        sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers))
+        return MoeConfig(experts, raw["num_experts_per_tok"], raw["moe_intermediate_size"],
+                         bool(raw.get("norm_topk_prob", False)), sparse)
+    return None
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:

@@ -1,26 +1,36 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM), tensor-parallel.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM), tensor-parallel, and the
+building blocks the other native families (Gemma, Phi-3, the MoE models) reuse.
 
-The architectures differ only in flags of ModelConfig (q/k/v biases, rope schedule, tied
-embeddings), so one module serves them all. q/k/v and gate/up are fused into one matmul each:
-fewer, larger GEMMs are faster on every device. With several shards, attention heads and the MLP
-are split Megatron-style (column-parallel in, row-parallel out) and the vocabulary is split too.
+The architectures differ only in flags of ModelConfig (q/k/v biases, per-head q/k norms, rope
+schedule, sliding-window layers, tied embeddings), so one module serves them all. q/k/v and gate/up
+are fused into one matmul each: fewer, larger GEMMs are faster on every device. With several
+shards, attention heads and the MLP are split Megatron-style (column-parallel in, row-parallel out)
+and the vocabulary is split too.
 """
+from typing import NamedTuple
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, attention, prepare_metadata
+from engine.attention import AttentionMetadata, DecodeMetadata, attention, prepare_metadata, windowed_metadata
 from engine.devices.hooks import mark_step
 from engine.distributed import SINGLE, Parallel
+from engine.layers.activation import activation
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import RowParallelLinear, merged_parallel, qkv_parallel
-from engine.layers.norm import RMSNorm
+from engine.layers.norm import rms_norm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
-from engine.models.config import ModelConfig
+from engine.models.config import FULL, SLIDING, ModelConfig
+
+
+class LayerContext(NamedTuple):
+    """What every layer of one attention type shares in a forward: rope cos/sin and attention metadata."""
+    rope: tuple[torch.Tensor, torch.Tensor]
+    meta: AttentionMetadata
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: Parallel):
+    def __init__(self, config: ModelConfig, parallel: Parallel, layer: int = 0):
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv_proj = qkv_parallel(config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads,
@@ -28,43 +38,51 @@ class LlamaAttention(nn.Module):
         self.q_size = self.qkv_proj.parts["q"][2]
         self.kv_size = self.qkv_proj.parts["k"][2]
         self.num_heads, self.num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale
+        self.window = config.window_of(layer) if config.layer_types else None
+        self.softcap = config.attn_softcap
         self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size, config.o_bias, parallel)
+        if config.qk_norm:  # per head, so the same weights serve every rank's heads
+            self.q_norm = rms_norm(config.head_dim, config.rms_norm_eps, config.gemma_norms)
+            self.k_norm = rms_norm(config.head_dim, config.rms_norm_eps, config.gemma_norms)
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the KV cache
 
-    def forward(self, rope, hidden, meta: AttentionMetadata, lora=None):
+    def forward(self, context: LayerContext, hidden, lora=None):
         q, k, v = self.qkv_proj(hidden, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         lead = hidden.shape[:-1]
         q = q.view(*lead, self.num_heads, self.head_dim)
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rope)
-        out = attention(q, k, v, self.kv_cache, meta, self.scale)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, *context.rope)
+        out = attention(q, k, v, self.kv_cache, context.meta, self.scale, self.window, self.softcap)
         return self.o_proj(out.reshape(*lead, self.q_size), lora)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: Parallel):
+    def __init__(self, config: ModelConfig, parallel: Parallel, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = merged_parallel(config.hidden_size, config.intermediate_size, ["gate", "up"],
-                                            config.mlp_bias, parallel)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, parallel)
+        intermediate = intermediate_size or config.intermediate_size
+        self.act = activation(config.hidden_act)
+        self.gate_up_proj = merged_parallel(config.hidden_size, intermediate, ["gate", "up"], config.mlp_bias, parallel)
+        self.down_proj = RowParallelLinear(intermediate, config.hidden_size, config.mlp_bias, parallel)
 
     def forward(self, x, lora=None):
         gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, lora)
+        return self.down_proj(self.act(gate) * up, lora)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: Parallel):
+    def __init__(self, config: ModelConfig, parallel: Parallel, layer: int, make_mlp):
         super().__init__()
-        self.self_attn = LlamaAttention(config, parallel)
-        self.mlp = LlamaMLP(config, parallel)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, parallel, layer)
+        self.mlp = make_mlp(config, parallel, layer)  # the model's: dense, or a MoE block
+        self.input_layernorm = rms_norm(config.hidden_size, config.rms_norm_eps, config.gemma_norms)
+        self.post_attention_layernorm = rms_norm(config.hidden_size, config.rms_norm_eps, config.gemma_norms)
 
-    def forward(self, rope, hidden, meta, lora=None):
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), meta, lora)
+    def forward(self, context: LayerContext, hidden, lora=None):
+        hidden = hidden + self.self_attn(context, self.input_layernorm(hidden), lora)
         return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
 
 
@@ -77,40 +95,68 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", "gate"),
         "up_proj": ("gate_up_proj", "up"),
     }
+    decoder_layer = LlamaDecoderLayer
 
-    def __init__(self, config: ModelConfig, max_positions: int, parallel: Parallel = SINGLE):
+    def __init__(self, config: ModelConfig, max_positions: int, parallel: Parallel = SINGLE, moe_impl: str = "dense"):
         super().__init__()
-        self.config, self.parallel = config, parallel
+        self.config, self.parallel, self.moe_impl = config, parallel, moe_impl
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, parallel) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(self.decoder_layer(config, parallel, i, self.make_mlp)
+                                    for i in range(config.num_layers))
+        self.norm = rms_norm(config.hidden_size, config.rms_norm_eps, config.gemma_norms)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
+        if config.local_rope is not None:
+            self.local_rotary = RotaryEmbedding(config.local_rope, config.head_dim, max_positions)
         self.local_kv_heads = self.layers[0].self_attn.num_kv_heads
         self.lora_set = None  # LoraSet of the served adapters, set by engine.lora_loader
+
+    def make_mlp(self, config: ModelConfig, parallel: Parallel, layer: int) -> nn.Module:
+        return LlamaMLP(config, parallel)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, logits_indices, lora_index=None) -> torch.Tensor:
         """Logits (float32, full vocabulary) of the tokens at `logits_indices` of the flattened batch.
         `lora_index`: each token's adapter slot (-1: none), shaped like input_ids; None without adapters."""
-        hidden = self.embed_tokens(input_ids)
-        # Per-step work that every layer shares is done once here.
-        rope = self.rotary.cos_sin(positions, hidden.dtype)
-        meta = prepare_metadata(meta, self.local_kv_heads)
+        hidden = self.embed(input_ids)
+        contexts = self.layer_contexts(positions, meta, hidden.dtype)
         lora = None if lora_index is None else self.lora_set.selector(lora_index, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(rope, hidden, meta, lora)
+        for layer, kind in zip(self.layers, self.config.layer_types or (FULL,) * len(self.layers)):
+            hidden = layer(contexts[kind], hidden, lora)
             mark_step()  # HPU lazy mode: a graph per layer compiles far faster than one per model
         hidden = self.norm(hidden).reshape(-1, self.config.hidden_size).index_select(0, logits_indices)
-        return self.lm_head.logits(hidden).float()
+        logits = self.lm_head.logits(hidden).float()
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def layer_contexts(self, positions, meta: AttentionMetadata, dtype) -> dict[str, LayerContext]:
+        """Per-step work that every layer of a type shares, done once here."""
+        rope = self.rotary.cos_sin(positions, dtype)
+        meta = prepare_metadata(meta, self.local_kv_heads)
+        contexts = {FULL: LayerContext(rope, meta)}
+        if SLIDING in self.config.layer_types:
+            local_rope = self.local_rotary.cos_sin(positions, dtype) if hasattr(self, "local_rotary") else rope
+            if isinstance(meta, DecodeMetadata):
+                meta = windowed_metadata(meta, positions, self.config.sliding_window, self.local_kv_heads)
+            contexts[SLIDING] = LayerContext(local_rope, meta)
+        return contexts
 
     def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):
             layer.self_attn.kv_cache = cache
 
-    def checkpoint_target(self, name: str) -> tuple[str, str, str | None]:
-        """(our module path, 'weight' or 'bias', fused part or None) for a checkpoint tensor name."""
+    def rebuild_rotary(self, max_positions: int, device) -> None:
+        """Recompute the rope tables after the model was allocated on the meta device."""
+        self.rotary = RotaryEmbedding(self.config.rope, self.config.head_dim, max_positions).to(device)
+        if self.config.local_rope is not None:
+            self.local_rotary = RotaryEmbedding(self.config.local_rope, self.config.head_dim, max_positions).to(device)
+
+    def checkpoint_target(self, name: str) -> tuple[str, str, object]:
+        """(our module path, parameter name, fused part or None) for a checkpoint tensor name."""
         for fragment, (fused, part) in self.stacked_params.items():
             if f".{fragment}." in name:
                 module, _, kind = name.replace(fragment, fused).rpartition(".")

@@ -15,7 +15,7 @@ from engine.config import EngineConfig, ServingLimits, distributed_address, torc
 from engine.distributed import Parallel, broadcast_int, init_distributed, min_across_ranks
 from engine.buckets.core import PaddingStats
 from engine.devices import get_adapter
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, ModelLoadError
 from engine.kv_cache import BlockAllocator, KVCache
 from engine.lora_loader import load_adapters
 from engine.runner import ModelRunner
@@ -49,9 +49,15 @@ class Shard:
         init_distributed(self.parallel, self.adapter.dist_backend, *distributed_address())
         # Requests without a seed get one derived from this, which rank 0 picks for the whole group.
         self.group_seed = broadcast_int(secrets.randbits(62), self.parallel)
-        loaded = loader.load(config.model_id, config.resolved_cache_dir, self.dtype, self.adapter.torch_device, self.parallel)
+        loaded = loader.load(config.model_id, config.resolved_cache_dir, self.dtype, self.adapter.torch_device, self.parallel,
+                             moe_impl=config.moe_impl or self.adapter.default_moe_impl,
+                             implementation=config.implementation)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path, self.eos_token_ids = loaded.path, loaded.eos_token_ids
+        self.implementation = getattr(self.model, "implementation", "native")
+        log.info("serving %s with the %s implementation", self.model_config.architecture, self.implementation)
+        if config.lora_adapters and self.implementation != "native":
+            raise ModelLoadError("LoRA adapters are served with native implementations only (not --implementation transformers)")
         # LoRA adapters load before warmup, so that every bucket is warmed with them active.
         self.lora_set = load_adapters(self.model, config, self.adapter.default_lora_impl, self.parallel)
         self.special_token_ids = frozenset(self.tokenizer.all_special_ids)
@@ -69,7 +75,8 @@ class Shard:
         return InfoResponse(
             requires_padding=False, dtype=str(self.dtype).removeprefix("torch."), device_type=self.adapter.device_type,
             window_size=self.model_config.sliding_window, speculate=0, support_chunking=False,
-            use_prefix_caching=False, attention_impl="flat_paged", block_size=self.block_size,
+            use_prefix_caching=False, block_size=self.block_size,
+            attention_impl="flat_paged" if self.implementation == "native" else "transformers+flat_paged",
         )
 
     def warmup(self, max_input_tokens: int | None = None, max_prefill_tokens: int | None = None,
