@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 from engine.config import ServingLimits, default_cache_dir, parse_lora_adapters
 from engine.loader import resolve_model_dir
 from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCriteriaParameters
+from router.access import AccessConfig, access_from_args, add_access_args, install
 from router.allocator import BlockAllocator
 from router.client import GrpcShardClient, ShardClient
 from router.metrics import RouterMetrics
@@ -47,6 +48,7 @@ class RouterConfig:
     max_batch_size: int = 8
     max_concurrent_requests: int = 128
     lora_adapters: tuple[str, ...] = ()  # names the shards loaded, for `adapter_id` / OpenAI `model`
+    access: AccessConfig = AccessConfig()
 
 
 def warmup_batch(max_input: int, max_prefill: int, max_total: int, max_batch: int) -> Batch:
@@ -94,9 +96,10 @@ def info_dict(config: RouterConfig, info, limits: ServingLimits, result) -> dict
             "version": VERSION, "sha": None, "docker_label": None, "lora_adapters": list(config.lora_adapters)}
 
 
-def create_app(state: RouterState) -> FastAPI:
+def create_app(state: RouterState, access: AccessConfig = AccessConfig()) -> FastAPI:
     """The HTTP app: TGI's routes, OpenAI's, and the service routes, over one state."""
     app = FastAPI(title="bucketserve router")
+    install(app, access)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: HttpRequest, error: RequestValidationError):
@@ -124,7 +127,7 @@ async def build_state(config: RouterConfig, client: ShardClient) -> RouterState:
 async def serve(config: RouterConfig) -> None:
     client = await GrpcShardClient.connect(config.master_url)
     state = await build_state(config, client)
-    app: FastAPI = create_app(state)
+    app: FastAPI = create_app(state, config.access)
     server = uvicorn.Server(uvicorn.Config(app, host=config.hostname, port=config.port, log_level="warning"))
     log.info("serving on http://%s:%d", config.hostname, config.port)
     try:
@@ -150,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="queued + running requests; beyond it a request gets HTTP 429")
     parser.add_argument("--lora-adapters", default=os.environ.get("LORA_ADAPTERS", ""),
                         help="name=path[,name=path...] as given to the shards (the router needs the names)")
+    add_access_args(parser)
     return parser
 
 
@@ -161,7 +165,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     model_id = args.model_id or (args.tokenizer if args.tokenizer else EMBEDDED_MODEL_NAME)
     return RouterConfig(url, tokenizer, model_id, args.hostname, args.port,
                         args.max_input_tokens, args.max_total_tokens, args.max_batch_prefill_tokens,
-                        args.max_batch_size, args.max_concurrent_requests, adapter_names(args.lora_adapters))
+                        args.max_batch_size, args.max_concurrent_requests, adapter_names(args.lora_adapters),
+                        access_from_args(args))
 
 
 def adapter_names(spec: str) -> tuple[str, ...]:

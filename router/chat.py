@@ -86,9 +86,11 @@ def chat_tokenize(state: RouterState, prompt: str) -> JSONResponse:
 
 def chat_tokenize_route(app: FastAPI, state: RouterState, request_type, prompt_of) -> None:
     """`prompt_of(body)` renders a chat request's prompt (openai_api owns the request's shape)."""
-    @app.post("/chat_tokenize")
-    async def route(body: request_type):  # type: ignore[valid-type]
+    async def route(body):
         try:
             return chat_tokenize(state, prompt_of(body))
         except ValidationError as error:
             return error_response(state, error)
+
+    route.__annotations__["body"] = request_type  # a class, not a string: FastAPI reads the body's schema from it
+    app.post("/chat_tokenize")(route)

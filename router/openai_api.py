@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from engine.batch import FinishReason, Generation
 from router import chat, tools
+from router.tools import Tool, ToolChoice, ToolPlan
 from router.state import RouterState, collect, error_payload, error_response, events, finite, submit
 from router.validation import Grammar, Parameters, ValidationError, check
 
@@ -57,11 +58,11 @@ class ChatRequest(Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[tools.Tool] | None = None
-    tool_choice: tools.ToolChoice | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
-    def tool_plan(self) -> tools.ToolPlan:
+    def tool_plan(self) -> ToolPlan:
         return tools.plan(self.tools, self.tool_choice, self.parallel_tool_calls)
 
 

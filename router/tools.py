@@ -110,7 +110,7 @@ TEXT_SCHEMA = {"type": "object", "properties": {"content": {"type": "string"}}, 
 
 
 def call_schema(tool: Tool) -> dict:
-    return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": {}},
+    return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": parameters(tool)},
             "required": ["name", "arguments"]}
 
 
