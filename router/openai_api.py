@@ -50,6 +50,11 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None   # OpenAI sends token ids as strings; pydantic reads them as ints
+    min_tokens: int | None = None                # vLLM's extensions, which serving benchmarks send
+    ignore_eos: bool = False
+    user: str | None = None                      # accepted and not used
 
 
 class ChatRequest(Sampling):
@@ -85,7 +90,8 @@ def parameters(state: RouterState, body: Sampling, max_tokens: int | None, top_n
     return Parameters(max_new_tokens=max_tokens, temperature=None if greedy else body.temperature,
                       top_p=None if body.top_p == 1 else body.top_p, do_sample=not greedy, seed=body.seed, stop=stop,
                       frequency_penalty=body.frequency_penalty, top_n_tokens=top_n or None, details=True,
-                      grammar=grammar, adapter_id=adapter)
+                      grammar=grammar, adapter_id=adapter, presence_penalty=body.presence_penalty,
+                      logit_bias=body.logit_bias, min_new_tokens=body.min_tokens, ignore_eos=body.ignore_eos)
 
 
 def response_grammar(response_format: dict | None) -> Grammar | None:
