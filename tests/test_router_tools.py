@@ -209,3 +209,90 @@ def test_every_response_carries_a_request_id_that_the_log_names(url, served):
     assert hostile.headers["x-request-id"] != "a b\tc"
     log = Path(f"{served[1]}.router.log").read_text()
     assert "[my-trace-42]" in log and "POST /generate -> 200" in log
+
+
+# --- sampling fields through the openai client ---------------------------------------------------------
+
+
+def greedy_reference(model_dir, prompt_ids: list[int], new: int, presence: float) -> list[int]:
+    """Greedy decoding on transformers' logits with OpenAI's presence penalty applied by its definition."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids, generated = list(prompt_ids), []
+    with torch.no_grad():
+        for _ in range(new):
+            scores = model(torch.tensor([ids])).logits[0, -1].clone()
+            for token in set(generated):
+                scores[token] -= presence
+            generated.append(int(scores.argmax()))
+            ids.append(generated[-1])
+    return generated
+
+
+def test_presence_penalty_matches_its_definition_on_transformers_logits(client, tools_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tools_model)
+    new = 24
+    for prompt in ("The cat sat on the mat and the cat", "1 2 3 4", "a a a a a", "Hello, Hello, Hello"):
+        expected = greedy_reference(tools_model, tokenizer(prompt)["input_ids"], new, presence=2.0)
+        if expected != greedy_reference(tools_model, tokenizer(prompt)["input_ids"], new, presence=0.0):
+            break   # a prompt on which the penalty changes the greedy run, so the comparison means something
+    else:
+        pytest.fail("the penalty changed none of the greedy runs")
+    response = client.completions.create(model="m", prompt=prompt, max_tokens=new, temperature=0,
+                                         presence_penalty=2.0, logprobs=0, extra_body={"ignore_eos": True})
+    assert response.choices[0].text == tokenizer.decode(expected)
+
+
+def test_logit_bias_bans_and_forces(client, tools_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tools_model)
+    first = client.completions.create(model="m", prompt="Hello", max_tokens=1, temperature=0).choices[0].text
+    banned_id = tokenizer(first, add_special_tokens=False)["input_ids"][0]
+    other = client.completions.create(model="m", prompt="Hello", max_tokens=1, temperature=0,
+                                      logit_bias={str(banned_id): -100}).choices[0].text
+    assert other != first
+    forced = tokenizer.convert_ids_to_tokens(300)
+    text = client.completions.create(model="m", prompt="Hello", max_tokens=4, temperature=1.0, seed=3,
+                                     logit_bias={"300": 100}).choices[0].text
+    assert text == tokenizer.decode([300] * 4), forced
+
+
+def test_min_tokens_and_ignore_eos(client):
+    eos = {"2": 100}  # <|im_end|>: the model would end at once
+    ended = client.completions.create(model="m", prompt="Hi", max_tokens=10, temperature=0, logit_bias=eos)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 1
+    held = client.completions.create(model="m", prompt="Hi", max_tokens=10, temperature=0, logit_bias=eos,
+                                     extra_body={"min_tokens": 4})
+    assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 5
+    ignored = client.completions.create(model="m", prompt="Hi", max_tokens=6, temperature=0, logit_bias=eos,
+                                        extra_body={"ignore_eos": True})
+    assert ignored.choices[0].finish_reason == "length" and ignored.usage.completion_tokens == 6
+
+
+def test_seed_stop_user_and_max_completion_tokens(client):
+    request = dict(model="m", messages=ASK, temperature=1.0, seed=11, max_completion_tokens=8, user="someone")
+    first, again = (client.chat.completions.create(**request).choices[0].message.content for _ in range(2))
+    assert first == again
+    other = client.chat.completions.create(**{**request, "seed": 12}).choices[0].message.content
+    assert other != first
+    stop = first[2:5]
+    if stop.strip():
+        cut = client.chat.completions.create(**request, stop=[stop]).choices[0]
+        # The shard stops at the token that completes the stop sequence and keeps that token (TGI's behaviour).
+        assert cut.finish_reason == "stop" and stop in cut.message.content and first.startswith(cut.message.content)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"logit_bias": {"1": 101}}, "`logit_bias` values"), ({"logit_bias": {"99999999": 1}}, "`logit_bias` token ids"),
+    ({"presence_penalty": 3}, "`presence_penalty`"), ({"min_tokens": 99}, "`min_tokens`"),
+])
+def test_bad_sampling_fields_are_422_naming_them(url, extra, message):
+    body = {"model": "m", "messages": ASK, "max_tokens": 8, **extra}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=30)
+    assert response.status_code == 422 and message in response.json()["error"]
