@@ -116,3 +116,19 @@ def test_a_reply_cut_short_keeps_its_text_and_length():
     assert message == {"role": "assistant", "content": '{"calls": [{"name": "f", "argu'} and reason == "length"
     message, reason = tools.reply_message('{"calls": [{"name": "f", "arguments": {"a": 1}}]}', "stop")
     assert reason == "tool_calls" and json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"a": 1}
+
+
+def test_a_template_without_tools_gets_them_as_a_system_message(tokenizer):
+    from router import chat
+
+    declared = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [chat.template_message("user", "Weather?", None, None, None),
+                chat.template_message("assistant", "", [call], None, None),
+                chat.template_message("tool", "sunny", None, "call_1", None)]
+    assert not chat.template_reads_tools(tokenizer)   # the embedded model's template knows no tools
+    prompt = chat.render(tokenizer, messages, declared)
+    assert prompt.startswith("<|im_start|>system\n" + chat.TOOLS_INTRO)
+    assert '"name": "weather"' in prompt and '{"city": "Oslo"}' in prompt and "<|im_start|>tool\nsunny" in prompt
+    assert "You are a helpful AI assistant named SmolLM" not in prompt   # our system message replaced the default
+    assert chat.render(tokenizer, messages[:1], []).startswith("<|im_start|>system\nYou are a helpful AI")
