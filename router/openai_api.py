@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from engine.batch import FinishReason, Generation
 from router import chat, tools
@@ -67,8 +67,13 @@ class ChatRequest(Sampling):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
+    _plan: ToolPlan | None = PrivateAttr(default=None)
+
     def tool_plan(self) -> ToolPlan:
-        return tools.plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+        """Checked and built once per request (the schemas are checked against the metaschema)."""
+        if self._plan is None:
+            self._plan = tools.plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return self._plan
 
 
 class CompletionRequest(Sampling):
