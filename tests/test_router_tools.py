@@ -296,3 +296,18 @@ def test_bad_sampling_fields_are_422_naming_them(url, extra, message):
     response = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                           timeout=30)
     assert response.status_code == 422 and message in response.json()["error"]
+
+
+def test_tgi_generate_takes_the_same_extensions(url):
+    def generate(**parameters):
+        body = {"inputs": "Hi", "parameters": {"max_new_tokens": 8, "details": True, "logit_bias": {"2": 100},
+                                               **parameters}}
+        response = httpx.post(f"{url}/generate", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+        assert response.status_code == 200, response.text
+        return response.json()["details"]
+
+    assert generate()["generated_tokens"] == 1
+    held = generate(min_new_tokens=3)
+    assert held["generated_tokens"] == 4 and held["finish_reason"] == "eos_token"
+    ignored = generate(ignore_eos=True)
+    assert ignored["generated_tokens"] == 8 and ignored["finish_reason"] == "length"
