@@ -33,6 +33,9 @@ class NextTokenChooserParameters:
     frequency_penalty: float = 0.0
     grammar: str = ""
     grammar_type: GrammarType = GrammarType.NONE
+    # bucketserve extensions of the protocol (proto field numbers >= 1000)
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> bias added to its logit
 
 
 @dataclass
@@ -40,6 +43,7 @@ class StoppingCriteriaParameters:
     max_new_tokens: int = 20
     stop_sequences: list[str] = field(default_factory=list)
     ignore_eos_token: bool = False
+    min_new_tokens: int = 0      # bucketserve extension: no EOS before this many tokens
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Next-token choice for a batch in which every row keeps its own sampling parameters.
 
 The semantics follow TGI's HeterogeneousNextTokenChooser (server/text_generation_server/utils/tokens.py,
-logits_process.py and watermark.py): watermark -> repetition penalty -> frequency penalty -> grammar mask ->
+logits_process.py and watermark.py): watermark -> repetition penalty -> frequency penalty -> (bucketserve's
+extensions: OpenAI's presence penalty, then logit_bias) -> grammar mask ->
 temperature -> top-k -> top-p -> typical-p -> argmax or a random draw, and the reported log-probabilities are
 log_softmax of the processed scores. Every processor runs only when some row of the batch needs it and leaves the
 other rows' scores bit-for-bit unchanged, so a row gets the same result alone or in any batch. Where this module
@@ -43,6 +44,8 @@ def validate_parameters(request_id: int, params: NextTokenChooserParameters) -> 
          math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0, "a finite number > 0"),
         ("frequency_penalty", p.frequency_penalty, math.isfinite(p.frequency_penalty), "finite"),
         ("seed", p.seed, 0 <= p.seed <= _MAX_SEED, "in [0, 2**64)"),
+        ("presence_penalty", p.presence_penalty, math.isfinite(p.presence_penalty), "finite"),
+        ("logit_bias", p.logit_bias, all(math.isfinite(v) for v in p.logit_bias.values()), "finite"),
     )
     for name, value, ok, rule in rules:
         if not ok:
@@ -103,6 +106,8 @@ class _Rows:
     top_k: list[int]
     top_p: list[float]
     typical_p: list[float]
+    presence_penalty: list[float]
+    logit_bias: list[dict[int, float]]
 
     @classmethod
     def of(cls, states: list[SamplingState]) -> _Rows:
@@ -114,7 +119,8 @@ class _Rows:
 
         return cls(sampling, [p.watermark for p in params], [p.repetition_penalty for p in params],
                    [p.frequency_penalty for p in params], warper("temperature", 1.0), warper("top_k", 0),
-                   warper("top_p", 1.0), warper("typical_p", 1.0))
+                   warper("top_p", 1.0), warper("typical_p", 1.0), [p.presence_penalty for p in params],
+                   [p.logit_bias for p in params])
 
     def needs_penalty(self) -> list[bool]:
         return [r != 1.0 or f != 0.0 for r, f in zip(self.repetition_penalty, self.frequency_penalty)]
@@ -125,7 +131,8 @@ class _Rows:
 
     def plain(self) -> bool:
         """No row needs a processor: the scores are the logits themselves."""
-        return not (any(self.watermark) or any(self.needs_penalty()) or self.needs_warper())
+        return not (any(self.watermark) or any(self.needs_penalty()) or self.needs_warper()
+                    or any(self.presence_penalty) or any(self.logit_bias))
 
 
 def choose(logits: torch.Tensor, states: list[SamplingState], histories: list[list[int]], prompt_lens: list[int],
@@ -140,7 +147,7 @@ def choose(logits: torch.Tensor, states: list[SamplingState], histories: list[li
     if logits.shape[0] == 0:
         return Choice([], [], [])
     rows = _Rows.of(states)
-    scores = _process(logits, rows, histories, allowed)
+    scores = _process(logits, rows, histories, allowed, prompt_lens)
     chosen = scores.argmax(dim=1)
     drawing = [i for i, draws in enumerate(rows.sampling) if draws]
     if drawing:
@@ -151,13 +158,14 @@ def choose(logits: torch.Tensor, states: list[SamplingState], histories: list[li
 
 
 def process_scores(logits: torch.Tensor, states: list[SamplingState], histories: list[list[int]],
-                   allowed: torch.Tensor | None = None) -> torch.Tensor:
+                   allowed: torch.Tensor | None = None, prompt_lens: list[int] | None = None) -> torch.Tensor:
     """The scores choose() picks from: `logits` after every row's processors and warpers. `logits` is not modified;
     when no row needs a processor the result is `logits` itself (as float32), so treat it as read-only."""
-    return _process(logits, _Rows.of(states), histories, allowed)
+    return _process(logits, _Rows.of(states), histories, allowed, prompt_lens)
 
 
-def _process(logits: torch.Tensor, rows: _Rows, histories: list[list[int]], allowed: torch.Tensor | None) -> torch.Tensor:
+def _process(logits: torch.Tensor, rows: _Rows, histories: list[list[int]], allowed: torch.Tensor | None,
+             prompt_lens: list[int] | None = None) -> torch.Tensor:
     if rows.plain() and allowed is None:
         return logits.float()   # the greedy fast path: no copy when the logits already are float32
     scores = logits.to(torch.float32, copy=True)   # the processors below work in place
@@ -165,6 +173,10 @@ def _process(logits: torch.Tensor, rows: _Rows, histories: list[list[int]], allo
         _watermark_(scores, rows.watermark, histories)
     if any(rows.needs_penalty()):
         _penalties_(scores, rows, histories)
+    if any(rows.presence_penalty):
+        _presence_(scores, rows.presence_penalty, histories, prompt_lens or [len(h) for h in histories])
+    if any(rows.logit_bias):
+        _logit_bias_(scores, rows.logit_bias)
     if allowed is not None:
         scores.masked_fill_(~allowed, -math.inf)
     if rows.needs_warper():
@@ -239,6 +251,28 @@ def _token_counts(histories: list[list[int]], needed: list[bool], like: torch.Te
     counts.index_put_(index, ones, accumulate=True)   # exact: small integers in float32
     lengths = _column([max(len(h), 1) for h in histories], like)
     return counts, lengths
+
+
+def _presence_(scores: torch.Tensor, penalty: list[float], histories: list[list[int]], prompt_lens: list[int]) -> None:
+    """OpenAI's presence penalty: every token generated so far (not the prompt's, as OpenAI and vLLM define it)
+    loses `penalty` once, however often it occurs."""
+    rows = [i for i, p in enumerate(penalty) if p for _ in histories[i][prompt_lens[i]:]]
+    tokens = [t for i, p in enumerate(penalty) if p for t in histories[i][prompt_lens[i]:]]
+    if not tokens:
+        return
+    seen = torch.zeros_like(scores)
+    seen[torch.tensor(rows, device=scores.device), torch.tensor(tokens, device=scores.device)] = 1.0
+    scores.sub_(seen * _column(penalty, scores))
+
+
+def _logit_bias_(scores: torch.Tensor, biases: list[dict[int, float]]) -> None:
+    """OpenAI's logit_bias, a sparse [rows, vocab] addition; ids past the logits' vocabulary are ignored."""
+    vocab = scores.shape[1]
+    entries = [(i, token, bias) for i, row in enumerate(biases) for token, bias in row.items() if 0 <= token < vocab]
+    if entries:
+        rows, tokens, values = zip(*entries)
+        index = (torch.tensor(rows, device=scores.device), torch.tensor(tokens, device=scores.device))
+        scores.index_put_(index, torch.tensor(values, dtype=scores.dtype, device=scores.device), accumulate=True)
 
 
 def _warpers_(scores: torch.Tensor, rows: _Rows) -> None:

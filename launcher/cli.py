@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hostname", default=d.hostname, help="the router's HTTP address")
     p.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
                    help="queued + running requests the router holds; beyond it a request gets HTTP 429")
+    p.add_argument("--api-key", help="the router requires `Authorization: Bearer KEY` (default: $BUCKETSERVE_API_KEY); "
+                   "passed to it in its environment, not on its command line")
+    p.add_argument("--cors-allow-origin", action="append", default=[], help="an origin browsers may call from")
+    p.add_argument("--otlp-endpoint", help="the router's OpenTelemetry collector (default: no tracing)")
     p.add_argument("--no-router", action="store_true", help="start the shards only and print the master socket")
     p.add_argument("--restart-on-failure", action="store_true",
                    help=f"restart the whole group when a shard dies (at most {d.max_restarts} times "
@@ -81,7 +85,8 @@ def config_from_args(args: argparse.Namespace) -> LauncherConfig:
         lora_impl=args.lora_impl, implementation=args.implementation, moe_impl=args.moe_impl, uds_path=args.uds_path, port=args.port, master_port=args.master_port,
         hostname=args.hostname, max_concurrent_requests=args.max_concurrent_requests,
         no_router=args.no_router, restart_on_failure=args.restart_on_failure,
-        startup_timeout=args.startup_timeout, shutdown_timeout=args.shutdown_timeout,
+        startup_timeout=args.startup_timeout, shutdown_timeout=args.shutdown_timeout, api_key=args.api_key,
+        cors_allow_origins=tuple(args.cors_allow_origin), otlp_endpoint=args.otlp_endpoint,
     )
 
 

@@ -40,6 +40,9 @@ class LauncherConfig:
     shutdown_timeout: float = 10.0
     max_restarts: int = 3                # restarts allowed within restart_window seconds, then give up
     restart_window: float = 300.0
+    api_key: str | None = None           # given to the router as $BUCKETSERVE_API_KEY (never on a command line)
+    cors_allow_origins: tuple[str, ...] = ()
+    otlp_endpoint: str | None = None
 
     def socket_path(self, rank: int) -> str:
         return f"{self.uds_path}-{rank}"
@@ -81,7 +84,17 @@ class LauncherConfig:
             args += ["--model-id", self.model_id]
         if self.lora_adapters:  # the router checks adapter_id against these names
             args += ["--lora-adapters", self.lora_adapters]
+        for origin in self.cors_allow_origins:
+            args += ["--cors-allow-origin", origin]
+        if self.otlp_endpoint:
+            args += ["--otlp-endpoint", self.otlp_endpoint]
         return args
+
+    def router_environment(self, environ) -> dict[str, str]:
+        env = child_environment(environ)
+        if self.api_key:
+            env["BUCKETSERVE_API_KEY"] = self.api_key
+        return env
 
 
 def child_environment(environ, drop: tuple[str, ...] = ()) -> dict[str, str]:

@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.request
 
-from launcher.config import LauncherConfig, child_environment
+from launcher.config import LauncherConfig
 from launcher.logs import Console, LogTail
 
 POLL_S = 0.5
@@ -30,7 +30,7 @@ class RouterProcess:
     def __init__(self, config: LauncherConfig, console: Console):
         self.config, self.console = config, console
         command = [sys.executable, "-m", "router", *config.router_args()]
-        env = child_environment(os.environ)
+        env = config.router_environment(os.environ)
         self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, start_new_session=True)
         self.log = LogTail(self.process.stdout, lambda text: console.line(f"[router] {text}"))

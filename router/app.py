@@ -20,6 +20,8 @@ from transformers import AutoTokenizer
 from engine.config import ServingLimits, default_cache_dir, parse_lora_adapters
 from engine.loader import resolve_model_dir
 from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCriteriaParameters
+from router.access import AccessConfig, access_from_args, add_access_args, install
+from router import tracing
 from router.allocator import BlockAllocator
 from router.client import GrpcShardClient, ShardClient
 from router.metrics import RouterMetrics
@@ -47,6 +49,8 @@ class RouterConfig:
     max_batch_size: int = 8
     max_concurrent_requests: int = 128
     lora_adapters: tuple[str, ...] = ()  # names the shards loaded, for `adapter_id` / OpenAI `model`
+    access: AccessConfig = AccessConfig()
+    otlp_endpoint: str | None = None     # OpenTelemetry collector (gRPC); None: no tracing at all
 
 
 def warmup_batch(max_input: int, max_prefill: int, max_total: int, max_batch: int) -> Batch:
@@ -95,9 +99,12 @@ def info_dict(config: RouterConfig, info, limits: ServingLimits, result) -> dict
             "version": VERSION, "sha": None, "docker_label": None, "lora_adapters": list(config.lora_adapters)}
 
 
-def create_app(state: RouterState) -> FastAPI:
+def create_app(state: RouterState, access: AccessConfig = AccessConfig(),
+               traces: tracing.Tracing | None = None) -> FastAPI:
     """The HTTP app: TGI's routes, OpenAI's, and the service routes, over one state."""
     app = FastAPI(title="bucketserve router")
+    tracing.install(app, traces)   # inside the access middleware, which names the request first
+    install(app, access)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: HttpRequest, error: RequestValidationError):
@@ -125,7 +132,8 @@ async def build_state(config: RouterConfig, client: ShardClient) -> RouterState:
 async def serve(config: RouterConfig) -> None:
     client = await GrpcShardClient.connect(config.master_url)
     state = await build_state(config, client)
-    app: FastAPI = create_app(state)
+    traces = tracing.Tracing.to_otlp(config.otlp_endpoint) if config.otlp_endpoint else None
+    app: FastAPI = create_app(state, config.access, traces)
     server = uvicorn.Server(uvicorn.Config(app, host=config.hostname, port=config.port, log_level="warning"))
     log.info("serving on http://%s:%d", config.hostname, config.port)
     try:
@@ -151,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="queued + running requests; beyond it a request gets HTTP 429")
     parser.add_argument("--lora-adapters", default=os.environ.get("LORA_ADAPTERS", ""),
                         help="name=path[,name=path...] as given to the shards (the router needs the names)")
+    add_access_args(parser)
+    parser.add_argument("--otlp-endpoint", help="send OpenTelemetry traces to this OTLP gRPC collector, "
+                                                "e.g. http://localhost:4317 (default: no tracing)")
     return parser
 
 
@@ -162,7 +173,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     model_id = args.model_id or (args.tokenizer if args.tokenizer else EMBEDDED_MODEL_NAME)
     return RouterConfig(url, tokenizer, model_id, args.hostname, args.port,
                         args.max_input_tokens, args.max_total_tokens, args.max_batch_prefill_tokens,
-                        args.max_batch_size, args.max_concurrent_requests, adapter_names(args.lora_adapters))
+                        args.max_batch_size, args.max_concurrent_requests, adapter_names(args.lora_adapters),
+                        access_from_args(args), args.otlp_endpoint)
 
 
 def adapter_names(spec: str) -> tuple[str, ...]:

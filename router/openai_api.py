@@ -13,9 +13,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from engine.batch import FinishReason, Generation
+from router import chat, tools
+from router.tools import Tool, ToolChoice, ToolPlan
 from router.state import RouterState, collect, error_payload, error_response, events, finite, submit
 from router.validation import Grammar, Parameters, ValidationError, check
 
@@ -26,6 +28,9 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class StreamOptions(BaseModel):
@@ -45,6 +50,11 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None   # OpenAI sends token ids as strings; pydantic reads them as ints
+    min_tokens: int | None = None                # vLLM's extensions, which serving benchmarks send
+    ignore_eos: bool = False
+    user: str | None = None                      # accepted and not used
 
 
 class ChatRequest(Sampling):
@@ -53,6 +63,17 @@ class ChatRequest(Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    _plan: ToolPlan | None = PrivateAttr(default=None)
+
+    def tool_plan(self) -> ToolPlan:
+        """Checked and built once per request (the schemas are checked against the metaschema)."""
+        if self._plan is None:
+            self._plan = tools.plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return self._plan
 
 
 class CompletionRequest(Sampling):
@@ -74,7 +95,8 @@ def parameters(state: RouterState, body: Sampling, max_tokens: int | None, top_n
     return Parameters(max_new_tokens=max_tokens, temperature=None if greedy else body.temperature,
                       top_p=None if body.top_p == 1 else body.top_p, do_sample=not greedy, seed=body.seed, stop=stop,
                       frequency_penalty=body.frequency_penalty, top_n_tokens=top_n or None, details=True,
-                      grammar=grammar, adapter_id=adapter)
+                      grammar=grammar, adapter_id=adapter, presence_penalty=body.presence_penalty,
+                      logit_bias=body.logit_bias, min_new_tokens=body.min_tokens, ignore_eos=body.ignore_eos)
 
 
 def response_grammar(response_format: dict | None) -> Grammar | None:
@@ -93,12 +115,10 @@ def response_grammar(response_format: dict | None) -> Grammar | None:
     raise ValidationError(f"`response_format.type` {kind!r} is not supported (text, json_object, json_schema)")
 
 
-def chat_prompt(state: RouterState, messages: list[Message]) -> str:
-    check(len(messages) > 0, "`messages` cannot be empty")
-    if not getattr(state.tokenizer, "chat_template", None):
-        raise ValidationError("this model has no chat template: use /v1/completions")
-    plain = [{"role": m.role, "content": message_text(m)} for m in messages]
-    return state.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+def chat_prompt(state: RouterState, body: ChatRequest) -> str:
+    messages = [chat.template_message(m.role, message_text(m), m.tool_calls, m.tool_call_id, m.name)
+                for m in body.messages]
+    return chat.render(state.tokenizer, messages, body.tool_plan().tools)
 
 
 def message_text(message: Message) -> str:
@@ -178,8 +198,10 @@ def chat_parameters(state: RouterState, body: ChatRequest) -> Parameters:
     top = body.top_logprobs or 0
     check(0 <= top <= MAX_TOP_LOGPROBS, f"`top_logprobs` must be >= 0 and <= {MAX_TOP_LOGPROBS}. Given: {top}")
     check(top == 0 or body.logprobs, "`top_logprobs` needs `logprobs: true`")
+    plan = body.tool_plan()
+    check(not (plan.active and body.response_format), "`response_format` cannot be combined with `tools`")
     return parameters(state, body, body.max_completion_tokens or body.max_tokens, top,
-                      response_grammar(body.response_format))
+                      plan.grammar or response_grammar(body.response_format))
 
 
 def chat_response(envelope: Envelope, body: ChatRequest, generations: list[Generation], prompt_tokens: int) -> dict:
@@ -187,8 +209,10 @@ def chat_response(envelope: Envelope, body: ChatRequest, generations: list[Gener
     logprobs = None
     if body.logprobs:
         logprobs = {"content": [e for g in generations for e in chat_logprobs(g, bool(body.top_logprobs))]}
-    choice = {"index": 0, "message": {"role": "assistant", "content": last.generated_text.text},
-              "logprobs": logprobs, "finish_reason": finish_reason(last)}
+    message, reason = {"role": "assistant", "content": last.generated_text.text}, finish_reason(last)
+    if body.tool_plan().active:
+        message, reason = tools.reply_message(last.generated_text.text, reason)
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
     return envelope.wrap([choice], usage=usage(prompt_tokens, last.generated_text.generated_tokens))
 
 
@@ -198,7 +222,7 @@ class ChatChunks:
 
     def __init__(self, envelope: Envelope, body: ChatRequest, prompt_tokens: int):
         self.envelope, self.body, self.prompt_tokens, self.started = envelope, body, prompt_tokens, False
-        self.text = StreamedText()
+        self.text, self.tools = StreamedText(), body.tool_plan().active
 
     def chunk(self, delta: dict, logprobs=None, reason=None, **extra) -> str:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
@@ -207,6 +231,8 @@ class ChatChunks:
     def __call__(self, generation: Generation) -> list[str]:
         out = [] if self.started else [self.chunk({"role": "assistant", "content": ""})]
         self.started = True
+        if self.tools:  # a constrained reply is sent once whole, as content or as tool_calls deltas
+            return out + self.tool_reply(generation)
         tokens, logprobs = generation.tokens, chat_logprobs(generation, bool(self.body.top_logprobs))
         for i, text in enumerate(tokens.texts):
             content = self.text.add("" if tokens.is_special[i] else text)
@@ -214,16 +240,28 @@ class ChatChunks:
         last = generation.generated_text
         if last is not None:
             out.append(self.chunk({"content": self.text.rest(last.text)}, reason=finish_reason(generation)))
-            if self.body.stream_options and self.body.stream_options.include_usage:
-                out.append(sse(self.envelope.wrap([], usage=usage(self.prompt_tokens, last.generated_tokens))))
-            out.append(sse("[DONE]"))
+            out.extend(self.ending(last))
         return out
+
+    def tool_reply(self, generation: Generation) -> list[str]:
+        last = generation.generated_text
+        if last is None:
+            return []
+        deltas, reason = tools.reply_deltas(last.text, finish_reason(generation))
+        out = [self.chunk(delta) for delta in deltas]
+        return out + [self.chunk({}, reason=reason), *self.ending(last)]
+
+    def ending(self, last) -> list[str]:
+        out = []
+        if self.body.stream_options and self.body.stream_options.include_usage:
+            out.append(sse(self.envelope.wrap([], usage=usage(self.prompt_tokens, last.generated_tokens))))
+        return out + [sse("[DONE]")]
 
 
 async def chat_completions(state: RouterState, body: ChatRequest, http_request: HttpRequest):
     envelope = Envelope(state, body, "chat.completion", "chatcmpl")
     try:
-        prompt = chat_prompt(state, body.messages)
+        prompt = chat_prompt(state, body)
         # The chat template already wrote the special tokens the model expects.
         generations, length, stream = submit(state, prompt, chat_parameters(state, body), add_special_tokens=False)
         if not body.stream:
@@ -311,6 +349,8 @@ def openai_routes(app: FastAPI, state: RouterState) -> None:
     @app.post("/v1/completions")
     async def completions_route(body: CompletionRequest, http_request: HttpRequest):
         return await completions(state, body, http_request)
+
+    chat.chat_tokenize_route(app, state, ChatRequest, lambda body: chat_prompt(state, body))
 
     @app.get("/v1/models")
     async def models_route():

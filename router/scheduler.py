@@ -13,6 +13,7 @@ handed to a new request while a shard may still write into it.
 from __future__ import annotations
 
 import asyncio
+import time
 import itertools
 import logging
 from collections import Counter, deque
@@ -224,6 +225,7 @@ class Scheduler:
                 break
             self._queue.popleft()
             head.allocation = self.allocator.allocate(head.tokens)
+            head.admitted = time.perf_counter()
             taken.append(head)
             tokens += head.input_length
         if not taken:

@@ -17,6 +17,7 @@ from engine.batch import Generation, Request
 from router.client import ShardError
 from router.metrics import RouterMetrics
 from router.scheduler import Overloaded, RequestCancelled, Scheduler, ShardsUnavailable
+from router.tracing import traced
 from router.validation import Limits, Parameters, ValidationError, build_request
 
 
@@ -89,7 +90,7 @@ def queue(state: RouterState, request: Request, length: int):
         stream = state.scheduler.submit(request, length)
     except ValueError as error:
         raise ValidationError(str(error)) from None
-    return state.metrics.timed(stream, arrival), length, stream
+    return traced(state.metrics.timed(stream, arrival), stream, arrival), length, stream
 
 
 async def collect(state: RouterState, generations: AsyncIterator[Generation], stream) -> list[Generation]:

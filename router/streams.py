@@ -21,6 +21,7 @@ class Entry:
     allocation: Allocation | None = None
     finished: bool = False   # its last generation or its error has been handed to the stream
     cancelled: bool = False
+    admitted: float | None = None   # perf_counter when it left the queue (for tracing)
 
     @property
     def id(self) -> int:

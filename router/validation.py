@@ -48,6 +48,11 @@ class Parameters(BaseModel):
     best_of: int | None = None
     grammar: Grammar | None = None
     adapter_id: str | None = None
+    # vLLM's and OpenAI's extras (bucketserve protocol extensions, see README "Protocol extensions")
+    presence_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    min_new_tokens: int | None = None
+    ignore_eos: bool = False
 
 
 class GenerateRequest(BaseModel):
@@ -80,6 +85,9 @@ def check_sampling(p: Parameters) -> None:
     check(p.top_k is None or p.top_k > 0, "`top_k` must be strictly positive")
     check(p.seed is None or 0 <= p.seed < 2**64, "`seed` must be in [0, 2**64)")
     check(len(p.stop) <= MAX_STOP_SEQUENCES, f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(p.stop)}")
+    check(p.presence_penalty is None or -2 <= p.presence_penalty <= 2, "`presence_penalty` must be >= -2.0 and <= 2.0")
+    check(all(-100 <= v <= 100 for v in (p.logit_bias or {}).values()), "`logit_bias` values must be >= -100 and <= 100")
+    check(p.min_new_tokens is None or p.min_new_tokens >= 0, "`min_tokens` must be >= 0")
     top_n = p.top_n_tokens or 0
     check(0 <= top_n <= MAX_TOP_N_TOKENS, f"`top_n_tokens` must be >= 0 and <= {MAX_TOP_N_TOKENS}. Given: {top_n}")
 
@@ -139,13 +147,19 @@ def build_request(request_id: int, tokenizer, limits: Limits, inputs: str, p: Pa
     grammar, grammar_type = grammar_fields(p.grammar)
     length = input_length(tokenizer, limits, inputs, p.truncate, add_special_tokens)
     new = new_tokens(limits, p, length)
+    vocab = len(tokenizer)
+    bad = sorted(t for t in (p.logit_bias or {}) if not 0 <= t < vocab)
+    check(not bad, f"`logit_bias` token ids must be in [0, {vocab}). Given: {bad[:5]}")
+    check((p.min_new_tokens or 0) <= new, f"`min_tokens` must be <= the tokens to generate ({new})")
     params = NextTokenChooserParameters(
         temperature=p.temperature or 1.0, top_k=p.top_k or 0, top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
         do_sample=p.do_sample, seed=p.seed if p.seed is not None else secrets.randbits(64) or 1,
         repetition_penalty=p.repetition_penalty or 1.0, watermark=p.watermark,
-        frequency_penalty=p.frequency_penalty or 0.0, grammar=grammar, grammar_type=grammar_type)
+        frequency_penalty=p.frequency_penalty or 0.0, grammar=grammar, grammar_type=grammar_type,
+        presence_penalty=p.presence_penalty or 0.0, logit_bias=dict(p.logit_bias or {}))
     request = Request(request_id, inputs, truncate=p.truncate or 0, parameters=params,
-                      stopping_parameters=StoppingCriteriaParameters(new, list(p.stop)),
+                      stopping_parameters=StoppingCriteriaParameters(new, list(p.stop), p.ignore_eos,
+                                                                     p.min_new_tokens or 0),
                       prefill_logprobs=p.decoder_input_details, top_n_tokens=p.top_n_tokens or 0,
                       adapter_id=p.adapter_id or None, add_special_tokens=add_special_tokens)
     return request, length

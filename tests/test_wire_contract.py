@@ -92,6 +92,17 @@ def contract() -> Contract:
     return parse_contract(DESIGN.read_text())
 
 
+# bucketserve's own fields (README "Protocol extensions"): numbered from 1000 so they never meet a TGI field;
+# a TGI shard skips them as unknown fields, and a TGI router leaves them at defaults that change nothing.
+EXTENSION_FROM = 1000
+BUCKETSERVE_EXTENSIONS = {
+    ("NextTokenChooserParameters", Field("presence_penalty", 1000, "", "float")),
+    ("NextTokenChooserParameters", Field("logit_bias_ids", 1001, "repeated", "uint32")),
+    ("NextTokenChooserParameters", Field("logit_bias_values", 1002, "repeated", "float")),
+    ("StoppingCriteriaParameters", Field("min_new_tokens", 1000, "", "uint32")),
+}
+
+
 def test_the_table_was_read_whole(contract):
     assert contract.package == "generate.v3" and contract.service == "TextGenerationService"
     assert len(contract.rpcs) == 8 and set(contract.enums) == {"GrammarType", "FinishReason"}
@@ -126,8 +137,11 @@ def test_compiled_messages_match_the_table(contract):
     assert compiled.package == contract.package and compiled.syntax == "proto3"
     messages = {m.name: [described_field(m, f, contract.package) for f in m.field] for m in compiled.message_type}
     assert set(messages) == set(contract.messages)
+    extensions = {(name, f) for name, fields in messages.items() for f in fields if f.number >= EXTENSION_FROM}
+    assert extensions == BUCKETSERVE_EXTENSIONS
     for name, fields in contract.messages.items():
-        assert sorted(messages[name], key=lambda f: f.number) == sorted(fields, key=lambda f: f.number), name
+        ours = [f for f in messages[name] if f.number < EXTENSION_FROM]
+        assert sorted(ours, key=lambda f: f.number) == sorted(fields, key=lambda f: f.number), name
     enums = {e.name: [(v.name, v.number) for v in e.value] for e in compiled.enum_type}
     assert enums == contract.enums
 

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0egenerate.proto\x12\x0bgenerate.v3\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\r\n\x0bInfoRequest\"\xeb\x01\n\x0cInfoResponse\x12\x18\n\x10requires_padding\x18\x01 \x01(\x08\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x03 \x01(\t\x12\x18\n\x0bwindow_size\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x11\n\tspeculate\x18\x05 \x01(\r\x12\x18\n\x10support_chunking\x18\x06 \x01(\x08\x12\x1a\n\x12use_prefix_caching\x18\x07 \x01(\x08\x12\x16\n\x0e\x61ttention_impl\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\rB\x0e\n\x0c_window_size\"\x19\n\x17ServiceDiscoveryRequest\"(\n\x18ServiceDiscoveryResponse\x12\x0c\n\x04urls\x18\x01 \x03(\t\"+\n\x11\x43learCacheRequest\x12\x0f\n\x02id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x05\n\x03_id\"\x14\n\x12\x43learCacheResponse\"\'\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x10\n\x08mimetype\x18\x02 \x01(\t\"J\n\nInputChunk\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x05image\x18\x02 \x01(\x0b\x32\x12.generate.v3.ImageH\x00\x42\x07\n\x05\x63hunk\"0\n\x05Input\x12\'\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x17.generate.v3.InputChunk\"\x8e\x02\n\x1aNextTokenChooserParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\ttypical_p\x18\x04 \x01(\x02\x12\x11\n\tdo_sample\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x11\n\twatermark\x18\x08 \x01(\x08\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x0f\n\x07grammar\x18\n \x01(\t\x12.\n\x0cgrammar_type\x18\x0b \x01(\x0e\x32\x18.generate.v3.GrammarType\"f\n\x1aStoppingCriteriaParameters\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_sequences\x18\x02 \x03(\t\x12\x18\n\x10ignore_eos_token\x18\x03 \x01(\x08\"\xb0\x03\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0e\n\x06inputs\x18\x02 \x01(\t\x12\x10\n\x08truncate\x18\x03 \x01(\r\x12;\n\nparameters\x18\x04 \x01(\x0b\x32\'.generate.v3.NextTokenChooserParameters\x12\x44\n\x13stopping_parameters\x18\x05 \x01(\x0b\x32\'.generate.v3.StoppingCriteriaParameters\x12\x18\n\x10prefill_logprobs\x18\x06 \x01(\x08\x12\x14\n\x0ctop_n_tokens\x18\x07 \x01(\r\x12(\n\x0cinput_chunks\x18\x08 \x01(\x0b\x32\x12.generate.v3.Input\x12\x0e\n\x06\x62locks\x18\t \x03(\r\x12\r\n\x05slots\x18\n \x03(\r\x12\x17\n\nadapter_id\x18\x0b \x01(\tH\x00\x88\x01\x01\x12\x11\n\tcache_len\x18\x0c \x01(\r\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\r \x01(\x08\x12\x16\n\tchunk_len\x18\x0e \x01(\rH\x01\x88\x01\x01\x42\r\n\x0b_adapter_idB\x0c\n\n_chunk_len\"q\n\x05\x42\x61tch\x12\n\n\x02id\x18\x01 \x01(\x04\x12&\n\x08requests\x18\x02 \x03(\x0b\x32\x14.generate.v3.Request\x12\x0c\n\x04size\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x12\n\nmax_blocks\x18\x05 \x01(\r\"h\n\x0b\x43\x61\x63hedBatch\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\x12\x0c\n\x04size\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x16\n\x0e\x63urrent_tokens\x18\x05 \x01(\r\"\x85\x01\n\rGeneratedText\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.generate.v3.FinishReason\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"J\n\x06Tokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05texts\x18\x03 \x03(\t\x12\x12\n\nis_special\x18\x04 \x03(\x08\"\xe7\x01\n\nGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12+\n\x0eprefill_tokens\x18\x02 \x01(\x0b\x32\x13.generate.v3.Tokens\x12#\n\x06tokens\x18\x03 \x01(\x0b\x32\x13.generate.v3.Tokens\x12\x37\n\x0egenerated_text\x18\x04 \x01(\x0b\x32\x1a.generate.v3.GeneratedTextH\x00\x88\x01\x01\x12\'\n\ntop_tokens\x18\x05 \x03(\x0b\x32\x13.generate.v3.TokensB\x11\n\x0f_generated_text\";\n\x12\x46ilterBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\">\n\x13\x46ilterBatchResponse\x12\'\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x18.generate.v3.CachedBatch\"c\n\x0ePrefillRequest\x12!\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x12.generate.v3.Batch\x12.\n\x0c\x63\x61\x63hed_batch\x18\x02 \x01(\x0b\x32\x18.generate.v3.CachedBatch\"\xd6\x01\n\x0fPrefillResponse\x12,\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x17.generate.v3.Generation\x12,\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x18.generate.v3.CachedBatchH\x00\x88\x01\x01\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\x12\x16\n\tconcat_ns\x18\x06 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_batchB\x0c\n\n_concat_ns\":\n\rDecodeRequest\x12)\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32\x18.generate.v3.CachedBatch\"\xd5\x01\n\x0e\x44\x65\x63odeResponse\x12,\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x17.generate.v3.Generation\x12,\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x18.generate.v3.CachedBatchH\x00\x88\x01\x01\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\x12\x16\n\tconcat_ns\x18\x06 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_batchB\x0c\n\n_concat_ns\"\xb6\x01\n\rWarmupRequest\x12!\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x12.generate.v3.Batch\x12\x1d\n\x10max_input_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x1a\n\x12max_prefill_tokens\x18\x03 \x01(\r\x12\x1d\n\x10max_total_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x42\x13\n\x11_max_input_tokensB\x13\n\x11_max_total_tokens\"\x8c\x01\n\x0eWarmupResponse\x12\'\n\x1amax_supported_total_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10max_input_tokens\x18\x02 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x03 \x01(\rB\x1d\n\x1b_max_supported_total_tokens*S\n\x0bGrammarType\x12\x15\n\x11GRAMMAR_TYPE_NONE\x10\x00\x12\x15\n\x11GRAMMAR_TYPE_JSON\x10\x01\x12\x16\n\x12GRAMMAR_TYPE_REGEX\x10\x02*f\n\x0c\x46inishReason\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x00\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x01\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x02\x32\xf5\x04\n\x15TextGenerationService\x12=\n\x04Info\x12\x18.generate.v3.InfoRequest\x1a\x19.generate.v3.InfoResponse\"\x00\x12\x61\n\x10ServiceDiscovery\x12$.generate.v3.ServiceDiscoveryRequest\x1a%.generate.v3.ServiceDiscoveryResponse\"\x00\x12O\n\nClearCache\x12\x1e.generate.v3.ClearCacheRequest\x1a\x1f.generate.v3.ClearCacheResponse\"\x00\x12R\n\x0b\x46ilterBatch\x12\x1f.generate.v3.FilterBatchRequest\x1a .generate.v3.FilterBatchResponse\"\x00\x12\x43\n\x06Warmup\x12\x1a.generate.v3.WarmupRequest\x1a\x1b.generate.v3.WarmupResponse\"\x00\x12\x46\n\x07Prefill\x12\x1b.generate.v3.PrefillRequest\x1a\x1c.generate.v3.PrefillResponse\"\x00\x12\x43\n\x06\x44\x65\x63ode\x12\x1a.generate.v3.DecodeRequest\x1a\x1b.generate.v3.DecodeResponse\"\x00\x12\x43\n\x06Health\x12\x1a.generate.v3.HealthRequest\x1a\x1b.generate.v3.HealthResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0egenerate.proto\x12\x0bgenerate.v3\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\r\n\x0bInfoRequest\"\xeb\x01\n\x0cInfoResponse\x12\x18\n\x10requires_padding\x18\x01 \x01(\x08\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x03 \x01(\t\x12\x18\n\x0bwindow_size\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x11\n\tspeculate\x18\x05 \x01(\r\x12\x18\n\x10support_chunking\x18\x06 \x01(\x08\x12\x1a\n\x12use_prefix_caching\x18\x07 \x01(\x08\x12\x16\n\x0e\x61ttention_impl\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\rB\x0e\n\x0c_window_size\"\x19\n\x17ServiceDiscoveryRequest\"(\n\x18ServiceDiscoveryResponse\x12\x0c\n\x04urls\x18\x01 \x03(\t\"+\n\x11\x43learCacheRequest\x12\x0f\n\x02id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x05\n\x03_id\"\x14\n\x12\x43learCacheResponse\"\'\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x10\n\x08mimetype\x18\x02 \x01(\t\"J\n\nInputChunk\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x05image\x18\x02 \x01(\x0b\x32\x12.generate.v3.ImageH\x00\x42\x07\n\x05\x63hunk\"0\n\x05Input\x12\'\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x17.generate.v3.InputChunk\"\xde\x02\n\x1aNextTokenChooserParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\ttypical_p\x18\x04 \x01(\x02\x12\x11\n\tdo_sample\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x11\n\twatermark\x18\x08 \x01(\x08\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x0f\n\x07grammar\x18\n \x01(\t\x12.\n\x0cgrammar_type\x18\x0b \x01(\x0e\x32\x18.generate.v3.GrammarType\x12\x19\n\x10presence_penalty\x18\xe8\x07 \x01(\x02\x12\x17\n\x0elogit_bias_ids\x18\xe9\x07 \x03(\r\x12\x1a\n\x11logit_bias_values\x18\xea\x07 \x03(\x02\"\x7f\n\x1aStoppingCriteriaParameters\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_sequences\x18\x02 \x03(\t\x12\x18\n\x10ignore_eos_token\x18\x03 \x01(\x08\x12\x17\n\x0emin_new_tokens\x18\xe8\x07 \x01(\r\"\xb0\x03\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0e\n\x06inputs\x18\x02 \x01(\t\x12\x10\n\x08truncate\x18\x03 \x01(\r\x12;\n\nparameters\x18\x04 \x01(\x0b\x32\'.generate.v3.NextTokenChooserParameters\x12\x44\n\x13stopping_parameters\x18\x05 \x01(\x0b\x32\'.generate.v3.StoppingCriteriaParameters\x12\x18\n\x10prefill_logprobs\x18\x06 \x01(\x08\x12\x14\n\x0ctop_n_tokens\x18\x07 \x01(\r\x12(\n\x0cinput_chunks\x18\x08 \x01(\x0b\x32\x12.generate.v3.Input\x12\x0e\n\x06\x62locks\x18\t \x03(\r\x12\r\n\x05slots\x18\n \x03(\r\x12\x17\n\nadapter_id\x18\x0b \x01(\tH\x00\x88\x01\x01\x12\x11\n\tcache_len\x18\x0c \x01(\r\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\r \x01(\x08\x12\x16\n\tchunk_len\x18\x0e \x01(\rH\x01\x88\x01\x01\x42\r\n\x0b_adapter_idB\x0c\n\n_chunk_len\"q\n\x05\x42\x61tch\x12\n\n\x02id\x18\x01 \x01(\x04\x12&\n\x08requests\x18\x02 \x03(\x0b\x32\x14.generate.v3.Request\x12\x0c\n\x04size\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x12\n\nmax_blocks\x18\x05 \x01(\r\"h\n\x0b\x43\x61\x63hedBatch\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\x12\x0c\n\x04size\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x16\n\x0e\x63urrent_tokens\x18\x05 \x01(\r\"\x85\x01\n\rGeneratedText\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.generate.v3.FinishReason\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"J\n\x06Tokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05texts\x18\x03 \x03(\t\x12\x12\n\nis_special\x18\x04 \x03(\x08\"\xe7\x01\n\nGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12+\n\x0eprefill_tokens\x18\x02 \x01(\x0b\x32\x13.generate.v3.Tokens\x12#\n\x06tokens\x18\x03 \x01(\x0b\x32\x13.generate.v3.Tokens\x12\x37\n\x0egenerated_text\x18\x04 \x01(\x0b\x32\x1a.generate.v3.GeneratedTextH\x00\x88\x01\x01\x12\'\n\ntop_tokens\x18\x05 \x03(\x0b\x32\x13.generate.v3.TokensB\x11\n\x0f_generated_text\";\n\x12\x46ilterBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\">\n\x13\x46ilterBatchResponse\x12\'\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x18.generate.v3.CachedBatch\"c\n\x0ePrefillRequest\x12!\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x12.generate.v3.Batch\x12.\n\x0c\x63\x61\x63hed_batch\x18\x02 \x01(\x0b\x32\x18.generate.v3.CachedBatch\"\xd6\x01\n\x0fPrefillResponse\x12,\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x17.generate.v3.Generation\x12,\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x18.generate.v3.CachedBatchH\x00\x88\x01\x01\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\x12\x16\n\tconcat_ns\x18\x06 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_batchB\x0c\n\n_concat_ns\":\n\rDecodeRequest\x12)\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32\x18.generate.v3.CachedBatch\"\xd5\x01\n\x0e\x44\x65\x63odeResponse\x12,\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x17.generate.v3.Generation\x12,\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x18.generate.v3.CachedBatchH\x00\x88\x01\x01\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x11\n\tdecode_ns\x18\x04 \x01(\x04\x12\x10\n\x08total_ns\x18\x05 \x01(\x04\x12\x16\n\tconcat_ns\x18\x06 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_batchB\x0c\n\n_concat_ns\"\xb6\x01\n\rWarmupRequest\x12!\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x12.generate.v3.Batch\x12\x1d\n\x10max_input_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x1a\n\x12max_prefill_tokens\x18\x03 \x01(\r\x12\x1d\n\x10max_total_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x42\x13\n\x11_max_input_tokensB\x13\n\x11_max_total_tokens\"\x8c\x01\n\x0eWarmupResponse\x12\'\n\x1amax_supported_total_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10max_input_tokens\x18\x02 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x03 \x01(\rB\x1d\n\x1b_max_supported_total_tokens*S\n\x0bGrammarType\x12\x15\n\x11GRAMMAR_TYPE_NONE\x10\x00\x12\x15\n\x11GRAMMAR_TYPE_JSON\x10\x01\x12\x16\n\x12GRAMMAR_TYPE_REGEX\x10\x02*f\n\x0c\x46inishReason\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x00\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x01\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x02\x32\xf5\x04\n\x15TextGenerationService\x12=\n\x04Info\x12\x18.generate.v3.InfoRequest\x1a\x19.generate.v3.InfoResponse\"\x00\x12\x61\n\x10ServiceDiscovery\x12$.generate.v3.ServiceDiscoveryRequest\x1a%.generate.v3.ServiceDiscoveryResponse\"\x00\x12O\n\nClearCache\x12\x1e.generate.v3.ClearCacheRequest\x1a\x1f.generate.v3.ClearCacheResponse\"\x00\x12R\n\x0b\x46ilterBatch\x12\x1f.generate.v3.FilterBatchRequest\x1a .generate.v3.FilterBatchResponse\"\x00\x12\x43\n\x06Warmup\x12\x1a.generate.v3.WarmupRequest\x1a\x1b.generate.v3.WarmupResponse\"\x00\x12\x46\n\x07Prefill\x12\x1b.generate.v3.PrefillRequest\x1a\x1c.generate.v3.PrefillResponse\"\x00\x12\x43\n\x06\x44\x65\x63ode\x12\x1a.generate.v3.DecodeRequest\x1a\x1b.generate.v3.DecodeResponse\"\x00\x12\x43\n\x06Health\x12\x1a.generate.v3.HealthRequest\x1a\x1b.generate.v3.HealthResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GRAMMARTYPE']._serialized_start=3148
-  _globals['_GRAMMARTYPE']._serialized_end=3231
-  _globals['_FINISHREASON']._serialized_start=3233
-  _globals['_FINISHREASON']._serialized_end=3335
+  _globals['_GRAMMARTYPE']._serialized_start=3253
+  _globals['_GRAMMARTYPE']._serialized_end=3336
+  _globals['_FINISHREASON']._serialized_start=3338
+  _globals['_FINISHREASON']._serialized_end=3440
   _globals['_HEALTHREQUEST']._serialized_start=31
   _globals['_HEALTHREQUEST']._serialized_end=46
   _globals['_HEALTHRESPONSE']._serialized_start=48
@@ -58,37 +58,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INPUT']._serialized_start=572
   _globals['_INPUT']._serialized_end=620
   _globals['_NEXTTOKENCHOOSERPARAMETERS']._serialized_start=623
-  _globals['_NEXTTOKENCHOOSERPARAMETERS']._serialized_end=893
-  _globals['_STOPPINGCRITERIAPARAMETERS']._serialized_start=895
-  _globals['_STOPPINGCRITERIAPARAMETERS']._serialized_end=997
-  _globals['_REQUEST']._serialized_start=1000
-  _globals['_REQUEST']._serialized_end=1432
-  _globals['_BATCH']._serialized_start=1434
-  _globals['_BATCH']._serialized_end=1547
-  _globals['_CACHEDBATCH']._serialized_start=1549
-  _globals['_CACHEDBATCH']._serialized_end=1653
-  _globals['_GENERATEDTEXT']._serialized_start=1656
-  _globals['_GENERATEDTEXT']._serialized_end=1789
-  _globals['_TOKENS']._serialized_start=1791
-  _globals['_TOKENS']._serialized_end=1865
-  _globals['_GENERATION']._serialized_start=1868
-  _globals['_GENERATION']._serialized_end=2099
-  _globals['_FILTERBATCHREQUEST']._serialized_start=2101
-  _globals['_FILTERBATCHREQUEST']._serialized_end=2160
-  _globals['_FILTERBATCHRESPONSE']._serialized_start=2162
-  _globals['_FILTERBATCHRESPONSE']._serialized_end=2224
-  _globals['_PREFILLREQUEST']._serialized_start=2226
-  _globals['_PREFILLREQUEST']._serialized_end=2325
-  _globals['_PREFILLRESPONSE']._serialized_start=2328
-  _globals['_PREFILLRESPONSE']._serialized_end=2542
-  _globals['_DECODEREQUEST']._serialized_start=2544
-  _globals['_DECODEREQUEST']._serialized_end=2602
-  _globals['_DECODERESPONSE']._serialized_start=2605
-  _globals['_DECODERESPONSE']._serialized_end=2818
-  _globals['_WARMUPREQUEST']._serialized_start=2821
-  _globals['_WARMUPREQUEST']._serialized_end=3003
-  _globals['_WARMUPRESPONSE']._serialized_start=3006
-  _globals['_WARMUPRESPONSE']._serialized_end=3146
-  _globals['_TEXTGENERATIONSERVICE']._serialized_start=3338
-  _globals['_TEXTGENERATIONSERVICE']._serialized_end=3967
+  _globals['_NEXTTOKENCHOOSERPARAMETERS']._serialized_end=973
+  _globals['_STOPPINGCRITERIAPARAMETERS']._serialized_start=975
+  _globals['_STOPPINGCRITERIAPARAMETERS']._serialized_end=1102
+  _globals['_REQUEST']._serialized_start=1105
+  _globals['_REQUEST']._serialized_end=1537
+  _globals['_BATCH']._serialized_start=1539
+  _globals['_BATCH']._serialized_end=1652
+  _globals['_CACHEDBATCH']._serialized_start=1654
+  _globals['_CACHEDBATCH']._serialized_end=1758
+  _globals['_GENERATEDTEXT']._serialized_start=1761
+  _globals['_GENERATEDTEXT']._serialized_end=1894
+  _globals['_TOKENS']._serialized_start=1896
+  _globals['_TOKENS']._serialized_end=1970
+  _globals['_GENERATION']._serialized_start=1973
+  _globals['_GENERATION']._serialized_end=2204
+  _globals['_FILTERBATCHREQUEST']._serialized_start=2206
+  _globals['_FILTERBATCHREQUEST']._serialized_end=2265
+  _globals['_FILTERBATCHRESPONSE']._serialized_start=2267
+  _globals['_FILTERBATCHRESPONSE']._serialized_end=2329
+  _globals['_PREFILLREQUEST']._serialized_start=2331
+  _globals['_PREFILLREQUEST']._serialized_end=2430
+  _globals['_PREFILLRESPONSE']._serialized_start=2433
+  _globals['_PREFILLRESPONSE']._serialized_end=2647
+  _globals['_DECODEREQUEST']._serialized_start=2649
+  _globals['_DECODEREQUEST']._serialized_end=2707
+  _globals['_DECODERESPONSE']._serialized_start=2710
+  _globals['_DECODERESPONSE']._serialized_end=2923
+  _globals['_WARMUPREQUEST']._serialized_start=2926
+  _globals['_WARMUPREQUEST']._serialized_end=3108
+  _globals['_WARMUPRESPONSE']._serialized_start=3111
+  _globals['_WARMUPRESPONSE']._serialized_end=3251
+  _globals['_TEXTGENERATIONSERVICE']._serialized_start=3443
+  _globals['_TEXTGENERATIONSERVICE']._serialized_end=4072
 # @@protoc_insertion_point(module_scope)

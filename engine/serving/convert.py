@@ -28,14 +28,22 @@ def parameters_from_pb(message: pb.NextTokenChooserParameters, request_id: int) 
         temperature=message.temperature, top_k=message.top_k, top_p=message.top_p, typical_p=message.typical_p,
         do_sample=message.do_sample, seed=message.seed, repetition_penalty=message.repetition_penalty,
         watermark=message.watermark, frequency_penalty=message.frequency_penalty, grammar=message.grammar,
-        grammar_type=grammar_type,
+        grammar_type=grammar_type, presence_penalty=message.presence_penalty,
+        logit_bias=logit_bias_from_pb(message, request_id),
     )
+
+
+def logit_bias_from_pb(message: pb.NextTokenChooserParameters, request_id: int) -> dict[int, float]:
+    ids, values = list(message.logit_bias_ids), list(message.logit_bias_values)
+    if len(ids) != len(values):
+        raise InvalidRequestError(f"request {request_id}: {len(ids)} logit_bias_ids but {len(values)} values")
+    return dict(zip(ids, values))
 
 
 def stopping_from_pb(message: pb.StoppingCriteriaParameters) -> eb.StoppingCriteriaParameters:
     return eb.StoppingCriteriaParameters(
         max_new_tokens=message.max_new_tokens, stop_sequences=list(message.stop_sequences),
-        ignore_eos_token=message.ignore_eos_token,
+        ignore_eos_token=message.ignore_eos_token, min_new_tokens=message.min_new_tokens,
     )
 
 
@@ -127,14 +135,16 @@ def parameters_to_pb(parameters: eb.NextTokenChooserParameters) -> pb.NextTokenC
         typical_p=parameters.typical_p, do_sample=parameters.do_sample, seed=parameters.seed,
         repetition_penalty=parameters.repetition_penalty, watermark=parameters.watermark,
         frequency_penalty=parameters.frequency_penalty, grammar=parameters.grammar,
-        grammar_type=int(parameters.grammar_type),
+        grammar_type=int(parameters.grammar_type), presence_penalty=parameters.presence_penalty,
+        logit_bias_ids=list(parameters.logit_bias), logit_bias_values=list(parameters.logit_bias.values()),
     )
 
 
 def stopping_to_pb(stopping: eb.StoppingCriteriaParameters) -> pb.StoppingCriteriaParameters:
     return pb.StoppingCriteriaParameters(max_new_tokens=stopping.max_new_tokens,
                                          stop_sequences=stopping.stop_sequences,
-                                         ignore_eos_token=stopping.ignore_eos_token)
+                                         ignore_eos_token=stopping.ignore_eos_token,
+                                         min_new_tokens=stopping.min_new_tokens)
 
 
 def request_to_pb(request: eb.Request) -> pb.Request:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from engine.batch import FinishReason, GeneratedText, Generation, GrammarType, Request, Tokens
 from engine.serving.detokenize import decode_next
 from engine.errors import InvalidRequestError
@@ -151,12 +153,22 @@ def _advance(ctx: StepContext, sequences: list[Sequence], logits) -> list[Genera
 
 
 def allowed_tokens(ctx: StepContext, sequences: list[Sequence], logits):
-    """[rows, vocab] mask of grammar-allowed tokens, or None when no row has a grammar."""
-    if all(s.grammar is None for s in sequences):
+    """[rows, vocab] mask of allowed tokens (a grammar's, and no EOS before min_new_tokens), or None when no row
+    restricts its tokens."""
+    early = [i for i, s in enumerate(sequences) if s.generated < s.request.stopping_parameters.min_new_tokens
+             and not (s.grammar is not None and s.grammar.is_complete)]  # a complete grammar may need its EOS
+    if all(s.grammar is None for s in sequences) and not early:
         return None
-    from engine.grammar import allowed_masks  # xgrammar is imported only when a grammar is used
+    if all(s.grammar is None for s in sequences):
+        allowed = torch.ones(logits.shape, dtype=torch.bool)
+    else:
+        from engine.grammar import allowed_masks  # xgrammar is imported only when a grammar is used
 
-    return allowed_masks([s.grammar for s in sequences], logits.shape[1]).to(logits.device)
+        allowed = allowed_masks([s.grammar for s in sequences], logits.shape[1])
+    eos = [t for t in ctx.eos_token_ids if t < logits.shape[1]]
+    if early and eos:
+        allowed[torch.tensor(early).unsqueeze(1), torch.tensor(eos).unsqueeze(0)] = False
+    return allowed.to(logits.device)
 
 
 def _finish_reason(ctx: StepContext, seq: Sequence, token: int, text: str) -> FinishReason | None:

@@ -1,0 +1,71 @@
+"""OpenTelemetry tracing: an in-process router (real scheduler, real shard) with the SDK's in-memory exporter.
+The openai client talks to the app through httpx's ASGI transport."""
+import asyncio
+
+import httpx
+import openai
+import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from router import tracing
+from router.access import AccessConfig
+from router.app import RouterConfig, build_state, create_app
+from router.client import InProcessClient
+from tests.conftest import warmed_llama_shard
+
+
+@pytest.fixture(scope="module")
+def shard(tiny_model_dirs):
+    return warmed_llama_shard(tiny_model_dirs)
+
+
+async def serve_and_call(shard, model_dir, traces, calls):
+    config = RouterConfig("", str(model_dir), "tiny", max_input_tokens=64, max_total_tokens=128,
+                          max_batch_prefill_tokens=128, max_batch_size=4)
+    state = await build_state(config, InProcessClient(shard, max_batch_size=4))
+    try:
+        app = create_app(state, AccessConfig(), traces)
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
+        client = openai.AsyncOpenAI(base_url="http://router/v1", api_key="x", http_client=http, max_retries=0)
+        return await calls(client, app)
+    finally:
+        await state.scheduler.stop()
+
+
+def test_request_span_has_queue_prefill_and_decode_children(shard, tiny_model_dirs):
+    exporter = InMemorySpanExporter()
+    traces = tracing.Tracing.with_processor(SimpleSpanProcessor(exporter))
+
+    async def calls(client, app):
+        response = await client.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0)
+        stream = await client.completions.create(model="tiny", prompt="Hello", max_tokens=4, stream=True)
+        _ = [chunk async for chunk in stream]
+        return response.headers["x-request-id"]
+
+    request_id = asyncio.run(serve_and_call(shard, tiny_model_dirs["llama"], traces, calls))
+    spans = exporter.get_finished_spans()
+    roots = [s for s in spans if s.parent is None]
+    assert sorted(s.name for s in roots) == ["POST /v1/chat/completions", "POST /v1/completions"]
+    chat = next(s for s in roots if s.name == "POST /v1/chat/completions")
+    assert chat.attributes["request_id"] == request_id and chat.attributes["http.response.status_code"] == 200
+    for root in roots:
+        children = sorted((s for s in spans if s.parent is not None and s.parent.span_id == root.context.span_id),
+                          key=lambda s: s.start_time)
+        assert [s.name for s in children] == ["queue", "prefill", "decode"]
+        assert all(s.context.trace_id == root.context.trace_id for s in children)
+        assert root.start_time <= children[0].start_time and children[-1].end_time <= root.end_time
+        assert children[0].end_time <= children[1].start_time + 1000 and children[1].end_time <= children[2].start_time + 1000
+        assert children[2].attributes["generated_tokens"] >= 1
+
+
+def test_off_means_no_middleware_and_an_untouched_stream(shard, tiny_model_dirs):
+    async def calls(client, app):
+        assert "TracingMiddleware" not in [m.cls.__name__ for m in app.user_middleware]
+        assert tracing.SPAN.get() is None
+        stream = object()
+        assert tracing.traced(stream, None, 0.0) is stream
+        return (await client.completions.create(model="tiny", prompt="Hi", max_tokens=2)).choices[0].text
+
+    assert isinstance(asyncio.run(serve_and_call(shard, tiny_model_dirs["llama"], None, calls)), str)
