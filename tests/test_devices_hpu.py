@@ -8,6 +8,7 @@ import torch
 
 from engine.buckets.core import DecodeBucket, PrefillBucket
 from engine.devices import get_adapter
+from engine.devices.cpu import CPUAdapter
 from engine.devices.graph_inputs import GraphInputError
 from engine.devices.hpu import HPUAdapter
 from engine.devices.probe import DeviceError
@@ -169,6 +170,7 @@ def test_collectives_stay_inside_the_layer_graph(habana, monkeypatch, mode):
 
 
 def test_no_step_markers_in_compile_mode_or_on_other_devices(habana, monkeypatch):
+    monkeypatch.setattr(CPUAdapter, "warm_runs_forward", True)  # an eager CPU's warmup runs no forward
     trace = traced_forward(habana, monkeypatch, get_adapter("cpu"), Parallel(0, 2))
     assert "layer" in trace and "mark_step" not in trace
     habana = start_bridge(monkeypatch, lazy_mode="0")
