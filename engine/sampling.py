@@ -288,6 +288,15 @@ def _typical_p_(scores: torch.Tensor, typical_p: list[float]) -> None:
     scores.masked_fill_(_unsort(drop, order), -math.inf)
 
 
+def skip_draws(state: SamplingState, steps: int) -> None:
+    """Advance a request's generator past `steps` steps it already took (each draws one uniform in
+    `_draw` when the request samples): a request resumed after a shard restart then draws what it
+    would have drawn without the restart."""
+    if is_sampling(state.params):
+        for _ in range(steps):
+            torch.rand(1, generator=state.generator, dtype=torch.float64)
+
+
 def _draw(scores: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """One token per row from softmax(scores), by inverting the row's CDF at a uniform from the row's own generator.
 

@@ -7,14 +7,14 @@ is reserved for padding).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 from pathlib import Path
 from dataclasses import dataclass
 
 import uvicorn
-from fastapi import FastAPI, Request as HttpRequest
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from transformers import AutoTokenizer
 
 from engine.config import ServingLimits, default_cache_dir, parse_lora_adapters
@@ -22,16 +22,18 @@ from engine.loader import resolve_model_dir
 from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCriteriaParameters
 from router.allocator import BlockAllocator
 from router.client import GrpcShardClient, ShardClient
+from router.errors import DEFAULT_PAYLOAD_LIMIT, BodyLimit, install_error_handlers
 from router.metrics import RouterMetrics
 from router.openai_api import openai_routes
 from router.scheduler import Scheduler
-from router.state import RouterState, error_response
+from router.state import RouterState
 from router.tgi_api import service_routes, tgi_routes
-from router.validation import MAX_TOP_N_TOKENS, ValidationError
+from router.validation import MAX_TOP_N_TOKENS
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+PARENT_POLL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,8 @@ class RouterConfig:
     max_batch_size: int = 8
     max_concurrent_requests: int = 128
     lora_adapters: tuple[str, ...] = ()  # names the shards loaded, for `adapter_id` / OpenAI `model`
+    payload_limit: int = DEFAULT_PAYLOAD_LIMIT  # request body bytes; a larger body gets 413
+    parent_pid: int | None = None        # stop when this process (the launcher) is gone
 
 
 def warmup_batch(max_input: int, max_prefill: int, max_total: int, max_batch: int) -> Batch:
@@ -94,14 +98,12 @@ def info_dict(config: RouterConfig, info, limits: ServingLimits, result) -> dict
             "version": VERSION, "sha": None, "docker_label": None, "lora_adapters": list(config.lora_adapters)}
 
 
-def create_app(state: RouterState) -> FastAPI:
-    """The HTTP app: TGI's routes, OpenAI's, and the service routes, over one state."""
+def create_app(state: RouterState, payload_limit: int = DEFAULT_PAYLOAD_LIMIT) -> FastAPI:
+    """The HTTP app: TGI's routes, OpenAI's, and the service routes, over one state; every error
+    in the route's shape (router/errors.py)."""
     app = FastAPI(title="bucketserve router")
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(_: HttpRequest, error: RequestValidationError):
-        return error_response(state, ValidationError(str(error.errors())))
-
+    app.add_middleware(BodyLimit, limit=payload_limit, metrics=state.metrics)
+    install_error_handlers(app, state.metrics)
     tgi_routes(app, state)
     openai_routes(app, state)
     service_routes(app, state)
@@ -124,14 +126,26 @@ async def build_state(config: RouterConfig, client: ShardClient) -> RouterState:
 async def serve(config: RouterConfig) -> None:
     client = await GrpcShardClient.connect(config.master_url)
     state = await build_state(config, client)
-    app: FastAPI = create_app(state)
+    app: FastAPI = create_app(state, config.payload_limit)
     server = uvicorn.Server(uvicorn.Config(app, host=config.hostname, port=config.port, log_level="warning"))
     log.info("serving on http://%s:%d", config.hostname, config.port)
+    watcher = asyncio.create_task(watch_parent(config.parent_pid, server)) if config.parent_pid else None
     try:
         await server.serve()
     finally:
+        if watcher is not None:
+            watcher.cancel()
         await state.scheduler.stop()
         await client.close()
+        state.executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def watch_parent(parent_pid: int, server: uvicorn.Server) -> None:
+    """A launcher that was SIGKILLed cannot stop its router: it notices it has a new parent."""
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(PARENT_POLL_S)
+    log.warning("the launcher (pid %d) is gone: stopping", parent_pid)
+    server.should_exit = True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="queued + running requests; beyond it a request gets HTTP 429")
     parser.add_argument("--lora-adapters", default=os.environ.get("LORA_ADAPTERS", ""),
                         help="name=path[,name=path...] as given to the shards (the router needs the names)")
+    parser.add_argument("--payload-limit", type=int, default=DEFAULT_PAYLOAD_LIMIT,
+                        help="largest request body in bytes; a larger one gets HTTP 413 (TGI's flag and default)")
+    parser.add_argument("--parent-pid", type=int, default=os.environ.get("BUCKETSERVE_PARENT_PID"),
+                        help="stop when this process is gone (the launcher sets it)")
     return parser
 
 
@@ -161,7 +179,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     model_id = args.model_id or (args.tokenizer if args.tokenizer else EMBEDDED_MODEL_NAME)
     return RouterConfig(url, tokenizer, model_id, args.hostname, args.port,
                         args.max_input_tokens, args.max_total_tokens, args.max_batch_prefill_tokens,
-                        args.max_batch_size, args.max_concurrent_requests, adapter_names(args.lora_adapters))
+                        args.max_batch_size, args.max_concurrent_requests, adapter_names(args.lora_adapters),
+                        args.payload_limit, args.parent_pid)
 
 
 def adapter_names(spec: str) -> tuple[str, ...]:
