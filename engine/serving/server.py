@@ -162,7 +162,8 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         batch = convert.batch_from_pb(request.batch)
         cached = convert.cached_batch_from_pb(request.cached_batch) if request.HasField("cached_batch") else None
         resume = resume_from_metadata(context.invocation_metadata())
-        result, timings, stats = await self.step(self.shard.prefill, batch, cached, resume)
+        extra = (resume,) if resume else ()  # only resumes need the shard to know of them
+        result, timings, stats = await self.step(self.shard.prefill, batch, cached, *extra)
         context.set_trailing_metadata(stats_metadata(stats))
         return step_response(pb.PrefillResponse, result, timings)
 
