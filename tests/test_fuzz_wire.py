@@ -15,42 +15,69 @@ from tests.test_equivalence import PROMPTS, reference_tokens
 from tests.test_server import (NEW_TOKENS, collect, drain, prompt_request, short_socket_dir, start_cli_server,
                                stop_cli_server, tgi_warmup_request, wait_until_serving)
 
-EXAMPLES = 60
+EXAMPLES = 40
 CALLS_PER_EXAMPLE = 8
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION}
-NUM_BLOCKS_GUESS = 64  # blocks drawn around the cache's end as well as inside it
 
 u32 = st.one_of(st.integers(0, 40), st.integers(0, 2**32 - 1))
 u64 = st.one_of(st.integers(0, 8), st.integers(0, 2**64 - 1))
 f32 = st.floats(width=32, allow_nan=True, allow_infinity=True)
-blocks = st.lists(st.one_of(st.integers(0, 12), st.integers(0, 2**32 - 1)), max_size=8)
 texts = st.one_of(st.sampled_from(PROMPTS), st.text(max_size=30))
+SANE = pb.NextTokenChooserParameters(temperature=1.0, top_p=1.0, typical_p=1.0, repetition_penalty=1.0)
 
-parameters = st.builds(pb.NextTokenChooserParameters, temperature=f32, top_k=u32, top_p=f32, typical_p=f32,
-                       do_sample=st.booleans(), seed=u64, repetition_penalty=f32, watermark=st.booleans(),
-                       frequency_penalty=f32, grammar=st.sampled_from(["", "[a-z]+", "(unclosed", '{"type": "object"}']),
-                       grammar_type=st.integers(0, 3))
-stopping = st.builds(pb.StoppingCriteriaParameters, max_new_tokens=u32, stop_sequences=st.lists(st.text(max_size=5), max_size=2),
-                     ignore_eos_token=st.booleans())
-requests = st.builds(lambda i, text, truncate, params, stop, logprobs, top_n, b, slots, cache_len, chunk: pb.Request(
-    id=i, inputs=text, input_chunks=pb.Input(chunks=[pb.InputChunk(text=text)]), truncate=truncate, parameters=params,
-    stopping_parameters=stop, prefill_logprobs=logprobs, top_n_tokens=top_n, blocks=b, slots=slots, cache_len=cache_len,
-    chunk_len=chunk), u64, texts, u32, parameters, stopping, st.booleans(), u32, blocks,
-    st.lists(st.integers(0, 300), max_size=40), st.one_of(st.just(0), u32), st.one_of(st.none(), u32))
+# Each part is either what a router would send or anything at all, so that sequences reach the
+# shard's deeper states (live batches, router-assigned blocks) as well as its first checks.
+random_parameters = st.builds(pb.NextTokenChooserParameters, temperature=f32, top_k=u32, top_p=f32, typical_p=f32,
+                              do_sample=st.booleans(), seed=u64, repetition_penalty=f32, watermark=st.booleans(),
+                              frequency_penalty=f32,
+                              grammar=st.sampled_from(["", "[a-z]+", "(unclosed", "[^\\s\\S]", '{"type": "object"}']),
+                              grammar_type=st.integers(0, 3))
+parameters = st.one_of(st.just(SANE), random_parameters)
+stopping = st.one_of(
+    st.builds(lambda n: pb.StoppingCriteriaParameters(max_new_tokens=n, ignore_eos_token=True), st.integers(1, 20)),
+    st.builds(pb.StoppingCriteriaParameters, max_new_tokens=u32, stop_sequences=st.lists(st.text(max_size=5), max_size=2),
+              ignore_eos_token=st.booleans()))
+
+
+def block_lists(num_blocks: int):
+    """Router-assigned blocks: none (the shard allocates), inside the cache, or around its ends."""
+    inside = st.lists(st.integers(1, num_blocks - 1), min_size=3, max_size=6)
+    edges = st.lists(st.sampled_from([0, 1, num_blocks - 1, num_blocks, num_blocks + 7, 2**32 - 1]), min_size=1, max_size=6)
+    return st.one_of(st.just([]), inside, edges)
+
+
+def requests(num_blocks: int):
+    """Half are a router's requests with random ids, blocks and slots; half are random in every field."""
+    def build(i, text, truncate, params, stop, logprobs, top_n, b, slots, cache_len, chunk):
+        return pb.Request(id=i, inputs=text, input_chunks=pb.Input(chunks=[pb.InputChunk(text=text)]), truncate=truncate,
+                          parameters=params, stopping_parameters=stop, prefill_logprobs=logprobs, top_n_tokens=top_n,
+                          blocks=b, slots=slots, cache_len=cache_len, chunk_len=chunk)
+
+    slots = st.one_of(st.just([]), st.lists(st.integers(0, 16 * num_blocks + 40), max_size=40))
+    routers = st.builds(build, st.integers(0, 6), st.sampled_from(PROMPTS), st.just(0), st.just(SANE), stopping,
+                        st.booleans(), st.integers(0, 2), block_lists(num_blocks), slots, st.just(0), st.none())
+    anything = st.builds(build, st.integers(0, 6), texts, u32, parameters, stopping, st.booleans(), u32,
+                         block_lists(num_blocks), slots, u32, st.one_of(st.none(), u32))
+    return st.one_of(routers, anything)
+
+
 batch_ids = st.integers(0, 4)
 cached_batches = st.builds(lambda i, ids, size: pb.CachedBatch(id=i, request_ids=ids, size=size),
-                           batch_ids, st.lists(u64, max_size=3), u32)
-calls = st.one_of(
-    st.builds(lambda i, rs, c: ("Prefill", pb.PrefillRequest(batch=pb.Batch(id=i, requests=rs, size=len(rs)),
-                                                             cached_batch=c)),
-              batch_ids, st.lists(requests, min_size=1, max_size=3), st.one_of(st.none(), cached_batches)),
-    st.builds(lambda bs: ("Decode", pb.DecodeRequest(batches=bs)), st.lists(cached_batches, max_size=3)),
-    st.builds(lambda i, ids: ("FilterBatch", pb.FilterBatchRequest(batch_id=i, request_ids=ids)),
-              batch_ids, st.lists(u64, max_size=3)),
-    st.builds(lambda i: ("ClearCache", pb.ClearCacheRequest(id=i) if i is not None else pb.ClearCacheRequest()),
-              st.one_of(st.none(), batch_ids)),
-)
+                           batch_ids, st.lists(st.integers(0, 6), max_size=3), u32)
+
+
+def calls(num_blocks: int):
+    return st.one_of(
+        st.builds(lambda i, rs, c: ("Prefill", pb.PrefillRequest(batch=pb.Batch(id=i, requests=rs, size=len(rs)),
+                                                                 cached_batch=c)),
+                  batch_ids, st.lists(requests(num_blocks), min_size=1, max_size=3), st.one_of(st.none(), cached_batches)),
+        st.builds(lambda bs: ("Decode", pb.DecodeRequest(batches=bs)), st.lists(cached_batches, max_size=3)),
+        st.builds(lambda i, ids: ("FilterBatch", pb.FilterBatchRequest(batch_id=i, request_ids=ids)),
+                  batch_ids, st.lists(st.integers(0, 6), max_size=3)),
+        st.builds(lambda i: ("ClearCache", pb.ClearCacheRequest(id=i) if i is not None else pb.ClearCacheRequest()),
+                  st.one_of(st.none(), batch_ids)),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +87,8 @@ def shard_stub(tiny_model_dirs):
     try:
         channel = wait_until_serving(process, f"unix://{base}/s-0", base / "s")
         stub = pb_grpc.TextGenerationServiceStub(channel)
-        stub.Warmup(tgi_warmup_request(64, 128, 128, 4))
-        yield stub, process
+        capacity = stub.Warmup(tgi_warmup_request(64, 128, 128, 4)).max_supported_total_tokens
+        yield stub, process, capacity // 16 + 1
         channel.close()
     finally:
         stop_cli_server(process)
@@ -69,12 +96,12 @@ def shard_stub(tiny_model_dirs):
 
 
 def test_random_calls_never_break_the_shard(shard_stub, tiny_model_dirs, capsys):
-    stub, process = shard_stub
+    stub, process, num_blocks = shard_stub
     counts: dict[str, int] = {}
 
     @settings(max_examples=EXAMPLES, deadline=timedelta(seconds=30), derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(sequence=st.lists(calls, min_size=1, max_size=CALLS_PER_EXAMPLE))
+    @given(sequence=st.lists(calls(num_blocks), min_size=1, max_size=CALLS_PER_EXAMPLE))
     def one(sequence):
         stub.ClearCache(pb.ClearCacheRequest(), timeout=30)
         for method, request in sequence:
