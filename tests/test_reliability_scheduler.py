@@ -108,3 +108,26 @@ def test_requests_mid_generation_resume_after_a_restart(shard, warmed, expected,
     assert outputs == [expected[0][:30], expected[1][:30]]  # no token twice, none missing
     assert len(prefills) >= 2 and allocator.idle and not shard.batches
 
+
+
+def test_a_seeded_sampled_request_resumes_with_the_tokens_it_would_have_drawn(shard, warmed):
+    lengths = warmed[2]
+
+    def sampled():
+        request = make_request(0, 24)
+        request.parameters = NextTokenChooserParameters(do_sample=True, seed=7, temperature=1.3)
+        return request
+
+    async def body(scheduler, client):
+        return await consume(scheduler.submit(sampled(), lengths[0]))
+
+    async def restarted(scheduler, client):
+        stream = scheduler.submit(sampled(), lengths[0])
+        await wait_for(lambda: not scheduler.available)
+        client.down = False
+        return await consume(stream)
+
+    alone = asyncio.run(with_scheduler(shard, full_allocator(warmed[1]), body))
+    resumed = asyncio.run(with_scheduler(shard, full_allocator(warmed[1]), restarted,
+                                         make_client=lambda inner: RestartingClient(inner, 5)))
+    assert resumed == alone and len(alone) == 24
