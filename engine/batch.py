@@ -27,7 +27,7 @@ class NextTokenChooserParameters:
     top_p: float = 1.0
     typical_p: float = 1.0
     do_sample: bool = False
-    seed: int = 0
+    seed: int | None = None  # None: unset (a direct caller's); on the wire every value is a seed, 0 too
     repetition_penalty: float = 1.0
     watermark: bool = False
     frequency_penalty: float = 0.0

@@ -43,7 +43,7 @@ def validate_parameters(request_id: int, params: NextTokenChooserParameters) -> 
         ("repetition_penalty", p.repetition_penalty,
          math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0, "a finite number > 0"),
         ("frequency_penalty", p.frequency_penalty, math.isfinite(p.frequency_penalty), "finite"),
-        ("seed", p.seed, 0 <= p.seed <= _MAX_SEED, "in [0, 2**64)"),
+        ("seed", p.seed, p.seed is None or 0 <= p.seed <= _MAX_SEED, "in [0, 2**64)"),
         ("presence_penalty", p.presence_penalty, math.isfinite(p.presence_penalty), "finite"),
         ("logit_bias", p.logit_bias, all(math.isfinite(v) for v in p.logit_bias.values()), "finite"),
     )
@@ -75,13 +75,14 @@ class SamplingState:
 def new_sampling_state(params: NextTokenChooserParameters, request_id: int, unset_seed: int | None = None) -> SamplingState:
     """Validate `params` and seed the request's generator.
 
-    seed 0 means "unset" (the dataclass default), so it is replaced by `unset_seed`, else by a fresh random 64-bit
-    seed. TGI's router always sends a seed, so this only happens for direct callers. Shards of one model must draw the
+    seed None means "unset" (the dataclass default), so it is replaced by `unset_seed`, else by a fresh random 64-bit
+    seed; 0 is a seed like any other, as on the wire. TGI's router always sends a seed, so None only comes from
+    direct callers. Shards of one model must draw the
     same token, so a sharded engine passes an `unset_seed` that every rank agrees on.
     """
     validate_parameters(request_id, params)
     fallback = unset_seed if unset_seed is not None else secrets.randbits(64)
-    seed = params.seed if params.seed != 0 else fallback
+    seed = params.seed if params.seed is not None else fallback
     generator = torch.Generator(device="cpu")
     generator.manual_seed(seed)
     return SamplingState(params, seed, generator)
@@ -320,6 +321,15 @@ def _typical_p_(scores: torch.Tensor, typical_p: list[float]) -> None:
     drop = nearest > nearest.gather(1, last_kept)   # ties with the last kept token stay, as in TGI
     drop &= _active(typical_p, scores)
     scores.masked_fill_(_unsort(drop, order), -math.inf)
+
+
+def skip_draws(state: SamplingState, steps: int) -> None:
+    """Advance a request's generator past `steps` steps it already took (each draws one uniform in
+    `_draw` when the request samples): a request resumed after a shard restart then draws what it
+    would have drawn without the restart."""
+    if is_sampling(state.params):
+        for _ in range(steps):
+            torch.rand(1, generator=state.generator, dtype=torch.float64)
 
 
 def _draw(scores: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:

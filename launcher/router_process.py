@@ -30,7 +30,7 @@ class RouterProcess:
     def __init__(self, config: LauncherConfig, console: Console):
         self.config, self.console = config, console
         command = [sys.executable, "-m", "router", *config.router_args()]
-        env = config.router_environment(os.environ)
+        env = {**config.router_environment(os.environ), "BUCKETSERVE_PARENT_PID": str(os.getpid())}  # it stops without us
         self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, start_new_session=True)
         self.log = LogTail(self.process.stdout, lambda text: console.line(f"[router] {text}"))

@@ -94,7 +94,9 @@ class ShardGroup:
 
     def _env(self, rank: int) -> dict[str, str]:
         env = child_environment(os.environ, drop=INHERITED_VARS_DROPPED)
+        # BUCKETSERVE_PARENT_PID: a shard stops by itself once this launcher is gone (even SIGKILLed).
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(self.config.num_shard),
+                   BUCKETSERVE_PARENT_PID=str(os.getpid()),
                    MASTER_ADDR=MASTER_ADDR, MASTER_PORT=str(self.master_port),
                    MAX_BATCH_SIZE=str(self.config.max_batch_size))
         env.update(self.device.env(rank))

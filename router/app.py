@@ -7,14 +7,14 @@ is reserved for padding).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 from pathlib import Path
 from dataclasses import dataclass
 
 import uvicorn
-from fastapi import FastAPI, Request as HttpRequest
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from transformers import AutoTokenizer
 
 from engine.config import ServingLimits, default_cache_dir, parse_lora_adapters
@@ -24,16 +24,18 @@ from router.access import AccessConfig, access_from_args, add_access_args, insta
 from router import tracing
 from router.allocator import BlockAllocator
 from router.client import GrpcShardClient, ShardClient
+from router.errors import DEFAULT_PAYLOAD_LIMIT, BodyLimit, install_error_handlers
 from router.metrics import RouterMetrics
 from router.openai_api import openai_routes
 from router.scheduler import Scheduler
-from router.state import RouterState, error_response
+from router.state import RouterState
 from router.tgi_api import service_routes, tgi_routes
-from router.validation import MAX_TOP_N_TOKENS, ValidationError
+from router.validation import MAX_TOP_N_TOKENS
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+PARENT_POLL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class RouterConfig:
     lora_adapters: tuple[str, ...] = ()  # names the shards loaded, for `adapter_id` / OpenAI `model`
     access: AccessConfig = AccessConfig()
     otlp_endpoint: str | None = None     # OpenTelemetry collector (gRPC); None: no tracing at all
+    payload_limit: int = DEFAULT_PAYLOAD_LIMIT  # request body bytes; a larger body gets 413
+    parent_pid: int | None = None        # stop when this process (the launcher) is gone
 
 
 def warmup_batch(max_input: int, max_prefill: int, max_total: int, max_batch: int) -> Batch:
@@ -99,17 +103,15 @@ def info_dict(config: RouterConfig, info, limits: ServingLimits, result) -> dict
             "version": VERSION, "sha": None, "docker_label": None, "lora_adapters": list(config.lora_adapters)}
 
 
-def create_app(state: RouterState, access: AccessConfig = AccessConfig(),
-               traces: tracing.Tracing | None = None) -> FastAPI:
-    """The HTTP app: TGI's routes, OpenAI's, and the service routes, over one state."""
+def create_app(state: RouterState, access: AccessConfig = AccessConfig(), traces: tracing.Tracing | None = None,
+               payload_limit: int = DEFAULT_PAYLOAD_LIMIT) -> FastAPI:
+    """The HTTP app: TGI's routes, OpenAI's, and the service routes, over one state; every error
+    in the route's shape (router/errors.py)."""
     app = FastAPI(title="bucketserve router")
+    app.add_middleware(BodyLimit, limit=payload_limit, metrics=state.metrics)
     tracing.install(app, traces)   # inside the access middleware, which names the request first
     install(app, access)
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(_: HttpRequest, error: RequestValidationError):
-        return error_response(state, ValidationError(str(error.errors())))
-
+    install_error_handlers(app, state.metrics)
     tgi_routes(app, state)
     openai_routes(app, state)
     service_routes(app, state)
@@ -133,14 +135,26 @@ async def serve(config: RouterConfig) -> None:
     client = await GrpcShardClient.connect(config.master_url)
     state = await build_state(config, client)
     traces = tracing.Tracing.to_otlp(config.otlp_endpoint) if config.otlp_endpoint else None
-    app: FastAPI = create_app(state, config.access, traces)
+    app: FastAPI = create_app(state, config.access, traces, config.payload_limit)
     server = uvicorn.Server(uvicorn.Config(app, host=config.hostname, port=config.port, log_level="warning"))
     log.info("serving on http://%s:%d", config.hostname, config.port)
+    watcher = asyncio.create_task(watch_parent(config.parent_pid, server)) if config.parent_pid else None
     try:
         await server.serve()
     finally:
+        if watcher is not None:
+            watcher.cancel()
         await state.scheduler.stop()
         await client.close()
+        state.executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def watch_parent(parent_pid: int, server: uvicorn.Server) -> None:
+    """A launcher that was SIGKILLed cannot stop its router: it notices it has a new parent."""
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(PARENT_POLL_S)
+    log.warning("the launcher (pid %d) is gone: stopping", parent_pid)
+    server.should_exit = True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_access_args(parser)
     parser.add_argument("--otlp-endpoint", help="send OpenTelemetry traces to this OTLP gRPC collector, "
                                                 "e.g. http://localhost:4317 (default: no tracing)")
+    parser.add_argument("--payload-limit", type=int, default=DEFAULT_PAYLOAD_LIMIT,
+                        help="largest request body in bytes; a larger one gets HTTP 413 (TGI's flag and default)")
+    parser.add_argument("--parent-pid", type=int, default=os.environ.get("BUCKETSERVE_PARENT_PID"),
+                        help="stop when this process is gone (the launcher sets it)")
     return parser
 
 
@@ -174,7 +192,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(url, tokenizer, model_id, args.hostname, args.port,
                         args.max_input_tokens, args.max_total_tokens, args.max_batch_prefill_tokens,
                         args.max_batch_size, args.max_concurrent_requests, adapter_names(args.lora_adapters),
-                        access_from_args(args), args.otlp_endpoint)
+                        access_from_args(args), args.otlp_endpoint,
+                        args.payload_limit, args.parent_pid)
 
 
 def adapter_names(spec: str) -> tuple[str, ...]:

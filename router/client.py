@@ -20,7 +20,7 @@ from engine.serving import convert
 from engine.batch import Batch, CachedBatch, Generation, InfoResponse, WarmupResult
 from engine.pb import generate_pb2 as pb
 from engine.pb import generate_pb2_grpc as pb_grpc
-from engine.serving.server import MAX_MESSAGE_BYTES, STATS_METADATA_KEY, status_for
+from engine.serving.server import MAX_MESSAGE_BYTES, STATS_METADATA_KEY, resume_metadata, status_for
 
 StepResult = tuple[list[Generation], CachedBatch | None]
 
@@ -39,7 +39,10 @@ class ShardClient(Protocol):
     async def warmup(self, batch: Batch | None, max_input_tokens: int | None, max_prefill_tokens: int,
                      max_total_tokens: int | None) -> WarmupResult: ...
 
-    async def prefill(self, batch: Batch, cached: CachedBatch | None = None) -> StepResult: ...
+    async def prefill(self, batch: Batch, cached: CachedBatch | None = None,
+                      resume: dict[int, list[int]] | None = None) -> StepResult:
+        """`resume`: request id -> the tokens it generated before the shards restarted; only
+        clients whose `resumes` is true accept it."""
 
     async def decode(self, batches: list[CachedBatch]) -> StepResult: ...
 
@@ -85,6 +88,8 @@ class GrpcShardClient:
         self.channels = [grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS) for url in self.urls]
         self.stubs = [pb_grpc.TextGenerationServiceStub(channel) for channel in self.channels]
         self._stats: dict[str, int] | None = None
+        # Our shards send stats with every step and read resumed tokens; TGI's shards do neither.
+        self.resumes = False
 
     @classmethod
     async def connect(cls, master_url: str, timeout: float | None = None) -> GrpcShardClient:
@@ -96,11 +101,11 @@ class GrpcShardClient:
                 raise ShardError(error.code(), f"ServiceDiscovery on {master_url}: {error.details()}") from None
         return cls(list(response.urls), timeout)
 
-    async def _all(self, method: str, request) -> list:
+    async def _all(self, method: str, request, metadata=None) -> list:
         """The responses of every shard, in rank order; the first shard's error if any failed.
 
         All calls run to their end before an error is raised, so no RPC is left in flight."""
-        calls = [getattr(stub, method)(request, timeout=self.timeout) for stub in self.stubs]
+        calls = [getattr(stub, method)(request, timeout=self.timeout, metadata=metadata) for stub in self.stubs]
         responses = await asyncio.gather(*calls, return_exceptions=True)
         # A dead rank first: the others then fail in their collectives, which says less.
         order = sorted(zip(self.urls, responses), key=lambda pair: not is_unavailable(pair[1]))
@@ -117,7 +122,7 @@ class GrpcShardClient:
         # Our shards send their stats as trailing metadata; other v3 shards (TGI's) send none.
         for key, value in await call.trailing_metadata() or ():
             if key == STATS_METADATA_KEY:
-                self._stats = json.loads(value)
+                self._stats, self.resumes = json.loads(value), True
 
     def serving_stats(self) -> dict[str, int] | None:
         return self._stats
@@ -130,10 +135,11 @@ class GrpcShardClient:
         request = convert.warmup_request_to_pb(batch, max_input_tokens, max_prefill_tokens, max_total_tokens)
         return minimum_warmup([convert.warmup_from_pb(r) for r in await self._all("Warmup", request)])
 
-    async def prefill(self, batch: Batch, cached: CachedBatch | None = None) -> StepResult:
+    async def prefill(self, batch: Batch, cached: CachedBatch | None = None,
+                      resume: dict[int, list[int]] | None = None) -> StepResult:
         request = pb.PrefillRequest(batch=convert.batch_to_pb(batch),
                                     cached_batch=convert.cached_batch_to_pb(cached) if cached else None)
-        return step_result(await self._all("Prefill", request))
+        return step_result(await self._all("Prefill", request, resume_metadata(resume) if resume else None))
 
     async def decode(self, batches: list[CachedBatch]) -> StepResult:
         request = pb.DecodeRequest(batches=[convert.cached_batch_to_pb(b) for b in batches])
@@ -171,6 +177,8 @@ class InProcessClient:
     """A Shard in this process. Its methods are synchronous and not thread-safe: they run one at a
     time on a single worker thread, which keeps the event loop free while a step computes."""
 
+    resumes = True
+
     def __init__(self, shard, max_batch_size: int | None = None):
         self.shard, self.max_batch_size = shard, max_batch_size
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard")
@@ -204,8 +212,10 @@ class InProcessClient:
 
     # The shard keeps the requests it was given: copies keep the router's later edits away from it,
     # as the wire would.
-    async def prefill(self, batch: Batch, cached: CachedBatch | None = None) -> StepResult:
-        return await self._call("Prefill", self.shard.prefill, copy.deepcopy(batch), copy.deepcopy(cached))
+    async def prefill(self, batch: Batch, cached: CachedBatch | None = None,
+                      resume: dict[int, list[int]] | None = None) -> StepResult:
+        return await self._call("Prefill", self.shard.prefill, copy.deepcopy(batch), copy.deepcopy(cached),
+                                copy.deepcopy(resume))
 
     async def decode(self, batches: list[CachedBatch]) -> StepResult:
         return await self._call("Decode", self.shard.decode, copy.deepcopy(batches))

@@ -19,9 +19,14 @@ from engine.batch import FinishReason, Generation
 from router import chat, tools
 from router.tools import Tool, ToolChoice, ToolPlan
 from router.state import RouterState, collect, error_payload, error_response, events, finite, submit
-from router.validation import Grammar, Parameters, ValidationError, check
+from router.validation import Grammar, Parameters, ValidationError, check, check_text
 
 MAX_TOP_LOGPROBS = 5
+MAX_MESSAGES = 1024  # per chat request: the template renders every one of them
+# OpenAI fields we do not implement are refused (422 naming them), not silently ignored, unless they
+# hold their no-op value. These only label a request and change nothing in its answer:
+LABELS = {"user", "metadata", "store", "service_tier"}
+NO_OP_VALUES = (None, 0, 0.0, False, "", "none", [], {})
 
 
 class Message(BaseModel):
@@ -38,8 +43,8 @@ class StreamOptions(BaseModel):
 
 
 class Sampling(BaseModel):
-    """The fields both completion APIs share."""
-    model_config = ConfigDict(extra="ignore")
+    """The fields both completion APIs share; the others are kept to be refused (`check_implemented`)."""
+    model_config = ConfigDict(extra="allow")
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -115,15 +120,28 @@ def response_grammar(response_format: dict | None) -> Grammar | None:
     raise ValidationError(f"`response_format.type` {kind!r} is not supported (text, json_object, json_schema)")
 
 
+def check_implemented(body: Sampling) -> None:
+    unknown = sorted(name for name, value in (body.model_extra or {}).items()
+                     if name not in LABELS and not any(value == v and type(value) is type(v) for v in NO_OP_VALUES))
+    check(not unknown, f"not implemented: {', '.join(f'`{name}`' for name in unknown)} "
+                       "(leave them out, or send their default)")
+
+
 def chat_prompt(state: RouterState, body: ChatRequest) -> str:
+    """The prompt of a conversation, its tools included (on a validation thread: templating is CPU work)."""
+    check(len(body.messages) <= MAX_MESSAGES,
+          f"`messages` may hold up to {MAX_MESSAGES} messages. Given: {len(body.messages)}")
     messages = [chat.template_message(m.role, message_text(m), m.tool_calls, m.tool_call_id, m.name)
                 for m in body.messages]
+    for message in messages:
+        check_text("messages", message["role"] + message["content"])
     return chat.render(state.tokenizer, messages, body.tool_plan().tools)
 
 
 def message_text(message: Message) -> str:
     if isinstance(message.content, list):  # content parts: only text ones are understood
-        check(all(p.get("type") == "text" for p in message.content), "only text content parts are supported")
+        check(all(isinstance(p.get("text", ""), str) and p.get("type") == "text" for p in message.content),
+              "only text content parts are supported")
         return "".join(p.get("text", "") for p in message.content)
     return message.content or ""
 
@@ -188,7 +206,7 @@ def sse(payload: Any) -> str:
 
 
 def error_event(error: Exception) -> str:
-    return sse(error_payload(error))
+    return sse(error_payload(error, openai=True))
 
 
 # --- chat completions -----------------------------------------------------------------------------
@@ -261,13 +279,16 @@ class ChatChunks:
 async def chat_completions(state: RouterState, body: ChatRequest, http_request: HttpRequest):
     envelope = Envelope(state, body, "chat.completion", "chatcmpl")
     try:
-        prompt = chat_prompt(state, body)
+        check_implemented(body)
+        state.scheduler.check_admission()  # before templating
+        prompt = await state.offload(chat_prompt, state, body)
         # The chat template already wrote the special tokens the model expects.
-        generations, length, stream = submit(state, prompt, chat_parameters(state, body), add_special_tokens=False)
+        generations, length, stream = await submit(state, prompt, chat_parameters(state, body),
+                                                   add_special_tokens=False)
         if not body.stream:
             return JSONResponse(chat_response(envelope, body, await collect(state, generations, stream), length))
     except Exception as error:  # noqa: BLE001 - every failure gets an error body
-        return error_response(state, error)
+        return error_response(state, error, openai=True)
     envelope.kind = "chat.completion.chunk"
     render = ChatChunks(envelope, body, length)
     return StreamingResponse(events(state, http_request, generations, stream, render, error_event),
@@ -304,17 +325,18 @@ def completion_choice(body: CompletionRequest, prompt: str, generations: list[Ge
 async def completions(state: RouterState, body: CompletionRequest, http_request: HttpRequest):
     envelope = Envelope(state, body, "text_completion", "cmpl")
     try:
+        check_implemented(body)
         prompt, top = completion_prompt(body), body.logprobs or 0
         check(not (body.echo and body.stream), "`echo` is not supported with `stream`")
         check(0 <= top <= MAX_TOP_LOGPROBS, f"`logprobs` must be >= 0 and <= {MAX_TOP_LOGPROBS}. Given: {top}")
-        generations, length, stream = submit(state, prompt, parameters(state, body, body.max_tokens, top))
+        generations, length, stream = await submit(state, prompt, parameters(state, body, body.max_tokens, top))
         if not body.stream:
             done = await collect(state, generations, stream)
             last = done[-1]
             choice = completion_choice(body, prompt, done, last.generated_text.text, finish_reason(last))
             return JSONResponse(envelope.wrap([choice], usage=usage(length, last.generated_text.generated_tokens)))
     except Exception as error:  # noqa: BLE001
-        return error_response(state, error)
+        return error_response(state, error, openai=True)
 
     streamed = StreamedText()
 

@@ -24,21 +24,12 @@ import grpc
 
 from engine.batch import Batch, CachedBatch, Generation, Request
 from engine.config import ServingLimits
+from router.admission import Overloaded, ShardsUnavailable, check_request  # noqa: F401 - raised by submit
 from router.allocator import BlockAllocator
 from router.client import ShardClient, ShardError
 from router.streams import RequestCancelled, RequestStream, Entry
 
 log = logging.getLogger(__name__)
-
-
-class Overloaded(Exception):
-    """Too many requests are queued or running: the caller should retry later (HTTP 429)."""
-
-
-class ShardsUnavailable(Exception):
-    """The shards cannot be reached (restarting, or gone): nothing new is accepted (HTTP 503)."""
-
-
 RECOVERY_POLL_S = 0.5
 
 
@@ -100,40 +91,27 @@ class Scheduler:
     def submit(self, request: Request, input_length: int) -> RequestStream:
         """Queue a request (without blocks: the scheduler allocates them) and return its stream.
         Raises ValueError for a request that can never run, Overloaded or ShardsUnavailable."""
-        self._validate(request, input_length)
-        if not self.available:
-            raise ShardsUnavailable("the shards are unavailable (restarting?): retry later")
-        if len(self._entries) >= self.limits.max_concurrent_requests:
-            raise Overloaded(f"Model is overloaded: {len(self._entries)} requests are queued or running")
+        if request.id in self._entries:
+            raise ValueError(f"request id {request.id} is already in use")
+        check_request(request, input_length, self.limits, self.allocator)
+        self.check_admission()
         entry = Entry(request, input_length)
         self._entries[request.id] = entry
         self._queue.append(entry)
         self._wake.set()
         return RequestStream(self, entry)
 
+    def check_admission(self) -> None:
+        """Raise Overloaded or ShardsUnavailable now: callers ask before expensive work (tokenizing)."""
+        if not self.available:
+            raise ShardsUnavailable("the shards are unavailable (restarting?): retry later")
+        if len(self._entries) >= self.limits.max_concurrent_requests:
+            raise Overloaded(f"Model is overloaded: {len(self._entries)} requests are queued or running")
+
     def cancel(self, request_id: int) -> None:
         entry = self._entries.get(request_id)
         if entry is not None:
             self._cancel_entry(entry)
-
-    def _validate(self, request: Request, input_length: int) -> None:
-        """Refuse what could never run: such a request would otherwise wait at the head forever."""
-        limits, max_new = self.limits, request.stopping_parameters.max_new_tokens
-        if request.blocks or request.slots:
-            raise ValueError(f"request {request.id}: blocks and slots are the scheduler's to assign")
-        if request.id in self._entries:
-            raise ValueError(f"request id {request.id} is already in use")
-        if input_length < 1 or max_new < 1:
-            raise ValueError(f"request {request.id}: need input_length >= 1 and max_new_tokens >= 1")
-        if input_length > min(limits.max_input_tokens, limits.max_prefill_tokens):
-            raise ValueError(f"request {request.id}: {input_length} input tokens exceed the limit of "
-                             f"{min(limits.max_input_tokens, limits.max_prefill_tokens)}")
-        if input_length + max_new > limits.max_total_tokens:
-            raise ValueError(f"request {request.id}: {input_length} + {max_new} tokens exceed "
-                             f"max_total_tokens={limits.max_total_tokens}")
-        needed, usable = self.allocator.blocks_for(input_length + max_new), self.allocator.num_blocks - 1
-        if needed > usable:  # block 0 is reserved
-            raise ValueError(f"request {request.id} needs {needed} KV blocks, the cache has {usable}")
 
     def _cancel_entry(self, entry: Entry) -> None:
         if not entry.live:
@@ -167,21 +145,20 @@ class Scheduler:
             self._running = await self._keep(self._running, self._entries_of([self._running]))
         new = self._next_batch()
         if new is not None:
-            cached = await self._prefill(*new)
-            if self._running is None:
-                self._running = cached
+            prefilled = await self._confined_prefill(*new)
+            if self._running is None and len(prefilled) <= 1:
+                self._running = prefilled[0] if prefilled else None
                 return
-            batches = [self._running] + ([cached] if cached is not None else [])
+            batches = ([self._running] if self._running is not None else []) + prefilled
         elif self._running is not None:
             batches = [self._running]
         else:
             await self._idle()
             return
-        self._running = await self._decode(batches)
+        self._running = await self._decode(batches) if batches else None
 
     async def _recover(self) -> None:
         """Hold the queue until every shard answers Health again, re-warm them, then serve on."""
-        # The running batches died with the shards: their requests end with the error.
         await self._abandon_running(ShardsUnavailable("the shards became unavailable during generation"))
         while True:
             try:
@@ -198,8 +175,7 @@ class Scheduler:
 
     def _resize(self, capacity_tokens: int) -> None:
         """New shards may have another KV capacity (free memory differs from start to start). No
-        request holds blocks now (the running ones were abandoned, the queued ones hold none), so
-        the allocator can simply be replaced."""
+        request holds blocks now (all were requeued without them): the allocator is replaced."""
         size, blocks = self.allocator.block_size, capacity_tokens // self.allocator.block_size + 1
         if blocks != self.allocator.num_blocks:
             assert self.allocator.idle, "resizing an allocator with blocks in use"
@@ -218,7 +194,7 @@ class Scheduler:
             head = self._queue[0]
             if running + len(taken) >= self.limits.max_batch_size:
                 break
-            if tokens + head.input_length > self.limits.max_prefill_tokens:
+            if tokens + head.prefill_length > self.limits.max_prefill_tokens:
                 break
             if not self.allocator.can_allocate(head.tokens):
                 self.stats.kv_waits += 1
@@ -227,47 +203,86 @@ class Scheduler:
             head.allocation = self.allocator.allocate(head.tokens)
             head.admitted = time.perf_counter()
             taken.append(head)
-            tokens += head.input_length
+            tokens += head.prefill_length
         if not taken:
             return None
         return self._batch(taken), taken
 
     def _batch(self, entries: list[Entry]) -> Batch:
         # Copies: the caller's Request stays as it was submitted.
-        requests = [replace(e.request, blocks=list(e.allocation.blocks), slots=list(e.allocation.slots))
-                    for e in entries]
+        # A resumed request's prompt logprobs were sent with its first prefill already.
+        requests = [replace(e.request, blocks=list(e.allocation.blocks), slots=list(e.allocation.slots),
+                            prefill_logprobs=e.request.prefill_logprobs and not e.generated) for e in entries]
         return Batch(next(self._batch_ids), requests, size=len(requests),
                      max_tokens=sum(e.tokens for e in entries),
                      max_blocks=sum(len(e.allocation.blocks) for e in entries))
 
-    async def _prefill(self, batch: Batch, entries: list[Entry]) -> CachedBatch | None:
+    async def _confined_prefill(self, batch: Batch, entries: list[Entry]) -> list[CachedBatch]:
+        """Prefill new requests; whatever goes wrong there ends those requests only (the running
+        batch decodes on). A batch the shard refuses is tried again one request at a time, so
+        that only the request at fault fails."""
         self.stats.prefill_sizes[len(entries)] += 1
         self._notify("prefill", len(entries))
         self.stats.prefills_while_running += self._running is not None
         try:
-            generations, cached = await self.client.prefill(batch)
+            return await self._prefill(batch, entries, alone=len(entries) == 1)
+        except Exception as error:  # noqa: BLE001 - not a ShardError: a bug, confined to these requests
+            log.exception("prefill of batch %d failed", batch.id)
+            await self._fail([batch.id], entries, error)
+            return []
+
+    async def _prefill(self, batch: Batch, entries: list[Entry], alone: bool) -> list[CachedBatch]:
+        resume = {e.id: list(e.generated) for e in entries if e.generated}
+        try:
+            generations, cached = await (self.client.prefill(batch, resume=resume) if resume
+                                         else self.client.prefill(batch))
         except ShardError as error:
             if error.code == grpc.StatusCode.UNAVAILABLE:
                 self._requeue(entries, error)
-                return None
-            # Only the new batch was touched: the running one decodes on.
-            await self._fail([batch.id], entries, error)
-            return None
-        return await self._settle(generations, cached, entries)
+                return []
+            if error.code == grpc.StatusCode.INVALID_ARGUMENT and not alone:
+                return await self._prefill_one_by_one(batch, entries, error)
+            await self._fail([batch.id], entries, error)  # only the new batch was touched
+            return []
+        kept = await self._settle(generations, cached, entries)
+        return [kept] if kept is not None else []
+
+    async def _prefill_one_by_one(self, batch: Batch, entries: list[Entry], error: ShardError) -> list[CachedBatch]:
+        log.warning("prefill of batch %d refused (%s): trying its %d requests one by one", batch.id, error, len(entries))
+        await self._clear([batch.id])
+        prefilled = []
+        for entry in entries:
+            if not self.available:  # the shards went away meanwhile: the rest wait with the queue
+                self._requeue([entry], error)
+            elif entry.live:
+                prefilled += await self._prefill(self._batch([entry]), [entry], alone=True)
+            else:
+                self._release(entry)
+        return prefilled
 
     def _requeue(self, entries: list[Entry], error: ShardError) -> None:
-        """The shards went away before these requests produced anything: they wait at the head of
-        the queue, in their order, for the shards to come back (nothing is lost in a restart)."""
-        log.warning("the shards are unavailable (%s): holding %d new request(s)", error, len(entries))
+        """The shards went away: these requests wait at the head of the queue, in their order, for
+        the shards to come back (nothing is lost in a restart). One that had generated tokens is
+        resumed then: its prompt and those tokens are prefilled again, and its stream goes on."""
+        started = sum(bool(e.generated) for e in entries if e.live)
+        log.warning("the shards are unavailable (%s): holding %d new request(s) and %d to resume", error,
+                    len(entries) - started, started)
         self.available = False
         for entry in reversed(entries):
             if entry.allocation is not None:
                 self.allocator.free(entry.allocation)
                 entry.allocation = None
+            if entry.live and entry.generated and not self._resumable(entry):
+                self._finish(entry, error)
             if entry.live:
                 self._queue.appendleft(entry)
             else:
                 self._release(entry)
+
+    def _resumable(self, entry: Entry) -> bool:
+        """Only shards that read the generated tokens resume (ours, not TGI's); they must fit a prefill."""
+        longest = min(self.limits.max_input_tokens, self.limits.max_prefill_tokens)
+        return bool(getattr(self.client, "resumes", False)) and entry.prefill_length <= longest
 
     async def _decode(self, batches: list[CachedBatch]) -> CachedBatch | None:
         entries = self._entries_of(batches)
@@ -300,6 +315,7 @@ class Scheduler:
             if entry is None or not entry.live:
                 continue  # cancelled: its consumer is gone
             entry.outbox.put_nowait(generation)
+            entry.generated.extend(generation.tokens.ids)
             entry.finished = generation.generated_text is not None
 
     async def _keep(self, cached: CachedBatch | None, entries: list[Entry]) -> CachedBatch | None:
@@ -328,21 +344,26 @@ class Scheduler:
             await self._fail([cached.id], entries, error)
         return None
 
-    async def _fail(self, batch_ids: list[int], entries: list[Entry], error: ShardError) -> None:
-        """A step failed: drop its batches on the shard, and every request in them gets the error."""
+    async def _fail(self, batch_ids: list[int], entries: list[Entry], error: Exception) -> None:
+        """A step failed: drop its batches on the shard, and every request in them gets the error;
+        when the shards are gone, they wait for the restart instead (`_requeue`)."""
         self.stats.failed_steps += 1
         log.warning("shard step on batches %s failed: %s", batch_ids, error)
-        if error.code == grpc.StatusCode.UNAVAILABLE:
-            self.available = False  # the next iteration waits for them; queued requests wait too
+        if getattr(error, "code", None) == grpc.StatusCode.UNAVAILABLE:
+            self._requeue(entries, error)  # the next iteration waits for them; queued requests wait too
+            return
+        await self._clear(batch_ids)
+        for entry in entries:
+            if entry.live:
+                self._finish(entry, error)
+            self._release(entry)
+
+    async def _clear(self, batch_ids: list[int]) -> None:
         for batch_id in batch_ids:
             try:
                 await self.client.clear_cache(batch_id)
             except ShardError as clear_error:
                 log.warning("ClearCache(%d) failed too: %s", batch_id, clear_error)
-        for entry in entries:
-            if entry.live:
-                self._finish(entry, error)
-            self._release(entry)
 
     def _finish(self, entry: Entry, item: Generation | BaseException) -> None:
         entry.finished = True

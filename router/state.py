@@ -1,24 +1,31 @@
-"""What every HTTP route shares: the router's state, one error mapping for every route and
-stream, and submitting a request to the scheduler and collecting or streaming what comes back.
-The TGI routes (tgi_api.py) and the OpenAI routes (openai_api.py) are peers built on this."""
+"""What every HTTP route shares: the router's state, and submitting a request to the scheduler and
+collecting or streaming what comes back. The TGI routes (tgi_api.py) and the OpenAI routes
+(openai_api.py) are peers built on this; router/errors.py gives every failure its answer."""
 from __future__ import annotations
 
+import asyncio
+import functools
 import itertools
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-import grpc
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
 from engine.batch import Generation, Request
-from router.client import ShardError
+from router import errors
+from router.errors import classify, error_body, error_payload  # noqa: F401 - the routes' error helpers
+from router.grammar_check import GrammarCheck
 from router.metrics import RouterMetrics
-from router.scheduler import Overloaded, RequestCancelled, Scheduler, ShardsUnavailable
+from router.scheduler import Scheduler
 from router.tracing import traced
-from router.validation import Limits, Parameters, ValidationError, build_request
+from router.validation import Limits, Parameters, ValidationError, build_request, longest_token_chars
+
+# Tokenizing and chat templating run here, off the event loop: a long prompt must not stall streams.
+VALIDATION_WORKERS = 2
 
 
 @dataclass
@@ -29,58 +36,41 @@ class RouterState:
     info: dict
     metrics: RouterMetrics
     ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        VALIDATION_WORKERS, thread_name_prefix="validation"))
+    grammar_check: GrammarCheck | None = None
+    token_chars: int | None = None  # the longest token's length in characters: bounds a prompt's token count
+
+    def __post_init__(self):
+        if self.grammar_check is None:
+            self.grammar_check = GrammarCheck(self.tokenizer)
+        if self.token_chars is None:
+            self.token_chars = longest_token_chars(self.tokenizer)
 
     @property
     def limits(self) -> Limits:
         return Limits(self.info["max_input_tokens"], self.info["max_total_tokens"],
-                      tuple(self.info.get("lora_adapters") or ()))
+                      tuple(self.info.get("lora_adapters") or ()), self.token_chars)
+
+    async def offload(self, fn, *args, **kwargs):
+        """Run `fn` on a validation thread (a CPU-bound call must not block the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
 
 
-# --- errors: one mapping for every route ----------------------------------------------------------
-
-# (exception, HTTP status, TGI error_type, metrics outcome); checked in order.
-ERRORS = [(ValidationError, 422, "validation", "validation"), (Overloaded, 429, "overloaded", "overloaded"),
-          (ShardsUnavailable, 503, "unavailable", "unavailable"),
-          (RequestCancelled, 499, "cancelled", "cancelled")]
-
-
-def classify(error: Exception) -> tuple[int, str, str]:
-    if isinstance(error, ShardError):
-        if error.code == grpc.StatusCode.INVALID_ARGUMENT:  # e.g. a grammar the shard cannot compile
-            return 422, "validation", "validation"
-        if error.code == grpc.StatusCode.UNAVAILABLE:
-            return 503, "unavailable", "unavailable"
-    for kind, status, error_type, outcome in ERRORS:
-        if isinstance(error, kind):
-            return status, error_type, outcome
-    return 424, "generation", "error"  # TGI's status for a failed generation
-
-
-def error_body(message: str, error_type: str) -> dict:
-    return {"error": message, "error_type": error_type}
-
-
-def error_payload(error: Exception) -> dict:
-    """TGI's error body for `error`: a shard's own message (without the status name), else the text."""
-    message = error.message if isinstance(error, ShardError) else str(error)
-    return error_body(message, classify(error)[1])
-
-
-def error_response(state: RouterState, error: Exception) -> JSONResponse:
-    status, _, outcome = classify(error)
-    state.metrics.outcome(outcome)
-    return JSONResponse(error_payload(error), status_code=status)
+def error_response(state: RouterState, error: Exception, openai: bool = False) -> JSONResponse:
+    return errors.error_response(state.metrics, error, openai)
 
 
 # --- running a request ------------------------------------------------------------------------------
 
 
-def submit(state: RouterState, inputs: str, parameters: Parameters, add_special_tokens: bool = True
-           ) -> tuple[AsyncIterator[Generation], int, Any]:
+async def submit(state: RouterState, inputs: str, parameters: Parameters, add_special_tokens: bool = True
+                 ) -> tuple[AsyncIterator[Generation], int, Any]:
     """Validate and queue; the stream of generations (timed for metrics), the prompt length, and the
-    scheduler's stream (to close on a disconnect)."""
-    request, length = build_request(next(state.ids), state.tokenizer, state.limits, inputs, parameters,
-                                    add_special_tokens)
+    scheduler's stream (to close on a disconnect). An overloaded router refuses before tokenizing."""
+    state.scheduler.check_admission()
+    request, length = await state.offload(build_request, next(state.ids), state.tokenizer, state.limits, inputs,
+                                          parameters, add_special_tokens, state.grammar_check)
     return queue(state, request, length)
 
 

@@ -22,6 +22,7 @@ class Entry:
     finished: bool = False   # its last generation or its error has been handed to the stream
     cancelled: bool = False
     admitted: float | None = None   # perf_counter when it left the queue (for tracing)
+    generated: list[int] = field(default_factory=list)  # token ids handed to the stream: what a resume re-prefills
 
     @property
     def id(self) -> int:
@@ -30,6 +31,11 @@ class Entry:
     @property
     def tokens(self) -> int:
         return self.input_length + self.request.stopping_parameters.max_new_tokens
+
+    @property
+    def prefill_length(self) -> int:
+        """Tokens its next prefill computes: the prompt, and after a shard restart what it generated."""
+        return self.input_length + len(self.generated)
 
     @property
     def live(self) -> bool:

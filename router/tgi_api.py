@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from engine.batch import FinishReason, Generation
 from router.metrics import CONTENT_TYPE
 from router.state import RouterState, collect, error_body, error_payload, error_response, events, finite, submit
-from router.validation import GenerateRequest, Parameters, ValidationError
+from router.validation import GenerateRequest, Parameters, check, check_text
 
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "eos_token",
                   FinishReason.STOP_SEQUENCE: "stop_sequence"}
@@ -90,7 +90,7 @@ def tgi_error_event(error: Exception) -> str:
 
 async def generate(state: RouterState, body: GenerateRequest) -> JSONResponse:
     try:
-        generations, _, stream = submit(state, body.inputs, body.parameters)
+        generations, _, stream = await submit(state, body.inputs, body.parameters)
         return JSONResponse(generate_response(body, await collect(state, generations, stream)))
     except Exception as error:  # noqa: BLE001 - every failure gets TGI's error body
         return error_response(state, error)
@@ -98,7 +98,7 @@ async def generate(state: RouterState, body: GenerateRequest) -> JSONResponse:
 
 async def generate_stream(state: RouterState, body: GenerateRequest, http_request: HttpRequest):
     try:
-        generations, _, stream = submit(state, body.inputs, body.parameters)
+        generations, _, stream = await submit(state, body.inputs, body.parameters)
     except Exception as error:  # noqa: BLE001
         return error_response(state, error)
     return StreamingResponse(events(state, http_request, generations, stream, TgiEvents(body), tgi_error_event),
@@ -111,14 +111,20 @@ class TokenizeRequest(BaseModel):
     parameters: Parameters = Parameters()
 
 
-def tokenize(state: RouterState, body: TokenizeRequest) -> JSONResponse:
-    """TGI's /tokenize: each token's id, text and character span in `inputs`."""
-    if body.inputs == "":
-        return error_response(state, ValidationError("`inputs` cannot be empty"))
-    encoding = state.tokenizer(body.inputs, add_special_tokens=True, return_offsets_mapping=True)
-    tokens = [{"id": token_id, "text": body.inputs[start:stop], "start": start, "stop": stop}
-              for token_id, (start, stop) in zip(encoding["input_ids"], encoding["offset_mapping"])]
-    return JSONResponse(tokens)
+async def tokenize(state: RouterState, body: TokenizeRequest) -> JSONResponse:
+    """TGI's /tokenize: each token's id, text and character span in `inputs` (tokenized off the event loop)."""
+    try:
+        check(body.inputs != "", "`inputs` cannot be empty")
+        check_text("inputs", body.inputs)
+        return JSONResponse(await state.offload(token_spans, state.tokenizer, body.inputs))
+    except Exception as error:  # noqa: BLE001 - every failure gets TGI's error body
+        return error_response(state, error)
+
+
+def token_spans(tokenizer, text: str) -> list[dict]:
+    encoding = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
+    return [{"id": token_id, "text": text[start:stop], "start": start, "stop": stop}
+            for token_id, (start, stop) in zip(encoding["input_ids"], encoding["offset_mapping"])]
 
 
 def tgi_routes(app: FastAPI, state: RouterState) -> None:
@@ -141,17 +147,18 @@ def tgi_routes(app: FastAPI, state: RouterState) -> None:
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest):
-        return tokenize(state, body)
+        return await tokenize(state, body)
 
 
 def service_routes(app: FastAPI, state: RouterState) -> None:
     @app.get("/health")
     async def health_route():
-        if not state.scheduler.available:
-            return JSONResponse(error_body("the shards are unavailable", "healthcheck"), status_code=503)
         try:
+            if not state.scheduler.available:
+                raise RuntimeError("the shards are unavailable")
             await state.client.health()
         except Exception as error:  # noqa: BLE001
+            state.metrics.outcome("unavailable")
             return JSONResponse(error_body(f"unhealthy: {error}", "healthcheck"), status_code=503)
         return JSONResponse(None)
 

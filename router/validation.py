@@ -6,6 +6,7 @@ API it came through, passes the same checks with TGI's messages.
 from __future__ import annotations
 
 import json
+import math
 import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -16,6 +17,9 @@ from engine.batch import GrammarType, NextTokenChooserParameters, Request, Stopp
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_N_TOKENS = 5
+MAX_STOP_CHARS = 512       # per stop sequence: each is matched against the text after every token
+U32_MAX = 2**32 - 1
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class ValidationError(Exception):
@@ -68,6 +72,7 @@ class Limits:
     max_input_tokens: int
     max_total_tokens: int
     adapters: tuple[str, ...] = ()
+    token_chars: int | None = None  # the longest token's length in characters (None: unknown)
 
 
 def check(condition: bool, message: str) -> None:
@@ -75,7 +80,36 @@ def check(condition: bool, message: str) -> None:
         raise ValidationError(message)
 
 
+def check_text(name: str, text: str) -> None:
+    """Text must be valid Unicode (JSON can spell an unpaired surrogate, `\ud800`; no wire carries it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValidationError(f"`{name}` is not valid Unicode text (it has an unpaired surrogate)") from None
+
+
+def check_wire_ranges(p: Parameters) -> None:
+    """What the protocol's types hold: uint32 counts and finite float32 numbers."""
+    for name in ("max_new_tokens", "top_k", "truncate", "top_n_tokens"):
+        value = getattr(p, name)
+        check(value is None or value <= U32_MAX, f"`{name}` must be <= {U32_MAX}. Given: {value}")
+    for name in ("temperature", "top_p", "typical_p", "repetition_penalty", "frequency_penalty"):
+        value = getattr(p, name)
+        check(value is None or (math.isfinite(value) and abs(value) <= FLOAT32_MAX),
+              f"`{name}` must be a finite number. Given: {value}")
+
+
+def check_stop(stop: list[str]) -> None:
+    check(len(stop) <= MAX_STOP_SEQUENCES,
+          f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(stop)}")
+    for text in stop:
+        check_text("stop", text)
+        check(0 < len(text) <= MAX_STOP_CHARS,
+              f"each `stop` sequence must have 1 to {MAX_STOP_CHARS} characters. Given: {len(text)}")
+
+
 def check_sampling(p: Parameters) -> None:
+    check_wire_ranges(p)
     check(p.best_of is None or p.best_of == 1, "`best_of` > 1 is not supported")
     check(p.temperature is None or p.temperature > 0, "`temperature` must be strictly positive")
     check(p.repetition_penalty is None or p.repetition_penalty > 0, "`repetition_penalty` must be strictly positive")
@@ -84,7 +118,7 @@ def check_sampling(p: Parameters) -> None:
     check(p.typical_p is None or 0 < p.typical_p <= 1, "`typical_p` must be > 0.0 and <= 1.0")
     check(p.top_k is None or p.top_k > 0, "`top_k` must be strictly positive")
     check(p.seed is None or 0 <= p.seed < 2**64, "`seed` must be in [0, 2**64)")
-    check(len(p.stop) <= MAX_STOP_SEQUENCES, f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(p.stop)}")
+    check_stop(p.stop)
     check(p.presence_penalty is None or -2 <= p.presence_penalty <= 2, "`presence_penalty` must be >= -2.0 and <= 2.0")
     check(all(-100 <= v <= 100 for v in (p.logit_bias or {}).values()), "`logit_bias` values must be >= -100 and <= 100")
     check(p.min_new_tokens is None or p.min_new_tokens >= 0, "`min_tokens` must be >= 0")
@@ -118,11 +152,25 @@ def grammar_fields(grammar: Grammar | None) -> tuple[str, GrammarType]:
     return json.dumps(value), GrammarType.JSON
 
 
+def longest_token_chars(tokenizer) -> int | None:
+    """The most characters one token stands for: a vocabulary entry is at least as long as the text
+    it decodes to (byte-level entries have one character per byte), so a prompt of more than
+    max_input_tokens times this many characters has more than max_input_tokens tokens."""
+    try:
+        return max(len(token) for token in tokenizer.get_vocab())
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 def input_length(tokenizer, limits: Limits, inputs: str, truncate: int | None, add_special_tokens: bool) -> int:
     max_input = limits.max_input_tokens
     check(inputs != "", "`inputs` cannot be empty")
+    check_text("inputs", inputs)
     check(truncate is None or 0 < truncate <= max_input,
           f"`truncate` must be strictly positive and less than {max_input}. Given: {truncate}")
+    if truncate is None and limits.token_chars:  # cheap: refuse a surely too long prompt before tokenizing it
+        check(len(inputs) <= max_input * limits.token_chars,
+              f"`inputs` must have at most {max_input} tokens. Given: {len(inputs)} characters, more tokens than that")
     length = len(tokenizer(inputs, add_special_tokens=add_special_tokens)["input_ids"])
     if truncate is not None:
         length = min(length, truncate)
@@ -140,11 +188,15 @@ def new_tokens(limits: Limits, p: Parameters, length: int) -> int:
 
 
 def build_request(request_id: int, tokenizer, limits: Limits, inputs: str, p: Parameters,
-                  add_special_tokens: bool = True) -> tuple[Request, int]:
-    """The protocol request for `inputs` with TGI parameters `p`, and its prompt length in tokens."""
+                  add_special_tokens: bool = True, grammar_check=None) -> tuple[Request, int]:
+    """The protocol request for `inputs` with TGI parameters `p`, and its prompt length in tokens.
+    `grammar_check(text, type)` compiles a grammar as the shard will (router/grammar_check.py)."""
     check_sampling(p)
     check_adapter(p.adapter_id, limits)
     grammar, grammar_type = grammar_fields(p.grammar)
+    check_text("grammar", grammar)
+    if grammar_check is not None:
+        grammar_check(grammar, grammar_type)
     length = input_length(tokenizer, limits, inputs, p.truncate, add_special_tokens)
     new = new_tokens(limits, p, length)
     vocab = len(tokenizer)
@@ -153,7 +205,7 @@ def build_request(request_id: int, tokenizer, limits: Limits, inputs: str, p: Pa
     check((p.min_new_tokens or 0) <= new, f"`min_tokens` must be <= the tokens to generate ({new})")
     params = NextTokenChooserParameters(
         temperature=p.temperature or 1.0, top_k=p.top_k or 0, top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
-        do_sample=p.do_sample, seed=p.seed if p.seed is not None else secrets.randbits(64) or 1,
+        do_sample=p.do_sample, seed=p.seed if p.seed is not None else secrets.randbits(64),
         repetition_penalty=p.repetition_penalty or 1.0, watermark=p.watermark,
         frequency_penalty=p.frequency_penalty or 0.0, grammar=grammar, grammar_type=grammar_type,
         presence_penalty=p.presence_penalty or 0.0, logit_bias=dict(p.logit_bias or {}))

@@ -131,7 +131,8 @@ def test_tokenize_matches_the_tokenizer(url, tokenizer):
 def test_openai_validation_errors_are_422(url, body, message):
     response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 422, response.text
-    assert response.json()["error_type"] == "validation" and message in response.json()["error"]
+    error = response.json()["error"]  # OpenAI's error object
+    assert error["code"] == "validation" and error["type"] == "invalid_request_error" and message in error["message"]
 
 
 def test_openai_package_raises_on_validation_error(client):

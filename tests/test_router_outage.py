@@ -24,9 +24,9 @@ class OutageClient(RecordingClient):
         if self.down:
             raise ShardError(grpc.StatusCode.UNAVAILABLE, "connection refused")
 
-    async def prefill(self, batch, cached=None):
+    async def prefill(self, batch, cached=None, **resume):
         self._check()
-        return await super().prefill(batch, cached)
+        return await super().prefill(batch, cached, **resume)
 
     async def decode(self, batches):
         self._check()
@@ -42,6 +42,7 @@ class OutageClient(RecordingClient):
 
     async def rewarm(self):
         self.rewarms += 1
+        await self.inner.clear_cache(None)  # a restarted shard has no batches
         return self.capacity_after_restart
 
 
@@ -81,7 +82,13 @@ def test_requests_that_had_not_started_are_held_through_an_outage(shard, warmed,
     assert resized.idle and allocator.idle and not shard.batches
 
 
-def test_running_requests_fail_in_an_outage_and_later_ones_are_served(shard, warmed, expected):
+class TgiShardClient(OutageClient):
+    """Shards that cannot resume a request (TGI's do not read the generated tokens)."""
+    resumes = False
+
+
+def test_behind_shards_that_cannot_resume_running_requests_fail_in_an_outage(shard, warmed, expected):
+    """Our shards resume them (test_reliability_scheduler.py); others cannot, so they fail."""
     lengths, allocator = warmed[2], full_allocator(warmed[1])
 
     async def body(scheduler, client):
@@ -97,7 +104,7 @@ def test_running_requests_fail_in_an_outage_and_later_ones_are_served(shard, war
         later = await consume(scheduler.submit(make_request(3, 10), lengths[3]))
         return first, later
 
-    first, later = asyncio.run(run(shard, allocator, body))
+    first, later = asyncio.run(with_scheduler(shard, allocator, body, make_client=TgiShardClient))
     assert first.tokens.ids == expected[0][:1]
     assert later == expected[3][:10]
     assert allocator.idle

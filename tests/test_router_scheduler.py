@@ -57,9 +57,13 @@ class RecordingClient:
         self.calls: list[tuple] = []
         self.decodes = 0
 
-    async def prefill(self, batch, cached=None):
+    @property
+    def resumes(self) -> bool:
+        return self.inner.resumes
+
+    async def prefill(self, batch, cached=None, **resume):
         self.calls.append(("prefill", batch.id, [r.id for r in batch.requests]))
-        return await self.inner.prefill(batch, cached)
+        return await self.inner.prefill(batch, cached, **resume)
 
     async def decode(self, batches):
         self.decodes += 1

@@ -79,7 +79,8 @@ def test_a_seed_fixes_the_draws_and_another_seed_changes_them():
 def test_the_seed_in_use_is_the_requested_one_or_a_fresh_random_one():
     assert state(seed=987654321, do_sample=True).seed == 987654321
     assert state(seed=2**64 - 1, do_sample=True).seed == 2**64 - 1
-    unset = [state(seed=0, do_sample=True) for _ in range(2)]
+    assert state(seed=0, do_sample=True).seed == 0  # a seed like any other
+    unset = [state(seed=None, do_sample=True) for _ in range(2)]
     assert unset[0].seed != unset[1].seed and all(0 < s.seed < 2**64 for s in unset)
     replay = torch.Generator().manual_seed(unset[0].seed)
     assert torch.equal(torch.rand(3, generator=unset[0].generator), torch.rand(3, generator=replay))

@@ -99,7 +99,8 @@ def server_config(args: argparse.Namespace):
     rank, world_size = env_int("RANK"), env_int("WORLD_SIZE")
     max_batch_size = args.max_batch_size or env_int("MAX_BATCH_SIZE") or EngineConfig().max_batch_size
     return ServerConfig(uds_path=args.uds_path or ServerConfig.uds_path, port=args.port, rank=0 if rank is None else rank,
-                        world_size=1 if world_size is None else world_size, max_batch_size=max_batch_size)
+                        world_size=1 if world_size is None else world_size, max_batch_size=max_batch_size,
+                        hostname=args.hostname, parent_pid=env_int("BUCKETSERVE_PARENT_PID"))
 
 
 def add_serve_command(commands) -> None:
@@ -110,6 +111,7 @@ def add_serve_command(commands) -> None:
     srv.set_defaults(max_batch_size=None)  # None: $MAX_BATCH_SIZE, as TGI's launcher sets it
     srv.add_argument("--uds-path", help="socket base path; rank r listens on BASE-r (default: /tmp/text-generation-server)")
     srv.add_argument("--port", type=int, help="also listen on this TCP port")
+    srv.add_argument("--hostname", default="127.0.0.1", help="the TCP port's address (default: loopback only)")
     srv.add_argument("--log-level", choices=["debug", "info", "warning"], help="debug: one line per RPC")
     srv.set_defaults(func=cmd_serve)
 

@@ -30,12 +30,19 @@ log = logging.getLogger(__name__)
 DEFAULT_UDS_PATH = "/tmp/text-generation-server"
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # a Prefill of a large batch with prompt logprobs is big
 STATS_METADATA_KEY = "bucketserve-stats"
+# A Prefill's resumed requests: JSON {request id: [token ids generated before a shard restart]}. Like the
+# stats, outside the generate.v3 messages: TGI's shards ignore it, and its router never sends it.
+RESUME_METADATA_KEY = "bucketserve-resume"
+MAX_METADATA_BYTES = 64 * 1024 * 1024  # gRPC's default (8 KiB) holds a few hundred resumed tokens only
+PARENT_POLL_S = 0.5
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     uds_path: str = DEFAULT_UDS_PATH     # base path: rank r listens on f"{uds_path}-{r}"
     port: int | None = None              # also listen on this TCP port when given
+    hostname: str = "127.0.0.1"          # the TCP port's address: loopback unless asked otherwise
+    parent_pid: int | None = None        # stop when this process (the launcher) is gone
     rank: int = 0
     world_size: int = 1
     max_batch_size: int | None = None    # Warmup's batch limit (TGI: MAX_BATCH_SIZE); None: the shard's config
@@ -154,7 +161,9 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     async def Prefill(self, request, context):
         batch = convert.batch_from_pb(request.batch)
         cached = convert.cached_batch_from_pb(request.cached_batch) if request.HasField("cached_batch") else None
-        result, timings, stats = await self.step(self.shard.prefill, batch, cached)
+        resume = resume_from_metadata(context.invocation_metadata())
+        extra = (resume,) if resume else ()  # only resumes need the shard to know of them
+        result, timings, stats = await self.step(self.shard.prefill, batch, cached, *extra)
         context.set_trailing_metadata(stats_metadata(stats))
         return step_response(pb.PrefillResponse, result, timings)
 
@@ -169,6 +178,25 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     async def Health(self, request, context):
         await self.call(self.shard.health)
         return pb.HealthResponse()
+
+
+def resume_metadata(resume: dict[int, list[int]]) -> tuple[tuple[str, str], ...]:
+    return ((RESUME_METADATA_KEY, json.dumps({str(i): list(ids) for i, ids in resume.items()})),)
+
+
+def resume_from_metadata(metadata) -> dict[int, list[int]] | None:
+    """The resumed requests a router sent with a Prefill, checked: a bad value is the caller's mistake."""
+    value = next((v for k, v in metadata or () if k == RESUME_METADATA_KEY), None)
+    if value is None:
+        return None
+    try:
+        resume = {int(i): ids for i, ids in json.loads(value).items()}
+    except (ValueError, TypeError, AttributeError) as error:
+        raise InvalidRequestError(f"metadata {RESUME_METADATA_KEY}: not a JSON object of request ids: {error}") from None
+    for i, ids in resume.items():
+        if not (isinstance(ids, list) and all(type(t) is int and t >= 0 for t in ids)):
+            raise InvalidRequestError(f"metadata {RESUME_METADATA_KEY}: request {i}: not a list of token ids")
+    return resume
 
 
 def stats_metadata(stats: dict[str, int]) -> tuple[tuple[str, str], ...]:
@@ -196,7 +224,8 @@ class ShardServer:
         self.servicer = ShardServicer(shard, config)
         limit = config.max_message_bytes
         self.server = grpc.aio.server(options=[("grpc.max_send_message_length", limit),
-                                               ("grpc.max_receive_message_length", limit)])
+                                               ("grpc.max_receive_message_length", limit),
+                                               ("grpc.max_metadata_size", MAX_METADATA_BYTES)])
         pb_grpc.add_TextGenerationServiceServicer_to_server(self.servicer, self.server)
 
     async def start(self) -> None:
@@ -204,10 +233,11 @@ class ShardServer:
         remove_stale_socket(path)
         self._listen(f"unix://{path}")
         if self.config.port is not None:
-            self._listen(f"[::]:{self.config.port}")
+            host = self.config.hostname
+            self._listen(f"[{host}]:{self.config.port}" if ":" in host else f"{host}:{self.config.port}")
         await self.server.start()
         log.info("shard %d/%d serving generate.v3 on unix://%s%s", self.config.rank, self.config.world_size, path,
-                 f" and TCP port {self.config.port}" if self.config.port is not None else "")
+                 f" and TCP {self.config.hostname}:{self.config.port}" if self.config.port is not None else "")
 
     def _listen(self, address: str) -> None:
         try:
@@ -240,15 +270,29 @@ def remove_stale_socket(path: str) -> None:
 
 
 async def serve(shard, config: ServerConfig) -> None:
-    """Serve until SIGTERM or SIGINT, then stop gracefully."""
+    """Serve until SIGTERM or SIGINT (or the launcher is gone), then stop gracefully."""
     server = ShardServer(shard, config)
     await server.start()
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopping.set)
+    watcher = loop.create_task(watch_parent(config.parent_pid, stopping)) if config.parent_pid else None
     try:
         await stopping.wait()
         log.info("shard %d: stopping", config.rank)
     finally:
+        if watcher is not None:
+            watcher.cancel()
         await server.stop()
+        # Progressive warmup's thread must end before the interpreter does: a thread still inside
+        # a torch kernel at exit aborts the process ("terminate called without an active exception").
+        await loop.run_in_executor(None, shard.close)
+
+
+async def watch_parent(parent_pid: int, stopping: asyncio.Event) -> None:
+    """A launcher that was SIGKILLed cannot stop its shards: each notices it has a new parent."""
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(PARENT_POLL_S)
+    log.warning("the launcher (pid %d) is gone: stopping", parent_pid)
+    stopping.set()

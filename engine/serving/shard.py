@@ -20,6 +20,7 @@ from engine.kv_cache import BlockAllocator, KVCache
 from engine.lora_loader import load_adapters
 from engine.runner import ModelRunner
 from engine.serving.sequence import Sequence
+from engine.serving.checks import check_decode, check_prefill
 from engine.serving.steps import StepContext, admit_requests, decode_step, prefill_step
 from engine.warmup.budget import GraphBudget, split_free_memory
 from engine.warmup.memory import profile_free_memory, size_kv_cache
@@ -135,6 +136,12 @@ class Shard:
         count = sum(("prefill", b) in warmed for b in plan.prefill) + sum(("decode", b) in warmed for b in plan.decode)
         return {"warmed": count, "total": plan.graphs, "done": count == plan.graphs}
 
+    def close(self) -> None:
+        """Before the process exits: stop progressive warmup's thread (after its current bucket)."""
+        if self.background is not None and not self.background.done:
+            log.info("stopping the background warmup")
+        self._stop_background_warmup()
+
     def _stop_background_warmup(self) -> None:
         if self.background is not None:
             self.background.stop()
@@ -165,9 +172,13 @@ class Shard:
             raise RuntimeError(f"{self.adapter.name} device answered 1 + 1 = {probe.item()}")
 
     @_exclusive
-    def prefill(self, batch: Batch, cached_batch: CachedBatch | None = None) -> tuple[list[Generation], CachedBatch | None]:
+    def prefill(self, batch: Batch, cached_batch: CachedBatch | None = None,
+                resume: dict[int, list[int]] | None = None) -> tuple[list[Generation], CachedBatch | None]:
+        """`resume`: request id -> tokens it generated before a shard restart; they are prefilled
+        after its prompt and its generation goes on from there."""
         start, ctx = self._start_step()
-        sequences = admit_requests(ctx, batch.requests)
+        check_prefill(batch, cached_batch, self.batches, self.allocator.num_blocks, self.block_size)
+        sequences = admit_requests(ctx, batch.requests, resume or {})
         try:
             generations = prefill_step(ctx, sequences)
         except Exception:
@@ -182,8 +193,7 @@ class Shard:
 
     @_exclusive
     def decode(self, batches: list[CachedBatch]) -> tuple[list[Generation], CachedBatch | None]:
-        if not batches:
-            raise InvalidRequestError("decode needs at least one batch")
+        check_decode(batches)
         start, ctx = self._start_step()
         joined = time.perf_counter_ns()
         sequences = [seq for cached in batches for seq in self._get(cached.id)]
@@ -224,7 +234,7 @@ class Shard:
             raise InvalidRequestError("the shard has not been warmed up")
         return StepContext(self.runner, self.tokenizer, self.allocator, self.limits, self.eos_token_ids,
                            self.special_token_ids, self.block_size, self._grammars, self._unset_seed,
-                           self.rank, self.world_size, self.lora_set)
+                           self.rank, self.world_size, self.lora_set, self.model_config.vocab_size)
 
     def _unset_seed(self, request_id: int) -> int:
         return (self.group_seed * 0x9E3779B97F4A7C15 + request_id) % 2**64 or 1

@@ -13,6 +13,7 @@ from engine.kv_cache import BlockAllocator, blocks_needed
 from engine.layers.lora import NO_ADAPTER, LoraSet
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
 from engine.sampling import choose, is_sampling, new_sampling_state, validate_parameters
+from engine.serving.resume import check_resumed, replay
 from engine.serving.sequence import Sequence
 from engine.config import ServingLimits
 
@@ -31,6 +32,7 @@ class StepContext:
     rank: int = 0
     world_size: int = 1
     lora_set: LoraSet | None = None  # the LoRA adapters requests may name in adapter_id
+    vocab_size: int = 0              # the model's: token ids a resumed request may carry
 
 
 def adapter_slot(ctx: StepContext, request: Request) -> int:
@@ -44,22 +46,34 @@ def adapter_slot(ctx: StepContext, request: Request) -> int:
     return ctx.lora_set.slot(request.adapter_id)
 
 
-def admit_requests(ctx: StepContext, requests: list[Request]) -> list[Sequence]:
-    """Sequences for new requests; every request is checked before any block is allocated."""
+def admit_requests(ctx: StepContext, requests: list[Request], resume: dict[int, list[int]]) -> list[Sequence]:
+    """Sequences for new requests; every request is checked before any block is allocated.
+    `resume`: request id -> the tokens it generated before a shard restart (engine/serving/resume.py)."""
     tokenized = [_tokenize(ctx, request) for request in requests]
+    for request, ids in zip(requests, tokenized):
+        if request.id in resume:
+            check_resumed(request.id, len(ids), resume[request.id], request.stopping_parameters.max_new_tokens,
+                          ctx.limits.max_input_tokens, ctx.vocab_size)
     grammars = [_compile_grammar(ctx, request) for request in requests]
     needed = sum(blocks_needed(kv_tokens(len(ids), r.stopping_parameters.max_new_tokens), ctx.block_size)
                  for r, ids in zip(requests, tokenized) if not r.blocks)
     if not ctx.allocator.can_allocate(needed):
         raise InvalidRequestError(f"KV cache full: the batch needs {needed} blocks, {ctx.allocator.num_free} are free")
-    return [_new_sequence(ctx, r, ids, g) for r, ids, g in zip(requests, tokenized, grammars)]
+    sequences = [_new_sequence(ctx, r, ids, g) for r, ids, g in zip(requests, tokenized, grammars)]
+    for seq in sequences:
+        if seq.id in resume:
+            replay(ctx.tokenizer, seq, resume[seq.id])
+    return sequences
 
 
 def _compile_grammar(ctx: StepContext, request: Request):
     grammar_type = GrammarType(request.parameters.grammar_type)
     if grammar_type == GrammarType.NONE:
         return None
-    return ctx.grammars().compile(grammar_type, request.parameters.grammar)
+    compiled = ctx.grammars().compile(grammar_type, request.parameters.grammar)
+    if not ctx.grammars().new_state(compiled).allowed_mask().any():  # `[^\s\S]`: nothing could be sampled
+        raise InvalidRequestError(f"request {request.id}: parameters.grammar allows no token at all")
+    return compiled
 
 
 def _tokenize(ctx: StepContext, request: Request) -> list[int]:

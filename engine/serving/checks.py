@@ -1,0 +1,62 @@
+"""What the shard checks in what a router assigns: batch ids, KV blocks and slots.
+
+A v3 router owns the KV blocks, so a wrong assignment would otherwise reach the device: a block
+past the cache is an out-of-bounds write (a device-side fault on CUDA or HPU), two live requests
+on one block corrupt each other's keys and values, and a reused batch id orphans the old batch's
+blocks. Each is refused with InvalidRequestError (INVALID_ARGUMENT) naming the field, before any
+state changes.
+"""
+from __future__ import annotations
+
+from engine.batch import Batch, CachedBatch, Request
+from engine.errors import InvalidRequestError
+from engine.kv_cache import RESERVED_BLOCK
+
+# TGI's router health probe: one token on the reserved block, which padding writes to anyway.
+PROBE_BLOCKS = [RESERVED_BLOCK]
+
+
+def check_prefill(batch: Batch, cached: CachedBatch | None, live: dict, num_blocks: int, block_size: int) -> None:
+    """`live`: batch id -> its sequences (each with `.id` and `.blocks`)."""
+    if cached is not None and cached.id not in live:
+        raise KeyError(f"cached_batch.id: batch {cached.id} not found")
+    if batch.id in live and (cached is None or cached.id != batch.id):
+        raise InvalidRequestError(f"batch.id: batch {batch.id} is already live (FilterBatch or ClearCache it first)")
+    owners = {block: seq.id for sequences in live.values() for seq in sequences for block in seq.blocks}
+    for request in batch.requests:
+        check_blocks(request, owners, num_blocks)
+        check_slots(request, block_size)
+        owners.update((block, request.id) for block in request.blocks if block != RESERVED_BLOCK)
+
+
+def check_blocks(request: Request, owners: dict[int, int], num_blocks: int) -> None:
+    if request.blocks == PROBE_BLOCKS:
+        return
+    seen = set()
+    for block in request.blocks:
+        if not RESERVED_BLOCK < block < num_blocks:
+            raise InvalidRequestError(f"request {request.id}: blocks: block {block} is not in the KV cache's "
+                                      f"usable blocks 1..{num_blocks - 1} (block 0 is reserved)")
+        if block in seen:
+            raise InvalidRequestError(f"request {request.id}: blocks: block {block} is listed twice")
+        if block in owners:
+            raise InvalidRequestError(f"request {request.id}: blocks: block {block} is in use by live request "
+                                      f"{owners[block]}")
+        seen.add(block)
+
+
+def check_slots(request: Request, block_size: int) -> None:
+    if request.slots and not request.blocks:
+        raise InvalidRequestError(f"request {request.id}: slots: given without blocks")
+    own = set(request.blocks)
+    for slot in request.slots:
+        if slot // block_size not in own:
+            raise InvalidRequestError(f"request {request.id}: slots: slot {slot} is outside the request's own blocks")
+
+
+def check_decode(batches: list[CachedBatch]) -> None:
+    if not batches:
+        raise InvalidRequestError("batches: decode needs at least one batch")
+    ids = [b.id for b in batches]
+    if len(set(ids)) != len(ids):
+        raise InvalidRequestError(f"batches: a batch is listed twice ({ids})")
