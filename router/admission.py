@@ -24,7 +24,7 @@ class ShardsUnavailable(Exception):
 
 
 FLOAT32_MAX = 3.4028234663852886e38
-FLOAT_FIELDS = ("temperature", "top_p", "typical_p", "repetition_penalty", "frequency_penalty")
+FLOAT_FIELDS = ("temperature", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
 def check_request(request: Request, input_length: int, limits: ServingLimits, allocator: BlockAllocator) -> None:
@@ -64,6 +64,8 @@ def check_wire(request: Request) -> None:
 def wire_field(message, kind=pb.Request, prefix: str = "") -> str:
     """The first field of `message` (a Request or one of its parts) that does not serialize."""
     for item in dataclasses.fields(message):
+        if item.name not in kind.DESCRIPTOR.fields_by_name:
+            continue  # carried in other wire fields (logit_bias: ids and values), checked at validation
         value = getattr(message, item.name)
         if dataclasses.is_dataclass(value):
             nested = wire_field(value, getattr(pb, type(value).__name__), f"{prefix}{item.name}.")

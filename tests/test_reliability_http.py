@@ -62,8 +62,8 @@ HOSTILE_422 = {
     "too many chat messages": (post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * 2000}),
                                "`messages`"),
     "unimplemented OpenAI field": (post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                                                 "presence_penalty": 0.5, "logit_bias": {"1": 2}}),
-                                   "`presence_penalty`"),
+                                                                 "functions": [{"name": "f"}], "audio": {"v": 1}}),
+                                   "`audio`, `functions`"),
 }
 
 

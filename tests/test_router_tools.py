@@ -160,7 +160,7 @@ def test_a_template_that_refuses_gives_422_with_its_message(client):
     with pytest.raises(openai.UnprocessableEntityError) as raised:
         client.chat.completions.create(model="m", messages=[{"role": "system", "content": "Be brief."}, *ASK],
                                        max_tokens=4)
-    assert "System messages are not supported" in raised.value.response.json()["error"]
+    assert "System messages are not supported" in raised.value.response.json()["error"]["message"]
 
 
 # --- access: API key, CORS, request ids ---------------------------------------------------------------
@@ -295,7 +295,7 @@ def test_bad_sampling_fields_are_422_naming_them(url, extra, message):
     body = {"model": "m", "messages": ASK, "max_tokens": 8, **extra}
     response = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                           timeout=30)
-    assert response.status_code == 422 and message in response.json()["error"]
+    assert response.status_code == 422 and message in response.json()["error"]["message"]
 
 
 def test_tgi_generate_takes_the_same_extensions(url):
