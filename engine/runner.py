@@ -134,7 +134,8 @@ class ModelRunner:
         slots += [RESERVED_BLOCK] * (padding_rows * width)
         last += [0] * padding_rows
         positions = torch.arange(width).expand(rows, width)
-        meta = PrefillMetadata(slots=self._tensor(slots))
+        seq_lens = [len(seq.token_ids) for seq in seqs] + [1] * padding_rows
+        meta = PrefillMetadata(slots=self._tensor(slots), seq_lens=self._tensor(seq_lens))
         lora = self._lora_index([s.adapter for s in seqs], rows, width)
         return self._tensor(ids).view(rows, width), self._to_device(positions), meta, self._tensor(last), *lora
 

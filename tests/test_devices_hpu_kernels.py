@@ -28,6 +28,7 @@ def serve(extension, monkeypatch, habana, graph_mode="lazy"):
     for bucket in PADDED.prefill + PADDED.decode:
         runner.warm(bucket)
     extension.calls.update(flat_pa=0, prompt_attention=0, fused_sdpa=0)
+    extension.fused_lengths.clear()
     return adapter, runner.prefill(prompts()).logits, runner.decode(next_steps())
 
 
@@ -38,6 +39,9 @@ def test_each_supported_release_serves_decode_and_fused_sdpa_serves_prefill(haba
     adapter, prefill, decode = serve(extension, monkeypatch, habana)
     layers = CONFIG.num_layers
     assert extension.calls == {"flat_pa": layers, "prompt_attention": 0, "fused_sdpa": layers}
+    # FusedSDPA skips the padding: the prompts' real lengths (5 and 7), and 1 for each padding row
+    bucket = PADDED.prefill_bucket(len(prompts()), 7)
+    assert extension.fused_lengths == [[5, 7] + [1] * (bucket.batch_size - 2)] * layers
     expected_prefill, expected_decode = reference_logits()
     torch.testing.assert_close(prefill, expected_prefill)
     torch.testing.assert_close(decode, expected_decode)

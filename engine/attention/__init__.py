@@ -15,6 +15,7 @@ from engine.attention.prompt import prompt_attention
 
 class PrefillMetadata(NamedTuple):
     slots: torch.Tensor  # [batch * seq] cache slot of every token; padding writes to block 0
+    seq_lens: torch.Tensor | None = None  # [batch] real prompt lengths (padding rows: 1), for kernels that skip padding
 
 
 class DecodeMetadata(NamedTuple):
@@ -74,7 +75,7 @@ def attention(q, k, v, cache, meta: AttentionMetadata, scale: float, window: int
     if isinstance(meta, PrefillMetadata):
         if window is not None or softcap is not None:
             return prompt_attention(q, k, v, scale, window=window, softcap=softcap)
-        return kernels.prefill(q, k, v, scale)
+        return kernels.prefill(q, k, v, scale, lengths=meta.seq_lens)
     key_cache, value_cache = cache
     args = (q, key_cache, value_cache, meta.block_list, meta.block_mapping, meta.block_groups, meta.block_bias, scale,
             meta.block_masked)

@@ -15,7 +15,7 @@ from engine.attention.prompt import prompt_attention
 
 class AttentionBackend(NamedTuple):
     name: str
-    prefill: Callable  # as prompt_attention(q, k, v, scale)
+    prefill: Callable  # as prompt_attention(q, k, v, scale, lengths=None)
     decode: Callable   # as flat_attention(q, key_cache, value_cache, block_list, ..., scale, masked)
 
 

@@ -3,7 +3,7 @@ import torch.nn.functional as F
 
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
+                     softcap: float | None = None, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention over a right-padded [batch, seq] prompt batch.
 
     Prompts are padded on the right, so the causal mask alone keeps every real token from seeing
@@ -11,6 +11,8 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     runner discards. q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim].
     `window`: a sliding-window layer sees only keys less than `window` positions back (prompts start
     at position 0, so positions are the column indices). `softcap`: Gemma 2's capped scores.
+    `lengths` (each row's real length) is not needed here: the causal mask already keeps every real
+    token from the padding; kernels that can skip the padding's work take it (FusedSDPA).
     """
     if softcap is not None:
         return _capped_attention(q, k, v, scale, _allowed(q.shape[1], window, q.device), softcap)

@@ -59,14 +59,16 @@ def load_fused_sdpa():
     return FusedSDPA
 
 
-def fused_prefill(fused, q, k, v, scale: float) -> torch.Tensor:
+def fused_prefill(fused, q, k, v, scale: float, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim], right-padded prompts (the kernel
-    takes grouped kv heads as they are). Every row is given the full width as its valid length:
-    causality alone keeps real tokens from seeing the padding after them, as in prompt_attention."""
+    takes grouped kv heads as they are). `lengths`, each row's real length, lets the kernel skip the
+    padding's work, as TGI passes valid_seq_lengths; without them every row counts as full (causality
+    alone keeps real tokens from seeing the padding after them)."""
     batch, seq = q.shape[:2]
-    lengths = torch.full((batch,), seq, dtype=torch.int32, device=q.device)
+    if lengths is None:
+        lengths = torch.full((batch,), seq, dtype=torch.int32, device=q.device)
     out = fused.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, 0.0, True, scale,
-                      "None", None, lengths, "right")  # FusedSDPA is an autograd Function: positional only
+                      "None", None, lengths.to(torch.int32), "right")  # FusedSDPA is an autograd Function: positional only
     return out.transpose(1, 2)
 
 

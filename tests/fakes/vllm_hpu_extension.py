@@ -39,6 +39,7 @@ class FakeExtension:
         assert version in VERSIONS, version
         self.version, self.with_vllm = version, with_vllm
         self.calls = {"flat_pa": 0, "prompt_attention": 0, "fused_sdpa": 0}
+        self.fused_lengths: list = []  # valid_sequence_lengths of each FusedSDPA call
         self.model_type = None  # set by environment.set_vllm_config (v1.22.0 on)
         self.config_read = False
 
@@ -140,6 +141,7 @@ class FakeExtension:
         q, k, v, mask, dropout, is_causal, scale, softmax_mode, recompute, lengths, side = (
             list(args) + defaults[len(args) - 3:])[:11]
         self.calls["fused_sdpa"] += 1
+        self.fused_lengths.append(None if lengths is None else lengths.tolist())
         assert softmax_mode in ("None", "fast", "fp32") and side in ("left", "right") and dropout == 0.0
         batch, _, seq, _ = q.shape
         allowed = torch.ones(batch, 1, seq, seq, dtype=torch.bool).tril() if is_causal else \
