@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the router's HTTP port (checked even with --no-router)")
     p.add_argument("--master-port", type=int, help="torch.distributed rendezvous port (default: a free one)")
     p.add_argument("--hostname", default=d.hostname, help="the router's HTTP address")
+    p.add_argument("--payload-limit", type=int, default=d.payload_limit,
+                   help="largest request body in bytes; a larger one gets HTTP 413 (TGI's flag and default)")
     p.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
                    help="queued + running requests the router holds; beyond it a request gets HTTP 429")
     p.add_argument("--api-key", help="the router requires `Authorization: Bearer KEY` (default: $BUCKETSERVE_API_KEY); "
@@ -83,7 +85,7 @@ def config_from_args(args: argparse.Namespace) -> LauncherConfig:
         block_size=args.block_size, warmup=args.warmup, warmup_profile=args.warmup_profile,
         record_shapes=args.record_shapes, lora_adapters=args.lora_adapters or env_lora_adapters(),
         lora_impl=args.lora_impl, implementation=args.implementation, moe_impl=args.moe_impl, uds_path=args.uds_path, port=args.port, master_port=args.master_port,
-        hostname=args.hostname, max_concurrent_requests=args.max_concurrent_requests,
+        hostname=args.hostname, max_concurrent_requests=args.max_concurrent_requests, payload_limit=args.payload_limit,
         no_router=args.no_router, restart_on_failure=args.restart_on_failure,
         startup_timeout=args.startup_timeout, shutdown_timeout=args.shutdown_timeout, api_key=args.api_key,
         cors_allow_origins=tuple(args.cors_allow_origin), otlp_endpoint=args.otlp_endpoint,

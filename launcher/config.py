@@ -33,6 +33,7 @@ class LauncherConfig:
     port: int = DEFAULT_PORT             # the router's HTTP port
     hostname: str = "0.0.0.0"            # the router's HTTP address (TGI's default: reachable from outside a container)
     max_concurrent_requests: int = 128   # the router answers 429 beyond it
+    payload_limit: int = 2_000_000       # request body bytes; the router answers 413 beyond it (TGI's default)
     master_port: int | None = None       # torch.distributed rendezvous; None: a free port per launch
     no_router: bool = False
     restart_on_failure: bool = False
@@ -79,7 +80,8 @@ class LauncherConfig:
                 "--max-total-tokens", str(self.max_total_tokens),
                 "--max-batch-prefill-tokens", str(self.max_prefill_tokens),
                 "--max-batch-size", str(self.max_batch_size),
-                "--max-concurrent-requests", str(self.max_concurrent_requests)]
+                "--max-concurrent-requests", str(self.max_concurrent_requests),
+                "--payload-limit", str(self.payload_limit)]
         if self.model_id is not None:
             args += ["--model-id", self.model_id]
         if self.lora_adapters:  # the router checks adapter_id against these names

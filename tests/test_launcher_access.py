@@ -1,7 +1,8 @@
-"""The launcher passes the router's access and tracing flags on; the API key only in the environment."""
+"""The launcher passes the router's access, tracing and payload flags on; the API key only in the environment."""
 from launcher.cli import build_parser, config_from_args
 from router.access import access_from_args
 from router.app import build_parser as router_parser
+from router.errors import DEFAULT_PAYLOAD_LIMIT
 
 
 def launched(*argv):
@@ -31,3 +32,8 @@ def test_the_router_reads_its_key_from_the_environment(monkeypatch):
     monkeypatch.setenv("BUCKETSERVE_API_KEY", "from-env")
     parsed = router_parser().parse_args(["--master-shard-uds-path", "unix:///tmp/x-0"])
     assert access_from_args(parsed).api_key == "from-env"
+
+
+def test_the_payload_limit_reaches_the_router_with_tgis_default():
+    assert router_parser().parse_args(launched().router_args()).payload_limit == DEFAULT_PAYLOAD_LIMIT == 2_000_000
+    assert router_parser().parse_args(launched("--payload-limit", "1000").router_args()).payload_limit == 1000

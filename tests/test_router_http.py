@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -48,22 +49,28 @@ def wait_for_router(process: subprocess.Popen, url: str, base: Path, timeout: fl
     pytest.fail(f"no router on {url}:\n{Path(f'{base}.router.log').read_text()}")
 
 
-@pytest.fixture(scope="module")
-def served(tiny_model_dirs):
-    """(router URL, the shard's socket base: its debug log, one line per RPC, is BASE.log)."""
-    model_dir, base = tiny_model_dirs["llama"], short_socket_dir() / "s"
-    shard = start_cli_server(model_dir, base, extra=["--max-batch-size", "4"])
+@contextmanager
+def shard_and_router(model_dir, base: Path, shard_args: list[str], router_limits=ROUTER_LIMITS):
+    """A real shard process and a real router over it: (router URL, the shard's socket base)."""
+    shard = start_cli_server(model_dir, base, extra=shard_args)
     router = None
     try:
         wait_until_serving(shard, f"unix://{base}-0", base).close()
         port = free_port()
-        router = start_router(model_dir, base, port)
+        router = start_router(model_dir, base, port, router_limits)
         wait_for_router(router, f"http://127.0.0.1:{port}", base)
         yield f"http://127.0.0.1:{port}", base
     finally:
         if router is not None:
             stop_cli_server(router)
         stop_cli_server(shard)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dirs):
+    """(router URL, the shard's socket base: its debug log, one line per RPC, is BASE.log)."""
+    with shard_and_router(tiny_model_dirs["llama"], short_socket_dir() / "s", ["--max-batch-size", "4"]) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

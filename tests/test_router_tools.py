@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from tests.models import build_tiny_model
-from tests.test_router_http import free_port, start_router, wait_for_router
-from tests.test_server import short_socket_dir, start_cli_server, stop_cli_server, wait_until_serving
+from tests.test_router_http import shard_and_router
+from tests.test_server import short_socket_dir
 from tests.tool_schemas import tools as tool_lists
 
 KEY = "sk-test-key"
@@ -51,19 +51,9 @@ def tools_model(smollm_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(tools_model):
-    base = short_socket_dir() / "t"
-    shard = start_cli_server(tools_model, base, extra=SHARD_LIMITS)
-    router = None
-    try:
-        wait_until_serving(shard, f"unix://{base}-0", base).close()
-        port = free_port()
-        router = start_router(tools_model, base, port, LIMITS + ["--api-key", KEY, "--cors-allow-origin", ORIGIN])
-        wait_for_router(router, f"http://127.0.0.1:{port}", base)
-        yield f"http://127.0.0.1:{port}", base
-    finally:
-        if router is not None:
-            stop_cli_server(router)
-        stop_cli_server(shard)
+    router_args = LIMITS + ["--api-key", KEY, "--cors-allow-origin", ORIGIN]
+    with shard_and_router(tools_model, short_socket_dir() / "t", SHARD_LIMITS, router_args) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
