@@ -175,11 +175,15 @@ def _knapsack(curves: list[list[tuple[float, list[int]]]], budget: int):
     return best
 
 
-def _batch_curve(rows: Counter, top: int, max_layers: int) -> list[tuple[float, list[int]]]:
-    """[(row padding, batch values)] for each count of batch values that holds the small batch sizes
-    and `top`. Those mandatory values cut the batch axis into segments fitted independently, then
+def mandatory_decode_batches(limits: BucketLimits) -> list[int]:
+    top = min(limits.max_batch_size, limits.max_kv_blocks)
+    return sorted(set(small_decode_batches(top)) | {top})
+
+
+def _batch_curve(rows: Counter, ends: list[int], max_layers: int) -> list[tuple[float, list[int]]]:
+    """[(row padding, batch values)] for each count of batch values that holds the mandatory ones
+    (`ends`: mandatory_decode_batches). Those cut the batch axis into segments fitted independently, then
     the values are shared among the segments like block values among groups."""
-    ends = sorted(set(small_decode_batches(top)) | {top})
     curves = []
     for lo, hi in zip([0] + ends[:-1], ends):
         points = Counter({b: n for b, n in rows.items() if lo < b <= hi}) or Counter({hi: 0})
@@ -199,7 +203,7 @@ def decode_curve(limits: BucketLimits, counts: Counter, max_buckets: int):
     real_blocks = max(1.0, sum(k * n for c in by_batch.values() for k, n in c.items()))
     groups = _DecodeGroups(limits, by_batch, max_buckets)
     best: dict[int, tuple[float, list]] = {}
-    for row_cost, batch_values in _batch_curve(rows, top, max_buckets):
+    for row_cost, batch_values in _batch_curve(rows, mandatory_decode_batches(limits), max_buckets):
         bounds = list(zip([0] + batch_values[:-1], batch_values))
         shares = _knapsack([groups.curve(lo, hi) for lo, hi in bounds], max_buckets)
         for used, (block_cost, per_group) in shares.items():
@@ -215,11 +219,6 @@ def _decode_buckets(groups: _DecodeGroups, bounds, per_group: list[int]) -> list
 
 
 # ---------------------------------------------------------------------------------- together
-
-def mandatory_decode_batches(limits: BucketLimits) -> list[int]:
-    top = min(limits.max_batch_size, limits.max_kv_blocks)
-    return sorted(set(small_decode_batches(top)) | {top})
-
 
 def fit_plan(limits: BucketLimits, shapes, max_graphs: int, seq_step: int) -> BucketPlan:
     """The plan of at most max_graphs buckets that pads the trace `shapes` least (see module doc)."""
