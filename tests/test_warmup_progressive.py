@@ -65,3 +65,32 @@ def test_covering_set_serves_any_batch_by_splitting():
         assert all(cover.prefill_bucket(len(g), max(lengths[i] for i in g)) for g in cover.split_prefill(lengths))
     for counts in ([16] * 6, [1] * 8, [16, 1, 3]):
         assert all(cover.decode_bucket(len(g), sum(counts[i] for i in g)) for g in cover.split_decode(counts))
+
+
+def test_several_graph_shards_warm_in_full_before_answering(tiny_model_dirs, monkeypatch, caplog):
+    """A background warmup forward on one rank would meet another rank's serving step in a
+    collective, so with several ranks on a device whose warmup runs forwards, progressive warms
+    everything first. The shard here is one process; the adapter is told it is one of two ranks."""
+    shard = Shard(tiny_config(tiny_model_dirs["llama"], max_batch_size=2, warmup_mode="progressive"),
+                  show_progress=False)
+    monkeypatch.setattr(shard.adapter, "world_size", 2)
+    monkeypatch.setattr(type(shard.adapter), "warm_runs_forward", property(lambda adapter: True))
+    with caplog.at_level("WARNING", logger="engine.warmup.run"):
+        shard.warmup()
+    assert shard.background is None
+    assert {b.bucket for b in shard.warmup_log.buckets} == set(shard.runner.plan.prefill + shard.runner.plan.decode)
+    assert "out of step" in caplog.text
+
+
+def test_progressive_stays_where_no_collective_is_at_stake():
+    from types import SimpleNamespace
+
+    from engine.warmup.run import lockstep_mode
+
+    eager_pair = SimpleNamespace(world_size=2, warm_runs_forward=False)
+    lone_graph = SimpleNamespace(world_size=1, warm_runs_forward=True)
+    graph_pair = SimpleNamespace(world_size=2, warm_runs_forward=True, name="hpu", graph_mode="lazy")
+    assert lockstep_mode("progressive", eager_pair) == "progressive"
+    assert lockstep_mode("progressive", lone_graph) == "progressive"
+    assert lockstep_mode("progressive", graph_pair) == "full"
+    assert lockstep_mode("none", graph_pair) == "none"

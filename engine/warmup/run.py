@@ -61,6 +61,7 @@ def run_warmup(runner: ModelRunner, plan: BucketPlan, mode: str, limits: BucketL
                     "devices). For debugging only.")
         report(f"warmup none: {counts} planned, none warmed; {phases.summary()}", show_progress)
         return None
+    mode = lockstep_mode(mode, runner.adapter)
     if mode == "progressive":
         return start_progressive(runner, plan, limits, prompt_logprobs, show_progress, lock, phases)
     phases.buckets += warm_buckets(runner, warmup_order(plan.prefill + plan.decode), prompt_logprobs, show_progress,
@@ -68,6 +69,20 @@ def run_warmup(runner: ModelRunner, plan: BucketPlan, mode: str, limits: BucketL
     phases.mark("buckets")
     report(f"warmup full: {counts} ({plan.graphs} graphs) in {phases.summary()}", show_progress)
     return None
+
+
+def lockstep_mode(mode: str, adapter) -> str:
+    """`full` in place of `progressive` where ranks would run collectives out of step. Every rank
+    gets the same steps in the same order from the router, but each one's background thread takes
+    its device turns at its own moments: one rank's warmup forward would meet another's serving
+    step in an all-reduce (a size mismatch, or a hang). Where warming runs no forward (CPU eager)
+    no collective is at stake, so progressive stays."""
+    if mode != "progressive" or adapter.world_size == 1 or not adapter.warm_runs_forward:
+        return mode
+    log.warning("--warmup progressive with %d shards on %s in %s mode: every bucket is warmed before the shard "
+                "answers (full), since a background warmup forward would run its collectives out of step with "
+                "the other shards' serving steps", adapter.world_size, adapter.name, adapter.graph_mode)
+    return "full"
 
 
 def preflight(config, fingerprint: dict) -> None:
