@@ -19,6 +19,7 @@ from engine.errors import InvalidRequestError, ModelLoadError
 from engine.kv_cache import BlockAllocator, KVCache
 from engine.lora_loader import load_adapters
 from engine.runner import ModelRunner
+from engine.serving.recompute import check_recompute_fits
 from engine.serving.sequence import Sequence
 from engine.serving.checks import check_decode, check_prefill
 from engine.serving.steps import StepContext, admit_requests, decode_step, prefill_step
@@ -89,6 +90,7 @@ class Shard:
         is then prefilled once and dropped, so the sampling paths have run before serving too; not
         where warming runs no forward (eager CPU), since there nothing compiles on a first run."""
         limits = self._limits(max_input_tokens, max_prefill_tokens, max_total_tokens, max_batch_size)
+        check_recompute_fits(self.model, limits)
         self.clear()
         self._stop_background_warmup()
         self.runner = None  # drop the previous cache before measuring free memory

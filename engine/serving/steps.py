@@ -13,6 +13,7 @@ from engine.kv_cache import BlockAllocator, blocks_needed
 from engine.layers.lora import NO_ADAPTER, LoraSet
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
 from engine.sampling import choose, is_sampling, new_sampling_state, validate_parameters
+from engine.serving.recompute import decode_logits
 from engine.serving.resume import check_resumed, replay
 from engine.serving.sequence import Sequence
 from engine.config import ServingLimits
@@ -138,7 +139,7 @@ def decode_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation]
             raise InvalidRequestError(f"request {seq.id}: its KV blocks are full at position {position}")
         inputs.append(DecodeInput(seq.token_ids[-1], position, seq.slots(position, position + 1)[0],
                                   seq.blocks_through(position), adapter_slot(ctx, seq.request)))
-    return _advance(ctx, sequences, ctx.runner.decode(inputs))
+    return _advance(ctx, sequences, decode_logits(ctx.runner, sequences, inputs))
 
 
 def _advance(ctx: StepContext, sequences: list[Sequence], logits) -> list[Generation]:
