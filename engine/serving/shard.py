@@ -162,7 +162,8 @@ class Shard:
         padding, unwarmed = self.runner.padding, sum(self.adapter.shapes.unwarmed.values())
         return {"prefill_real": padding.real("prefill"), "prefill_padded": padding.padded("prefill"),
                 "decode_real": padding.real("decode"), "decode_padded": padding.padded("decode"),
-                "unwarmed_shapes": unwarmed}
+                "unwarmed_shapes": unwarmed, "prefill_forwards": padding.forwards("prefill"),
+                "decode_forwards": padding.forwards("decode"), "copied_prompts": self.runner.kv_cache.copied_prompts}
 
     @_exclusive
     def health(self) -> None:
