@@ -53,7 +53,7 @@ class Shard:
         self.group_seed = broadcast_int(secrets.randbits(62), self.parallel)
         loaded = loader.load(config.model_id, config.resolved_cache_dir, self.dtype, self.adapter.torch_device, self.parallel,
                              moe_impl=config.moe_impl or self.adapter.default_moe_impl,
-                             implementation=config.implementation)
+                             implementation=config.implementation, prepare_fallback=self.adapter.prepare_transformers)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path, self.eos_token_ids = loaded.path, loaded.eos_token_ids
         self.implementation = getattr(self.model, "implementation", "native")
