@@ -16,6 +16,10 @@ from engine.batch import Batch, CachedBatch
 from engine.serving.tracing import TRACES_METADATA_KEY
 from router.client import STEP_METADATA
 
+# Requests named per step: ~75 bytes each keeps the metadata under the 8 KiB that gRPC servers accept by
+# default (TGI's shards); ours accept more, but the rest of a larger batch goes without shard spans.
+MAX_TRACED_PER_STEP = 64
+
 
 @dataclass
 class RequestTrace:
@@ -97,7 +101,7 @@ def step_metadata(spans: dict) -> tuple[tuple[str, str], ...]:
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     parents = {}
-    for request_id, span in spans.items():
+    for request_id, span in list(spans.items())[:MAX_TRACED_PER_STEP]:
         carrier: dict[str, str] = {}
         TraceContextTextMapPropagator().inject(carrier, context=trace.set_span_in_context(span))
         parents[str(request_id)] = carrier["traceparent"]
