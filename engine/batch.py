@@ -61,6 +61,7 @@ class Request:
     cache_len: int = 0
     add_special_tokens: bool = True
     chunk_len: int | None = None
+    prefill_source: int | None = None  # a request of the same Prefill whose prompt KV this one copies
 
 
 @dataclass

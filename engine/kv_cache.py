@@ -51,11 +51,21 @@ def slots_for(blocks: list[int], start: int, end: int, block_size: int) -> list[
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device):
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.copied_prompts = 0  # copy_slots calls: prompts shared instead of computed
         shape = (num_blocks * block_size, kv_heads, head_dim)
         self.layers = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)
         ]
+
+    def copy_slots(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Every layer's K and V at slots `source` copied to slots `target` (equal-length index tensors
+        on the cache's device). Callers pad both to one fixed length with RESERVED_BLOCK's slot 0, so
+        graph devices see a single shape and padding copies the reserved slot onto itself."""
+        for keys, values in self.layers:
+            keys.index_copy_(0, target, keys.index_select(0, source))
+            values.index_copy_(0, target, values.index_select(0, source))
+        self.copied_prompts += 1
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype) -> int:

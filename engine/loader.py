@@ -212,8 +212,10 @@ def eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer) -> frozenset[
 
 
 def load(model_id: str | None, cache_dir: Path, dtype: torch.dtype, device: torch.device,
-         parallel: Parallel = SINGLE, moe_impl: str = "dense", implementation: str = "auto") -> LoadedModel:
-    """`implementation`: native (ours), transformers (the fallback) or auto (native when we have one)."""
+         parallel: Parallel = SINGLE, moe_impl: str = "dense", implementation: str = "auto",
+         prepare_fallback=None) -> LoadedModel:
+    """`implementation`: native (ours), transformers (the fallback) or auto (native when we have one).
+    `prepare_fallback(cls)`: the device's hook before the fallback builds its class (DeviceAdapter.prepare_transformers)."""
     from transformers import AutoTokenizer
 
     model_dir = resolve_model_dir(model_id, cache_dir)
@@ -221,7 +223,7 @@ def load(model_id: str | None, cache_dir: Path, dtype: torch.dtype, device: torc
     if implementation not in IMPLEMENTATIONS:
         raise ModelLoadError(f"unknown implementation {implementation!r} (choose from {', '.join(IMPLEMENTATIONS)})")
     if implementation == "transformers" or (implementation == "auto" and not has_native(architecture)):
-        model, config = load_transformers_model(model_dir, dtype, device, parallel)
+        model, config = load_transformers_model(model_dir, dtype, device, parallel, prepare_fallback)
     else:
         config = read_config(model_dir)
         model = build_model(config, dtype, device, config.max_position_embeddings, parallel, moe_impl)

@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="the router requires `Authorization: Bearer KEY` (default: $BUCKETSERVE_API_KEY); "
                    "passed to it in its environment, not on its command line")
     p.add_argument("--cors-allow-origin", action="append", default=[], help="an origin browsers may call from")
-    p.add_argument("--otlp-endpoint", help="the router's OpenTelemetry collector (default: no tracing)")
+    p.add_argument("--otlp-endpoint", help="the OpenTelemetry collector of the router and the shards (default: no tracing)")
     p.add_argument("--no-router", action="store_true", help="start the shards only and print the master socket")
     p.add_argument("--restart-on-failure", action="store_true",
                    help=f"restart the whole group when a shard dies (at most {d.max_restarts} times "

@@ -67,7 +67,7 @@ class LauncherConfig:
             args += ["--lora-impl", self.lora_impl]
         for flag, value in (("--warmup", self.warmup), ("--warmup-profile", self.warmup_profile),
                             ("--record-shapes", self.record_shapes), ("--implementation", self.implementation),
-                            ("--moe-impl", self.moe_impl)):
+                            ("--moe-impl", self.moe_impl), ("--otlp-endpoint", self.otlp_endpoint)):
             if value is not None:
                 args += [flag, value]
         return args

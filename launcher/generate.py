@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from engine.batch import Request, StoppingCriteriaParameters, WarmupResult
 from engine.errors import InvalidRequestError
+from engine.serving.recompute import recompute_length
 from engine.serving.shard import Shard
 
 
@@ -40,7 +41,8 @@ def warm_for(shard: Shard, texts: list[str], max_new_tokens: int, add_special_to
     limit = shard.config.max_input_tokens
     if max(lengths) > limit:
         raise InvalidRequestError(f"a prompt of {max(lengths)} tokens exceeds --max-input-tokens {limit}")
-    longest = max(lengths)
+    # A model that recomputes a sequence's cache at some position (Phi-3 longrope) prefills it whole.
+    longest = max(max(lengths), recompute_length(shard.model, max(lengths) + max_new_tokens))
     return shard.warmup(
         max_input_tokens=longest,
         max_total_tokens=longest + max_new_tokens,

@@ -109,7 +109,7 @@ def create_app(state: RouterState, access: AccessConfig = AccessConfig(), traces
     in the route's shape (router/errors.py)."""
     app = FastAPI(title="bucketserve router")
     app.add_middleware(BodyLimit, limit=payload_limit, metrics=state.metrics)
-    tracing.install(app, traces)   # inside the access middleware, which names the request first
+    tracing.install(app, traces, state.scheduler)   # inside the access middleware, which names the request first
     install(app, access)
     install_error_handlers(app, state.metrics)
     tgi_routes(app, state)

@@ -7,6 +7,7 @@ a gRPC status code, so the router handles a remote and a local failure the same 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
 import functools
 import json
@@ -23,6 +24,8 @@ from engine.pb import generate_pb2_grpc as pb_grpc
 from engine.serving.server import MAX_MESSAGE_BYTES, STATS_METADATA_KEY, resume_metadata, status_for
 
 StepResult = tuple[list[Generation], CachedBatch | None]
+# Metadata the current step sends besides its own (the traced requests' span contexts, router/trace_steps.py).
+STEP_METADATA: contextvars.ContextVar[tuple] = contextvars.ContextVar("step_metadata", default=())
 
 
 class ShardError(Exception):
@@ -105,6 +108,7 @@ class GrpcShardClient:
         """The responses of every shard, in rank order; the first shard's error if any failed.
 
         All calls run to their end before an error is raised, so no RPC is left in flight."""
+        metadata = tuple(metadata or ()) + STEP_METADATA.get() or None
         calls = [getattr(stub, method)(request, timeout=self.timeout, metadata=metadata) for stub in self.stubs]
         responses = await asyncio.gather(*calls, return_exceptions=True)
         # A dead rank first: the others then fail in their collectives, which says less.

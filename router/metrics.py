@@ -40,6 +40,12 @@ class ShardStatsCollector:
             yield waste
         yield counter("bucketserve_shard_unwarmed_shapes", "forwards at a shape warmup did not run",
                       stats["unwarmed_shapes"])
+        for phase in ("prefill", "decode"):  # shards of older versions did not count them
+            if f"{phase}_forwards" in stats:
+                yield counter(f"bucketserve_shard_{phase}_forwards", f"{phase} bucket runs", stats[f"{phase}_forwards"])
+        if "copied_prompts" in stats:
+            yield counter("bucketserve_shard_copied_prompts", "prompts whose KV an `n`/`best_of` sibling copied "
+                          "instead of computing them", stats["copied_prompts"])
 
 
 def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:

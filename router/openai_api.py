@@ -16,9 +16,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from engine.batch import FinishReason, Generation
-from router import chat, tools
+from router import chat, fanout, tools
 from router.tools import Tool, ToolChoice, ToolPlan
-from router.state import RouterState, collect, error_payload, error_response, events, finite, submit
+from router.state import (RouterState, collect_all, error_payload, error_response, events, finite, submit,
+                          submit_many)
 from router.validation import Grammar, Parameters, ValidationError, check, check_text
 
 MAX_TOP_LOGPROBS = 5
@@ -92,7 +93,6 @@ class CompletionRequest(Sampling):
 
 def parameters(state: RouterState, body: Sampling, max_tokens: int | None, top_n: int,
                grammar: Grammar | None = None) -> Parameters:
-    check(body.n == 1, f"`n` must be 1. Given: {body.n}")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     # OpenAI samples at temperature 1 by default; temperature 0 asks for greedy decoding.
     greedy = body.temperature == 0
@@ -102,6 +102,13 @@ def parameters(state: RouterState, body: Sampling, max_tokens: int | None, top_n
                       frequency_penalty=body.frequency_penalty, top_n_tokens=top_n or None, details=True,
                       grammar=grammar, adapter_id=adapter, presence_penalty=body.presence_penalty,
                       logit_bias=body.logit_bias, min_new_tokens=body.min_tokens, ignore_eos=body.ignore_eos)
+
+
+def check_n(state: RouterState, body: Sampling) -> None:
+    """`n` sequences share one prefill (router/fanout.py); streamed, only one."""
+    problem = fanout.check_count("n", body.n, state.scheduler.limits.max_batch_size)
+    check(problem is None, problem)
+    check(body.n == 1 or not body.stream, f"`n` > 1 is not supported with `stream`. Given: {body.n}")
 
 
 def response_grammar(response_format: dict | None) -> Grammar | None:
@@ -222,7 +229,7 @@ def chat_parameters(state: RouterState, body: ChatRequest) -> Parameters:
                       plan.grammar or response_grammar(body.response_format))
 
 
-def chat_response(envelope: Envelope, body: ChatRequest, generations: list[Generation], prompt_tokens: int) -> dict:
+def chat_choice(body: ChatRequest, index: int, generations: list[Generation]) -> dict:
     last = generations[-1]
     logprobs = None
     if body.logprobs:
@@ -230,8 +237,17 @@ def chat_response(envelope: Envelope, body: ChatRequest, generations: list[Gener
     message, reason = {"role": "assistant", "content": last.generated_text.text}, finish_reason(last)
     if body.tool_plan().active:
         message, reason = tools.reply_message(last.generated_text.text, reason)
-    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
-    return envelope.wrap([choice], usage=usage(prompt_tokens, last.generated_text.generated_tokens))
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+
+
+def chat_response(envelope: Envelope, body: ChatRequest, sequences: list[list[Generation]], prompt_tokens: int) -> dict:
+    """One choice per sequence; usage counts the prompt once and every sequence's tokens."""
+    choices = [chat_choice(body, i, generations) for i, generations in enumerate(sequences)]
+    return envelope.wrap(choices, usage=usage(prompt_tokens, generated_tokens(sequences)))
+
+
+def generated_tokens(sequences: list[list[Generation]]) -> int:
+    return sum(generations[-1].generated_text.generated_tokens for generations in sequences)
 
 
 class ChatChunks:
@@ -280,13 +296,16 @@ async def chat_completions(state: RouterState, body: ChatRequest, http_request: 
     envelope = Envelope(state, body, "chat.completion", "chatcmpl")
     try:
         check_implemented(body)
+        check_n(state, body)
         state.scheduler.check_admission()  # before templating
         prompt = await state.offload(chat_prompt, state, body)
         # The chat template already wrote the special tokens the model expects.
+        if not body.stream:
+            sequences, length, streams = await submit_many(state, prompt, chat_parameters(state, body), body.n, "n",
+                                                           add_special_tokens=False)
+            return JSONResponse(chat_response(envelope, body, await collect_all(state, sequences, streams), length))
         generations, length, stream = await submit(state, prompt, chat_parameters(state, body),
                                                    add_special_tokens=False)
-        if not body.stream:
-            return JSONResponse(chat_response(envelope, body, await collect(state, generations, stream), length))
     except Exception as error:  # noqa: BLE001 - every failure gets an error body
         return error_response(state, error, openai=True)
     envelope.kind = "chat.completion.chunk"
@@ -317,9 +336,9 @@ def completion_logprobs(generations: list[Generation], top: int) -> dict:
 
 
 def completion_choice(body: CompletionRequest, prompt: str, generations: list[Generation], text: str,
-                      reason: str | None) -> dict:
+                      reason: str | None, index: int = 0) -> dict:
     logprobs = completion_logprobs(generations, body.logprobs) if body.logprobs is not None else None
-    return {"index": 0, "text": (prompt if body.echo else "") + text, "logprobs": logprobs, "finish_reason": reason}
+    return {"index": index, "text": (prompt if body.echo else "") + text, "logprobs": logprobs, "finish_reason": reason}
 
 
 async def completions(state: RouterState, body: CompletionRequest, http_request: HttpRequest):
@@ -329,12 +348,15 @@ async def completions(state: RouterState, body: CompletionRequest, http_request:
         prompt, top = completion_prompt(body), body.logprobs or 0
         check(not (body.echo and body.stream), "`echo` is not supported with `stream`")
         check(0 <= top <= MAX_TOP_LOGPROBS, f"`logprobs` must be >= 0 and <= {MAX_TOP_LOGPROBS}. Given: {top}")
-        generations, length, stream = await submit(state, prompt, parameters(state, body, body.max_tokens, top))
+        check_n(state, body)
         if not body.stream:
-            done = await collect(state, generations, stream)
-            last = done[-1]
-            choice = completion_choice(body, prompt, done, last.generated_text.text, finish_reason(last))
-            return JSONResponse(envelope.wrap([choice], usage=usage(length, last.generated_text.generated_tokens)))
+            sequences, length, streams = await submit_many(state, prompt, parameters(state, body, body.max_tokens, top),
+                                                           body.n, "n")
+            done = await collect_all(state, sequences, streams)
+            choices = [completion_choice(body, prompt, g, g[-1].generated_text.text, finish_reason(g[-1]), i)
+                       for i, g in enumerate(done)]
+            return JSONResponse(envelope.wrap(choices, usage=usage(length, generated_tokens(done))))
+        generations, length, stream = await submit(state, prompt, parameters(state, body, body.max_tokens, top))
     except Exception as error:  # noqa: BLE001
         return error_response(state, error, openai=True)
 

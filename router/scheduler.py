@@ -13,7 +13,6 @@ handed to a new request while a shard may still write into it.
 from __future__ import annotations
 
 import asyncio
-import time
 import itertools
 import logging
 from collections import Counter, deque
@@ -24,7 +23,8 @@ import grpc
 
 from engine.batch import Batch, CachedBatch, Generation, Request
 from engine.config import ServingLimits
-from router.admission import Overloaded, ShardsUnavailable, check_request  # noqa: F401 - raised by submit
+from router import fanout
+from router.admission import Overloaded, ShardsUnavailable  # noqa: F401 - raised by submit
 from router.allocator import BlockAllocator
 from router.client import ShardClient, ShardError
 from router.streams import RequestCancelled, RequestStream, Entry
@@ -91,21 +91,23 @@ class Scheduler:
     def submit(self, request: Request, input_length: int) -> RequestStream:
         """Queue a request (without blocks: the scheduler allocates them) and return its stream.
         Raises ValueError for a request that can never run, Overloaded or ShardsUnavailable."""
-        if request.id in self._entries:
-            raise ValueError(f"request id {request.id} is already in use")
-        check_request(request, input_length, self.limits, self.allocator)
-        self.check_admission()
-        entry = Entry(request, input_length)
-        self._entries[request.id] = entry
-        self._queue.append(entry)
-        self._wake.set()
-        return RequestStream(self, entry)
+        return self.submit_group([request], input_length)[0]
 
-    def check_admission(self) -> None:
+    def submit_group(self, requests: list[Request], input_length: int) -> list[RequestStream]:
+        """Queue requests with one prompt, admitted together to share its prefill (router/fanout.py)."""
+        fanout.check_group(requests, input_length, self.limits, self.allocator, self._entries)
+        self.check_admission(len(requests))
+        entries = [Entry(r, input_length, group=requests[0].id if len(requests) > 1 else None) for r in requests]
+        self._entries.update((entry.id, entry) for entry in entries)
+        self._queue.extend(entries)
+        self._wake.set()
+        return [RequestStream(self, entry) for entry in entries]
+
+    def check_admission(self, count: int = 1) -> None:
         """Raise Overloaded or ShardsUnavailable now: callers ask before expensive work (tokenizing)."""
         if not self.available:
             raise ShardsUnavailable("the shards are unavailable (restarting?): retry later")
-        if len(self._entries) >= self.limits.max_concurrent_requests:
+        if len(self._entries) + count > self.limits.max_concurrent_requests:
             raise Overloaded(f"Model is overloaded: {len(self._entries)} requests are queued or running")
 
     def cancel(self, request_id: int) -> None:
@@ -188,22 +190,19 @@ class Scheduler:
         await self._wake.wait()
 
     def _next_batch(self) -> tuple[Batch, list[Entry]] | None:
-        """Take requests from the head of the queue while they fit; the head waits, never skipped."""
+        """Take requests (and their siblings) from the head of the queue while they fit; the head waits."""
         running, taken, tokens = self.running_count, [], 0
         while self._queue:
-            head = self._queue[0]
-            if running + len(taken) >= self.limits.max_batch_size:
+            group = fanout.leading_group(self._queue)
+            if (running + len(taken) + len(group) > self.limits.max_batch_size
+                    or tokens + fanout.prefill_tokens(group) > self.limits.max_prefill_tokens):
                 break
-            if tokens + head.prefill_length > self.limits.max_prefill_tokens:
-                break
-            if not self.allocator.can_allocate(head.tokens):
+            if not fanout.admissible(self.allocator, group):
                 self.stats.kv_waits += 1
                 break
-            self._queue.popleft()
-            head.allocation = self.allocator.allocate(head.tokens)
-            head.admitted = time.perf_counter()
-            taken.append(head)
-            tokens += head.prefill_length
+            fanout.admit(self._queue, self.allocator, group)
+            taken += group
+            tokens += fanout.prefill_tokens(group)
         if not taken:
             return None
         return self._batch(taken), taken

@@ -16,7 +16,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
 from engine.batch import Generation, Request
-from router import errors
+from router import errors, fanout
 from router.errors import classify, error_body, error_payload  # noqa: F401 - the routes' error helpers
 from router.grammar_check import GrammarCheck
 from router.metrics import RouterMetrics
@@ -81,6 +81,39 @@ def queue(state: RouterState, request: Request, length: int):
     except ValueError as error:
         raise ValidationError(str(error)) from None
     return traced(state.metrics.timed(stream, arrival), stream, arrival), length, stream
+
+
+async def submit_many(state: RouterState, inputs: str, parameters: Parameters, count: int, name: str,
+                      add_special_tokens: bool = True) -> tuple[list[AsyncIterator[Generation]], int, Any]:
+    """`count` sequences for one prompt that share its prefill (router/fanout.py): their generation
+    streams, the prompt length, and one handle that closes them all. `name` is the field asking."""
+    problem = fanout.check_count(name, count, state.scheduler.limits.max_batch_size)
+    if problem:
+        raise ValidationError(problem)
+    state.scheduler.check_admission(count)
+    request, length = await state.offload(build_request, next(state.ids), state.tokenizer, state.limits, inputs,
+                                          parameters, add_special_tokens, state.grammar_check)
+    group = fanout.siblings(request, count, lambda: next(state.ids))
+    arrival = time.perf_counter()
+    try:
+        streams = state.scheduler.submit_group(group, length)
+    except ValueError as error:
+        raise ValidationError(str(error)) from None
+    timed = [traced(state.metrics.timed(stream, arrival), stream, arrival) for stream in streams]
+    return timed, length, fanout.Streams(streams)
+
+
+async def collect_all(state: RouterState, generations: list[AsyncIterator[Generation]], streams) -> list[list[Generation]]:
+    """Every sequence's generations, read concurrently; one failure closes all of them."""
+    async def read(iterator):
+        return [g async for g in iterator]
+
+    try:
+        result = await asyncio.gather(*(read(iterator) for iterator in generations))
+    finally:
+        streams.close()
+    state.metrics.outcome("success")
+    return list(result)
 
 
 async def collect(state: RouterState, generations: AsyncIterator[Generation], stream) -> list[Generation]:

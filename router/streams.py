@@ -23,6 +23,7 @@ class Entry:
     cancelled: bool = False
     admitted: float | None = None   # perf_counter when it left the queue (for tracing)
     generated: list[int] = field(default_factory=list)  # token ids handed to the stream: what a resume re-prefills
+    group: int | None = None  # siblings sharing one prompt (router/fanout.py): the first one's id
 
     @property
     def id(self) -> int:

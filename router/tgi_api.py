@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict
 
 from engine.batch import FinishReason, Generation
 from router.metrics import CONTENT_TYPE
-from router.state import RouterState, collect, error_body, error_payload, error_response, events, finite, submit
+from router import fanout
+from router.state import (RouterState, collect, collect_all, error_body, error_payload, error_response, events, finite,
+                          submit, submit_many)
 from router.validation import GenerateRequest, Parameters, check, check_text
 
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "eos_token",
@@ -45,19 +47,47 @@ def full_text(body: GenerateRequest, text: str) -> str:
     return body.inputs + text if body.parameters.return_full_text else text
 
 
-def generate_response(body: GenerateRequest, generations: list[Generation]) -> dict:
-    last = generations[-1].generated_text
-    response: dict = {"generated_text": full_text(body, last.text)}
+def sequence_details(body: GenerateRequest, generations: list[Generation]) -> dict:
+    last, p = generations[-1].generated_text, body.parameters
+    prefill = generations[0].prefill_tokens
+    details = {"finish_reason": FINISH_REASONS[last.finish_reason], "generated_tokens": last.generated_tokens,
+               "seed": last.seed, "prefill": token_list(prefill, False) if prefill else [],
+               "tokens": [t for g in generations for t in token_list(g.tokens)]}
+    if p.top_n_tokens:
+        details["top_tokens"] = [token_list(t) for g in generations for t in g.top_tokens]
+    return details
+
+
+def generate_response(body: GenerateRequest, generations: list[Generation], others: list[list[Generation]] = ()) -> dict:
+    """TGI's answer; `others`: the best_of sequences that lost, listed in details as TGI does."""
+    response: dict = {"generated_text": full_text(body, generations[-1].generated_text.text)}
     p = body.parameters
     if p.details or p.decoder_input_details:
-        prefill = generations[0].prefill_tokens
-        details = {"finish_reason": FINISH_REASONS[last.finish_reason], "generated_tokens": last.generated_tokens,
-                   "seed": last.seed, "prefill": token_list(prefill, False) if prefill else [],
-                   "tokens": [t for g in generations for t in token_list(g.tokens)]}
-        if p.top_n_tokens:
-            details["top_tokens"] = [token_list(t) for g in generations for t in g.top_tokens]
-        response["details"] = details
+        response["details"] = sequence_details(body, generations)
+        if others:
+            response["details"]["best_of_sequences"] = [
+                {"generated_text": full_text(body, g[-1].generated_text.text), **sequence_details(body, g)}
+                for g in others]
     return response
+
+
+def check_best_of(state: RouterState, p: Parameters, stream: bool) -> int:
+    """TGI's rules for `best_of` > 1 (it samples several sequences and answers the likeliest)."""
+    best_of = p.best_of or 1
+    if best_of > 1:
+        check(not stream, "`best_of` != 1 is not supported when streaming tokens")
+        problem = fanout.check_count("best_of", best_of, state.scheduler.limits.max_batch_size)
+        check(problem is None, problem)
+        sampling = p.do_sample or any(v is not None for v in (p.temperature, p.top_k, p.top_p, p.typical_p))
+        check(sampling, "you must use sampling when `best_of` is > 1")
+        check(p.seed is None, "`seed` must not be set when `best_of` > 1")
+    return best_of
+
+
+def mean_logprob(generations: list[Generation]) -> float:
+    """TGI's ranking of best_of sequences: the mean logprob of their generated tokens."""
+    logprobs = [finite(lp) for g in generations for lp in g.tokens.logprobs]
+    return sum(lp if lp is not None else float("-inf") for lp in logprobs) / max(len(logprobs), 1)
 
 
 class TgiEvents:
@@ -90,6 +120,12 @@ def tgi_error_event(error: Exception) -> str:
 
 async def generate(state: RouterState, body: GenerateRequest) -> JSONResponse:
     try:
+        best_of = check_best_of(state, body.parameters, stream=False)
+        if best_of > 1:
+            sequences, _, streams = await submit_many(state, body.inputs, body.parameters, best_of, "best_of")
+            done = await collect_all(state, sequences, streams)
+            best = max(range(best_of), key=lambda i: mean_logprob(done[i]))  # the first of equals, as TGI
+            return JSONResponse(generate_response(body, done[best], [g for i, g in enumerate(done) if i != best]))
         generations, _, stream = await submit(state, body.inputs, body.parameters)
         return JSONResponse(generate_response(body, await collect(state, generations, stream)))
     except Exception as error:  # noqa: BLE001 - every failure gets TGI's error body
@@ -98,6 +134,7 @@ async def generate(state: RouterState, body: GenerateRequest) -> JSONResponse:
 
 async def generate_stream(state: RouterState, body: GenerateRequest, http_request: HttpRequest):
     try:
+        check_best_of(state, body.parameters, stream=True)
         generations, _, stream = await submit(state, body.inputs, body.parameters)
     except Exception as error:  # noqa: BLE001
         return error_response(state, error)

@@ -1,11 +1,13 @@
 """OpenTelemetry tracing of requests, on only with `--otlp-endpoint`.
 
-One span per HTTP request (named like the route, with the request id), and under it, once the request's
-generations are done, one span each for the time it waited in the queue, its prefill (admission to the first
-token) and its decode (first token to the last), from timestamps the scheduler and the stream already keep.
+One span per HTTP request (named like the route, with the request id), and under it one span each for
+the time it waited in the queue, its prefill (the Prefill step that admits it to its first token) and its
+decode (first token to the last). The phase spans are opened and closed by the shard steps themselves
+(router/trace_steps.py), whose gRPC metadata carries their context: the shards' own step spans nest
+under them, as TGI's do.
 
-Off, it costs nothing: opentelemetry is not imported, no middleware is installed, and `traced` hands the
-stream back untouched after one context-variable read.
+Off, it costs nothing: opentelemetry is not imported, no middleware is installed, the scheduler's client
+is not wrapped, and `traced` hands the stream back untouched after one context-variable read.
 """
 from __future__ import annotations
 
@@ -15,13 +17,14 @@ from typing import AsyncIterator
 
 from router.access import REQUEST_ID
 
-# (the request's span, its tracer) while a traced request runs
+# (the request's span, the Tracing) while a traced request runs
 SPAN: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("request_span", default=None)
 
 
 class Tracing:
     def __init__(self, tracer, provider):
         self.tracer, self.provider = tracer, provider
+        self.client = None  # the scheduler's TracedClient, once installed
 
     @classmethod
     def to_otlp(cls, endpoint: str) -> Tracing:
@@ -56,7 +59,7 @@ class TracingMiddleware:
             span.set_attribute("http.request.method", scope["method"])
             span.set_attribute("url.path", scope["path"])
             span.set_attribute("request_id", REQUEST_ID.get())
-            token = SPAN.set((span, self.tracing.tracer))
+            token = SPAN.set((span, self.tracing))
 
             async def send_status(message):
                 if message["type"] == "http.response.start":
@@ -69,9 +72,13 @@ class TracingMiddleware:
                 SPAN.reset(token)
 
 
-def install(app, tracing: Tracing | None) -> None:
+def install(app, tracing: Tracing | None, scheduler=None) -> None:
     if tracing is not None:
         app.add_middleware(TracingMiddleware, tracing=tracing)
+        if scheduler is not None:
+            from router.trace_steps import TracedClient
+
+            tracing.client = scheduler.client = TracedClient(scheduler.client, tracing.tracer)
 
 
 def traced(generations: AsyncIterator, stream, arrival: float) -> AsyncIterator:
@@ -79,35 +86,37 @@ def traced(generations: AsyncIterator, stream, arrival: float) -> AsyncIterator:
     current = SPAN.get()
     if current is None:
         return generations
-    return _phases(generations, stream, arrival, *current)
+    from router.trace_steps import RequestTrace
+
+    parent, tracing = current
+    trace = RequestTrace(parent)
+    if tracing.client is not None:  # its steps open and close the prefill and decode spans; registered now,
+        tracing.client.requests[stream._entry.id] = trace  # before the scheduler can admit the request
+    return _phases(generations, stream, arrival, trace, tracing)
 
 
-async def _phases(generations: AsyncIterator, stream, arrival: float, parent, tracer) -> AsyncIterator:
-    first = last = None
-    tokens = 0
+async def _phases(generations: AsyncIterator, stream, arrival: float, trace, tracing: Tracing) -> AsyncIterator:
+    from router.trace_steps import end
+
+    parent = trace.parent
     try:
         async for generation in generations:
-            last = time.perf_counter()
-            first = first or last
-            tokens += len(generation.tokens.ids)
             yield generation
     finally:
+        if tracing.client is not None:
+            tracing.client.requests.pop(stream._entry.id, None)
         admitted = getattr(stream._entry, "admitted", None)
-        _children(parent, tracer, arrival, admitted, first, last, tokens)
+        if admitted is not None:
+            _queue_span(parent, tracing.tracer, arrival, admitted)
+        for phase in ("prefill", "decode"):  # a cancelled or failed request's open span ends with it
+            end(trace, phase)
 
 
-def _children(parent, tracer, arrival: float, admitted: float | None, first: float | None, last: float | None,
-              tokens: int) -> None:
+def _queue_span(parent, tracer, arrival: float, admitted: float) -> None:
     from opentelemetry import trace
 
-    context = trace.set_span_in_context(parent)
-    phases = [("queue", arrival, admitted), ("prefill", admitted, first), ("decode", first, last)]
-    for name, start, end in phases:
-        if start is not None and end is not None:
-            span = tracer.start_span(name, context=context, start_time=_epoch_ns(start))
-            if name == "decode":
-                span.set_attribute("generated_tokens", tokens)
-            span.end(end_time=_epoch_ns(end))
+    span = tracer.start_span("queue", context=trace.set_span_in_context(parent), start_time=_epoch_ns(arrival))
+    span.end(end_time=_epoch_ns(admitted))
 
 
 def _epoch_ns(perf: float) -> int:

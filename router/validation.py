@@ -110,7 +110,7 @@ def check_stop(stop: list[str]) -> None:
 
 def check_sampling(p: Parameters) -> None:
     check_wire_ranges(p)
-    check(p.best_of is None or p.best_of == 1, "`best_of` > 1 is not supported")
+    check(p.best_of is None or p.best_of > 0, f"`best_of` must be > 0. Given: {p.best_of}")  # > 1: tgi_api.py
     check(p.temperature is None or p.temperature > 0, "`temperature` must be strictly positive")
     check(p.repetition_penalty is None or p.repetition_penalty > 0, "`repetition_penalty` must be strictly positive")
     check(p.frequency_penalty is None or -2 <= p.frequency_penalty <= 2, "`frequency_penalty` must be >= -2.0 and <= 2.0")

@@ -122,7 +122,7 @@ def test_tokenize_matches_the_tokenizer(url, tokenizer):
 
 @pytest.mark.parametrize("body, message", [
     ({"messages": [], "max_tokens": 4}, "`messages` cannot be empty"),
-    ({"messages": [{"role": "user", "content": "Hi"}], "n": 2}, "`n` must be 1"),
+    ({"messages": [{"role": "user", "content": "Hi"}], "n": 0}, "`n` must be >= 1"),
     ({"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 9}, "`top_logprobs`"),
     ({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5000}, "`max_new_tokens` must be <="),
     ({"messages": [{"role": "user", "content": "Hi"}], "temperature": -1}, "`temperature`"),
@@ -137,7 +137,7 @@ def test_openai_validation_errors_are_422(url, body, message):
 
 def test_openai_package_raises_on_validation_error(client):
     with pytest.raises(openai.UnprocessableEntityError):
-        client.chat.completions.create(model="tgi", messages=[{"role": "user", "content": "Hi"}], n=3)
+        client.chat.completions.create(model="tgi", messages=[{"role": "user", "content": "Hi"}], n=99)
 
 
 def test_unknown_adapter_is_422_naming_the_loaded_ones(url):

@@ -11,8 +11,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from router import tracing
 from router.access import AccessConfig
 from router.app import RouterConfig, build_state, create_app
-from router.client import InProcessClient
+from engine.serving.server import ServerConfig, ShardServer
+from engine.serving.tracing import StepTracer
+from router.client import STEP_METADATA, GrpcShardClient, InProcessClient
 from tests.conftest import warmed_llama_shard
+from tests.test_server import BackgroundServer, short_socket_dir
 
 
 @pytest.fixture(scope="module")
@@ -20,10 +23,10 @@ def shard(tiny_model_dirs):
     return warmed_llama_shard(tiny_model_dirs)
 
 
-async def serve_and_call(shard, model_dir, traces, calls):
+async def serve_and_call(shard, model_dir, traces, calls, shard_client=None):
     config = RouterConfig("", str(model_dir), "tiny", max_input_tokens=64, max_total_tokens=128,
                           max_batch_prefill_tokens=128, max_batch_size=4)
-    state = await build_state(config, InProcessClient(shard, max_batch_size=4))
+    state = await build_state(config, shard_client or InProcessClient(shard, max_batch_size=4))
     try:
         app = create_app(state, AccessConfig(), traces)
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
@@ -69,3 +72,85 @@ def test_off_means_no_middleware_and_an_untouched_stream(shard, tiny_model_dirs)
         return (await client.completions.create(model="tiny", prompt="Hi", max_tokens=2)).choices[0].text
 
     assert isinstance(asyncio.run(serve_and_call(shard, tiny_model_dirs["llama"], None, calls)), str)
+
+
+class TracedShardServer(BackgroundServer):
+    """The in-process gRPC shard server, recording its step spans with the router's exporter."""
+
+    def __init__(self, shard, config, tracer):
+        self.tracer = tracer
+        super().__init__(shard, config)
+
+    def _create(self, shard, config):
+        async def create():
+            return ShardServer(shard, config, self.tracer)
+        return create()
+
+
+def test_shard_step_spans_nest_under_the_router_phases_through_grpc_metadata(shard, tiny_model_dirs):
+    exporter = InMemorySpanExporter()
+    traces = tracing.Tracing.with_processor(SimpleSpanProcessor(exporter))
+    config = ServerConfig(uds_path=str(short_socket_dir() / "tr"))
+    server = TracedShardServer(shard, config, StepTracer(traces.provider.get_tracer("bucketserve.shard")))
+
+    async def calls(client, app):
+        await asyncio.gather(*(client.completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0)
+                               for p in ("Hello", "The quick brown fox")))
+
+    async def over_grpc():
+        grpc_client = GrpcShardClient(config.urls())
+        try:
+            return await serve_and_call(shard, tiny_model_dirs["llama"], traces, calls, grpc_client)
+        finally:
+            await grpc_client.close()
+
+    try:
+        asyncio.run(over_grpc())
+    finally:
+        server.close()
+    spans = exporter.get_finished_spans()
+    by_id = {s.context.span_id: s for s in spans}
+    roots = [s for s in spans if s.parent is None]
+    assert len(roots) == 2
+    for root in roots:
+        phases = {s.name: s for s in spans if s.parent is not None and s.parent.span_id == root.context.span_id}
+        assert set(phases) == {"queue", "prefill", "decode"}
+        steps = [s for s in spans if s.name.endswith("_step") and by_id.get(s.parent.span_id) in phases.values()]
+        under = {name: [s for s in steps if s.parent.span_id == phases[name].context.span_id] for name in ("prefill", "decode")}
+        assert [s.name for s in under["prefill"]] == ["prefill_step"]
+        assert len(under["decode"]) == 3 and {s.name for s in under["decode"]} == {"decode_step"}  # 4 tokens: 3 decodes
+        assert all(s.context.trace_id == root.context.trace_id for s in steps)
+        assert all(phases[name].start_time <= s.start_time and s.end_time <= phases[name].end_time
+                   for name in under for s in under[name])
+
+
+def test_off_sends_no_trace_metadata_and_the_shard_records_nothing(shard, tiny_model_dirs):
+    config = ServerConfig(uds_path=str(short_socket_dir() / "off"))
+    server = BackgroundServer(shard, config)
+    assert server.server.servicer.tracer is None
+    seen = []
+
+    async def calls(client, app):
+        original = grpc_client._all
+
+        async def spy(method, request, metadata=None):
+            seen.append((method, STEP_METADATA.get()))
+            return await original(method, request, metadata)
+
+        grpc_client._all = spy
+        return await client.completions.create(model="tiny", prompt="Hi", max_tokens=3)
+
+    async def over_grpc():
+        nonlocal grpc_client
+        grpc_client = GrpcShardClient(config.urls())
+        try:
+            return await serve_and_call(shard, tiny_model_dirs["llama"], None, calls, grpc_client)
+        finally:
+            await grpc_client.close()
+
+    grpc_client = None
+    try:
+        asyncio.run(over_grpc())
+    finally:
+        server.close()
+    assert {"Prefill", "Decode"} <= {m for m, _ in seen} and all(extra == () for _, extra in seen)

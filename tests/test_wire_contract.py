@@ -100,6 +100,8 @@ BUCKETSERVE_EXTENSIONS = {
     ("NextTokenChooserParameters", Field("logit_bias_ids", 1001, "repeated", "uint32")),
     ("NextTokenChooserParameters", Field("logit_bias_values", 1002, "repeated", "float")),
     ("StoppingCriteriaParameters", Field("min_new_tokens", 1000, "", "uint32")),
+    # `n` / `best_of` siblings share one prefill; a shard that skips it computes each prompt itself.
+    ("Request", Field("prefill_source", 1000, "optional", "uint64")),
 }
 
 

@@ -294,6 +294,7 @@ class PaddingStats:
     def __init__(self) -> None:
         self._real = dict.fromkeys(PHASES, 0)
         self._padded = dict.fromkeys(PHASES, 0)
+        self._forwards = dict.fromkeys(PHASES, 0)  # bucket runs: n > 1 siblings must cost one prefill
 
     def _check_phase(self, phase: str) -> None:
         # A typo'd phase would silently start a third, never-reported account.
@@ -306,6 +307,11 @@ class PaddingStats:
             raise ValueError(f"need 0 <= real ({real_tokens}) <= padded ({padded_tokens}) for {phase}")
         self._real[phase] += real_tokens
         self._padded[phase] += padded_tokens
+        self._forwards[phase] += 1
+
+    def forwards(self, phase: str) -> int:
+        self._check_phase(phase)
+        return self._forwards[phase]
 
     def real(self, phase: str) -> int:
         self._check_phase(phase)

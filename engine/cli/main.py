@@ -100,7 +100,8 @@ def server_config(args: argparse.Namespace):
     max_batch_size = args.max_batch_size or env_int("MAX_BATCH_SIZE") or EngineConfig().max_batch_size
     return ServerConfig(uds_path=args.uds_path or ServerConfig.uds_path, port=args.port, rank=0 if rank is None else rank,
                         world_size=1 if world_size is None else world_size, max_batch_size=max_batch_size,
-                        hostname=args.hostname, parent_pid=env_int("BUCKETSERVE_PARENT_PID"))
+                        hostname=args.hostname, parent_pid=env_int("BUCKETSERVE_PARENT_PID"),
+                        otlp_endpoint=args.otlp_endpoint)
 
 
 def add_serve_command(commands) -> None:
@@ -113,6 +114,8 @@ def add_serve_command(commands) -> None:
     srv.add_argument("--port", type=int, help="also listen on this TCP port")
     srv.add_argument("--hostname", default="127.0.0.1", help="the TCP port's address (default: loopback only)")
     srv.add_argument("--log-level", choices=["debug", "info", "warning"], help="debug: one line per RPC")
+    srv.add_argument("--otlp-endpoint", help="send the shard's step spans to this OTLP gRPC collector; they nest "
+                                             "under a tracing router's request spans (default: no tracing)")
     srv.set_defaults(func=cmd_serve)
 
 

@@ -92,6 +92,11 @@ class DeviceAdapter(ABC):
         it, so start-up takes seconds and strict mode still refuses any other shape."""
         return True
 
+    def prepare_transformers(self, causal_lm_class):
+        """The class the transformers fallback builds for `causal_lm_class`: a device may adapt transformers
+        first (HPU: optimum-habana, engine/devices/hpu_optimum.py). Elsewhere the class itself."""
+        return causal_lm_class
+
     def reset(self) -> None:
         """Forget the warmed shapes (and graphs): a new KV cache was bound, so they must be warmed again."""
         self.shapes.clear()

@@ -54,6 +54,11 @@ class HPUAdapter(DeviceAdapter):
     def captures_graphs(self) -> bool:
         return self.graph_mode == "graphs"
 
+    def prepare_transformers(self, causal_lm_class):
+        from engine.devices.hpu_optimum import adapt_for_fallback
+
+        return adapt_for_fallback(causal_lm_class)
+
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.torch_device_type)

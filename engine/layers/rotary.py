@@ -2,8 +2,11 @@
 
 cos/sin are precomputed for every position and looked up with a positions *tensor*, so a graph
 never sees a sequence length as a Python scalar. Schedules whose frequencies depend on the length
-(`dynamic`, `longrope`) are tabulated per position: position p uses what a sequence of p + 1
-tokens uses, so a token's rotation never depends on the other rows of its batch.
+`dynamic` is tabulated per position: position p uses what a sequence of p + 1 tokens uses, so a
+token's rotation never depends on the other rows of its batch. `longrope` keeps two tables, short
+and long, and picks one per *sequence* from a tensor: a row whose last position in the forward has
+reached original_max_position_embeddings rotates every token with the long factors, as transformers
+does for the sequence of a forward (a prompt past the boundary is rotated long from position 0).
 """
 from __future__ import annotations
 
@@ -115,11 +118,10 @@ def position_angles(rope: RopeConfig, head_dim: int, max_positions: int) -> torc
     positions = torch.arange(max_positions).float()
     dim = rope.rotary_dim(head_dim)
     if rope.rope_type == "longrope":
-        # The long factors apply once the sequence outgrows the pretraining length.
-        short = 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * rope.theta ** _exponents(dim))
-        long = 1.0 / (torch.tensor(rope.long_factor, dtype=torch.float32) * rope.theta ** _exponents(dim))
+        # Per position, for tables and tests; a forward selects per sequence (RotaryEmbedding.cos_sin).
+        short, long = longrope_angles(rope, head_dim, max_positions)
         is_long = (positions >= rope.original_max_position_embeddings).unsqueeze(1)
-        return torch.where(is_long, positions.unsqueeze(1) * long, positions.unsqueeze(1) * short)
+        return torch.where(is_long, long, short)
     if rope.rope_type == "dynamic":
         # NTK-aware: past the model's length, the base grows with the sequence length (p + 1).
         limit = rope.max_position_embeddings
@@ -130,6 +132,15 @@ def position_angles(rope: RopeConfig, head_dim: int, max_positions: int) -> torc
     return torch.outer(positions, inverse_frequencies(rope, head_dim))
 
 
+def longrope_angles(rope: RopeConfig, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The angles of every position with the short factors and with the long ones."""
+    positions = torch.arange(max_positions).float().unsqueeze(1)
+    exponents = _exponents(rope.rotary_dim(head_dim))
+    short = 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * rope.theta ** exponents)
+    long = 1.0 / (torch.tensor(rope.long_factor, dtype=torch.float32) * rope.theta ** exponents)
+    return positions * short, positions * long
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
@@ -138,16 +149,25 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int):
         super().__init__()
-        angles = position_angles(rope, head_dim, max_positions)
-        angles = torch.cat((angles, angles), dim=-1)
+        # longrope: row 0 the short table, row 1 the long one; other types: one table.
+        self.long_from = rope.original_max_position_embeddings if rope.rope_type == "longrope" else None
+        tables = longrope_angles(rope, head_dim, max_positions) if self.long_from else (position_angles(rope, head_dim, max_positions),)
+        angles = torch.stack([torch.cat((a, a), dim=-1) for a in tables])
         scale = attention_factor(rope)
         self.register_buffer("cos", angles.cos() * scale, persistent=False)
         self.register_buffer("sin", angles.sin() * scale, persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                last_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for `positions`, shaped to broadcast over heads: [..., 1, rotary_dim].
-        Looked up once per forward and shared by every layer."""
-        return self.cos[positions].unsqueeze(-2).to(dtype), self.sin[positions].unsqueeze(-2).to(dtype)
+        Looked up once per forward and shared by every layer. `last_positions` (broadcastable to
+        `positions`): the last real position of each token's sequence in this forward, which picks
+        longrope's table per sequence; None picks it per position."""
+        if self.long_from is None:
+            return self.cos[0, positions].unsqueeze(-2).to(dtype), self.sin[0, positions].unsqueeze(-2).to(dtype)
+        ends = positions if last_positions is None else last_positions
+        table = (ends >= self.long_from).long().expand_as(positions)  # a tensor: no host sync, one graph
+        return self.cos[table, positions].unsqueeze(-2).to(dtype), self.sin[table, positions].unsqueeze(-2).to(dtype)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -45,8 +45,12 @@ def causal_lm_class(model_dir: Path):
     return hf_config, cls
 
 
-def load_transformers_model(model_dir: Path, dtype: torch.dtype, device: torch.device, parallel: Parallel):
+def load_transformers_model(model_dir: Path, dtype: torch.dtype, device: torch.device, parallel: Parallel,
+                            prepare=None):
+    """`prepare(cls)`: the device adapter's hook, which may adapt transformers and pick the class to build."""
     hf_config, cls = causal_lm_class(model_dir)
+    if prepare is not None:
+        cls = prepare(cls)
     register_attention()
     options = dict(dtype=dtype, attn_implementation=ATTENTION_NAME)
     if parallel.world_size > 1:

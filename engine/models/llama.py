@@ -135,11 +135,11 @@ class LlamaForCausalLM(nn.Module):
 
     def layer_contexts(self, positions, meta: AttentionMetadata, dtype) -> dict[str, LayerContext]:
         """Per-step work that every layer of a type shares, done once here."""
-        rope = self.rotary.cos_sin(positions, dtype)
+        rope = self.rotary.cos_sin(positions, dtype, _last_positions(meta))
         meta = prepare_metadata(meta, self.local_kv_heads)
         contexts = {FULL: LayerContext(rope, meta)}
         if SLIDING in self.config.layer_types:
-            local_rope = self.local_rotary.cos_sin(positions, dtype) if hasattr(self, "local_rotary") else rope
+            local_rope = self.local_rotary.cos_sin(positions, dtype, _last_positions(meta)) if hasattr(self, "local_rotary") else rope
             if isinstance(meta, DecodeMetadata):
                 meta = windowed_metadata(meta, positions, self.config.sliding_window, self.local_kv_heads)
             contexts[SLIDING] = LayerContext(local_rope, meta)
@@ -163,3 +163,11 @@ class LlamaForCausalLM(nn.Module):
                 return module, kind, part
         module, _, kind = name.rpartition(".")
         return module, kind, None
+
+
+def _last_positions(meta: AttentionMetadata) -> torch.Tensor | None:
+    """[rows, 1] last real position of each prefill row (padding past it has later positions), for
+    rope schedules chosen per sequence; decode rows are their own last position (None)."""
+    if isinstance(meta, DecodeMetadata) or getattr(meta, "seq_lens", None) is None:
+        return None
+    return (meta.seq_lens - 1).unsqueeze(1)

@@ -73,6 +73,7 @@ def request_from_pb(message: pb.Request) -> eb.Request:
         top_n_tokens=message.top_n_tokens, blocks=list(message.blocks), slots=list(message.slots),
         adapter_id=optional_field(message, "adapter_id"), cache_len=message.cache_len,
         add_special_tokens=message.add_special_tokens, chunk_len=optional_field(message, "chunk_len"),
+        prefill_source=optional_field(message, "prefill_source"),
     )
 
 
@@ -156,7 +157,7 @@ def request_to_pb(request: eb.Request) -> pb.Request:
         stopping_parameters=stopping_to_pb(request.stopping_parameters), prefill_logprobs=request.prefill_logprobs,
         top_n_tokens=request.top_n_tokens, blocks=request.blocks, slots=request.slots,
         adapter_id=request.adapter_id, cache_len=request.cache_len, add_special_tokens=request.add_special_tokens,
-        chunk_len=request.chunk_len,
+        chunk_len=request.chunk_len, prefill_source=request.prefill_source,
     )
 
 

@@ -48,6 +48,7 @@ class ServerConfig:
     max_batch_size: int | None = None    # Warmup's batch limit (TGI: MAX_BATCH_SIZE); None: the shard's config
     max_message_bytes: int = MAX_MESSAGE_BYTES
     grace_seconds: float = 5.0           # in-flight RPCs may finish this long after SIGTERM
+    otlp_endpoint: str | None = None     # record step spans (engine/serving/tracing.py); None: no tracing
 
     def __post_init__(self):
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -109,8 +110,8 @@ def describe(request) -> str:
 
 
 class ShardServicer(pb_grpc.TextGenerationServiceServicer):
-    def __init__(self, shard, config: ServerConfig):
-        self.shard, self.config = shard, config
+    def __init__(self, shard, config: ServerConfig, tracer=None):
+        self.shard, self.config, self.tracer = shard, config, tracer
         # One worker: shard calls run one at a time, in arrival order, off the event loop.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard")
 
@@ -118,13 +119,19 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
 
-    async def step(self, fn, *args):
+    async def step(self, fn, *args, context=None, batch_id: int = 0):
         """A prefill or decode on the shard's worker, with the timings the shard recorded for it
-        and its serving stats after it."""
+        and its serving stats after it; a span per traced request when tracing is on."""
         def run():
             return fn(*args), self.shard.last_timings, self.shard.serving_stats()
 
-        return await self.call(run)
+        start = time.time_ns()
+        result = await self.call(run)
+        if self.tracer is not None and context is not None:
+            size = len(result[0][0])
+            self.tracer.record(f"{fn.__name__}_step", context.invocation_metadata(), start, time.time_ns(),
+                               {"batch_id": batch_id, "generations": size, "forward_ns": result[1].forward_ns})
+        return result
 
     @rpc
     async def Info(self, request, context):
@@ -163,14 +170,16 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         cached = convert.cached_batch_from_pb(request.cached_batch) if request.HasField("cached_batch") else None
         resume = resume_from_metadata(context.invocation_metadata())
         extra = (resume,) if resume else ()  # only resumes need the shard to know of them
-        result, timings, stats = await self.step(self.shard.prefill, batch, cached, *extra)
+        result, timings, stats = await self.step(self.shard.prefill, batch, cached, *extra, context=context,
+                                                 batch_id=batch.id)
         context.set_trailing_metadata(stats_metadata(stats))
         return step_response(pb.PrefillResponse, result, timings)
 
     @rpc
     async def Decode(self, request, context):
         batches = [convert.cached_batch_from_pb(b) for b in request.batches]
-        result, timings, stats = await self.step(self.shard.decode, batches)
+        result, timings, stats = await self.step(self.shard.decode, batches, context=context,
+                                                 batch_id=batches[0].id if batches else 0)
         context.set_trailing_metadata(stats_metadata(stats))
         return step_response(pb.DecodeResponse, result, timings)
 
@@ -219,9 +228,13 @@ def step_response(kind, result, timings):
 class ShardServer:
     """A grpc.aio server for one shard: bound on start, its socket removed on stop."""
 
-    def __init__(self, shard, config: ServerConfig):
+    def __init__(self, shard, config: ServerConfig, tracer=None):
         self.config = config
-        self.servicer = ShardServicer(shard, config)
+        if tracer is None and config.otlp_endpoint:
+            from engine.serving.tracing import StepTracer
+
+            tracer = StepTracer.to_otlp(config.otlp_endpoint, config.rank)
+        self.servicer = ShardServicer(shard, config, tracer)
         limit = config.max_message_bytes
         self.server = grpc.aio.server(options=[("grpc.max_send_message_length", limit),
                                                ("grpc.max_receive_message_length", limit),

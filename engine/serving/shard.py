@@ -19,6 +19,7 @@ from engine.errors import InvalidRequestError, ModelLoadError
 from engine.kv_cache import BlockAllocator, KVCache
 from engine.lora_loader import load_adapters
 from engine.runner import ModelRunner
+from engine.serving.recompute import check_recompute_fits
 from engine.serving.sequence import Sequence
 from engine.serving.checks import check_decode, check_prefill
 from engine.serving.steps import StepContext, admit_requests, decode_step, prefill_step
@@ -52,7 +53,7 @@ class Shard:
         self.group_seed = broadcast_int(secrets.randbits(62), self.parallel)
         loaded = loader.load(config.model_id, config.resolved_cache_dir, self.dtype, self.adapter.torch_device, self.parallel,
                              moe_impl=config.moe_impl or self.adapter.default_moe_impl,
-                             implementation=config.implementation)
+                             implementation=config.implementation, prepare_fallback=self.adapter.prepare_transformers)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path, self.eos_token_ids = loaded.path, loaded.eos_token_ids
         self.implementation = getattr(self.model, "implementation", "native")
@@ -89,6 +90,7 @@ class Shard:
         is then prefilled once and dropped, so the sampling paths have run before serving too; not
         where warming runs no forward (eager CPU), since there nothing compiles on a first run."""
         limits = self._limits(max_input_tokens, max_prefill_tokens, max_total_tokens, max_batch_size)
+        check_recompute_fits(self.model, limits)
         self.clear()
         self._stop_background_warmup()
         self.runner = None  # drop the previous cache before measuring free memory
@@ -160,7 +162,8 @@ class Shard:
         padding, unwarmed = self.runner.padding, sum(self.adapter.shapes.unwarmed.values())
         return {"prefill_real": padding.real("prefill"), "prefill_padded": padding.padded("prefill"),
                 "decode_real": padding.real("decode"), "decode_padded": padding.padded("decode"),
-                "unwarmed_shapes": unwarmed}
+                "unwarmed_shapes": unwarmed, "prefill_forwards": padding.forwards("prefill"),
+                "decode_forwards": padding.forwards("decode"), "copied_prompts": self.runner.kv_cache.copied_prompts}
 
     @_exclusive
     def health(self) -> None:

@@ -13,6 +13,8 @@ from engine.kv_cache import BlockAllocator, blocks_needed
 from engine.layers.lora import NO_ADAPTER, LoraSet
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
 from engine.sampling import choose, is_sampling, new_sampling_state, validate_parameters
+from engine.serving import siblings
+from engine.serving.recompute import decode_logits
 from engine.serving.resume import check_resumed, replay
 from engine.serving.sequence import Sequence
 from engine.config import ServingLimits
@@ -117,12 +119,19 @@ def _new_sequence(ctx: StepContext, request: Request, ids: list[int], grammar) -
 
 
 def prefill_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation]:
-    inputs = [PrefillInput(s.token_ids, s.slots(0, len(s.token_ids)), s.request.prefill_logprobs,
-                           adapter_slot(ctx, s.request)) for s in sequences]
+    shared = siblings.sources(sequences)  # n > 1 siblings copy their source's prompt (engine/serving/siblings.py)
+    computed = [i for i in range(len(sequences)) if i not in shared]
+    inputs = [PrefillInput(sequences[i].token_ids, sequences[i].slots(0, len(sequences[i].token_ids)),
+                           sequences[i].request.prefill_logprobs, adapter_slot(ctx, sequences[i].request)) for i in computed]
     output = ctx.runner.prefill(inputs)
-    prompt_tokens = {i: _scored_tokens(ctx, sequences[i].token_ids[: sequences[i].prompt_len], logprobs)
-                     for i, logprobs in output.prompt_logprobs.items()}
-    generations = _advance(ctx, sequences, output.logits)
+    siblings.copy_prompts(ctx.runner, sequences, shared, ctx.limits.max_input_tokens)
+    prompt_tokens = {}
+    for r, logprobs in output.prompt_logprobs.items():
+        seq = sequences[computed[r]]
+        prompt_tokens[computed[r]] = _scored_tokens(ctx, seq.token_ids[: seq.prompt_len], logprobs)
+    prompt_tokens.update({i: prompt_tokens[j] for i, j in shared.items() if sequences[i].request.prefill_logprobs})
+    logits = output.logits[siblings.logits_rows(computed, shared, len(sequences))] if shared else output.logits
+    generations = _advance(ctx, sequences, logits)
     by_id = {g.request_id: g for g in generations}
     for i, tokens in prompt_tokens.items():
         if sequences[i].id in by_id:
@@ -138,7 +147,7 @@ def decode_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation]
             raise InvalidRequestError(f"request {seq.id}: its KV blocks are full at position {position}")
         inputs.append(DecodeInput(seq.token_ids[-1], position, seq.slots(position, position + 1)[0],
                                   seq.blocks_through(position), adapter_slot(ctx, seq.request)))
-    return _advance(ctx, sequences, ctx.runner.decode(inputs))
+    return _advance(ctx, sequences, decode_logits(ctx.runner, sequences, inputs))
 
 
 def _advance(ctx: StepContext, sequences: list[Sequence], logits) -> list[Generation]:

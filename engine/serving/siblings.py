@@ -1,0 +1,54 @@
+"""Siblings: requests of one Prefill that share a prompt (OpenAI `n`, TGI `best_of`).
+
+A request whose `prefill_source` names another request of the same Prefill skips the prompt's
+forward: the source's prompt is computed once, its K/V are copied slot by slot into the sibling's
+own slots (engine/kv_cache.py, one fixed-length index per copy), and the sibling's first token is
+sampled from the source's last-position logits with the sibling's own sampler (its own seed). From
+then on siblings are ordinary sequences. A source missing from the Prefill, a source that is itself
+a sibling, or a resumed request (its token list holds generated tokens) falls back to computing its
+own prompt; a source with another prompt or adapter is the caller's mistake.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.kv_cache import RESERVED_BLOCK
+from engine.serving.sequence import Sequence
+
+
+def sources(sequences: list[Sequence]) -> dict[int, int]:
+    """Index of each sibling that copies its prompt -> index of the sequence it copies it from."""
+    index = {s.id: i for i, s in enumerate(sequences)}
+    shared = {}
+    for i, seq in enumerate(sequences):
+        source = seq.request.prefill_source
+        j = index.get(source) if source is not None and source != seq.id else None
+        if j is None or sequences[j].request.prefill_source not in (None, sequences[j].id):
+            continue
+        if seq.generated or sequences[j].generated:
+            continue  # a resumed request prefills its own prompt and generated tokens
+        if seq.request.prefill_logprobs and not sequences[j].request.prefill_logprobs:
+            continue  # the source's forward would not score the prompt
+        if seq.token_ids != sequences[j].token_ids or seq.request.adapter_id != sequences[j].request.adapter_id:
+            raise InvalidRequestError(f"request {seq.id}: prefill_source {source} has another prompt or adapter")
+        shared[i] = j
+    return shared
+
+
+def copy_prompts(runner, sequences: list[Sequence], shared: dict[int, int], width: int) -> None:
+    """Copy each source's prompt K/V into its siblings' slots; `width` (the longest prompt the
+    server takes) is every copy's index length."""
+    device = runner.adapter.torch_device
+    for i, j in shared.items():
+        length = sequences[j].prompt_len
+        pad = [RESERVED_BLOCK] * (width - length)
+        source = torch.tensor(sequences[j].slots(0, length) + pad, dtype=torch.long).to(device)
+        target = torch.tensor(sequences[i].slots(0, length) + pad, dtype=torch.long).to(device)
+        runner.kv_cache.copy_slots(source, target)
+
+
+def logits_rows(computed: list[int], shared: dict[int, int], count: int) -> list[int]:
+    """For each of `count` sequences, its row among the computed sequences' logits."""
+    row = {index: r for r, index in enumerate(computed)}
+    return [row[shared.get(i, i)] for i in range(count)]
