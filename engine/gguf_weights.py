@@ -55,7 +55,8 @@ class GgufInt4:
 def decode_q4(raw: np.ndarray, rows: int, cols: int, with_min: bool) -> GgufInt4:
     """Q4_1 (with_min) or Q4_0 blocks, `raw` [rows, bytes] uint8, as int4 codes, scales and zeros."""
     head = 4 if with_min else 2
-    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8))  # a copy: the reader maps the file read-only.reshape(rows, cols // BLOCK, head + 16)
+    # a copy: the reader maps the file read-only
+    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8)).reshape(rows, cols // BLOCK, head + 16)
     d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
     nibbles = blocks[..., head:]
     codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(rows, cols)
