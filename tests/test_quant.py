@@ -71,7 +71,7 @@ def test_gguf_q4_blocks_decode_to_the_gguf_reference_values(qtype):
 
 def test_q_and_k_rows_are_permuted_back_as_transformers_does():
     """llama.cpp's converter interleaves each head's rotary halves; the inverse restores HF order."""
-    heads, rows = 2, 8
+    heads, rows = 2, 12  # 3 row pairs a head: a transposed reshape would not be the identity
     hf = torch.arange(rows)
     permuted = hf.reshape(heads, 2, rows // heads // 2).transpose(1, 2).reshape(rows)  # llama.cpp's permute
     assert torch.equal(permuted[unpermute_rows(rows, heads)], hf)

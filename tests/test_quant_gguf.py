@@ -7,7 +7,6 @@ from engine import loader
 from engine.config import default_cache_dir
 from engine.gguf_weights import read_weights
 from engine.layers.quant import weight_bytes
-from tests.test_equivalence import PROMPTS
 from tests.test_quant_models import dequantized_state, greedy, transformers_on
 
 
@@ -32,6 +31,11 @@ def test_q4_1_model_keeps_its_blocks_in_about_a_fifth_of_the_memory(smollm_dir):
     assert {type(layer.mlp.gate_up_proj.quantized).__name__ for layer in model.layers} == {"Int4Weight"}
     assert model.lm_head.quantized is model.embed_tokens.quantized  # tied: one int8 copy
     assert weight_bytes(model) < 105e6  # float32: 542 MB
+    with safe_open(loader.weight_files(smollm_dir)[0], framework="pt") as reader:
+        expected = reader.get_tensor("model.layers.3.self_attn.q_proj.weight")
+    ours = model.layers[3].self_attn.qkv_proj.quantized.dequantize()[:576]
+    # the file's scales and zeros rounded to bfloat16: within a fraction of a percent of the largest weight
+    assert (ours - expected).abs().max() < 0.005 * expected.abs().max()
 
 
 @pytest.mark.slow
@@ -41,7 +45,7 @@ def test_q4_1_model_greedy_tokens_equal_transformers_on_the_dequantized_weights(
     from tests.conftest import tiny_config
 
     shard = Shard(tiny_config(smollm_dir, model_id=None, quantize="int4"), show_progress=False)  # the embedded GGUF, float32
-    prompts = PROMPTS[:3]
-    ours = generate(shard, prompts, 12, ignore_eos=True)
+    prompts = ["The quick brown fox", "Water boils at"]  # short: int4 with float32 activations is slow
+    ours = generate(shard, prompts, 8, ignore_eos=True)
     reference = transformers_on(smollm_dir, dequantized_state(shard.model), torch.float32)
-    assert [c.token_ids for c in ours] == [greedy(reference, shard.tokenizer, p, 12) for p in prompts]
+    assert [c.token_ids for c in ours] == [greedy(reference, shard.tokenizer, p, 8) for p in prompts]
