@@ -135,7 +135,8 @@ class Shard:
         """What a warmup profile's latencies depend on (engine/warmup/profile.py)."""
         from engine.warmup.profile import fingerprint
 
-        return fingerprint(self.model_path, self.adapter, self.dtype, self.world_size, self.block_size)
+        return fingerprint(self.model_path, self.adapter, self.dtype, self.world_size, self.block_size,
+                           self.config.quantize)
 
     def warmup_progress(self) -> dict:
         """Buckets warmed so far: progressive warmup goes on after Warmup has answered."""
