@@ -99,3 +99,19 @@ def test_bfloat16_serving_agrees_with_transformers_in_bfloat16(tiny_model_dirs, 
     assert agree >= 0.9 * len(gaps) and max(margins) < 0.2, f"top-1 agreement {agree}/{len(gaps)}, {max(margins)}"
     assert max(gaps) < 0.25 and sum(gaps) / len(gaps) < 0.04, (max(gaps), sum(gaps) / len(gaps))
     assert shard.adapter.shapes.strict and not shard.adapter.shapes.unwarmed
+
+
+@pytest.mark.parametrize("dtype, mode", [("bfloat16", "none"), ("bfloat16", "int4"), ("bfloat16", "int8")])
+def test_strict_shapes_refuse_an_unwarmed_decode_in_bfloat16_and_quantized(tiny_model_dirs, dtype, mode):
+    from engine.runner import DecodeInput
+    from engine.errors import UnwarmedShapeError
+
+    shard = Shard(tiny_config(tiny_model_dirs["llama"], dtype=dtype, quantize=mode, max_batch_size=2), show_progress=False)
+    shard.warmup()
+    plan, row = shard.runner.plan, DecodeInput(token_id=5, position=0, slot=16, blocks=[1])
+    bucket = plan.decode_bucket(1, 1)
+    shard.runner.decode([row])  # warmed: runs
+    shard.adapter.shapes.warmed.discard(("decode", bucket))
+    with pytest.raises(UnwarmedShapeError, match="warmup did not run"):
+        shard.runner.decode([row])
+    assert shard.adapter.shapes.unwarmed[("decode", bucket)] == 1
