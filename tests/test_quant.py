@@ -75,3 +75,17 @@ def test_q_and_k_rows_are_permuted_back_as_transformers_does():
     hf = torch.arange(rows)
     permuted = hf.reshape(heads, 2, rows // heads // 2).transpose(1, 2).reshape(rows)  # llama.cpp's permute
     assert torch.equal(permuted[unpermute_rows(rows, heads)], hf)
+
+
+@pytest.mark.parametrize("make", [int8_per_channel, int4_groupwise])
+def test_many_rows_dequantize_once_and_match_the_kernel(make):
+    """A prefill's rows take the dequantize-then-GEMM path; it computes the same product."""
+    from engine.layers.quant import DEQUANTIZE_ROWS
+
+    torch.manual_seed(6)
+    layer = make(torch.randn(128, 64), torch.float32)
+    assert getattr(layer, "unpackable", True)
+    x = torch.randn(DEQUANTIZE_ROWS + 1, 64)
+    expected = reference(x, layer.dequantize())
+    torch.testing.assert_close(layer.linear(x).double(), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(layer.linear(x[:4]).double(), expected[:4], rtol=1e-5, atol=1e-4)

@@ -45,7 +45,7 @@ def test_q4_1_model_greedy_tokens_equal_transformers_on_the_dequantized_weights(
     from tests.conftest import tiny_config
 
     shard = Shard(tiny_config(smollm_dir, model_id=None, quantize="int4"), show_progress=False)  # the embedded GGUF, float32
-    prompts = ["The quick brown fox", "Water boils at"]  # short: int4 with float32 activations is slow
-    ours = generate(shard, prompts, 8, ignore_eos=True)
+    prompts = ["The quick brown fox"]  # short: the int4 kernel with float32 activations is slow
+    ours = generate(shard, prompts, 4, ignore_eos=True)
     reference = transformers_on(smollm_dir, dequantized_state(shard.model), torch.float32)
-    assert [c.token_ids for c in ours] == [greedy(reference, shard.tokenizer, p, 8) for p in prompts]
+    assert [c.token_ids for c in ours] == [greedy(reference, shard.tokenizer, p, 4) for p in prompts]
