@@ -115,3 +115,26 @@ def test_strict_shapes_refuse_an_unwarmed_decode_in_bfloat16_and_quantized(tiny_
     with pytest.raises(UnwarmedShapeError, match="warmup did not run"):
         shard.runner.decode([row])
     assert shard.adapter.shapes.unwarmed[("decode", bucket)] == 1
+
+
+def test_dtype_auto_picks_the_cpus_bfloat16_and_says_so(tiny_model_dirs, capsys):
+    from engine.devices.cpu import CPUAdapter
+
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert CPUAdapter().auto_dtype()[0] == (torch.bfloat16 if native else torch.float32)
+    shard = Shard(tiny_config(tiny_model_dirs["llama"], dtype="auto"), show_progress=True)
+    assert shard.dtype == CPUAdapter().auto_dtype()[0] and shard.info().dtype == str(shard.dtype).removeprefix("torch.")
+    said = capsys.readouterr().err
+    assert f"dtype auto: {shard.info().dtype} (this CPU has " in said
+
+
+def test_quantize_and_dtype_flags_reach_the_shard_config():
+    from engine.cli.main import build_parser, engine_config
+    from launcher.config import LauncherConfig
+
+    config = engine_config(build_parser().parse_args(["serve", "--quantize", "int4"]))
+    assert (config.quantize, config.dtype) == ("int4", "auto")
+    assert engine_config(build_parser().parse_args(["serve"])).quantize == "none"
+    args = LauncherConfig(quantize="int8").shard_args()
+    assert args[args.index("--quantize") + 1] == "int8"
+    assert "--quantize" not in LauncherConfig().shard_args()
