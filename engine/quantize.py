@@ -33,8 +33,6 @@ def quantize_model(model: torch.nn.Module, mode: str, dtype: torch.dtype, gguf: 
                 module.quantized = model.embed_tokens.quantized
                 module.register_parameter("weight", None)
                 continue
-            if getattr(module, "lora", None) is not None:
-                raise ModelLoadError("--quantize does not combine with LoRA adapters yet")
             source = _local_source(module, module_name, gguf, names) if gguf is not None else module.weight.detach()
             module.quantized = _quantized(source, mode, dtype, isinstance(module, VocabParallelEmbedding))
             module.register_parameter("weight", None)

@@ -138,3 +138,11 @@ def test_quantize_and_dtype_flags_reach_the_shard_config():
     args = LauncherConfig(quantize="int8").shard_args()
     assert args[args.index("--quantize") + 1] == "int8"
     assert "--quantize" not in LauncherConfig().shard_args()
+
+
+def test_quantize_with_lora_adapters_is_refused(tiny_model_dirs):
+    from engine.errors import ModelLoadError
+
+    config = tiny_config(tiny_model_dirs["llama"], quantize="int4", lora_adapters=(("a", "/a"),))
+    with pytest.raises(ModelLoadError, match="--quantize does not combine with LoRA adapters yet"):
+        Shard(config, show_progress=False)

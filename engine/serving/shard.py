@@ -78,7 +78,9 @@ class Shard:
         dtype = torch_dtype(config.dtype, automatic)
         if config.dtype in (None, "auto") and self.rank == 0:
             report(f"dtype auto: {str(dtype).removeprefix('torch.')} ({why})", self.show_progress)
-        if config.quantize not in ("none",) and config.quantize not in self.adapter.quantize_modes:
+        if config.quantize != "none" and config.lora_adapters:
+            raise ModelLoadError("--quantize does not combine with LoRA adapters yet (the adapters add to float weights)")
+        if config.quantize != "none" and config.quantize not in self.adapter.quantize_modes:
             raise ModelLoadError(f"--quantize {config.quantize} is not available on {self.adapter.name} "
                                  f"(choose from none, {', '.join(self.adapter.quantize_modes)})")
         return dtype
