@@ -66,7 +66,8 @@ class ServingLimits:
 class EngineConfig:
     model_id: str | None = None          # None: the embedded SmolLM2-135M-Instruct
     device: str = "cpu"
-    dtype: str | None = None             # None: the device's default dtype
+    dtype: str | None = None             # None or "auto": the device's (cpu: bfloat16 where it has AVX512-BF16/AMX)
+    quantize: str = "none"               # none | int8 | int4 | fp8 (engine/quantize.py)
     block_size: int | None = None        # None: the device's preferred KV block size
     max_batch_size: int = 32
     max_input_tokens: int = 1024
@@ -102,11 +103,11 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 
 
 def torch_dtype(name: str | None, default):
-    """The torch dtype for a CLI name, or `default` when none was given."""
+    """The torch dtype for a CLI name, or `default` (the device's automatic choice) for auto or none."""
     import torch
 
-    if name is None:
+    if name is None or name == "auto":
         return default
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r} (choose from float32, bfloat16, float16)")
+        raise ValueError(f"unknown dtype {name!r} (choose from auto, float32, bfloat16, float16)")
     return getattr(torch, DTYPES[name])

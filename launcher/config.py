@@ -16,7 +16,8 @@ class LauncherConfig:
     model_id: str | None = None          # None: the embedded model, as `engine serve`
     num_shard: int = 1
     device: str = "auto"                 # after resolve(): a concrete device, never "auto"
-    dtype: str | None = None
+    dtype: str | None = None             # None: the engine's default (auto)
+    quantize: str | None = None          # engine serve --quantize; None: its default (none)
     max_batch_size: int = _ENGINE.max_batch_size
     max_input_tokens: int = _ENGINE.max_input_tokens
     max_total_tokens: int = _ENGINE.max_total_tokens
@@ -67,7 +68,8 @@ class LauncherConfig:
             args += ["--lora-impl", self.lora_impl]
         for flag, value in (("--warmup", self.warmup), ("--warmup-profile", self.warmup_profile),
                             ("--record-shapes", self.record_shapes), ("--implementation", self.implementation),
-                            ("--moe-impl", self.moe_impl), ("--otlp-endpoint", self.otlp_endpoint)):
+                            ("--moe-impl", self.moe_impl), ("--otlp-endpoint", self.otlp_endpoint),
+                            ("--quantize", self.quantize)):
             if value is not None:
                 args += [flag, value]
         return args

@@ -27,7 +27,7 @@ from tests.test_server import free_tcp_port, prompt_request, short_socket_dir, t
 
 REPO = Path(__file__).resolve().parents[1]
 LIMITS = ["--max-input-tokens", "64", "--max-total-tokens", "128", "--max-batch-prefill-tokens", "128",
-          "--block-size", "16", "--max-batch-size", "4"]
+          "--block-size", "16", "--max-batch-size", "4", "--dtype", "float32"]  # compared with float32 transformers
 READY = re.compile(r"master shard socket unix://(\S+)-0 ")
 STARTUP_S = 150         # generous: two shards each import torch and load a model on a 2-core machine
 SHUTDOWN_TIMEOUT_S = 10  # the launcher's default graceful stop timeout

@@ -12,7 +12,7 @@ from tests.test_models_fallback import fallback_dirs, refused_model_dirs  # noqa
 
 def generate_json(capsys, model_dir) -> list[dict]:
     args = ["generate", "--model-id", str(model_dir), "--max-new-tokens", str(NEW_TOKENS), "--json",
-            "--block-size", "16", "--max-input-tokens", "128", "--max-total-tokens", "256"]
+            "--block-size", "16", "--max-input-tokens", "128", "--max-total-tokens", "256", "--dtype", "float32"]
     for prompt in PROMPTS:
         args += ["--prompt", prompt]
     capsys.readouterr()

@@ -19,7 +19,8 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def profile(tiny_model_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("profile")
     trace = trace_file(out / "trace.jsonl")
-    code = main(["warmup-profile", "--model-id", str(tiny_model_dirs["llama"]), "--device", "cpu", *LIMIT_ARGS,
+    code = main(["warmup-profile", "--model-id", str(tiny_model_dirs["llama"]), "--device", "cpu", "--dtype", "float32",
+                 *LIMIT_ARGS,
                  "--shapes", trace, "--runs", "2", "--out", str(out)])
     assert code == 0
     return out / "profile.json"

@@ -18,7 +18,7 @@ NEW_TOKENS = 80
 REQUESTS = (PROMPTS + ["The three primary colors are", "A good breakfast has"])[:8]
 LIMITS = ["--device", "cpu", "--restart-on-failure", "--hostname", "127.0.0.1",
           "--max-input-tokens", "160", "--max-total-tokens", "192",
-          "--max-batch-prefill-tokens", "512", "--max-batch-size", "8"]
+          "--max-batch-prefill-tokens", "512", "--max-batch-size", "8", "--dtype", "float32"]
 
 
 class Answer:

@@ -26,7 +26,7 @@ from tests.test_equivalence import PROMPTS, reference_tokens
 REPO = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 20  # > one block of 16: decode crosses a block boundary
 LIMITS = dict(max_input_tokens=64, max_total_tokens=128, max_prefill_tokens=128)
-SERVE_ARGS = ["--block-size", "16", "--max-input-tokens", "64", "--max-total-tokens", "128", "--max-prefill-tokens", "128"]
+SERVE_ARGS = ["--dtype", "float32", "--block-size", "16", "--max-input-tokens", "64", "--max-total-tokens", "128", "--max-prefill-tokens", "128"]
 LIVENESS_ID = 2**64 - 1  # TGI's router probes health with this request and batch id
 
 

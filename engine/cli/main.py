@@ -18,7 +18,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-id", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "hpu", "xpu"],
                         help="auto (default): hpu, else cuda/rocm, else xpu, whichever is present; else cpu")
-    parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the device's)")
+    parser.add_argument("--dtype", default="auto", help="auto (default: cpu: bfloat16 where it has AVX512-BF16 "
+                        "or AMX, else float32; accelerators: their default), float32, bfloat16 or float16")
+    parser.add_argument("--quantize", default=defaults.quantize, choices=["none", "int8", "int4", "fp8"],
+                        help="weight-only int8 (per channel) or int4 (group 32; GGUF Q4_0/Q4_1 as stored) on CPU; "
+                             "fp8: a pre-quantized FP8 checkpoint")
     parser.add_argument("--block-size", type=int, help="KV cache block size in tokens (default: the device's)")
     parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
     parser.add_argument("--max-input-tokens", type=int, default=defaults.max_input_tokens)
@@ -70,7 +74,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         warmup_mode=args.warmup, warmup_profile=args.warmup_profile, record_shapes=args.record_shapes,
         lora_adapters=parse_lora_adapters(args.lora_adapters or env_lora_adapters()),
         lora_impl=args.lora_impl, max_lora_rank=args.max_lora_rank, implementation=args.implementation,
-        moe_impl=args.moe_impl,
+        moe_impl=args.moe_impl, quantize=args.quantize,
     )
 
 

@@ -19,6 +19,7 @@ def profile_config(args: argparse.Namespace) -> EngineConfig:
         max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens,
         bucket_strategy=args.strategy, bucket_shapes=args.shapes, bucket_file=args.bucket_file,
         max_graphs=args.max_graphs, graph_mode=args.graph_mode, cache_dir=args.cache_dir, warmup_mode="full",
+        quantize=args.quantize,
     )
 
 
@@ -75,7 +76,8 @@ def add_profile_command(commands) -> None:
                                         "and PNG plots. `engine serve --warmup-profile DIR/profile.json` reuses it.")
     p.add_argument("--model-id", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, hpu or xpu")
-    p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the device's)")
+    p.add_argument("--dtype", default="auto", help="auto (default), float32, bfloat16 or float16")
+    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4", "fp8"])
     p.add_argument("--graph-mode", help="default: the device's (cpu: eager or compile)")
     p.add_argument("--cache-dir", type=Path, help="where converted models are cached")
     add_limit_args(p, block_size_default=None)

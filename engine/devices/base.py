@@ -49,6 +49,7 @@ class DeviceAdapter(ABC):
     default_graph_mode: str = "eager"
     default_lora_impl: str = "dense"  # engine/layers/lora.py: static shapes, safe in graphs and buckets
     default_moe_impl: str = "dense"   # engine/layers/moe.py: every expert over every token, graph-friendly
+    quantize_modes: tuple[str, ...] = ()  # --quantize modes besides none (engine/quantize.py)
     step_marker: Callable[[], None] | None = None        # installed around forwards (HPU lazy mode)
     attention_backend: AttentionBackend | None = None    # None: pure torch attention
     graph_budget = None  # engine.warmup.budget.GraphBudget, set by the shard when graphs are captured
@@ -63,6 +64,10 @@ class DeviceAdapter(ABC):
         self.shapes = ShapeRegistry(strict_shapes)
         self.stats: Counter = Counter()  # "replay", "capture", "bypass", ... per kind of shape
         self._profiling = False
+
+    def auto_dtype(self) -> tuple[torch.dtype, str]:
+        """--dtype auto: the dtype this device serves best, and why (said at start)."""
+        return self.default_dtype, f"the {self.name} default"
 
     @property
     def device_type(self) -> str:

@@ -18,12 +18,16 @@ class VocabParallelEmbedding(nn.Module):
         self.start = parallel.rank * self.rows_per_rank
         self.end = min(self.start + self.rows_per_rank, vocab_size)
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size))
+        self.quantized = None  # an Int8Weight (engine.quantize), which then replaces `weight`
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight) if self.quantized is None else self.quantized.rows(ids)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.world_size == 1:
-            return F.embedding(ids, self.weight)
+            return self.lookup(ids)
         mine = (ids >= self.start) & (ids < self.end)
-        local = F.embedding((ids - self.start) * mine, self.weight) * mine.unsqueeze(-1)
+        local = self.lookup((ids - self.start) * mine) * mine.unsqueeze(-1)
         return all_reduce_sum(local, self.parallel)
 
     def load(self, kind: str, part, source, name: str) -> None:
@@ -37,5 +41,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocabulary range, gathered into the full vocabulary on every rank."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)
+        local = F.linear(hidden, self.weight) if self.quantized is None else self.quantized.linear(hidden)
         return all_gather_last_dim(local, self.parallel)[..., : self.vocab_size]

@@ -29,6 +29,14 @@ def copy_checked(dest: torch.Tensor, source, index, full_shape: tuple[int, ...],
         dest.copy_(torch.as_tensor(source[index]))
 
 
+def project(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias), through the layer's quantized weight when it has one."""
+    if layer.quantized is None:
+        return F.linear(x, layer.weight, bias)
+    out = layer.quantized.linear(x)
+    return out if bias is None else out + bias
+
+
 class ColumnParallelLinear(nn.Module):
     """Outputs made of named parts (q, k, v or gate, up), each split over the ranks.
 
@@ -44,10 +52,11 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(offset, in_features))
         self.bias = nn.Parameter(torch.empty(offset)) if bias else None
         self.lora = None  # LoraWeights, attached by engine.lora_loader when adapters are loaded
+        self.quantized = None  # Int8Weight or Int4Weight (engine.quantize), which then replaces `weight`
 
     def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
         """`lora`: the forward's adapter selector (engine.layers.lora), None without adapters."""
-        out = F.linear(x, self.weight, self.bias)
+        out = project(self, x, self.bias)
         return out if lora is None or self.lora is None else self.lora.add_to(out, x, lora)
 
     def load(self, kind: str, part: str, source, name: str) -> None:
@@ -109,9 +118,10 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.lora = None  # LoraWeights over this rank's input columns, attached by engine.lora_loader
+        self.quantized = None  # as in ColumnParallelLinear
 
     def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = project(self, x, None)
         if lora is not None and self.lora is not None:
             # A partial LoRA delta (this rank's columns of A) joins the partial product: one all-reduce sums both.
             out = self.lora.add_to(out, x, lora)

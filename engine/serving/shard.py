@@ -26,7 +26,7 @@ from engine.serving.steps import StepContext, admit_requests, decode_step, prefi
 from engine.warmup.budget import GraphBudget, split_free_memory
 from engine.warmup.memory import profile_free_memory, size_kv_cache
 from engine.warmup.run import bucket_limits, plan_for, run_warmup
-from engine.warmup.warm import PhaseLog
+from engine.warmup.warm import PhaseLog, report
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class Shard:
         self.config, self.rank, self.world_size, self.show_progress = config, rank, world_size, show_progress
         self.adapter = get_adapter(config.device, config.graph_mode, config.strict_shapes, rank=rank,
                                    world_size=world_size, cache_dir=config.resolved_cache_dir)
-        self.dtype = torch_dtype(config.dtype, self.adapter.default_dtype)
+        self.dtype = self._choose_dtype(config)
         self.block_size = config.block_size or self.adapter.default_block_size
         self.parallel = Parallel(rank, world_size)
         init_distributed(self.parallel, self.adapter.dist_backend, *distributed_address())
@@ -53,7 +53,8 @@ class Shard:
         self.group_seed = broadcast_int(secrets.randbits(62), self.parallel)
         loaded = loader.load(config.model_id, config.resolved_cache_dir, self.dtype, self.adapter.torch_device, self.parallel,
                              moe_impl=config.moe_impl or self.adapter.default_moe_impl,
-                             implementation=config.implementation, prepare_fallback=self.adapter.prepare_transformers)
+                             implementation=config.implementation, prepare_fallback=self.adapter.prepare_transformers,
+                             quantize=config.quantize)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path, self.eos_token_ids = loaded.path, loaded.eos_token_ids
         self.implementation = getattr(self.model, "implementation", "native")
@@ -72,6 +73,19 @@ class Shard:
         self.device_lock = threading.RLock()  # a step, or one bucket of background warmup
         self.background = None                # progressive warmup's BackgroundWarmup while it runs
         self.recorder = None                  # ShapeRecorder of --record-shapes
+
+    def _choose_dtype(self, config: EngineConfig) -> torch.dtype:
+        """The serving dtype; with --dtype auto (the default) the device's choice, said at start."""
+        automatic, why = self.adapter.auto_dtype()
+        dtype = torch_dtype(config.dtype, automatic)
+        if config.dtype in (None, "auto") and self.rank == 0:
+            report(f"dtype auto: {str(dtype).removeprefix('torch.')} ({why})", self.show_progress)
+        if config.quantize != "none" and config.lora_adapters:
+            raise ModelLoadError("--quantize does not combine with LoRA adapters yet (the adapters add to float weights)")
+        if config.quantize != "none" and config.quantize not in self.adapter.quantize_modes:
+            raise ModelLoadError(f"--quantize {config.quantize} is not available on {self.adapter.name} "
+                                 f"(choose from none, {', '.join(self.adapter.quantize_modes)})")
+        return dtype
 
     def info(self) -> InfoResponse:
         return InfoResponse(
@@ -126,7 +140,8 @@ class Shard:
         """What a warmup profile's latencies depend on (engine/warmup/profile.py)."""
         from engine.warmup.profile import fingerprint
 
-        return fingerprint(self.model_path, self.adapter, self.dtype, self.world_size, self.block_size)
+        return fingerprint(self.model_path, self.adapter, self.dtype, self.world_size, self.block_size,
+                           self.config.quantize)
 
     def warmup_progress(self) -> dict:
         """Buckets warmed so far: progressive warmup goes on after Warmup has answered."""

@@ -19,13 +19,14 @@ from engine.buckets.core import BucketLimits, BucketPlan, DecodeBucket, PrefillB
 PROFILE_VERSION = 1
 
 
-def fingerprint(model_path, adapter, dtype, world_size: int, block_size: int) -> dict:
-    """The model (its directory name and config.json digest), device, graph mode, dtype, ranks, block size."""
+def fingerprint(model_path, adapter, dtype, world_size: int, block_size: int, quantize: str = "none") -> dict:
+    """The model (its directory name and config.json digest), device, graph mode, dtype, ranks, block size,
+    and the weight quantization when there is one (left out otherwise, so older profiles still match)."""
     config = Path(model_path) / "config.json"
     digest = hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.is_file() else None
     return {"model": Path(model_path).name, "model_config_sha256": digest, "device": adapter.name,
             "graph_mode": adapter.graph_mode, "dtype": str(dtype).removeprefix("torch."),
-            "world_size": world_size, "block_size": block_size}
+            "world_size": world_size, "block_size": block_size} | ({} if quantize == "none" else {"quantize": quantize})
 
 
 def read_profile(path: str | Path) -> dict:
