@@ -24,7 +24,7 @@ def test_int8_linear_equals_dequantize_then_matmul():
     assert torch.equal(layer.rows(torch.tensor([[3, 0]])), expected[[3, 0]].unsqueeze(0))
 
 
-@pytest.mark.parametrize("rows", [48, 40])  # 40: not a multiple of the packer's 16 rows, padded
+@pytest.mark.parametrize("rows", [48, 40, 64])  # 40: padded to 48; 64: dequantized by unpacking
 def test_int4_linear_equals_dequantize_then_matmul(rows):
     torch.manual_seed(2)
     codes = torch.randint(0, 16, (rows, 96), dtype=torch.uint8)

@@ -83,8 +83,10 @@ class Int4Weight(nn.Module):
         return ((codes - 8) * scale + zero).view(rows, self.in_features)
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight the kernel multiplies by: read back through the kernel itself with an
-        identity input (the packed layout is the kernel's own), exact in float32."""
+        """The float32 weight the kernel multiplies by: unpacked where the layout check passed, else
+        read back through the kernel itself with an identity input (slow with float32 activations)."""
+        if self.unpackable:
+            return self.dequantized(torch.float32)[: self.out_features].contiguous()
         eye = torch.eye(self.in_features)
         columns = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, self.scale_zero.float())
         return columns.t()[: self.out_features].contiguous()
