@@ -49,13 +49,13 @@ def slots_for(blocks: list[int], start: int, end: int, block_size: int) -> list[
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device):
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device,
+                 zeros=None):
+        """`zeros(shape, dtype)`: the device adapter's allocator of zero-filled tensors (default torch.zeros)."""
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_blocks * block_size, kv_heads, head_dim)
-        self.layers = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
-        ]
+        zeros = zeros or (lambda size, kind: torch.zeros(size, dtype=kind, device=device))
+        self.layers = [(zeros(shape, dtype), zeros(shape, dtype)) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype) -> int:
