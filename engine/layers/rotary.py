@@ -138,6 +138,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int):
         super().__init__()
+        if torch.empty(0).is_meta:
+            # Built on the meta device (engine.loader.build_model), the tables are only placeholders
+            # until rebuild_rotary: computing them there runs Python decompositions (seconds).
+            size = (max_positions, rope.rotary_dim(head_dim))
+            self.register_buffer("cos", torch.empty(size), persistent=False)
+            self.register_buffer("sin", torch.empty(size), persistent=False)
+            return
         angles = position_angles(rope, head_dim, max_positions)
         angles = torch.cat((angles, angles), dim=-1)
         scale = attention_factor(rope)
