@@ -1,6 +1,6 @@
 """Milliseconds per decode step of the embedded model, at the given batch sizes.
 
-    python scripts/step_bench.py --batches 1 2 4 8 32 128 --context 160 [--profile 1]
+    [STEP_THREADS=1] python scripts/step_bench.py --batches 1 2 4 8 32 128 --context 160 [--profile 1]
 
 Every row sits at about `--context` tokens of KV (rows differ a little, as in serving); the step is
 the engine's own `ModelRunner.decode` (tensors built, forward, logits of the real rows). Prints the
@@ -30,14 +30,17 @@ def decode_rows(shard: Shard, batch: int, context: int) -> list[DecodeInput]:
     return rows
 
 
-def time_steps(shard: Shard, rows: list[DecodeInput], steps: int) -> float:
+def time_steps(shard: Shard, rows: list[DecodeInput], steps: int) -> tuple[float, float]:
+    """Median wall and CPU (process time: all threads) milliseconds per step. On a shared machine
+    the CPU time is the steadier figure; with one thread (STEP_THREADS=1) it is the work itself."""
     shard.runner.decode(rows)  # first call: allocator caches, lazy imports
-    times = []
+    wall, cpu = [], []
     for _ in range(steps):
-        start = time.process_time()
+        start, start_cpu = time.perf_counter(), time.process_time()
         shard.runner.decode(rows)
-        times.append((time.process_time() - start) * 1000)
-    return statistics.median(times)
+        wall.append((time.perf_counter() - start) * 1000)
+        cpu.append((time.process_time() - start_cpu) * 1000)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def profile(shard: Shard, rows: list[DecodeInput]) -> None:
@@ -67,7 +70,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, context ~{args.context}")
     for batch in args.batches:
         rows = decode_rows(shard, batch, args.context)
-        print(f"batch {batch:4d}: {time_steps(shard, rows, args.steps):8.1f} ms/step")
+        wall, cpu = time_steps(shard, rows, args.steps)
+        print(f"batch {batch:4d}: {wall:8.1f} ms/step wall, {cpu:8.1f} ms/step CPU")
         if batch == args.profile:
             profile(shard, rows)
         for row in rows:
