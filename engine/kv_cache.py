@@ -49,14 +49,14 @@ def slots_for(blocks: list[int], start: int, end: int, block_size: int) -> list[
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device):
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device,
+                 zeros=None):
+        """`zeros(shape, dtype)`: the device adapter's allocator of zero-filled tensors (default torch.zeros)."""
         self.num_blocks, self.block_size = num_blocks, block_size
         self.copied_prompts = 0  # copy_slots calls: prompts shared instead of computed
         shape = (num_blocks * block_size, kv_heads, head_dim)
-        self.layers = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
-        ]
+        zeros = zeros or (lambda size, kind: torch.zeros(size, dtype=kind, device=device))
+        self.layers = [(zeros(shape, dtype), zeros(shape, dtype)) for _ in range(num_layers)]
 
     def copy_slots(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Every layer's K and V at slots `source` copied to slots `target` (equal-length index tensors

@@ -29,6 +29,10 @@ def split_problem(heads: int, kv_heads: int, num_shard: int) -> str | None:
 
 def check_split(model_id: str | None, num_shard: int) -> None:
     # Resolving here also converts a GGUF model once, before N shards would race to convert it.
+    # One shard splits nothing and races no other shard: the launcher then never imports torch or
+    # transformers, and starts its shard seconds sooner (the shard converts, atomically, if needed).
+    if num_shard == 1:
+        return
     from engine.config import default_cache_dir
     from engine.loader import read_config, resolve_model_dir
 

@@ -83,7 +83,9 @@ class LauncherConfig:
                 "--max-batch-prefill-tokens", str(self.max_prefill_tokens),
                 "--max-batch-size", str(self.max_batch_size),
                 "--max-concurrent-requests", str(self.max_concurrent_requests),
-                "--payload-limit", str(self.payload_limit)]
+                "--payload-limit", str(self.payload_limit),
+                # the router starts with the shards (its imports overlap their model load) and waits for them
+                "--wait-for-shards", str(self.startup_timeout)]
         if self.model_id is not None:
             args += ["--model-id", self.model_id]
         if self.lora_adapters:  # the router checks adapter_id against these names

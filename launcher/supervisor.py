@@ -263,10 +263,12 @@ def _supervise(group: ShardGroup, routers: list, config, device, console: Consol
     while True:
         group.spawn()
         try:
+            starting_router = not config.no_router and not routers
+            if starting_router:  # now: its start-up overlaps the shards' (it waits for them to answer)
+                routers.append(RouterProcess(config, console))
             if not group.wait_healthy(stop):
                 return 0
-            if not config.no_router and not routers:
-                routers.append(RouterProcess(config, console))
+            if starting_router:
                 if not routers[0].wait_ready(stop, config.startup_timeout):
                     return 0
             elif served and config.no_router:

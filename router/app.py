@@ -55,6 +55,7 @@ class RouterConfig:
     otlp_endpoint: str | None = None     # OpenTelemetry collector (gRPC); None: no tracing at all
     payload_limit: int = DEFAULT_PAYLOAD_LIMIT  # request body bytes; a larger body gets 413
     parent_pid: int | None = None        # stop when this process (the launcher) is gone
+    wait_for_shards: float = 0.0         # seconds to wait for the master shard to answer; 0: it must already
 
 
 def warmup_batch(max_input: int, max_prefill: int, max_total: int, max_batch: int) -> Batch:
@@ -132,7 +133,7 @@ async def build_state(config: RouterConfig, client: ShardClient) -> RouterState:
 
 
 async def serve(config: RouterConfig) -> None:
-    client = await GrpcShardClient.connect(config.master_url)
+    client = await GrpcShardClient.connect(config.master_url, wait=config.wait_for_shards or None)
     state = await build_state(config, client)
     traces = tracing.Tracing.to_otlp(config.otlp_endpoint) if config.otlp_endpoint else None
     app: FastAPI = create_app(state, config.access, traces, config.payload_limit)
@@ -180,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest request body in bytes; a larger one gets HTTP 413 (TGI's flag and default)")
     parser.add_argument("--parent-pid", type=int, default=os.environ.get("BUCKETSERVE_PARENT_PID"),
                         help="stop when this process is gone (the launcher sets it)")
+    parser.add_argument("--wait-for-shards", type=float, default=0.0,
+                        help="wait up to this many seconds for the shards to answer (the launcher starts the "
+                             "router while the shards load); default 0: fail at once if they do not")
     return parser
 
 
@@ -193,7 +197,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         args.max_input_tokens, args.max_total_tokens, args.max_batch_prefill_tokens,
                         args.max_batch_size, args.max_concurrent_requests, adapter_names(args.lora_adapters),
                         access_from_args(args), args.otlp_endpoint,
-                        args.payload_limit, args.parent_pid)
+                        args.payload_limit, args.parent_pid, args.wait_for_shards)
 
 
 def adapter_names(spec: str) -> tuple[str, ...]:

@@ -95,11 +95,14 @@ class GrpcShardClient:
         self.resumes = False
 
     @classmethod
-    async def connect(cls, master_url: str, timeout: float | None = None) -> GrpcShardClient:
+    async def connect(cls, master_url: str, timeout: float | None = None, wait: float | None = None) -> GrpcShardClient:
+        """`wait`: seconds to wait for the master shard to come up (gRPC's wait_for_ready retries the
+        connection), as when the router starts while the shards are still loading the model."""
         async with grpc.aio.insecure_channel(master_url, options=CHANNEL_OPTIONS) as channel:
             stub = pb_grpc.TextGenerationServiceStub(channel)
             try:
-                response = await stub.ServiceDiscovery(pb.ServiceDiscoveryRequest(), timeout=timeout)
+                response = await stub.ServiceDiscovery(pb.ServiceDiscoveryRequest(), timeout=wait or timeout,
+                                                       wait_for_ready=wait is not None)
             except grpc.aio.AioRpcError as error:
                 raise ShardError(error.code(), f"ServiceDiscovery on {master_url}: {error.details()}") from None
         return cls(list(response.urls), timeout)

@@ -22,7 +22,7 @@ def flat_attention(
     key_cache: torch.Tensor,      # [num_slots, kv_heads, dim]
     value_cache: torch.Tensor,    # [num_slots, kv_heads, dim]
     block_list: torch.Tensor,     # [num_blocks]
-    block_mapping: torch.Tensor,  # [num_blocks, batch] one-hot, zero rows for padding blocks
+    block_mapping: torch.Tensor,  # [num_blocks, batch] one-hot (device kernels use it; this one needs only groups)
     block_groups: torch.Tensor,   # [num_blocks] owner row (0 for padding blocks)
     block_bias: torch.Tensor,     # [num_blocks, block_size] 0 where valid, negative past usage
     scale: float,
@@ -34,34 +34,35 @@ def flat_attention(
     kv_heads = key_cache.shape[1]
     group = heads // kv_heads
 
-    # Each block gets its owner's query, its heads grouped by kv head: [blocks, kv_heads, group, dim].
-    qb = (block_mapping @ (q * scale).reshape(batch, heads * dim)).view(num_blocks, kv_heads, group, dim)
-    # The blocks' keys and values per kv head, [blocks, kv_heads, block_size, dim]: one gather of the
-    # blocks in use, then a view. Each query head meets only its own kv head (GQA), so no pair of
-    # different groups is computed and then masked.
-    keys = key_cache.view(-1, block_size, kv_heads, dim).index_select(0, block_list).transpose(1, 2)
-    values = value_cache.view(-1, block_size, kv_heads, dim).index_select(0, block_list).transpose(1, 2)
-    scores = qb @ keys.transpose(-1, -2)  # [blocks, kv_heads, group, block_size]
+    # Each block gets its owner's query by index, not by a one-hot matmul (that costs blocks x batch).
+    qb = (q * scale).index_select(0, block_groups).view(num_blocks, kv_heads, group, dim)
+    # One gather of the blocks in use, kept in the cache's layout [blocks, block_size, kv_heads, dim].
+    keys = key_cache.view(-1, block_size, kv_heads, dim).index_select(0, block_list)
+    values = value_cache.view(-1, block_size, kv_heads, dim).index_select(0, block_list)
+    # Per kv head, its query heads meet only its keys (GQA: no cross-group products); the slices are
+    # strided views that bmm takes as they are, where a [blocks, kv_heads, ...] transpose would be copied.
+    scores = torch.stack([torch.bmm(qb[:, h], keys[:, :, h].transpose(1, 2)) for h in range(kv_heads)], 1)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if masked is None:
         masked = flat_masked(block_bias, kv_heads)
-    scores = scores.masked_fill(masked, torch.finfo(scores.dtype).min / 2)
+    scores = scores.masked_fill_(masked, torch.finfo(scores.dtype).min / 2)
 
-    block_max = scores.amax(dim=-1, keepdim=True)
-    probs = (scores - block_max).clamp_min_(EXP_FLOOR).exp_().masked_fill_(masked, 0.0)
+    block_max = scores.amax(dim=-1, keepdim=True)  # [blocks, kv_heads, group, 1]
+    probs = scores.sub_(block_max).clamp_min_(EXP_FLOOR).exp_().masked_fill_(masked, 0.0)
     block_max = block_max.view(num_blocks, heads)
     block_sum = probs.sum(dim=-1).view(num_blocks, heads)
-    block_out = (probs @ values).view(num_blocks, heads, dim)
+    block_out = torch.stack([torch.bmm(probs[:, h], values[:, :, h]) for h in range(kv_heads)], 1)
 
     row_max = _row_max(block_max, block_groups, batch)  # [batch, heads]
     rescale = (block_max - row_max.index_select(0, block_groups)).clamp_min_(EXP_FLOOR).exp_()
-    mapping_t = block_mapping.t()
-    numerator = mapping_t @ (block_out * rescale.unsqueeze(-1)).view(num_blocks, -1)
-    denominator = mapping_t @ (block_sum * rescale)
+    # Each row sums its own blocks. Padding blocks belong to row 0 and add exact zeros (all masked).
+    weighted = block_out.view(num_blocks, heads, dim) * rescale.unsqueeze(-1)
+    numerator = weighted.new_zeros(batch, heads, dim).index_add_(0, block_groups, weighted)
+    denominator = rescale.new_zeros(batch, heads).index_add_(0, block_groups, block_sum * rescale)
     # Real rows always have denominator >= 1 (their maximal score contributes exp(0)); the clamp
     # only keeps padded rows, which own no block, at 0 instead of 0/0.
-    return numerator.view(batch, heads, dim) / denominator.clamp_min(1e-30).view(batch, heads, 1)
+    return numerator / denominator.clamp_min(1e-30).view(batch, heads, 1)
 
 
 def flat_masked(block_bias: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -1,10 +1,14 @@
 """Device adapters (HPU, CUDA/ROCm, XPU, CPU) and the device probes: the only place vendor libraries
 are imported, lazily, so that asking for one device never imports another vendor's stack. Imports
 engine.attention (kernels it replaces), engine.errors and its own modules."""
+from __future__ import annotations
+
 import importlib
 import os
+from typing import TYPE_CHECKING
 
-from engine.devices.base import DeviceAdapter
+if TYPE_CHECKING:  # torch is imported with the adapter, not by the launcher's device checks
+    from engine.devices.base import DeviceAdapter
 
 _ADAPTERS = {
     "cpu": ("engine.devices.cpu", "CPUAdapter"),

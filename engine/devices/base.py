@@ -78,6 +78,10 @@ class DeviceAdapter(ABC):
     @abstractmethod
     def torch_device(self) -> torch.device: ...
 
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled tensor on this device (the KV cache is made of these)."""
+        return torch.zeros(shape, dtype=dtype, device=self.torch_device)
+
     @abstractmethod
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of the memory the KV cache lives in."""

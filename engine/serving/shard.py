@@ -119,7 +119,8 @@ class Shard:
         kv_bytes, graph_bytes = split_free_memory(free, self.config.kv_cache_memory_fraction,
                                                   self.config.graph_memory_fraction, self.adapter.captures_graphs)
         num_blocks = size_kv_cache(kv_bytes, 1.0, per_block, self.block_size, limits)
-        cache = KVCache(layers, num_blocks, self.block_size, kv_heads, head_dim, self.dtype, self.adapter.torch_device)
+        cache = KVCache(layers, num_blocks, self.block_size, kv_heads, head_dim, self.dtype, self.adapter.torch_device,
+                        self.adapter.zeros)
         self.adapter.graph_budget = GraphBudget(self.adapter, graph_bytes) if graph_bytes else None
         phases.mark("kv cache")
         planned = bucket_limits(limits, self.block_size, num_blocks)
