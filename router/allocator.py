@@ -18,6 +18,7 @@ RESERVED_BLOCK = 0
 class Allocation:
     blocks: tuple[int, ...]
     slots: tuple[int, ...]
+    cache_len: int = 0  # tokens of the first blocks already computed (a prefix-cache hit: router/prefix_cache.py)
 
 
 class BlockAllocator:
@@ -48,7 +49,13 @@ class BlockAllocator:
     def can_allocate(self, tokens: int) -> bool:
         return tokens >= 0 and self.blocks_for(tokens) <= len(self._free)
 
-    def allocate(self, tokens: int) -> Allocation:
+    def fits(self, tokens: int, token_ids=None, adapter=None) -> bool:
+        return self.can_allocate(tokens)
+
+    def register(self, allocation: Allocation, token_ids, adapter) -> None:
+        """Nothing is cached without prefix caching (router/prefix_cache.py)."""
+
+    def allocate(self, tokens: int, token_ids=None, adapter=None) -> Allocation:
         """Room for `tokens` tokens: whole blocks, and the first `tokens` slots of them."""
         if tokens < 0:
             raise ValueError(f"cannot allocate {tokens} tokens")

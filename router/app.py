@@ -23,6 +23,7 @@ from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCri
 from router.access import AccessConfig, access_from_args, add_access_args, install
 from router import tracing
 from router.allocator import BlockAllocator
+from router.prefix_cache import PrefixCache
 from router.client import GrpcShardClient, ShardClient
 from router.errors import DEFAULT_PAYLOAD_LIMIT, BodyLimit, install_error_handlers
 from router.metrics import RouterMetrics
@@ -55,6 +56,7 @@ class RouterConfig:
     otlp_endpoint: str | None = None     # OpenTelemetry collector (gRPC); None: no tracing at all
     payload_limit: int = DEFAULT_PAYLOAD_LIMIT  # request body bytes; a larger body gets 413
     parent_pid: int | None = None        # stop when this process (the launcher) is gone
+    prefix_caching: bool = True          # reuse cached prefix blocks, where the shards can (Info.use_prefix_caching)
 
 
 def warmup_batch(max_input: int, max_prefill: int, max_total: int, max_batch: int) -> Batch:
@@ -80,7 +82,9 @@ async def warm_up(client: ShardClient, config: RouterConfig) -> tuple[ServingLim
     blocks = result.max_supported_total_tokens // info.block_size + 1
     limits = ServingLimits(config.max_batch_size, config.max_batch_prefill_tokens, result.max_input_tokens,
                              result.max_total_tokens, config.max_concurrent_requests)
-    return limits, BlockAllocator(blocks, info.block_size), info_dict(config, info, limits, result)
+    caching = config.prefix_caching and info.use_prefix_caching
+    allocator = (PrefixCache if caching else BlockAllocator)(blocks, info.block_size)
+    return limits, allocator, {**info_dict(config, info, limits, result), "prefix_caching": caching}
 
 
 async def rewarm(client: ShardClient, config: RouterConfig):
@@ -178,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "e.g. http://localhost:4317 (default: no tracing)")
     parser.add_argument("--payload-limit", type=int, default=DEFAULT_PAYLOAD_LIMIT,
                         help="largest request body in bytes; a larger one gets HTTP 413 (TGI's flag and default)")
+    parser.add_argument("--prefix-caching", choices=["on", "off"], default="on",
+                        help="on (default): requests reuse the KV blocks of a cached prompt prefix (when the "
+                             "shards report use_prefix_caching)")
     parser.add_argument("--parent-pid", type=int, default=os.environ.get("BUCKETSERVE_PARENT_PID"),
                         help="stop when this process is gone (the launcher sets it)")
     return parser
@@ -193,7 +200,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         args.max_input_tokens, args.max_total_tokens, args.max_batch_prefill_tokens,
                         args.max_batch_size, args.max_concurrent_requests, adapter_names(args.lora_adapters),
                         access_from_args(args), args.otlp_endpoint,
-                        args.payload_limit, args.parent_pid)
+                        args.payload_limit, args.parent_pid, args.prefix_caching == "on")
 
 
 def adapter_names(spec: str) -> tuple[str, ...]:

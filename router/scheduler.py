@@ -6,9 +6,8 @@ the shard concatenates), hands each generation to its request's stream, and drop
 cancelled requests (`FilterBatch`, or `ClearCache` when none remain). This is what TGI's v3 router
 does, so the same loop drives our shards in process or over gRPC.
 
-The scheduler owns KV blocks too: a request gets blocks for its prompt and all its new tokens when
-it is admitted, and gives them back only once no shard batch lists it any more, so a block is never
-handed to a new request while a shard may still write into it.
+The scheduler owns KV blocks too (router/kv_blocks.py): a request gets blocks for its prompt and its
+new tokens at admission, reusing cached prefix blocks, and gives them back once no shard batch lists it.
 """
 from __future__ import annotations
 
@@ -16,8 +15,8 @@ import asyncio
 import time
 import itertools
 import logging
-from collections import Counter, deque
-from dataclasses import dataclass, field, replace
+from collections import deque
+from dataclasses import replace
 from typing import Awaitable, Callable
 
 import grpc
@@ -25,22 +24,14 @@ import grpc
 from engine.batch import Batch, CachedBatch, Generation, Request
 from engine.config import ServingLimits
 from router.admission import Overloaded, ShardsUnavailable, check_request  # noqa: F401 - raised by submit
+from router import kv_blocks
 from router.allocator import BlockAllocator
 from router.client import ShardClient, ShardError
 from router.streams import RequestCancelled, RequestStream, Entry
+from router.scheduler_stats import SchedulerStats
 
 log = logging.getLogger(__name__)
 RECOVERY_POLL_S = 0.5
-
-
-@dataclass
-class SchedulerStats:
-    """What the loop did, for tests and metrics: batch size -> how many steps ran with it."""
-    prefill_sizes: Counter = field(default_factory=Counter)
-    decode_sizes: Counter = field(default_factory=Counter)
-    prefills_while_running: int = 0  # continuous batching: admissions next to a running batch
-    kv_waits: int = 0                # times the head of the queue waited for KV blocks
-    failed_steps: int = 0
 
 
 class Scheduler:
@@ -88,14 +79,14 @@ class Scheduler:
         self._task = None
         await self._abandon_all(RequestCancelled("the scheduler stopped"))
 
-    def submit(self, request: Request, input_length: int) -> RequestStream:
+    def submit(self, request: Request, input_length: int, token_ids: list[int] | None = None) -> RequestStream:
         """Queue a request (without blocks: the scheduler allocates them) and return its stream.
         Raises ValueError for a request that can never run, Overloaded or ShardsUnavailable."""
         if request.id in self._entries:
             raise ValueError(f"request id {request.id} is already in use")
         check_request(request, input_length, self.limits, self.allocator)
         self.check_admission()
-        entry = Entry(request, input_length)
+        entry = Entry(request, input_length, token_ids=token_ids)
         self._entries[request.id] = entry
         self._queue.append(entry)
         self._wake.set()
@@ -168,19 +159,18 @@ class Scheduler:
             except ShardError as error:
                 log.debug("shards still unavailable: %s", error)
                 await asyncio.sleep(RECOVERY_POLL_S)
-        if capacity is not None:
-            self._resize(capacity)
+        self._resize(capacity if capacity is not None else (self.allocator.num_blocks - 1) * self.allocator.block_size)
         log.warning("the shards answer again: serving the %d queued request(s)", len(self._queue))
         self.available = True
 
     def _resize(self, capacity_tokens: int) -> None:
-        """New shards may have another KV capacity (free memory differs from start to start). No
-        request holds blocks now (all were requeued without them): the allocator is replaced."""
+        """New shards may have another KV capacity and hold no cached prefix. No request holds blocks
+        now (all were requeued without them): the allocator is replaced."""
         size, blocks = self.allocator.block_size, capacity_tokens // self.allocator.block_size + 1
+        assert self.allocator.idle, "resizing an allocator with blocks in use"
         if blocks != self.allocator.num_blocks:
-            assert self.allocator.idle, "resizing an allocator with blocks in use"
             log.warning("the shards' KV capacity is now %d blocks (was %d)", blocks, self.allocator.num_blocks)
-            self.allocator = BlockAllocator(blocks, size)
+        self.allocator = type(self.allocator)(blocks, size)  # restarted shards hold no cached prefix either
 
     async def _idle(self) -> None:
         # Nothing running and nothing admissible: sleep until a submit or a cancel changes that.
@@ -196,11 +186,11 @@ class Scheduler:
                 break
             if tokens + head.prefill_length > self.limits.max_prefill_tokens:
                 break
-            if not self.allocator.can_allocate(head.tokens):
+            head.allocation = kv_blocks.admit(self.allocator, head)
+            if head.allocation is None:
                 self.stats.kv_waits += 1
                 break
             self._queue.popleft()
-            head.allocation = self.allocator.allocate(head.tokens)
             head.admitted = time.perf_counter()
             taken.append(head)
             tokens += head.prefill_length
@@ -212,7 +202,7 @@ class Scheduler:
         # Copies: the caller's Request stays as it was submitted.
         # A resumed request's prompt logprobs were sent with its first prefill already.
         requests = [replace(e.request, blocks=list(e.allocation.blocks), slots=list(e.allocation.slots),
-                            prefill_logprobs=e.request.prefill_logprobs and not e.generated) for e in entries]
+                            cache_len=e.allocation.cache_len, prefill_logprobs=e.request.prefill_logprobs and not e.generated) for e in entries]
         return Batch(next(self._batch_ids), requests, size=len(requests),
                      max_tokens=sum(e.tokens for e in entries),
                      max_blocks=sum(len(e.allocation.blocks) for e in entries))
@@ -244,6 +234,7 @@ class Scheduler:
                 return await self._prefill_one_by_one(batch, entries, error)
             await self._fail([batch.id], entries, error)  # only the new batch was touched
             return []
+        kv_blocks.prefilled(self.allocator, entries)
         kept = await self._settle(generations, cached, entries)
         return [kept] if kept is not None else []
 
@@ -371,6 +362,7 @@ class Scheduler:
 
     def _release(self, entry: Entry) -> None:
         if entry.allocation is not None:
+            kv_blocks.finished(self.allocator, entry)
             self.allocator.free(entry.allocation)
             entry.allocation = None
         if self._entries.get(entry.id) is entry:

@@ -22,6 +22,7 @@ class Sequence:
     prefix_offset: int = 0               # incremental detokenization window
     read_offset: int = 0
     finish_reason: FinishReason | None = None
+    cache_len: int = 0                   # prompt tokens whose KV the router said was cached (not computed)
 
     @property
     def id(self) -> int:

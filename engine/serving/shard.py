@@ -19,6 +19,7 @@ from engine.errors import InvalidRequestError, ModelLoadError
 from engine.kv_cache import BlockAllocator, KVCache
 from engine.lora_loader import load_adapters
 from engine.runner import ModelRunner
+from engine.serving.prefix import BlockContents
 from engine.serving.sequence import Sequence
 from engine.serving.checks import check_decode, check_prefill
 from engine.serving.steps import StepContext, admit_requests, decode_step, prefill_step
@@ -65,6 +66,7 @@ class Shard:
         self.limits: ServingLimits | None = None
         self.runner: ModelRunner | None = None
         self.allocator: BlockAllocator | None = None
+        self.contents: BlockContents | None = None  # what each filled KV block holds (prefix caching)
         self.batches: dict[int, list[Sequence]] = {}
         self._grammar_compiler = None
         self.last_timings: StepTimings | None = None  # of the latest prefill or decode
@@ -76,7 +78,7 @@ class Shard:
         return InfoResponse(
             requires_padding=False, dtype=str(self.dtype).removeprefix("torch."), device_type=self.adapter.device_type,
             window_size=self.model_config.sliding_window, speculate=0, support_chunking=False,
-            use_prefix_caching=False, block_size=self.block_size,
+            use_prefix_caching=self.config.prefix_caching, block_size=self.block_size,
             attention_impl="flat_paged" if self.implementation == "native" else "transformers+flat_paged",
         )
 
@@ -113,6 +115,7 @@ class Shard:
                                      self.show_progress, self.device_lock, phases)
         self.warmup_log = phases  # per-phase and per-bucket times and memory (warmup-profile reads them)
         self.allocator, self.limits = BlockAllocator(num_blocks), limits
+        self.contents = BlockContents(self.block_size) if self.config.prefix_caching else None
         if batch is not None and batch.requests and self.adapter.warm_runs_forward:
             self.prefill(batch)
             self.clear(batch.id)
@@ -234,7 +237,7 @@ class Shard:
             raise InvalidRequestError("the shard has not been warmed up")
         return StepContext(self.runner, self.tokenizer, self.allocator, self.limits, self.eos_token_ids,
                            self.special_token_ids, self.block_size, self._grammars, self._unset_seed,
-                           self.rank, self.world_size, self.lora_set, self.model_config.vocab_size)
+                           self.rank, self.world_size, self.lora_set, self.model_config.vocab_size, self.contents)
 
     def _unset_seed(self, request_id: int) -> int:
         return (self.group_seed * 0x9E3779B97F4A7C15 + request_id) % 2**64 or 1

@@ -13,6 +13,7 @@ from engine.kv_cache import BlockAllocator, blocks_needed
 from engine.layers.lora import NO_ADAPTER, LoraSet
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
 from engine.sampling import choose, is_sampling, new_sampling_state, validate_parameters
+from engine.serving.prefix import BlockContents, check_cache_len
 from engine.serving.resume import check_resumed, replay
 from engine.serving.sequence import Sequence
 from engine.config import ServingLimits
@@ -33,6 +34,7 @@ class StepContext:
     world_size: int = 1
     lora_set: LoraSet | None = None  # the LoRA adapters requests may name in adapter_id
     vocab_size: int = 0              # the model's: token ids a resumed request may carry
+    contents: BlockContents | None = None  # what each filled KV block holds; None: no prefix caching
 
 
 def adapter_slot(ctx: StepContext, request: Request) -> int:
@@ -54,6 +56,10 @@ def admit_requests(ctx: StepContext, requests: list[Request], resume: dict[int, 
         if request.id in resume:
             check_resumed(request.id, len(ids), resume[request.id], request.stopping_parameters.max_new_tokens,
                           ctx.limits.max_input_tokens, ctx.vocab_size)
+        full = ids + resume.get(request.id, [])
+        check_cache_len(request, len(full), ctx.block_size, ctx.contents is not None)
+        if request.cache_len:
+            ctx.contents.check_prefix(request, full)
     grammars = [_compile_grammar(ctx, request) for request in requests]
     needed = sum(blocks_needed(kv_tokens(len(ids), r.stopping_parameters.max_new_tokens), ctx.block_size)
                  for r, ids in zip(requests, tokenized) if not r.blocks)
@@ -63,6 +69,8 @@ def admit_requests(ctx: StepContext, requests: list[Request], resume: dict[int, 
     for seq in sequences:
         if seq.id in resume:
             replay(ctx.tokenizer, seq, resume[seq.id])
+        if ctx.contents is not None:  # the blocks it writes no longer hold what they held
+            ctx.contents.forget(seq.blocks[seq.cache_len // ctx.block_size :])
     return sequences
 
 
@@ -112,14 +120,15 @@ def _new_sequence(ctx: StepContext, request: Request, ids: list[int], grammar) -
         request, list(ids), len(ids), blocks, ctx.block_size, owns, list(request.slots),
         sampling=new_sampling_state(request.parameters, request.id, ctx.unset_seed(request.id)),
         grammar=None if grammar is None else ctx.grammars().new_state(grammar),
-        prefix_offset=max(len(ids) - 5, 0), read_offset=len(ids),
+        prefix_offset=max(len(ids) - 5, 0), read_offset=len(ids), cache_len=request.cache_len,
     )
 
 
 def prefill_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation]:
-    inputs = [PrefillInput(s.token_ids, s.slots(0, len(s.token_ids)), s.request.prefill_logprobs,
-                           adapter_slot(ctx, s.request)) for s in sequences]
+    inputs = [PrefillInput(s.token_ids[s.cache_len :], s.slots(s.cache_len, len(s.token_ids)), s.request.prefill_logprobs,
+                           adapter_slot(ctx, s.request), s.slots(0, s.cache_len)) for s in sequences]
     output = ctx.runner.prefill(inputs)
+    record_contents(ctx, sequences)
     prompt_tokens = {i: _scored_tokens(ctx, sequences[i].token_ids[: sequences[i].prompt_len], logprobs)
                      for i, logprobs in output.prompt_logprobs.items()}
     generations = _advance(ctx, sequences, output.logits)
@@ -138,7 +147,16 @@ def decode_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation]
             raise InvalidRequestError(f"request {seq.id}: its KV blocks are full at position {position}")
         inputs.append(DecodeInput(seq.token_ids[-1], position, seq.slots(position, position + 1)[0],
                                   seq.blocks_through(position), adapter_slot(ctx, seq.request)))
-    return _advance(ctx, sequences, ctx.runner.decode(inputs))
+    logits = ctx.runner.decode(inputs)
+    record_contents(ctx, [s for s in sequences if len(s.token_ids) % ctx.block_size == 0])  # a block just filled
+    return _advance(ctx, sequences, logits)
+
+
+def record_contents(ctx: StepContext, sequences: list[Sequence]) -> None:
+    """After a forward, every token of each sequence is in the cache: note the blocks they fill."""
+    if ctx.contents is not None:
+        for seq in sequences:
+            ctx.contents.record(seq.blocks, seq.token_ids, seq.request.adapter_id, len(seq.token_ids))
 
 
 def _advance(ctx: StepContext, sequences: list[Sequence], logits) -> list[Generation]:

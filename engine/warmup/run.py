@@ -45,7 +45,8 @@ def plan_for(config, limits: BucketLimits, fingerprint: dict) -> BucketPlan:
         from engine.buckets.shapes import load_shapes
 
         shapes = load_shapes(config.bucket_shapes)
-    return make_plan(config.bucket_strategy, limits, shapes, config.bucket_file, config.max_graphs)
+    return make_plan(config.bucket_strategy, limits, shapes, config.bucket_file, config.max_graphs,
+                     prefix_caching=config.prefix_caching)
 
 
 def run_warmup(runner: ModelRunner, plan: BucketPlan, mode: str, limits: BucketLimits, prompt_logprobs: bool,

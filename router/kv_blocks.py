@@ -1,0 +1,41 @@
+"""The scheduler's dealings with the KV blocks of one request: what it asks the allocator for at
+admission (reusing cached prefix blocks), and what it tells the prefix cache the shard now holds."""
+from __future__ import annotations
+
+from router.allocator import Allocation
+from router.streams import Entry
+
+
+def prefill_ids(entry: Entry) -> list[int] | None:
+    """The tokens its next prefill puts in the cache (prompt, and a resumed request's generated
+    tokens), or None where the router did not tokenize it."""
+    return None if entry.token_ids is None else entry.token_ids + entry.generated
+
+
+def _lookup_ids(entry: Entry) -> list[int] | None:
+    # Prompt logprobs need every prompt token computed: such a request reuses nothing.
+    return None if entry.request.prefill_logprobs and not entry.generated else prefill_ids(entry)
+
+
+def admit(allocator, entry: Entry) -> Allocation | None:
+    """Blocks for the whole request (prompt and max_new_tokens), its cached prefix reused; None
+    when they do not fit now (the request waits)."""
+    ids, adapter = _lookup_ids(entry), entry.request.adapter_id
+    if not allocator.fits(entry.tokens, ids, adapter):
+        return None
+    return allocator.allocate(entry.tokens, ids, adapter)
+
+
+def prefilled(allocator, entries: list[Entry]) -> None:
+    """A prefill succeeded: the full blocks of these requests' prompts can be found by others."""
+    for entry in entries:
+        ids = prefill_ids(entry)
+        if ids is not None and entry.allocation is not None:
+            allocator.register(entry.allocation, ids, entry.request.adapter_id)
+
+
+def finished(allocator, entry: Entry) -> None:
+    """Before its blocks go back: what the cache holds of a request that decoded (its prompt and
+    every generated token but the last, which was never fed back): the next turn of a chat finds it."""
+    if entry.token_ids is not None and entry.allocation is not None and entry.generated:
+        allocator.register(entry.allocation, entry.token_ids + entry.generated[:-1], entry.request.adapter_id)

@@ -1,0 +1,15 @@
+"""What the scheduler's loop did, for tests and metrics."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SchedulerStats:
+    """What the loop did, for tests and metrics: batch size -> how many steps ran with it."""
+    prefill_sizes: Counter = field(default_factory=Counter)
+    decode_sizes: Counter = field(default_factory=Counter)
+    prefills_while_running: int = 0  # continuous batching: admissions next to a running batch
+    kv_waits: int = 0                # times the head of the queue waited for KV blocks
+    failed_steps: int = 0
