@@ -68,6 +68,14 @@ class BlockAllocator:
         slots = tuple(block * size + offset for block in blocks for offset in range(size))[:tokens]
         return Allocation(blocks, slots)
 
+    def grow(self, allocation: Allocation) -> Allocation | None:
+        """The allocation with one more block (KV on demand), or None when none is free."""
+        if not self._free:
+            return None
+        block = heapq.heappop(self._free)
+        self._used.add(block)
+        return Allocation(allocation.blocks + (block,), allocation.slots, allocation.cache_len)
+
     def free(self, allocation: Allocation) -> None:
         """Return the blocks; all or nothing, so a bad free leaves the books as they were."""
         blocks = set(allocation.blocks)

@@ -17,13 +17,18 @@ def _lookup_ids(entry: Entry) -> list[int] | None:
     return None if entry.request.prefill_logprobs and not entry.generated else prefill_ids(entry)
 
 
-def admit(allocator, entry: Entry) -> Allocation | None:
-    """Blocks for the whole request (prompt and max_new_tokens), its cached prefix reused; None
-    when they do not fit now (the request waits)."""
+def admit(allocator, entry: Entry, longest_prefill: int | None) -> Allocation | None:
+    """Blocks for the request, its cached prefix reused; None when they do not fit now (it waits).
+    With `longest_prefill` (the shards resume requests: router/preemption.py), blocks for what it
+    prefills only, more coming as it decodes, if it could be resumed at any point (its prompt and
+    generated tokens always fit one prefill); otherwise blocks for all of max_new_tokens at once."""
     ids, adapter = _lookup_ids(entry), entry.request.adapter_id
-    if not allocator.fits(entry.tokens, ids, adapter):
+    tokens = entry.tokens
+    if longest_prefill is not None and entry.tokens - 1 <= longest_prefill:
+        tokens = entry.prefill_length
+    if not allocator.fits(tokens, ids, adapter):
         return None
-    return allocator.allocate(entry.tokens, ids, adapter)
+    return allocator.allocate(tokens, ids, adapter)
 
 
 def prefilled(allocator, entries: list[Entry]) -> None:

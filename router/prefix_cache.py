@@ -85,6 +85,12 @@ class PrefixCache:
         spare = self.num_free - sum(block in self._evictable for block in matched)
         return self.blocks_for(tokens) - len(matched) <= spare
 
+    def grow(self, allocation: Allocation) -> Allocation | None:
+        """The allocation with one more block (KV on demand), or None when none is left."""
+        if not self.num_free:
+            return None
+        return Allocation(allocation.blocks + (self._take(),), allocation.slots, allocation.cache_len)
+
     def free(self, allocation: Allocation) -> None:
         blocks = set(allocation.blocks)
         if len(blocks) != len(allocation.blocks) or not blocks <= set(self._refs):

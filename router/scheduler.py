@@ -24,7 +24,7 @@ import grpc
 from engine.batch import Batch, CachedBatch, Generation, Request
 from engine.config import ServingLimits
 from router.admission import Overloaded, ShardsUnavailable, check_request  # noqa: F401 - raised by submit
-from router import kv_blocks
+from router import kv_blocks, preemption
 from router.allocator import BlockAllocator
 from router.client import ShardClient, ShardError
 from router.streams import RequestCancelled, RequestStream, Entry
@@ -146,7 +146,8 @@ class Scheduler:
         else:
             await self._idle()
             return
-        self._running = await self._decode(batches) if batches else None
+        batches, grown = await preemption.grow(self, batches)
+        self._running = await self._decode(batches, grown) if batches else None
 
     async def _recover(self) -> None:
         """Hold the queue until every shard answers Health again, re-warm them, then serve on."""
@@ -186,7 +187,7 @@ class Scheduler:
                 break
             if tokens + head.prefill_length > self.limits.max_prefill_tokens:
                 break
-            head.allocation = kv_blocks.admit(self.allocator, head)
+            head.allocation = kv_blocks.admit(self.allocator, head, self._longest_resume())
             if head.allocation is None:
                 self.stats.kv_waits += 1
                 break
@@ -272,15 +273,21 @@ class Scheduler:
 
     def _resumable(self, entry: Entry) -> bool:
         """Only shards that read the generated tokens resume (ours, not TGI's); they must fit a prefill."""
-        longest = min(self.limits.max_input_tokens, self.limits.max_prefill_tokens)
-        return bool(getattr(self.client, "resumes", False)) and entry.prefill_length <= longest
+        longest = self._longest_resume()
+        return longest is not None and entry.prefill_length <= longest
 
-    async def _decode(self, batches: list[CachedBatch]) -> CachedBatch | None:
+    def _longest_resume(self) -> int | None:
+        """The longest prompt + generated tokens the shards can resume (None: they resume nothing)."""
+        if not getattr(self.client, "resumes", False):
+            return None
+        return min(self.limits.max_input_tokens, self.limits.max_prefill_tokens)
+
+    async def _decode(self, batches: list[CachedBatch], grown: dict | None = None) -> CachedBatch | None:
         entries = self._entries_of(batches)
         self.stats.decode_sizes[sum(b.size for b in batches)] += 1
         self._notify("decode", sum(b.size for b in batches))
         try:
-            generations, cached = await self.client.decode(batches)
+            generations, cached = await (self.client.decode(batches, grown) if grown else self.client.decode(batches))
         except ShardError as error:
             await self._fail([b.id for b in batches], entries, error)
             return None

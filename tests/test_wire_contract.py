@@ -100,6 +100,9 @@ BUCKETSERVE_EXTENSIONS = {
     ("NextTokenChooserParameters", Field("logit_bias_ids", 1001, "repeated", "uint32")),
     ("NextTokenChooserParameters", Field("logit_bias_values", 1002, "repeated", "float")),
     ("StoppingCriteriaParameters", Field("min_new_tokens", 1000, "", "uint32")),
+    # KV blocks allocated on demand (issue 15): the blocks a running request gets before a Decode
+    ("DecodeRequest", Field("grown_request_ids", 1000, "repeated", "uint64")),
+    ("DecodeRequest", Field("grown_blocks", 1001, "repeated", "uint32")),
 }
 
 

@@ -69,3 +69,21 @@ def check_decode(batches: list[CachedBatch]) -> None:
     ids = [b.id for b in batches]
     if len(set(ids)) != len(ids):
         raise InvalidRequestError(f"batches: a batch is listed twice ({ids})")
+
+
+def check_grown(grown: dict[int, list[int]], sequences: list, live: dict, num_blocks: int) -> None:
+    """Blocks a router hands running requests before a Decode (KV on demand): each request must be
+    in the step, each block usable and held by no live request, none given twice."""
+    ids = {seq.id for seq in sequences}
+    owners = {block: seq.id for batch in live.values() for seq in batch for block in seq.blocks}
+    given: set[int] = set()
+    for request_id, blocks in grown.items():
+        if request_id not in ids:
+            raise InvalidRequestError(f"grown_request_ids: request {request_id} is not in the decoded batches")
+        for block in blocks:
+            where = f"request {request_id}: grown_blocks: block {block}"
+            if not RESERVED_BLOCK < block < num_blocks:
+                raise InvalidRequestError(f"{where} is not in the KV cache's usable blocks 1..{num_blocks - 1}")
+            if block in owners or block in given:
+                raise InvalidRequestError(f"{where} is in use by request {owners.get(block, request_id)}")
+            given.add(block)

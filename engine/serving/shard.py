@@ -21,7 +21,7 @@ from engine.lora_loader import load_adapters
 from engine.runner import ModelRunner
 from engine.serving.prefix import BlockContents
 from engine.serving.sequence import Sequence
-from engine.serving.checks import check_decode, check_prefill
+from engine.serving.checks import check_decode, check_grown, check_prefill
 from engine.serving.steps import StepContext, admit_requests, decode_step, prefill_step
 from engine.warmup.budget import GraphBudget, split_free_memory
 from engine.warmup.memory import profile_free_memory, size_kv_cache
@@ -195,17 +195,29 @@ class Shard:
         return result
 
     @_exclusive
-    def decode(self, batches: list[CachedBatch]) -> tuple[list[Generation], CachedBatch | None]:
+    def decode(self, batches: list[CachedBatch], grown: dict[int, list[int]] | None = None
+               ) -> tuple[list[Generation], CachedBatch | None]:
+        """`grown`: request id -> KV blocks the router added to it for this step (on-demand allocation)."""
         check_decode(batches)
         start, ctx = self._start_step()
         joined = time.perf_counter_ns()
         sequences = [seq for cached in batches for seq in self._get(cached.id)]
         concat_ns = time.perf_counter_ns() - joined if len(batches) > 1 else None
+        if grown:
+            self._grow(sequences, grown)
         generations = decode_step(ctx, sequences)
         self._take([cached.id for cached in batches])  # only once the step succeeded
         result = self._store(batches[0].id, sequences, generations)
         self._finish_step(start, concat_ns)
         return result
+
+    def _grow(self, sequences: list[Sequence], grown: dict[int, list[int]]) -> None:
+        check_grown(grown, sequences, self.batches, self.allocator.num_blocks)
+        for seq in sequences:
+            if seq.id in grown:
+                seq.blocks = seq.blocks + list(grown[seq.id])
+                if self.contents is not None:
+                    self.contents.forget(grown[seq.id])
 
     def _start_step(self) -> tuple[int, StepContext]:
         ctx = self._context()

@@ -57,6 +57,9 @@ def admit_requests(ctx: StepContext, requests: list[Request], resume: dict[int, 
             check_resumed(request.id, len(ids), resume[request.id], request.stopping_parameters.max_new_tokens,
                           ctx.limits.max_input_tokens, ctx.vocab_size)
         full = ids + resume.get(request.id, [])
+        if request.blocks and len(request.blocks) * ctx.block_size < len(full):
+            raise InvalidRequestError(f"request {request.id}: {len(request.blocks)} blocks hold fewer than the "
+                                      f"{len(full)} tokens it prefills")
         check_cache_len(request, len(full), ctx.block_size, ctx.contents is not None)
         if request.cache_len:
             ctx.contents.check_prefix(request, full)
@@ -99,9 +102,9 @@ def _tokenize(ctx: StepContext, request: Request) -> list[int]:
         raise InvalidRequestError(f"request {request.id}: max_new_tokens must be at least 1, got {max_new}")
     if len(ids) + max_new > limits.max_total_tokens:
         raise InvalidRequestError(f"request {request.id}: {len(ids)} prompt tokens + max_new_tokens={max_new} exceed max_total_tokens={limits.max_total_tokens}")
-    if request.blocks and len(request.blocks) * ctx.block_size < kv_tokens(len(ids), max_new):
-        raise InvalidRequestError(f"request {request.id}: {len(request.blocks)} blocks hold fewer than the "
-                                  f"{kv_tokens(len(ids), max_new)} tokens its prompt and max_new_tokens need")
+    if request.blocks and len(request.blocks) * ctx.block_size < len(ids):  # more may come with each Decode
+        raise InvalidRequestError(f"request {request.id}: {len(request.blocks)} blocks hold fewer than its "
+                                  f"{len(ids)} prompt tokens")
     if request.slots and len(request.slots) < len(ids):
         raise InvalidRequestError(f"request {request.id}: {len(request.slots)} slots for {len(ids)} prompt tokens")
     return ids
