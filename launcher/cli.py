@@ -96,7 +96,8 @@ def config_from_args(args: argparse.Namespace) -> LauncherConfig:
 
 def resolve(config: LauncherConfig, console: Console) -> tuple[LauncherConfig, DevicePlan]:
     """Check everything that can be checked before a shard starts; the concrete config and device."""
-    check_limits(config.max_input_tokens, config.max_total_tokens, config.max_prefill_tokens, config.num_shard)
+    check_limits(config.max_input_tokens, config.max_total_tokens, config.max_prefill_tokens, config.num_shard,
+                 chunked=config.prefix_caching == "on")
     if config.max_concurrent_requests < 1:
         raise ConfigError(f"--max-concurrent-requests must be at least 1, not {config.max_concurrent_requests}")
     check_port("--port", config.port)

@@ -84,7 +84,8 @@ async def warm_up(client: ShardClient, config: RouterConfig) -> tuple[ServingLim
                              result.max_total_tokens, config.max_concurrent_requests)
     caching = config.prefix_caching and info.use_prefix_caching
     allocator = (PrefixCache if caching else BlockAllocator)(blocks, info.block_size)
-    return limits, allocator, {**info_dict(config, info, limits, result), "prefix_caching": caching}
+    return limits, allocator, {**info_dict(config, info, limits, result), "prefix_caching": caching,
+                               "support_chunking": info.support_chunking}
 
 
 async def rewarm(client: ShardClient, config: RouterConfig):
@@ -128,7 +129,8 @@ async def build_state(config: RouterConfig, client: ShardClient) -> RouterState:
     async def capacity_after_rewarm() -> int | None:
         return (await rewarm(client, config)).max_supported_total_tokens
 
-    scheduler = Scheduler(client, allocator, limits, rewarm=capacity_after_rewarm)
+    scheduler = Scheduler(client, allocator, limits, rewarm=capacity_after_rewarm,
+                          chunking=bool(info.get("support_chunking")))
     metrics = RouterMetrics(scheduler, client)
     scheduler.on_step = metrics.on_step
     await scheduler.start()

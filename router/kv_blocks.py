@@ -32,11 +32,20 @@ def admit(allocator, entry: Entry, longest_prefill: int | None) -> Allocation | 
 
 
 def prefilled(allocator, entries: list[Entry]) -> None:
-    """A prefill succeeded: the full blocks of these requests' prompts can be found by others."""
+    """A prefill succeeded: the full blocks it computed can be found by others. A chunked prompt's
+    first chunk only: its rest is computed by later steps (`first_token` registers it then)."""
     for entry in entries:
         ids = prefill_ids(entry)
         if ids is not None and entry.allocation is not None:
-            allocator.register(entry.allocation, ids, entry.request.adapter_id)
+            end = entry.allocation.cache_len + entry.chunk_len if entry.chunk_len is not None else len(ids)
+            allocator.register(entry.allocation, ids[:end], entry.request.adapter_id)
+
+
+def first_token(allocator, entry: Entry) -> None:
+    """A chunked prompt's first token came: the whole prompt is computed now."""
+    if entry.chunk_len is not None:
+        entry.chunk_len = None
+        prefilled(allocator, [entry])
 
 
 def finished(allocator, entry: Entry) -> None:

@@ -12,11 +12,9 @@ new tokens at admission, reusing cached prefix blocks, and gives them back once 
 from __future__ import annotations
 
 import asyncio
-import time
 import itertools
 import logging
 from collections import deque
-from dataclasses import replace
 from typing import Awaitable, Callable
 
 import grpc
@@ -24,7 +22,7 @@ import grpc
 from engine.batch import Batch, CachedBatch, Generation, Request
 from engine.config import ServingLimits
 from router.admission import Overloaded, ShardsUnavailable, check_request  # noqa: F401 - raised by submit
-from router import kv_blocks, preemption
+from router import batching, kv_blocks, preemption
 from router.allocator import BlockAllocator
 from router.client import ShardClient, ShardError
 from router.streams import RequestCancelled, RequestStream, Entry
@@ -41,8 +39,9 @@ class Scheduler:
 
     def __init__(self, client: ShardClient, allocator: BlockAllocator, limits: ServingLimits,
                  rewarm: Callable[[], Awaitable[int | None]] | None = None,
-                 on_step: Callable[[str, int], None] | None = None):
+                 on_step: Callable[[str, int], None] | None = None, chunking: bool = False):
         self.client, self.allocator, self.limits = client, allocator, limits
+        self.chunking = chunking  # the shards chunk long prompts (Info.support_chunking)
         self.rewarm, self.on_step = rewarm, on_step
         self.stats = SchedulerStats()
         self.available = True  # False from a failed step whose shards were unreachable until they answer again
@@ -84,7 +83,7 @@ class Scheduler:
         Raises ValueError for a request that can never run, Overloaded or ShardsUnavailable."""
         if request.id in self._entries:
             raise ValueError(f"request id {request.id} is already in use")
-        check_request(request, input_length, self.limits, self.allocator)
+        check_request(request, input_length, self.limits, self.allocator, self.chunking)
         self.check_admission()
         entry = Entry(request, input_length, token_ids=token_ids)
         self._entries[request.id] = entry
@@ -179,34 +178,11 @@ class Scheduler:
         await self._wake.wait()
 
     def _next_batch(self) -> tuple[Batch, list[Entry]] | None:
-        """Take requests from the head of the queue while they fit; the head waits, never skipped."""
-        running, taken, tokens = self.running_count, [], 0
-        while self._queue:
-            head = self._queue[0]
-            if running + len(taken) >= self.limits.max_batch_size:
-                break
-            if tokens + head.prefill_length > self.limits.max_prefill_tokens:
-                break
-            head.allocation = kv_blocks.admit(self.allocator, head, self._longest_resume())
-            if head.allocation is None:
-                self.stats.kv_waits += 1
-                break
-            self._queue.popleft()
-            head.admitted = time.perf_counter()
-            taken.append(head)
-            tokens += head.prefill_length
-        if not taken:
-            return None
-        return self._batch(taken), taken
+        taken = batching.next_batch(self)
+        return (self._batch(taken), taken) if taken else None
 
     def _batch(self, entries: list[Entry]) -> Batch:
-        # Copies: the caller's Request stays as it was submitted.
-        # A resumed request's prompt logprobs were sent with its first prefill already.
-        requests = [replace(e.request, blocks=list(e.allocation.blocks), slots=list(e.allocation.slots),
-                            cache_len=e.allocation.cache_len, prefill_logprobs=e.request.prefill_logprobs and not e.generated) for e in entries]
-        return Batch(next(self._batch_ids), requests, size=len(requests),
-                     max_tokens=sum(e.tokens for e in entries),
-                     max_blocks=sum(len(e.allocation.blocks) for e in entries))
+        return batching.make_batch(next(self._batch_ids), entries)
 
     async def _confined_prefill(self, batch: Batch, entries: list[Entry]) -> list[CachedBatch]:
         """Prefill new requests; whatever goes wrong there ends those requests only (the running
@@ -280,7 +256,8 @@ class Scheduler:
         """The longest prompt + generated tokens the shards can resume (None: they resume nothing)."""
         if not getattr(self.client, "resumes", False):
             return None
-        return min(self.limits.max_input_tokens, self.limits.max_prefill_tokens)
+        return self.limits.max_input_tokens if self.chunking else min(self.limits.max_input_tokens,
+                                                                      self.limits.max_prefill_tokens)
 
     async def _decode(self, batches: list[CachedBatch], grown: dict | None = None) -> CachedBatch | None:
         entries = self._entries_of(batches)
@@ -313,6 +290,7 @@ class Scheduler:
             if entry is None or not entry.live:
                 continue  # cancelled: its consumer is gone
             entry.outbox.put_nowait(generation)
+            kv_blocks.first_token(self.allocator, entry)
             entry.generated.extend(generation.tokens.ids)
             entry.finished = generation.generated_text is not None
 

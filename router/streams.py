@@ -24,6 +24,7 @@ class Entry:
     admitted: float | None = None   # perf_counter when it left the queue (for tracing)
     generated: list[int] = field(default_factory=list)  # token ids handed to the stream: what a resume re-prefills
     token_ids: list[int] | None = None  # the prompt's, where the router tokenized it: prefix-cache lookups
+    chunk_len: int | None = None        # its first prefill computes only this many tokens (chunked prefill)
 
     @property
     def id(self) -> int:

@@ -64,6 +64,9 @@ class BucketLimits:
     max_prefill_tokens: int    # budget: batch_size*seq_len of any prefill bucket <= this
     block_size: int            # tokens per KV block
     max_kv_blocks: int         # usable KV blocks (block 0 is reserved and not counted)
+    # Chunked prefill: the longest prompt, computed in chunks of at most max_input_tokens (then the
+    # longest chunk) each continuing the cached context; 0: prompts are not chunked.
+    max_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_input_tokens", "max_total_tokens",
@@ -269,15 +272,16 @@ def _prefill_buckets(limits: BucketLimits, strategy: Callable, steps: StrategySt
 
 
 def max_context_blocks(limits: BucketLimits) -> int:
-    """Most whole blocks of cached context a prompt can continue: at least its last token is computed."""
-    return (limits.max_input_tokens - 1) // limits.block_size
+    """Most blocks of cached context a prompt (or its last chunk) can continue: at least its last token
+    is computed."""
+    return -(-(max(limits.max_input_tokens, limits.max_prompt_tokens) - 1) // limits.block_size)
 
 
 def context_buckets(limits: BucketLimits, plain: list[PrefillBucket], contexts: list[int]) -> list[PrefillBucket]:
     """The third dimension: every plain (batch, seq) bucket again with each context size whose
     rows' context blocks all fit the KV cache (the same graph budget caps the count downstream)."""
     return [PrefillBucket(b.batch_size, b.seq_len, c) for b in plain for c in contexts
-            if b.batch_size * c <= limits.max_kv_blocks and b.seq_len + c * limits.block_size <= limits.max_total_tokens]
+            if b.batch_size * c <= limits.max_kv_blocks]
 
 
 def small_decode_batches(top_batch: int) -> list[int]:

@@ -67,6 +67,7 @@ class Shard:
         self.runner: ModelRunner | None = None
         self.allocator: BlockAllocator | None = None
         self.contents: BlockContents | None = None  # what each filled KV block holds (prefix caching)
+        self.chunk_stats = {"chunked_prompts": 0, "prefill_chunks": 0}  # chunked prefill, since warmup
         self.batches: dict[int, list[Sequence]] = {}
         self._grammar_compiler = None
         self.last_timings: StepTimings | None = None  # of the latest prefill or decode
@@ -77,7 +78,7 @@ class Shard:
     def info(self) -> InfoResponse:
         return InfoResponse(
             requires_padding=False, dtype=str(self.dtype).removeprefix("torch."), device_type=self.adapter.device_type,
-            window_size=self.model_config.sliding_window, speculate=0, support_chunking=False,
+            window_size=self.model_config.sliding_window, speculate=0, support_chunking=self.config.prefix_caching,
             use_prefix_caching=self.config.prefix_caching, block_size=self.block_size,
             attention_impl="flat_paged" if self.implementation == "native" else "transformers+flat_paged",
         )
@@ -108,7 +109,7 @@ class Shard:
         cache = KVCache(layers, num_blocks, self.block_size, kv_heads, head_dim, self.dtype, self.adapter.torch_device)
         self.adapter.graph_budget = GraphBudget(self.adapter, graph_bytes) if graph_bytes else None
         phases.mark("kv cache")
-        planned = bucket_limits(limits, self.block_size, num_blocks)
+        planned = bucket_limits(limits, self.block_size, num_blocks, chunked=self.config.prefix_caching)
         plan = plan_for(self.config, planned, self.fingerprint())
         self.runner = ModelRunner(self.model, self.adapter, cache, plan, self.dtype)
         self.background = run_warmup(self.runner, plan, self.config.warmup_mode, planned, self.config.warmup_prompt_logprobs,
@@ -121,6 +122,7 @@ class Shard:
             self.clear(batch.id)
         self._start_recording()
         self.runner.padding = PaddingStats()  # serving_stats counts served traffic, not warmup
+        self.chunk_stats.update(chunked_prompts=0, prefill_chunks=0)
         return WarmupResult(cache.capacity_tokens, limits.max_input_tokens, limits.max_total_tokens)
 
     def fingerprint(self) -> dict:
@@ -163,7 +165,7 @@ class Shard:
         padding, unwarmed = self.runner.padding, sum(self.adapter.shapes.unwarmed.values())
         return {"prefill_real": padding.real("prefill"), "prefill_padded": padding.padded("prefill"),
                 "decode_real": padding.real("decode"), "decode_padded": padding.padded("decode"),
-                "unwarmed_shapes": unwarmed}
+                "unwarmed_shapes": unwarmed, **self.chunk_stats}
 
     @_exclusive
     def health(self) -> None:
@@ -249,7 +251,8 @@ class Shard:
             raise InvalidRequestError("the shard has not been warmed up")
         return StepContext(self.runner, self.tokenizer, self.allocator, self.limits, self.eos_token_ids,
                            self.special_token_ids, self.block_size, self._grammars, self._unset_seed,
-                           self.rank, self.world_size, self.lora_set, self.model_config.vocab_size, self.contents)
+                           self.rank, self.world_size, self.lora_set, self.model_config.vocab_size, self.contents,
+                           self.chunk_stats)
 
     def _unset_seed(self, request_id: int) -> int:
         return (self.group_seed * 0x9E3779B97F4A7C15 + request_id) % 2**64 or 1
@@ -294,12 +297,18 @@ class Shard:
         max_tokens = sum(s.prompt_len + s.max_new_tokens for s in sequences)
         return CachedBatch(batch_id, [s.id for s in sequences], len(sequences), max_tokens, tokens)
 
+    def _prefill_budget(self, max_prefill: int | None, max_input: int | None) -> int:
+        """Without chunked prefill (it needs prefix caching's context buckets) a whole prompt is one
+        prefill, so the budget grows to max_input_tokens."""
+        budget = max_prefill or self.config.max_prefill_tokens
+        return budget if self.config.prefix_caching else max(budget, max_input or self.config.max_input_tokens)
+
     def _limits(self, max_input, max_prefill, max_total, max_batch) -> ServingLimits:
         limits = ServingLimits(
             max_batch_size=max_batch or self.config.max_batch_size,
             max_input_tokens=max_input or self.config.max_input_tokens,
             max_total_tokens=max_total or self.config.max_total_tokens,
-            max_prefill_tokens=max(max_prefill or self.config.max_prefill_tokens, max_input or self.config.max_input_tokens),
+            max_prefill_tokens=self._prefill_budget(max_prefill, max_input),
         )
         positions = self.model_config.max_position_embeddings
         if limits.max_total_tokens > positions:

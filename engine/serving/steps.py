@@ -13,6 +13,7 @@ from engine.kv_cache import BlockAllocator, blocks_needed
 from engine.layers.lora import NO_ADAPTER, LoraSet
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
 from engine.sampling import choose, is_sampling, new_sampling_state, validate_parameters
+from engine.serving.chunks import chunk_cap, check_chunking, plan_chunks
 from engine.serving.prefix import BlockContents, check_cache_len
 from engine.serving.resume import check_resumed, replay
 from engine.serving.sequence import Sequence
@@ -35,6 +36,7 @@ class StepContext:
     lora_set: LoraSet | None = None  # the LoRA adapters requests may name in adapter_id
     vocab_size: int = 0              # the model's: token ids a resumed request may carry
     contents: BlockContents | None = None  # what each filled KV block holds; None: no prefix caching
+    chunk_stats: dict | None = None  # "chunked_prompts", "prefill_chunks": counted for the router's metrics
 
 
 def adapter_slot(ctx: StepContext, request: Request) -> int:
@@ -61,6 +63,7 @@ def admit_requests(ctx: StepContext, requests: list[Request], resume: dict[int, 
             raise InvalidRequestError(f"request {request.id}: {len(request.blocks)} blocks hold fewer than the "
                                       f"{len(full)} tokens it prefills")
         check_cache_len(request, len(full), ctx.block_size, ctx.contents is not None)
+        check_chunking(request, len(full) - request.cache_len, _cap(ctx))
         if request.cache_len:
             ctx.contents.check_prefix(request, full)
     grammars = [_compile_grammar(ctx, request) for request in requests]
@@ -72,6 +75,7 @@ def admit_requests(ctx: StepContext, requests: list[Request], resume: dict[int, 
     for seq in sequences:
         if seq.id in resume:
             replay(ctx.tokenizer, seq, resume[seq.id])
+        seq.computed, seq.prefill_end = seq.cache_len, len(seq.token_ids)
         if ctx.contents is not None:  # the blocks it writes no longer hold what they held
             ctx.contents.forget(seq.blocks[seq.cache_len // ctx.block_size :])
     return sequences
@@ -127,22 +131,42 @@ def _new_sequence(ctx: StepContext, request: Request, ids: list[int], grammar) -
     )
 
 
+def _cap(ctx: StepContext) -> int:
+    return chunk_cap(ctx.runner.plan.max_prefill_seq_len, ctx.block_size)
+
+
 def prefill_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation]:
-    inputs = [PrefillInput(s.token_ids[s.cache_len :], s.slots(s.cache_len, len(s.token_ids)), s.request.prefill_logprobs,
-                           adapter_slot(ctx, s.request), s.slots(0, s.cache_len)) for s in sequences]
+    """The next chunk of each prefilling sequence (all of a prompt that fits); a sequence whose
+    prompt is then computed samples its first token (engine/serving/chunks.py)."""
+    planned = plan_chunks(sequences, ctx.limits.max_prefill_tokens, _cap(ctx))
+    if not planned:
+        return []
+    inputs = [PrefillInput(s.token_ids[a:b], s.slots(a, b), s.request.prefill_logprobs and a == 0,
+                           adapter_slot(ctx, s.request), s.slots(0, a)) for s, a, b in planned]
     output = ctx.runner.prefill(inputs)
-    record_contents(ctx, sequences)
-    prompt_tokens = {i: _scored_tokens(ctx, sequences[i].token_ids[: sequences[i].prompt_len], logprobs)
-                     for i, logprobs in output.prompt_logprobs.items()}
-    generations = _advance(ctx, sequences, output.logits)
+    for seq, start, end in planned:
+        seq.computed = end
+        if ctx.chunk_stats is not None and (start, end) != (seq.cache_len, seq.prefill_end):  # a part of its prompt
+            ctx.chunk_stats["prefill_chunks"] += 1
+            ctx.chunk_stats["chunked_prompts"] += start == seq.cache_len
+    record_contents(ctx, [s for s, _, _ in planned])
+    done = [row for row, (seq, _, _) in enumerate(planned) if not seq.prefilling]
+    generations = _advance(ctx, [planned[row][0] for row in done], output.logits[done]) if done else []
     by_id = {g.request_id: g for g in generations}
-    for i, tokens in prompt_tokens.items():
-        if sequences[i].id in by_id:
-            by_id[sequences[i].id].prefill_tokens = tokens
+    for row, logprobs in output.prompt_logprobs.items():
+        seq = planned[row][0]
+        if seq.id in by_id:
+            by_id[seq.id].prefill_tokens = _scored_tokens(ctx, seq.token_ids[: seq.prompt_len], logprobs)
     return generations
 
 
 def decode_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation]:
+    """One token for every decoding sequence; the next chunk for those still prefilling."""
+    prefilling = {s.id for s in sequences if s.prefilling}  # before the chunk: a finished one decodes next step
+    generations = prefill_step(ctx, [s for s in sequences if s.id in prefilling]) if prefilling else []
+    sequences = [s for s in sequences if s.id not in prefilling]
+    if not sequences:
+        return generations
     inputs = []
     for seq in sequences:
         position = len(seq.token_ids) - 1
@@ -151,15 +175,17 @@ def decode_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation]
         inputs.append(DecodeInput(seq.token_ids[-1], position, seq.slots(position, position + 1)[0],
                                   seq.blocks_through(position), adapter_slot(ctx, seq.request)))
     logits = ctx.runner.decode(inputs)
+    for seq in sequences:
+        seq.computed = len(seq.token_ids)
     record_contents(ctx, [s for s in sequences if len(s.token_ids) % ctx.block_size == 0])  # a block just filled
-    return _advance(ctx, sequences, logits)
+    return generations + _advance(ctx, sequences, logits)
 
 
 def record_contents(ctx: StepContext, sequences: list[Sequence]) -> None:
     """After a forward, every token of each sequence is in the cache: note the blocks they fill."""
     if ctx.contents is not None:
         for seq in sequences:
-            ctx.contents.record(seq.blocks, seq.token_ids, seq.request.adapter_id, len(seq.token_ids))
+            ctx.contents.record(seq.blocks, seq.token_ids, seq.request.adapter_id, seq.computed)
 
 
 def _advance(ctx: StepContext, sequences: list[Sequence], logits) -> list[Generation]:

@@ -20,8 +20,13 @@ from engine.warmup.warm import PhaseLog, report, warm_buckets, warmup_order
 log = logging.getLogger(__name__)
 
 
-def bucket_limits(limits: ServingLimits, block_size: int, kv_blocks: int) -> BucketLimits:
-    """The planner's limits for a cache of kv_blocks blocks (block 0 is reserved, not usable)."""
+def bucket_limits(limits: ServingLimits, block_size: int, kv_blocks: int, chunked: bool = False) -> BucketLimits:
+    """The planner's limits for a cache of kv_blocks blocks (block 0 is reserved, not usable).
+    `chunked`: prompts beyond the prefill budget run in chunks (engine/serving/chunks.py), so the
+    longest prefill is a chunk, and prompts only set how much context a chunk continues."""
+    if chunked and limits.max_input_tokens > limits.max_prefill_tokens:
+        return BucketLimits(limits.max_batch_size, limits.max_prefill_tokens, limits.max_total_tokens,
+                            limits.max_prefill_tokens, block_size, kv_blocks - 1, limits.max_input_tokens)
     return BucketLimits(limits.max_batch_size, limits.max_input_tokens, limits.max_total_tokens,
                         limits.max_prefill_tokens, block_size, kv_blocks - 1)
 
