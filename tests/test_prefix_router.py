@@ -99,3 +99,15 @@ def test_shared_prefixes_equal_transformers_and_caching_off(shard, expected):
     assert cache.stats.hit_requests >= 3 and cache.stats.hit_tokens >= 3 * (system_blocks - 1) * BLOCK
     assert computed_plain - computed_cached == cache.stats.hit_tokens  # the shard computed only the rest
     assert sum(shard.adapter.shapes.unwarmed.values()) == 0
+
+
+@pytest.mark.parametrize("setting", ["on", "off"])
+def test_the_launcher_passes_prefix_caching_to_the_shards_and_the_router(setting):
+    from engine.cli.main import build_parser as engine_parser, engine_config
+    from launcher.cli import build_parser, config_from_args
+    from router.app import build_parser as router_parser, config_from_args as router_config
+
+    config = config_from_args(build_parser().parse_args(["--prefix-caching", setting]))
+    shard = engine_config(engine_parser().parse_args(["serve", *config.shard_args()]))
+    router = router_parser().parse_args(config.router_args())
+    assert shard.prefix_caching == router_config(router).prefix_caching == (setting == "on")
