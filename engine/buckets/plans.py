@@ -18,26 +18,46 @@ def make_plan(strategy: str, limits: BucketLimits, shapes=None, bucket_file: str
               max_graphs: int | None = None, prefix_caching: bool = False) -> BucketPlan:
     """The buckets of `strategy`. fitted needs `shapes` (a trace); max_graphs defaults to the
     exponential plan's graph count, so fitted costs the same warmup as the default. With
-    `prefix_caching`, prefill buckets gain the context dimension (engine/buckets/core.py)."""
+    `prefix_caching`, prefill buckets gain the context dimension (engine/buckets/core.py); fitted
+    then keeps context and plain buckets together within max_graphs."""
+    fitted_context = prefix_caching and strategy == "fitted" and _recorded_contexts(shapes)
+    if fitted_context:
+        budget = max_graphs if max_graphs is not None else plan_buckets(limits, "exponential").graphs
+        max_graphs = budget - len(_recorded_contexts(shapes)) - 1  # room for a bucket per context, and a cover
     plan = _make_plan(strategy, limits, shapes, bucket_file, max_graphs)
     if prefix_caching and not any(b.context_blocks for b in plan.prefill):
-        plan = with_context(plan, limits, shapes)
+        plan = fitted_context_plan(plan, limits, shapes) if fitted_context else with_context(plan, limits)
     return plan
 
 
-def with_context(plan: BucketPlan, limits: BucketLimits, shapes=None) -> BucketPlan:
-    """The plan plus context buckets over its plain prefill buckets. Context sizes: the exponential
-    points (one block at the finest), or, from a trace, the points that hold its recorded contexts
-    (and the largest, so that every context within the limits runs)."""
+def _recorded_contexts(shapes) -> set:
+    return {(s.batch_size, s.size, s.context_blocks) for s in shapes or () if s.phase == "prefill" and s.context_blocks}
+
+
+def with_context(plan: BucketPlan, limits: BucketLimits) -> BucketPlan:
+    """The plan plus context buckets over its plain prefill buckets, at the exponential context
+    sizes (one block at the finest)."""
     top = max_context_blocks(limits)
     if top < 1:
         return plan
-    points = exponential_range(1, 1, top)
-    recorded = {s.context_blocks for s in shapes or () if s.phase == "prefill" and s.context_blocks}
-    if recorded:
-        points = sorted({min(p for p in points if p >= min(c, top)) for c in recorded} | {top})
     plain = [b for b in plan.prefill if not b.context_blocks]
-    return BucketPlan(plan.prefill + tuple(context_buckets(limits, plain, points)), plan.decode, plan.latency)
+    return BucketPlan(plan.prefill + tuple(context_buckets(limits, plain, exponential_range(1, 1, top))), plan.decode,
+                      plan.latency)
+
+
+def fitted_context_plan(plan: BucketPlan, limits: BucketLimits, shapes) -> BucketPlan:
+    """Context buckets fitted to a trace's recorded contexts: each one's rows, its new tokens rounded up
+    to whole blocks and its context to an exponential point; and one cover bucket (one row, the
+    longest chunk, the most context) so that every context within the limits runs."""
+    top = max_context_blocks(limits)
+    points = exponential_range(1, 1, top)
+    buckets = {PrefillBucket(1, plan.max_prefill_seq_len, top)}
+    longest, size = plan.max_prefill_seq_len, limits.block_size
+    for batch, seq, context in _recorded_contexts(shapes):
+        point = min(p for p in points if p >= min(context, top))
+        buckets.add(PrefillBucket(min(batch, limits.max_batch_size), min(-(-seq // size) * size, longest), point))
+    return BucketPlan(plan.prefill + tuple(sorted(buckets, key=lambda b: (b.batch_size, b.seq_len, b.context_blocks))),
+                      plan.decode, plan.latency)
 
 
 def _make_plan(strategy: str, limits: BucketLimits, shapes, bucket_file, max_graphs) -> BucketPlan:
