@@ -41,6 +41,7 @@ def traffic(data):
     return waves
 
 
+@pytest.mark.slow
 @TRAFFIC
 @given(data=st.data())
 def test_shared_prefix_and_chunked_traffic_meets_only_warmed_shapes(shard, data):
