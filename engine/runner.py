@@ -77,7 +77,8 @@ class ModelRunner:
         return output
 
     def _context_blocks(self, seq: PrefillInput) -> int:
-        return len(seq.context_slots) // self.block_size
+        """Blocks the context spans: a later chunk may continue a context that ends inside a block."""
+        return -(-len(seq.context_slots) // self.block_size)
 
     def _prefill_with_context(self, seqs: list[PrefillInput], indices: list[int], output: PrefillOutput) -> None:
         """Rows that continue cached context run in (batch, new tokens, context blocks) buckets."""

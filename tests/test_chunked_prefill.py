@@ -87,3 +87,32 @@ def test_bad_chunk_len_and_chunked_prompt_logprobs_are_invalid(shard):
         with pytest.raises(InvalidRequestError, match=match):
             shard.prefill(Batch(70, [Request(1, LONG, **bad)]))
     assert not shard.batches
+
+
+def test_a_chunk_continues_a_context_that_ends_inside_a_block(shard, expected, monkeypatch):
+    """A router's first chunk_len need not be whole blocks (the budget left): the next chunk's context
+    then ends mid-block, and still runs at its bucket's exact shape."""
+    from engine.kv_cache import slots_for
+
+    tensors, widths = shard.runner._prefill_tensors, []
+
+    def checked(bucket, seqs):
+        out = tensors(bucket, seqs)
+        if out[2].context_slots is not None:
+            widths.append((out[2].context_slots.shape[1], bucket.context_blocks * 16))
+        return out
+    monkeypatch.setattr(shard.runner, "_prefill_tensors", checked)
+
+    ids = shard.tokenizer(LONG)["input_ids"]
+    blocks = list(range(1, 2 + (len(ids) + NEW) // 16))
+    stopping = StoppingCriteriaParameters(max_new_tokens=NEW, ignore_eos_token=True)
+    request = Request(0, LONG, stopping_parameters=stopping, blocks=blocks, slots=slots_for(blocks, 0, len(ids), 16),
+                      chunk_len=BUDGET - 1)
+    tokens, (generations, cached) = [], shard.prefill(Batch(80, [request]))
+    while True:
+        tokens += [g.tokens.ids[0] for g in generations]
+        if cached is None:
+            break
+        generations, cached = shard.decode([cached])
+    assert tokens == expected[0]
+    assert len(widths) >= 4 and all(width == planned for width, planned in widths)
