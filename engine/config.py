@@ -92,6 +92,7 @@ class EngineConfig:
     max_lora_rank: int = 64              # adapters of a higher rank are refused at load
     implementation: str = "auto"         # auto, native or transformers (engine/models/fallback.py)
     moe_impl: str | None = None          # MoE experts, "dense" or "gather"; None: the device's default_moe_impl
+    prefix_caching: bool = True          # serve prefills that continue cached KV (cache_len); warms context buckets
 
     @property
     def resolved_cache_dir(self) -> Path:

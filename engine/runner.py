@@ -3,7 +3,7 @@ returns logits for the real rows only."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,9 @@ class PrefillInput:
     slots: list[int]       # one cache slot per token
     prompt_logprobs: bool = False  # also score every prompt token (TGI's prefill_logprobs)
     adapter: int = NO_ADAPTER  # LoRA adapter slot (engine/layers/lora.py); -1: the base model
+    # Prefill with context: token_ids continue `context_slots`, the cache slots of the tokens before
+    # them (whole blocks: a prefix-cache hit or the earlier chunks of the prompt).
+    context_slots: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -53,8 +56,14 @@ class ModelRunner:
         """Logits at each sequence's last token, and prompt logprobs for the sequences that ask."""
         output = PrefillOutput([None] * len(seqs), {})
         if self.recorder is not None:
-            self.recorder.prefill(len(seqs), max(len(s.token_ids) for s in seqs))
-        for group in self.plan.split_prefill([len(s.token_ids) for s in seqs]):
+            self.recorder.prefill(len(seqs), max(len(s.token_ids) for s in seqs),
+                                  max(self._context_blocks(s) for s in seqs))
+        with_context = [i for i, s in enumerate(seqs) if s.context_slots]
+        if with_context:
+            self._prefill_with_context(seqs, with_context, output)
+        plain = [i for i, s in enumerate(seqs) if not s.context_slots]
+        for split in self.plan.split_prefill([len(seqs[i].token_ids) for i in plain]) if plain else []:
+            group = [plain[i] for i in split]
             members = [seqs[i] for i in group]
             bucket = self.plan.prefill_bucket(len(members), max(len(s.token_ids) for s in members))
             self.padding.record("prefill", sum(len(s.token_ids) for s in members), bucket.tokens)
@@ -66,6 +75,23 @@ class ModelRunner:
                 output.logits[index] = logits[row]
         output.logits = torch.stack(output.logits)
         return output
+
+    def _context_blocks(self, seq: PrefillInput) -> int:
+        """Blocks the context spans: a later chunk may continue a context that ends inside a block."""
+        return -(-len(seq.context_slots) // self.block_size)
+
+    def _prefill_with_context(self, seqs: list[PrefillInput], indices: list[int], output: PrefillOutput) -> None:
+        """Rows that continue cached context run in (batch, new tokens, context blocks) buckets."""
+        rows = [(len(seqs[i].token_ids), self._context_blocks(seqs[i])) for i in indices]
+        for split in self.plan.split_context(rows):
+            group = [indices[i] for i in split]
+            members = [seqs[i] for i in group]
+            bucket = self.plan.prefill_bucket(len(members), max(len(s.token_ids) for s in members),
+                                              max(self._context_blocks(s) for s in members))
+            self.padding.record("prefill", sum(len(s.token_ids) for s in members), bucket.tokens)
+            logits = self._run(("prefill", bucket), *self._prefill_tensors(bucket, members))
+            for row, index in enumerate(group):
+                output.logits[index] = logits[row]
 
     def _prefill_scoring_prompts(self, bucket: PrefillBucket, group, members, output: PrefillOutput) -> None:
         """The bucket's variant that returns logits at every position (a graph of its own)."""
@@ -107,11 +133,12 @@ class ModelRunner:
         """Run one bucket on dummy rows that read and write only the reserved block (graph=False: warmed
         to run without a device graph, as when the graph memory budget is spent)."""
         if isinstance(bucket, PrefillBucket):
-            dummy = [PrefillInput([0] * bucket.seq_len, [RESERVED_BLOCK] * bucket.seq_len, adapter=self._warm_adapter(row))
-                     for row in range(bucket.batch_size)]
+            context = [RESERVED_BLOCK] * (bucket.context_blocks * self.block_size)
+            dummy = [PrefillInput([0] * bucket.seq_len, [RESERVED_BLOCK] * bucket.seq_len, adapter=self._warm_adapter(row),
+                                  context_slots=context) for row in range(bucket.batch_size)]
             ids, positions, meta, last, *lora = self._prefill_tensors(bucket, dummy)
             self.adapter.warm(("prefill", bucket), self.model, ids, positions, meta, last, *lora, graph=graph)
-            if prompt_logprobs:
+            if prompt_logprobs and not bucket.context_blocks:  # prompt logprobs need the whole prompt computed
                 everywhere = self._to_device(torch.arange(bucket.tokens))
                 self.adapter.warm(("prefill_logprobs", bucket), self.model, ids, positions, meta, everywhere, *lora,
                                   graph=graph)
@@ -133,9 +160,15 @@ class ModelRunner:
         ids += [0] * (padding_rows * width)
         slots += [RESERVED_BLOCK] * (padding_rows * width)
         last += [0] * padding_rows
-        positions = torch.arange(width).expand(rows, width)
+        contexts = [len(seq.context_slots) for seq in seqs] + [0] * padding_rows
+        positions = torch.arange(width).expand(rows, width) + torch.tensor(contexts).unsqueeze(1)
         seq_lens = [len(seq.token_ids) for seq in seqs] + [1] * padding_rows
         meta = PrefillMetadata(slots=self._tensor(slots), seq_lens=self._tensor(seq_lens))
+        if bucket.context_blocks:
+            span = bucket.context_blocks * self.block_size  # padding: slots of the reserved block, masked
+            table = [seq.context_slots + [RESERVED_BLOCK] * (span - len(seq.context_slots)) for seq in seqs]
+            table += [[RESERVED_BLOCK] * span] * padding_rows
+            meta = meta._replace(context_slots=self._tensor(table), context_lens=self._tensor(contexts))
         lora = self._lora_index([s.adapter for s in seqs], rows, width)
         return self._tensor(ids).view(rows, width), self._to_device(positions), meta, self._tensor(last), *lora
 

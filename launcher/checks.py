@@ -43,13 +43,14 @@ def check_split(model_id: str | None, num_shard: int) -> None:
         raise ConfigError(f"--num-shard {num_shard} cannot split the model in {model_dir}: {problem}")
 
 
-def check_limits(max_input: int, max_total: int, max_prefill: int, num_shard: int) -> None:
-    """TGI's launcher refuses these too: a shard would otherwise only fail at the router's Warmup."""
+def check_limits(max_input: int, max_total: int, max_prefill: int, num_shard: int, chunked: bool = False) -> None:
+    """TGI's launcher refuses these too: a shard would otherwise only fail at the router's Warmup.
+    `chunked` (prefix caching on): a prompt beyond the prefill budget is computed in chunks."""
     if num_shard < 1:
         raise ConfigError(f"--num-shard must be at least 1, not {num_shard}")
     if max_input >= max_total:
         raise ConfigError(f"--max-input-tokens ({max_input}) must be below --max-total-tokens ({max_total})")
-    if max_prefill < max_input:
+    if max_prefill < max_input and not chunked:
         raise ConfigError(f"--max-batch-prefill-tokens ({max_prefill}) must be at least "
                           f"--max-input-tokens ({max_input})")
 

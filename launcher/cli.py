@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--implementation", choices=["auto", "native", "transformers"],
                    help="auto (default): native when the architecture has one, else the transformers fallback")
     p.add_argument("--moe-impl", choices=["dense", "gather"], help="MoE experts (default: the device's)")
+    p.add_argument("--prefix-caching", choices=["on", "off"], default=d.prefix_caching,
+                   help="on (default): requests reuse the KV blocks of cached prompt prefixes (shards and router)")
     p.add_argument("--uds-path", help="socket base: rank r listens on BASE-r (default: a unique path per launch)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT,
                    help="the router's HTTP port (checked even with --no-router)")
@@ -87,7 +89,7 @@ def config_from_args(args: argparse.Namespace) -> LauncherConfig:
         max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens,
         block_size=args.block_size, warmup=args.warmup, warmup_profile=args.warmup_profile,
         record_shapes=args.record_shapes, lora_adapters=args.lora_adapters or env_lora_adapters(),
-        lora_impl=args.lora_impl, implementation=args.implementation, moe_impl=args.moe_impl, uds_path=args.uds_path, port=args.port, master_port=args.master_port,
+        lora_impl=args.lora_impl, implementation=args.implementation, moe_impl=args.moe_impl, prefix_caching=args.prefix_caching, uds_path=args.uds_path, port=args.port, master_port=args.master_port,
         hostname=args.hostname, max_concurrent_requests=args.max_concurrent_requests, payload_limit=args.payload_limit,
         no_router=args.no_router, restart_on_failure=args.restart_on_failure,
         startup_timeout=args.startup_timeout, shutdown_timeout=args.shutdown_timeout, api_key=args.api_key,
@@ -97,7 +99,8 @@ def config_from_args(args: argparse.Namespace) -> LauncherConfig:
 
 def resolve(config: LauncherConfig, console: Console) -> tuple[LauncherConfig, DevicePlan]:
     """Check everything that can be checked before a shard starts; the concrete config and device."""
-    check_limits(config.max_input_tokens, config.max_total_tokens, config.max_prefill_tokens, config.num_shard)
+    check_limits(config.max_input_tokens, config.max_total_tokens, config.max_prefill_tokens, config.num_shard,
+                 chunked=config.prefix_caching == "on")
     if config.max_concurrent_requests < 1:
         raise ConfigError(f"--max-concurrent-requests must be at least 1, not {config.max_concurrent_requests}")
     check_port("--port", config.port)

@@ -30,6 +30,7 @@ class LauncherConfig:
     lora_impl: str | None = None         # dense or gather; None: the device's default
     implementation: str | None = None    # auto, native or transformers; None: the engine's default (auto)
     moe_impl: str | None = None          # MoE experts, dense or gather; None: the device's default
+    prefix_caching: str = "on"           # on | off: passed to the shards (context buckets) and the router
     uds_path: str | None = None          # socket base; None: a unique one is picked per launch
     port: int = DEFAULT_PORT             # the router's HTTP port
     hostname: str = "0.0.0.0"            # the router's HTTP address (TGI's default: reachable from outside a container)
@@ -55,7 +56,7 @@ class LauncherConfig:
         args = ["--verbose", "--device", self.device, "--uds-path", str(self.uds_path),
                 "--max-batch-size", str(self.max_batch_size),
                 "--max-input-tokens", str(self.max_input_tokens), "--max-total-tokens", str(self.max_total_tokens),
-                "--max-prefill-tokens", str(self.max_prefill_tokens)]
+                "--max-prefill-tokens", str(self.max_prefill_tokens), "--prefix-caching", self.prefix_caching]
         if self.model_id is not None:
             args += ["--model-id", self.model_id]
         if self.dtype is not None:
@@ -83,7 +84,7 @@ class LauncherConfig:
                 "--max-batch-prefill-tokens", str(self.max_prefill_tokens),
                 "--max-batch-size", str(self.max_batch_size),
                 "--max-concurrent-requests", str(self.max_concurrent_requests),
-                "--payload-limit", str(self.payload_limit),
+                "--payload-limit", str(self.payload_limit), "--prefix-caching", self.prefix_caching,
                 # the router starts with the shards (its imports overlap their model load) and waits for them
                 "--wait-for-shards", str(self.startup_timeout)]
         if self.model_id is not None:

@@ -27,14 +27,16 @@ FLOAT32_MAX = 3.4028234663852886e38
 FLOAT_FIELDS = ("temperature", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
-def check_request(request: Request, input_length: int, limits: ServingLimits, allocator: BlockAllocator) -> None:
-    """Refuse what could never run: such a request would otherwise wait at the head forever."""
+def check_request(request: Request, input_length: int, limits: ServingLimits, allocator: BlockAllocator,
+                  chunking: bool = False) -> None:
+    """Refuse what could never run: such a request would otherwise wait at the head forever.
+    `chunking`: the shards compute a prompt beyond the prefill budget in chunks."""
     max_new = request.stopping_parameters.max_new_tokens
     if request.blocks or request.slots:
         raise ValueError(f"request {request.id}: blocks and slots are the scheduler's to assign")
     if input_length < 1 or max_new < 1:
         raise ValueError(f"request {request.id}: need input_length >= 1 and max_new_tokens >= 1")
-    longest = min(limits.max_input_tokens, limits.max_prefill_tokens)
+    longest = limits.max_input_tokens if chunking else min(limits.max_input_tokens, limits.max_prefill_tokens)
     if input_length > longest:
         raise ValueError(f"request {request.id}: {input_length} input tokens exceed the limit of {longest}")
     if input_length + max_new > limits.max_total_tokens:

@@ -18,6 +18,7 @@ RESERVED_BLOCK = 0
 class Allocation:
     blocks: tuple[int, ...]
     slots: tuple[int, ...]
+    cache_len: int = 0  # tokens of the first blocks already computed (a prefix-cache hit: router/prefix_cache.py)
 
 
 class BlockAllocator:
@@ -48,7 +49,13 @@ class BlockAllocator:
     def can_allocate(self, tokens: int) -> bool:
         return tokens >= 0 and self.blocks_for(tokens) <= len(self._free)
 
-    def allocate(self, tokens: int) -> Allocation:
+    def fits(self, tokens: int, token_ids=None, adapter=None) -> bool:
+        return self.can_allocate(tokens)
+
+    def register(self, allocation: Allocation, token_ids, adapter) -> None:
+        """Nothing is cached without prefix caching (router/prefix_cache.py)."""
+
+    def allocate(self, tokens: int, token_ids=None, adapter=None) -> Allocation:
         """Room for `tokens` tokens: whole blocks, and the first `tokens` slots of them."""
         if tokens < 0:
             raise ValueError(f"cannot allocate {tokens} tokens")
@@ -60,6 +67,14 @@ class BlockAllocator:
         size = self.block_size
         slots = tuple(block * size + offset for block in blocks for offset in range(size))[:tokens]
         return Allocation(blocks, slots)
+
+    def grow(self, allocation: Allocation) -> Allocation | None:
+        """The allocation with one more block (KV on demand), or None when none is free."""
+        if not self._free:
+            return None
+        block = heapq.heappop(self._free)
+        self._used.add(block)
+        return Allocation(allocation.blocks + (block,), allocation.slots, allocation.cache_len)
 
     def free(self, allocation: Allocation) -> None:
         """Return the blocks; all or nothing, so a bad free leaves the books as they were."""

@@ -23,6 +23,7 @@ from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCri
 from router.access import AccessConfig, access_from_args, add_access_args, install
 from router import tracing
 from router.allocator import BlockAllocator
+from router.prefix_cache import PrefixCache
 from router.client import GrpcShardClient, ShardClient
 from router.errors import DEFAULT_PAYLOAD_LIMIT, BodyLimit, install_error_handlers
 from router.metrics import RouterMetrics
@@ -56,6 +57,7 @@ class RouterConfig:
     payload_limit: int = DEFAULT_PAYLOAD_LIMIT  # request body bytes; a larger body gets 413
     parent_pid: int | None = None        # stop when this process (the launcher) is gone
     wait_for_shards: float = 0.0         # seconds to wait for the master shard to answer; 0: it must already
+    prefix_caching: bool = True          # reuse cached prefix blocks, where the shards can (Info.use_prefix_caching)
 
 
 def warmup_batch(max_input: int, max_prefill: int, max_total: int, max_batch: int) -> Batch:
@@ -81,7 +83,10 @@ async def warm_up(client: ShardClient, config: RouterConfig) -> tuple[ServingLim
     blocks = result.max_supported_total_tokens // info.block_size + 1
     limits = ServingLimits(config.max_batch_size, config.max_batch_prefill_tokens, result.max_input_tokens,
                              result.max_total_tokens, config.max_concurrent_requests)
-    return limits, BlockAllocator(blocks, info.block_size), info_dict(config, info, limits, result)
+    caching = config.prefix_caching and info.use_prefix_caching
+    allocator = (PrefixCache if caching else BlockAllocator)(blocks, info.block_size)
+    return limits, allocator, {**info_dict(config, info, limits, result), "prefix_caching": caching,
+                               "support_chunking": info.support_chunking}
 
 
 async def rewarm(client: ShardClient, config: RouterConfig):
@@ -125,7 +130,8 @@ async def build_state(config: RouterConfig, client: ShardClient) -> RouterState:
     async def capacity_after_rewarm() -> int | None:
         return (await rewarm(client, config)).max_supported_total_tokens
 
-    scheduler = Scheduler(client, allocator, limits, rewarm=capacity_after_rewarm)
+    scheduler = Scheduler(client, allocator, limits, rewarm=capacity_after_rewarm,
+                          chunking=bool(info.get("support_chunking")))
     metrics = RouterMetrics(scheduler, client)
     scheduler.on_step = metrics.on_step
     await scheduler.start()
@@ -179,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "e.g. http://localhost:4317 (default: no tracing)")
     parser.add_argument("--payload-limit", type=int, default=DEFAULT_PAYLOAD_LIMIT,
                         help="largest request body in bytes; a larger one gets HTTP 413 (TGI's flag and default)")
+    parser.add_argument("--prefix-caching", choices=["on", "off"], default="on",
+                        help="on (default): requests reuse the KV blocks of a cached prompt prefix (when the "
+                             "shards report use_prefix_caching)")
     parser.add_argument("--parent-pid", type=int, default=os.environ.get("BUCKETSERVE_PARENT_PID"),
                         help="stop when this process is gone (the launcher sets it)")
     parser.add_argument("--wait-for-shards", type=float, default=0.0,
@@ -197,7 +206,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         args.max_input_tokens, args.max_total_tokens, args.max_batch_prefill_tokens,
                         args.max_batch_size, args.max_concurrent_requests, adapter_names(args.lora_adapters),
                         access_from_args(args), args.otlp_endpoint,
-                        args.payload_limit, args.parent_pid, args.wait_for_shards)
+                        args.payload_limit, args.parent_pid, args.wait_for_shards, args.prefix_caching == "on")
 
 
 def adapter_names(spec: str) -> tuple[str, ...]:

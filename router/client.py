@@ -47,7 +47,8 @@ class ShardClient(Protocol):
         """`resume`: request id -> the tokens it generated before the shards restarted; only
         clients whose `resumes` is true accept it."""
 
-    async def decode(self, batches: list[CachedBatch]) -> StepResult: ...
+    async def decode(self, batches: list[CachedBatch], grown: dict[int, list[int]] | None = None) -> StepResult:
+        """`grown`: request id -> KV blocks added to it before this step (on-demand allocation)."""
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch: ...
 
@@ -148,8 +149,8 @@ class GrpcShardClient:
                                     cached_batch=convert.cached_batch_to_pb(cached) if cached else None)
         return step_result(await self._all("Prefill", request, resume_metadata(resume) if resume else None))
 
-    async def decode(self, batches: list[CachedBatch]) -> StepResult:
-        request = pb.DecodeRequest(batches=[convert.cached_batch_to_pb(b) for b in batches])
+    async def decode(self, batches: list[CachedBatch], grown: dict[int, list[int]] | None = None) -> StepResult:
+        request = convert.decode_request_to_pb(batches, grown)
         return step_result(await self._all("Decode", request))
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
@@ -224,8 +225,9 @@ class InProcessClient:
         return await self._call("Prefill", self.shard.prefill, copy.deepcopy(batch), copy.deepcopy(cached),
                                 copy.deepcopy(resume))
 
-    async def decode(self, batches: list[CachedBatch]) -> StepResult:
-        return await self._call("Decode", self.shard.decode, copy.deepcopy(batches))
+    async def decode(self, batches: list[CachedBatch], grown: dict[int, list[int]] | None = None) -> StepResult:
+        extra = (copy.deepcopy(grown),) if grown else ()
+        return await self._call("Decode", self.shard.decode, copy.deepcopy(batches), *extra)
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
         return await self._call("FilterBatch", self.shard.filter, batch_id, list(request_ids))

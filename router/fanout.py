@@ -11,7 +11,6 @@ stream and finish; a cancelled member leaves the others running.
 """
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import replace
 
@@ -34,13 +33,13 @@ def check_count(name: str, count: int, max_batch_size: int) -> str | None:
 
 
 def check_group(requests: list[Request], input_length: int, limits: ServingLimits, allocator: BlockAllocator,
-                in_use) -> None:
+                in_use, chunking: bool = False) -> None:
     """Refuse (ValueError) a group that could never run: each request on its own, and all of them
     in the KV cache at once (they are admitted together)."""
     for request in requests:
         if request.id in in_use:
             raise ValueError(f"request id {request.id} is already in use")
-        check_request(request, input_length, limits, allocator)
+        check_request(request, input_length, limits, allocator, chunking)
     needed = sum(allocator.blocks_for(input_length + r.stopping_parameters.max_new_tokens) for r in requests)
     if needed > allocator.num_blocks - 1:  # block 0 is reserved
         raise ValueError(f"{len(requests)} sequences of {input_length} prompt tokens need {needed} KV blocks, "
@@ -72,15 +71,6 @@ def leading_group(queue: deque[Entry]) -> list[Entry]:
     return members
 
 
-def admit(queue: deque[Entry], allocator: BlockAllocator, members: list[Entry]) -> None:
-    """Take the group off the head of the queue, each member with its own blocks, sharing one prompt."""
-    share_prompt(members)
-    for entry in members:
-        queue.popleft()
-        entry.allocation = allocator.allocate(entry.tokens)
-        entry.admitted = time.perf_counter()
-
-
 def share_prompt(members: list[Entry]) -> None:
     """Point every member at the first as its prompt's source (a resumed member, which prefills its
     own generated tokens, is computed by the shard on its own whatever it names)."""
@@ -94,10 +84,11 @@ def prefill_tokens(members: list[Entry]) -> int:
     return members[0].prefill_length + sum(e.prefill_length for e in members[1:] if e.generated)
 
 
-def admissible(allocator, members: list[Entry]) -> bool:
-    """Whether every member's blocks fit now (each member gets its own)."""
-    needed = sum(allocator.blocks_for(e.tokens) for e in members)
-    return needed <= allocator.num_free
+def split(members: list[Entry]) -> None:
+    """Members that cannot share one prefill (a prompt beyond the prefill budget is computed in
+    chunks) go on as lone requests; with prefix caching the later ones find the first's blocks."""
+    for entry in members:
+        entry.group = None
 
 
 class Streams:

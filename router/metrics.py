@@ -46,6 +46,40 @@ class ShardStatsCollector:
         if "copied_prompts" in stats:
             yield counter("bucketserve_shard_copied_prompts", "prompts whose KV an `n`/`best_of` sibling copied "
                           "instead of computing them", stats["copied_prompts"])
+        if "chunked_prompts" in stats:  # chunked prefill (issue 15): chunks per prompt = the ratio of these
+            yield counter("bucketserve_shard_chunked_prompts", "prompts computed in several chunks",
+                          stats["chunked_prompts"])
+            yield counter("bucketserve_shard_prefill_chunks", "chunks of those prompts", stats["prefill_chunks"])
+
+
+class KvCollector:
+    """Prefix-cache hits, cached blocks, evictions (router/prefix_cache.py), preemptions and chunked
+    admissions (router/preemption.py, router/batching.py); read at each scrape."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def collect(self):
+        stats = self.scheduler.stats
+        yield counter("bucketserve_preemptions", "running requests requeued for lack of KV blocks", stats.preemptions)
+        yield counter("bucketserve_chunked_admissions", "prompts admitted with a chunk_len", stats.chunked_prompts)
+        cache = getattr(self.scheduler.allocator, "stats", None)  # None: prefix caching is off
+        if cache is None:
+            return
+        yield counter("bucketserve_prefix_cache_lookups", "prompts looked up in the prefix cache", cache.requests)
+        yield counter("bucketserve_prefix_cache_hit_requests", "prompts that reused cached blocks", cache.hit_requests)
+        yield counter("bucketserve_prefix_cache_prompt_tokens", "tokens of the prompts looked up", cache.prompt_tokens)
+        yield counter("bucketserve_prefix_cache_hit_tokens", "prompt tokens found cached, not computed",
+                      cache.hit_tokens)
+        yield counter("bucketserve_prefix_cache_evictions", "cached blocks evicted for new ones", cache.evictions)
+        for name, hits, total in (("tokens", cache.hit_tokens, cache.prompt_tokens),
+                                  ("requests", cache.hit_requests, cache.requests)):
+            rate = GaugeMetricFamily(f"bucketserve_prefix_cache_hit_rate_{name}", f"share of {name} that hit")
+            rate.add_metric([], hits / total if total else 0.0)
+            yield rate
+        cached = GaugeMetricFamily("bucketserve_prefix_cache_blocks", "KV blocks holding a findable prefix")
+        cached.add_metric([], self.scheduler.allocator.num_cached)
+        yield cached
 
 
 def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
@@ -71,6 +105,7 @@ class RouterMetrics:
         self.generated = Counter("bucketserve_generated_tokens", "tokens generated", registry=registry)
         self._gauges(scheduler)
         registry.register(ShardStatsCollector(client))
+        registry.register(KvCollector(scheduler))
 
     def _gauges(self, scheduler) -> None:
         registry = self.registry  # scheduler.allocator is read each time: a recovery may replace it

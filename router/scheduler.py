@@ -6,41 +6,30 @@ the shard concatenates), hands each generation to its request's stream, and drop
 cancelled requests (`FilterBatch`, or `ClearCache` when none remain). This is what TGI's v3 router
 does, so the same loop drives our shards in process or over gRPC.
 
-The scheduler owns KV blocks too: a request gets blocks for its prompt and all its new tokens when
-it is admitted, and gives them back only once no shard batch lists it any more, so a block is never
-handed to a new request while a shard may still write into it.
+The scheduler owns KV blocks too (router/kv_blocks.py): a request gets blocks for its prompt and its
+new tokens at admission, reusing cached prefix blocks, and gives them back once no shard batch lists it.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-from collections import Counter, deque
-from dataclasses import dataclass, field, replace
+from collections import deque
 from typing import Awaitable, Callable
 
 import grpc
 
 from engine.batch import Batch, CachedBatch, Generation, Request
 from engine.config import ServingLimits
-from router import fanout
+from router import batching, fanout, kv_blocks, preemption
 from router.admission import Overloaded, ShardsUnavailable  # noqa: F401 - raised by submit
 from router.allocator import BlockAllocator
 from router.client import ShardClient, ShardError
 from router.streams import RequestCancelled, RequestStream, Entry
+from router.scheduler_stats import SchedulerStats
 
 log = logging.getLogger(__name__)
 RECOVERY_POLL_S = 0.5
-
-
-@dataclass
-class SchedulerStats:
-    """What the loop did, for tests and metrics: batch size -> how many steps ran with it."""
-    prefill_sizes: Counter = field(default_factory=Counter)
-    decode_sizes: Counter = field(default_factory=Counter)
-    prefills_while_running: int = 0  # continuous batching: admissions next to a running batch
-    kv_waits: int = 0                # times the head of the queue waited for KV blocks
-    failed_steps: int = 0
 
 
 class Scheduler:
@@ -50,8 +39,9 @@ class Scheduler:
 
     def __init__(self, client: ShardClient, allocator: BlockAllocator, limits: ServingLimits,
                  rewarm: Callable[[], Awaitable[int | None]] | None = None,
-                 on_step: Callable[[str, int], None] | None = None):
+                 on_step: Callable[[str, int], None] | None = None, chunking: bool = False):
         self.client, self.allocator, self.limits = client, allocator, limits
+        self.chunking = chunking  # the shards chunk long prompts (Info.support_chunking)
         self.rewarm, self.on_step = rewarm, on_step
         self.stats = SchedulerStats()
         self.available = True  # False from a failed step whose shards were unreachable until they answer again
@@ -88,16 +78,18 @@ class Scheduler:
         self._task = None
         await self._abandon_all(RequestCancelled("the scheduler stopped"))
 
-    def submit(self, request: Request, input_length: int) -> RequestStream:
+    def submit(self, request: Request, input_length: int, token_ids: list[int] | None = None) -> RequestStream:
         """Queue a request (without blocks: the scheduler allocates them) and return its stream.
         Raises ValueError for a request that can never run, Overloaded or ShardsUnavailable."""
-        return self.submit_group([request], input_length)[0]
+        return self.submit_group([request], input_length, token_ids)[0]
 
-    def submit_group(self, requests: list[Request], input_length: int) -> list[RequestStream]:
+    def submit_group(self, requests: list[Request], input_length: int,
+                     token_ids: list[int] | None = None) -> list[RequestStream]:
         """Queue requests with one prompt, admitted together to share its prefill (router/fanout.py)."""
-        fanout.check_group(requests, input_length, self.limits, self.allocator, self._entries)
+        fanout.check_group(requests, input_length, self.limits, self.allocator, self._entries, self.chunking)
         self.check_admission(len(requests))
-        entries = [Entry(r, input_length, group=requests[0].id if len(requests) > 1 else None) for r in requests]
+        group = requests[0].id if len(requests) > 1 else None
+        entries = [Entry(r, input_length, token_ids=token_ids, group=group) for r in requests]
         self._entries.update((entry.id, entry) for entry in entries)
         self._queue.extend(entries)
         self._wake.set()
@@ -157,7 +149,8 @@ class Scheduler:
         else:
             await self._idle()
             return
-        self._running = await self._decode(batches) if batches else None
+        batches, grown = await preemption.grow(self, batches)
+        self._running = await self._decode(batches, grown) if batches else None
 
     async def _recover(self) -> None:
         """Hold the queue until every shard answers Health again, re-warm them, then serve on."""
@@ -170,19 +163,18 @@ class Scheduler:
             except ShardError as error:
                 log.debug("shards still unavailable: %s", error)
                 await asyncio.sleep(RECOVERY_POLL_S)
-        if capacity is not None:
-            self._resize(capacity)
+        self._resize(capacity if capacity is not None else (self.allocator.num_blocks - 1) * self.allocator.block_size)
         log.warning("the shards answer again: serving the %d queued request(s)", len(self._queue))
         self.available = True
 
     def _resize(self, capacity_tokens: int) -> None:
-        """New shards may have another KV capacity (free memory differs from start to start). No
-        request holds blocks now (all were requeued without them): the allocator is replaced."""
+        """New shards may have another KV capacity and hold no cached prefix. No request holds blocks
+        now (all were requeued without them): the allocator is replaced."""
         size, blocks = self.allocator.block_size, capacity_tokens // self.allocator.block_size + 1
+        assert self.allocator.idle, "resizing an allocator with blocks in use"
         if blocks != self.allocator.num_blocks:
-            assert self.allocator.idle, "resizing an allocator with blocks in use"
             log.warning("the shards' KV capacity is now %d blocks (was %d)", blocks, self.allocator.num_blocks)
-            self.allocator = BlockAllocator(blocks, size)
+        self.allocator = type(self.allocator)(blocks, size)  # restarted shards hold no cached prefix either
 
     async def _idle(self) -> None:
         # Nothing running and nothing admissible: sleep until a submit or a cancel changes that.
@@ -190,31 +182,11 @@ class Scheduler:
         await self._wake.wait()
 
     def _next_batch(self) -> tuple[Batch, list[Entry]] | None:
-        """Take requests (and their siblings) from the head of the queue while they fit; the head waits."""
-        running, taken, tokens = self.running_count, [], 0
-        while self._queue:
-            group = fanout.leading_group(self._queue)
-            if (running + len(taken) + len(group) > self.limits.max_batch_size
-                    or tokens + fanout.prefill_tokens(group) > self.limits.max_prefill_tokens):
-                break
-            if not fanout.admissible(self.allocator, group):
-                self.stats.kv_waits += 1
-                break
-            fanout.admit(self._queue, self.allocator, group)
-            taken += group
-            tokens += fanout.prefill_tokens(group)
-        if not taken:
-            return None
-        return self._batch(taken), taken
+        taken = batching.next_batch(self)
+        return (self._batch(taken), taken) if taken else None
 
     def _batch(self, entries: list[Entry]) -> Batch:
-        # Copies: the caller's Request stays as it was submitted.
-        # A resumed request's prompt logprobs were sent with its first prefill already.
-        requests = [replace(e.request, blocks=list(e.allocation.blocks), slots=list(e.allocation.slots),
-                            prefill_logprobs=e.request.prefill_logprobs and not e.generated) for e in entries]
-        return Batch(next(self._batch_ids), requests, size=len(requests),
-                     max_tokens=sum(e.tokens for e in entries),
-                     max_blocks=sum(len(e.allocation.blocks) for e in entries))
+        return batching.make_batch(next(self._batch_ids), entries)
 
     async def _confined_prefill(self, batch: Batch, entries: list[Entry]) -> list[CachedBatch]:
         """Prefill new requests; whatever goes wrong there ends those requests only (the running
@@ -243,6 +215,7 @@ class Scheduler:
                 return await self._prefill_one_by_one(batch, entries, error)
             await self._fail([batch.id], entries, error)  # only the new batch was touched
             return []
+        kv_blocks.prefilled(self.allocator, entries)
         kept = await self._settle(generations, cached, entries)
         return [kept] if kept is not None else []
 
@@ -280,15 +253,22 @@ class Scheduler:
 
     def _resumable(self, entry: Entry) -> bool:
         """Only shards that read the generated tokens resume (ours, not TGI's); they must fit a prefill."""
-        longest = min(self.limits.max_input_tokens, self.limits.max_prefill_tokens)
-        return bool(getattr(self.client, "resumes", False)) and entry.prefill_length <= longest
+        longest = self._longest_resume()
+        return longest is not None and entry.prefill_length <= longest
 
-    async def _decode(self, batches: list[CachedBatch]) -> CachedBatch | None:
+    def _longest_resume(self) -> int | None:
+        """The longest prompt + generated tokens the shards can resume (None: they resume nothing)."""
+        if not getattr(self.client, "resumes", False):
+            return None
+        return self.limits.max_input_tokens if self.chunking else min(self.limits.max_input_tokens,
+                                                                      self.limits.max_prefill_tokens)
+
+    async def _decode(self, batches: list[CachedBatch], grown: dict | None = None) -> CachedBatch | None:
         entries = self._entries_of(batches)
         self.stats.decode_sizes[sum(b.size for b in batches)] += 1
         self._notify("decode", sum(b.size for b in batches))
         try:
-            generations, cached = await self.client.decode(batches)
+            generations, cached = await (self.client.decode(batches, grown) if grown else self.client.decode(batches))
         except ShardError as error:
             await self._fail([b.id for b in batches], entries, error)
             return None
@@ -314,6 +294,7 @@ class Scheduler:
             if entry is None or not entry.live:
                 continue  # cancelled: its consumer is gone
             entry.outbox.put_nowait(generation)
+            kv_blocks.first_token(self.allocator, entry)
             entry.generated.extend(generation.tokens.ids)
             entry.finished = generation.generated_text is not None
 
@@ -370,6 +351,7 @@ class Scheduler:
 
     def _release(self, entry: Entry) -> None:
         if entry.allocation is not None:
+            kv_blocks.finished(self.allocator, entry)
             self.allocator.free(entry.allocation)
             entry.allocation = None
         if self._entries.get(entry.id) is entry:

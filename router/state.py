@@ -71,13 +71,20 @@ async def submit(state: RouterState, inputs: str, parameters: Parameters, add_sp
     state.scheduler.check_admission()
     request, length = await state.offload(build_request, next(state.ids), state.tokenizer, state.limits, inputs,
                                           parameters, add_special_tokens, state.grammar_check)
-    return queue(state, request, length)
+    ids = await state.offload(prompt_ids, state.tokenizer, request) if state.info.get("prefix_caching") else None
+    return queue(state, request, length, ids)
 
 
-def queue(state: RouterState, request: Request, length: int):
+def prompt_ids(tokenizer, request: Request) -> list[int]:
+    """The prompt's token ids as the shard computes them (truncation included), for prefix lookups."""
+    ids = tokenizer(request.inputs, add_special_tokens=request.add_special_tokens)["input_ids"]
+    return ids[-request.truncate:] if request.truncate else ids
+
+
+def queue(state: RouterState, request: Request, length: int, token_ids: list[int] | None = None):
     arrival = time.perf_counter()
     try:
-        stream = state.scheduler.submit(request, length)
+        stream = state.scheduler.submit(request, length, token_ids)
     except ValueError as error:
         raise ValidationError(str(error)) from None
     return traced(state.metrics.timed(stream, arrival), stream, arrival), length, stream
@@ -93,10 +100,11 @@ async def submit_many(state: RouterState, inputs: str, parameters: Parameters, c
     state.scheduler.check_admission(count)
     request, length = await state.offload(build_request, next(state.ids), state.tokenizer, state.limits, inputs,
                                           parameters, add_special_tokens, state.grammar_check)
+    ids = await state.offload(prompt_ids, state.tokenizer, request) if state.info.get("prefix_caching") else None
     group = fanout.siblings(request, count, lambda: next(state.ids))
     arrival = time.perf_counter()
     try:
-        streams = state.scheduler.submit_group(group, length)
+        streams = state.scheduler.submit_group(group, length, ids)
     except ValueError as error:
         raise ValidationError(str(error)) from None
     timed = [traced(state.metrics.timed(stream, arrival), stream, arrival) for stream in streams]

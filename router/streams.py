@@ -24,6 +24,8 @@ class Entry:
     admitted: float | None = None   # perf_counter when it left the queue (for tracing)
     generated: list[int] = field(default_factory=list)  # token ids handed to the stream: what a resume re-prefills
     group: int | None = None  # siblings sharing one prompt (router/fanout.py): the first one's id
+    token_ids: list[int] | None = None  # the prompt's, where the router tokenized it: prefix-cache lookups
+    chunk_len: int | None = None        # its first prefill computes only this many tokens (chunked prefill)
 
     @property
     def id(self) -> int:

@@ -49,7 +49,8 @@ def test_serving_with_the_profile_warms_exactly_its_buckets(tiny_model_dirs, pro
     shard = Shard(config(tiny_model_dirs, profile, bucket_strategy="linear"), show_progress=False)
     shard.warmup()
     warmed = {b.bucket for b in shard.warmup_log.buckets}
-    as_pairs = {(type(b).__name__, b.batch_size, getattr(b, "seq_len", getattr(b, "num_blocks", None))) for b in warmed}
+    as_pairs = {(type(b).__name__, b.batch_size, getattr(b, "seq_len", getattr(b, "num_blocks", None)),
+                 *([b.context_blocks] if hasattr(b, "context_blocks") else [])) for b in warmed}  # prefill: with context
     listed = {("PrefillBucket", *p) for p in data["prefill_buckets"]} | {("DecodeBucket", *p) for p in data["decode_buckets"]}
     assert as_pairs == listed  # the profile's buckets, not the linear strategy's
     assert shard.runner.plan.latency is not None and set(shard.runner.plan.latency) == warmed

@@ -86,10 +86,10 @@ class RestartingClient(OutageClient):
         super().__init__(inner)
         self.down_at, self.decode_count = down_at, 0
 
-    async def decode(self, batches):
+    async def decode(self, batches, *grown):  # grown: KV blocks added on demand
         self.decode_count += 1
         self.down = self.down or self.decode_count == self.down_at
-        return await super().decode(batches)
+        return await super().decode(batches, *grown)
 
 
 @pytest.mark.parametrize("down_at", [1, 7])

@@ -28,9 +28,9 @@ class OutageClient(RecordingClient):
         self._check()
         return await super().prefill(batch, cached, **resume)
 
-    async def decode(self, batches):
+    async def decode(self, batches, *grown):  # grown: KV blocks added on demand
         self._check()
-        return await super().decode(batches)
+        return await super().decode(batches, *grown)
 
     async def clear_cache(self, batch_id=None):
         self._check()

@@ -65,12 +65,12 @@ class RecordingClient:
         self.calls.append(("prefill", batch.id, [r.id for r in batch.requests]))
         return await self.inner.prefill(batch, cached, **resume)
 
-    async def decode(self, batches):
+    async def decode(self, batches, *grown):  # grown: KV blocks added on demand
         self.decodes += 1
         self.calls.append(("decode", [b.id for b in batches], sum(b.size for b in batches)))
         if self.decodes == self.fail_decode_at:
             raise ShardError(grpc.StatusCode.INTERNAL, "injected decode failure")
-        return await self.inner.decode(batches)
+        return await self.inner.decode(batches, *grown)
 
     async def filter_batch(self, batch_id, request_ids):
         result = await self.inner.filter_batch(batch_id, request_ids)
@@ -163,7 +163,9 @@ def test_kv_pressure_makes_requests_wait(shard, warmed, expected):
     for p, tokens in zip(prompts, results):
         assert tokens == expected[p][:20]
     assert max(seen_queue) > 0 and stats.kv_waits > 0
-    assert max(stats.decode_sizes) < LIMITS.max_batch_size  # the blocks, not the batch size, limited it
+    # Blocks are taken as requests grow (router/preemption.py): more than two decode at once, and
+    # the pressure shows as waits at admission and as preemptions when a running request needs a block.
+    assert stats.preemptions > 0
     assert allocator.idle
 
 
@@ -183,7 +185,8 @@ def test_closing_a_stream_cancels_its_request(shard, warmed, expected):
         await stream.aclose()
         while not client.named("filter") and not all(t.done() for t in others_tasks):
             await asyncio.sleep(0.001)
-        used_after_filter = allocator.num_used
+        held = [scheduler._entries.get(i) for i in (1, 2)]  # blocks grow on demand: what the others hold now
+        used_after_filter = (allocator.num_used, sum(len(e.allocation.blocks) for e in held if e and e.allocation))
         return got, await asyncio.gather(*others_tasks), used_after_filter, client
 
     got, results, used_after_filter, client = asyncio.run(with_scheduler(shard, allocator, body))
@@ -191,8 +194,8 @@ def test_closing_a_stream_cancels_its_request(shard, warmed, expected):
     assert results == [expected[1][:25], expected[2][:25]]
     filters = client.named("filter")
     assert len(filters) == 1 and sorted(filters[0][2]) == [1, 2]
-    others_blocks = sum(allocator.blocks_for(lengths[i] + 25) for i in (1, 2))
-    assert used_after_filter == others_blocks  # the cancelled request's blocks were freed at once
+    used, others_blocks = used_after_filter
+    assert used == others_blocks  # the cancelled request's blocks were freed at once
     assert allocator.idle
 
 

@@ -269,7 +269,7 @@ def prompt_over_the_input_limit(stub):
 
 
 def too_few_blocks(stub):
-    request = prompt_request(2, **router_blocks(2, 1, 20))  # 23 prompt tokens + 20 new need 3 blocks
+    request = prompt_request(2, **router_blocks(2, 1, 20))  # 23 prompt tokens need 2 blocks (more come on demand)
     return stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=12, requests=[request])))
 
 
@@ -281,7 +281,7 @@ def decode_of_nothing(stub):
     (unknown_batch_decode, grpc.StatusCode.NOT_FOUND, "batch 999 not found"),
     (unknown_batch_filter, grpc.StatusCode.NOT_FOUND, "batch 999 not found"),
     (prompt_over_the_input_limit, grpc.StatusCode.INVALID_ARGUMENT, "exceeds max_input_tokens=64"),
-    (too_few_blocks, grpc.StatusCode.INVALID_ARGUMENT, "1 blocks hold fewer than the 42 tokens"),
+    (too_few_blocks, grpc.StatusCode.INVALID_ARGUMENT, "1 blocks hold fewer than its 23 prompt tokens"),
     (decode_of_nothing, grpc.StatusCode.INVALID_ARGUMENT, "decode needs at least one batch"),
 ])
 def test_bad_input_is_refused_and_the_batch_in_flight_carries_on(served, shard, expected, bad_call, code, message):

@@ -123,7 +123,8 @@ def test_strict_mode_refuses_an_unwarmed_shape_and_counts_it(shard):
         (dict(inputs="word " * 300), "exceeds max_input_tokens=128"),
         (dict(max_new_tokens=0), "max_new_tokens must be at least 1"),
         (dict(max_new_tokens=250), "exceed max_total_tokens=256"),
-        (dict(blocks=[20]), "1 blocks hold fewer than the 29 tokens"),  # a free block: the running request holds 1
+        # a free block (the running request holds 1), too few for the prompt; decode blocks come on demand
+        (dict(blocks=[20], inputs=PROMPTS[4]), r"1 blocks hold fewer than its \d+ prompt tokens"),
     ],
 )
 def test_bad_request_is_refused_and_the_batch_in_flight_carries_on(shard, expected, bad, message):

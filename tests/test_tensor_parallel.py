@@ -9,7 +9,7 @@ from engine.pb import generate_pb2 as pb
 from engine.pb import generate_pb2_grpc as pb_grpc
 from tests.models import build_tiny_model
 from tests.test_equivalence import PROMPTS, reference_tokens
-from tests.test_server import (collect, prompt_request, short_socket_dir, start_cli_server, stop_cli_server,
+from tests.test_server import (collect, short_socket_dir, text_request, start_cli_server, stop_cli_server,
                                tgi_warmup_request, wait_until_serving)
 
 NEW_TOKENS = 20
@@ -54,7 +54,27 @@ def two_batches_to_the_end(router: FanOut, requests: list) -> dict[int, list[int
     return tokens
 
 
-def run_sharded(model_dir, world_size: int) -> dict:
+def prefix_hits_to_the_end(router: FanOut, requests: list) -> dict[int, list[int]]:
+    """Request 0 fills blocks 1..6; then 1 and 2 (one per rank) reuse its first two blocks (cache_len 32)."""
+    tokens = {}
+
+    def run(batch_id, batch_requests):
+        cached = router.step("Prefill", pb.PrefillRequest(batch=pb.Batch(id=batch_id, requests=batch_requests)), tokens)
+        while cached is not None:
+            cached = router.step("Decode", pb.DecodeRequest(batches=[cached]), tokens)
+
+    def with_blocks(request, blocks, cache_len=0):
+        request.blocks[:] = blocks
+        request.slots[:] = [b * 16 + o for b in blocks for o in range(16)]
+        request.cache_len = cache_len
+        return request
+
+    run(1, [with_blocks(requests[0], list(range(1, 7)))])
+    run(2, [with_blocks(requests[1], [1, 2, 10, 11, 12, 13], 32), with_blocks(requests[2], [1, 2, 20, 21, 22, 23], 32)])
+    return tokens
+
+
+def run_sharded(model_dir, world_size: int, body=two_batches_to_the_end, prompts=range(6)) -> dict:
     folder, port = short_socket_dir(), free_port()
     base = folder / "tp"
     processes = [start_cli_server(model_dir, base, env={"RANK": str(r), "WORLD_SIZE": str(world_size),
@@ -67,7 +87,7 @@ def run_sharded(model_dir, world_size: int) -> dict:
         router = FanOut(channels)
         warmed = router.call("Warmup", tgi_warmup_request(64, 128, 128, 4))
         assert len({w.SerializeToString() for w in warmed}) == 1  # every rank reports the same capacity
-        return two_batches_to_the_end(router, [prompt_request(i) for i in range(6)])
+        return body(router, [text_request(k, PROMPTS[p]) for k, p in enumerate(prompts)])
     finally:
         for process in processes:
             stop_cli_server(process)
@@ -86,3 +106,10 @@ def test_two_shards_give_the_tokens_of_one(tiny_model_dirs, one_kv_head_dir, var
     expected = reference_tokens(model_dir, PROMPTS, NEW_TOKENS)
     tokens = run_sharded(model_dir, 2)
     assert [tokens[i] for i in range(6)] == expected
+
+
+@pytest.mark.slow
+def test_two_shards_give_the_tokens_of_one_with_prefix_hits(tiny_model_dirs):
+    expected = reference_tokens(tiny_model_dirs["llama"], [PROMPTS[4]], NEW_TOKENS)[0]
+    tokens = run_sharded(tiny_model_dirs["llama"], 2, prefix_hits_to_the_end, prompts=[4, 4, 4])
+    assert tokens == {0: expected, 1: expected, 2: expected}

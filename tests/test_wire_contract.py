@@ -102,6 +102,9 @@ BUCKETSERVE_EXTENSIONS = {
     ("StoppingCriteriaParameters", Field("min_new_tokens", 1000, "", "uint32")),
     # `n` / `best_of` siblings share one prefill; a shard that skips it computes each prompt itself.
     ("Request", Field("prefill_source", 1000, "optional", "uint64")),
+    # KV blocks allocated on demand (issue 15): the blocks a running request gets before a Decode
+    ("DecodeRequest", Field("grown_request_ids", 1000, "repeated", "uint64")),
+    ("DecodeRequest", Field("grown_blocks", 1001, "repeated", "uint32")),
 }
 
 

@@ -1,7 +1,8 @@
 """Attention over the paged KV cache.
 
 Every forward first writes the new keys and values into the cache by slot, then attends:
-prefill over the padded prompt batch (prompt.py), decode over a flat list of KV blocks (flat.py).
+prefill over the padded prompt batch (prompt.py), prefill that continues cached context (context.py),
+decode over a flat list of KV blocks (flat.py).
 Imports nothing else of the engine: devices may register faster kernels for it (backend.py).
 """
 from typing import NamedTuple
@@ -9,6 +10,7 @@ from typing import NamedTuple
 import torch
 
 from engine.attention.backend import active_backend
+from engine.attention.context import context_attention
 from engine.attention.flat import flat_attention, flat_masked
 from engine.attention.prompt import prompt_attention
 
@@ -16,6 +18,9 @@ from engine.attention.prompt import prompt_attention
 class PrefillMetadata(NamedTuple):
     slots: torch.Tensor  # [batch * seq] cache slot of every token; padding writes to block 0
     seq_lens: torch.Tensor | None = None  # [batch] real prompt lengths (padding rows: 1), for kernels that skip padding
+    # Prefill with context (prefix-cache hit, or a later chunk): what the new tokens continue.
+    context_slots: torch.Tensor | None = None  # [batch, context tokens] cache slot of each context token
+    context_lens: torch.Tensor | None = None   # [batch] context tokens of each row (0: none)
 
 
 class DecodeMetadata(NamedTuple):
@@ -73,6 +78,8 @@ def attention(q, k, v, cache, meta: AttentionMetadata, scale: float, window: int
     write_kv(cache, meta.slots, k, v)
     kernels = active_backend()  # pure torch unless the device adapter supplied its own
     if isinstance(meta, PrefillMetadata):
+        if meta.context_slots is not None:  # pure torch on every device: no device kernel reads a context
+            return context_attention(q, k, v, *cache, meta.context_slots, meta.context_lens, scale, window, softcap)
         if window is not None or softcap is not None:
             return prompt_attention(q, k, v, scale, window=window, softcap=softcap)
         return kernels.prefill(q, k, v, scale, lengths=meta.seq_lens)

@@ -30,11 +30,15 @@ from engine.buckets.ranges import (  # noqa: F401 - re-exported: the planner's p
 @dataclass(frozen=True)
 class PrefillBucket:
     batch_size: int   # prompts (rows) in the padded batch
-    seq_len: int      # every prompt is padded to this length
+    seq_len: int      # every prompt's new tokens are padded to this length
+    # KV blocks of cached context every row may read (prefix-cache hit, later chunk); 0: none
+    context_blocks: int = 0
 
     def __post_init__(self) -> None:
         _require_positive("batch_size", self.batch_size)
         _require_positive("seq_len", self.seq_len)
+        if not isinstance(self.context_blocks, int) or self.context_blocks < 0:
+            raise ValueError(f"context_blocks must be a non-negative integer, got {self.context_blocks!r}")
 
     @property
     def tokens(self) -> int:
@@ -60,6 +64,9 @@ class BucketLimits:
     max_prefill_tokens: int    # budget: batch_size*seq_len of any prefill bucket <= this
     block_size: int            # tokens per KV block
     max_kv_blocks: int         # usable KV blocks (block 0 is reserved and not counted)
+    # Chunked prefill: the longest prompt, computed in chunks of at most max_input_tokens (then the
+    # longest chunk) each continuing the cached context; 0: prompts are not chunked.
+    max_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_input_tokens", "max_total_tokens",
@@ -152,14 +159,37 @@ class BucketPlan:
     def max_decode_blocks(self) -> int:
         return max((b.num_blocks for b in self.decode), default=0)
 
-    def prefill_bucket(self, batch_size: int, seq_len: int) -> PrefillBucket | None:
+    def prefill_bucket(self, batch_size: int, seq_len: int, context_blocks: int = 0) -> PrefillBucket | None:
         """The bucket holding batch_size prompts of at most seq_len tokens with the fewest
         padded tokens (ties: smaller batch), or None if no bucket holds it. With latencies:
-        the fastest holding bucket, ties broken the same way."""
+        the fastest holding bucket, ties broken the same way. `context_blocks`: the most cached
+        context blocks of a row; only context buckets hold a batch with context, only plain ones
+        a batch without (a plain one is cheaper)."""
         _require_positive("batch_size", batch_size)
         _require_positive("seq_len", seq_len)
-        holding = [b for b in self.prefill if b.batch_size >= batch_size and b.seq_len >= seq_len]
-        return min(holding, key=lambda b: (self._seconds(b), b.tokens, b.batch_size), default=None)
+        holding = [b for b in self.prefill if b.batch_size >= batch_size and b.seq_len >= seq_len
+                   and b.context_blocks >= context_blocks and (b.context_blocks > 0) == (context_blocks > 0)]
+        return min(holding, key=lambda b: (self._seconds(b), b.tokens, b.batch_size * b.context_blocks,
+                                           b.batch_size), default=None)
+
+    def split_context(self, rows: list[tuple[int, int]]) -> list[list[int]]:
+        """Partition (new tokens, context blocks) rows into groups that each fit a context bucket:
+        rows sorted by context then length, a group grows while a bucket still holds it."""
+        for i, (length, blocks) in enumerate(rows):
+            if self.prefill_bucket(1, length, blocks) is None:
+                raise ValueError(f"prompt {i}: no prefill bucket holds {length} new tokens after "
+                                 f"{blocks} cached context blocks")
+        order = sorted(range(len(rows)), key=lambda i: (rows[i][1], rows[i][0], i))
+        groups: list[list[int]] = []
+        for i in order:
+            group = groups[-1] if groups else []
+            wider = group + [i]
+            if group and self.prefill_bucket(len(wider), max(rows[j][0] for j in wider),
+                                             max(rows[j][1] for j in wider)) is not None:
+                group.append(i)
+            else:
+                groups.append([i])
+        return [sorted(g) for g in groups]
 
     def decode_bucket(self, batch_size: int, num_blocks: int) -> DecodeBucket | None:
         """The bucket holding batch_size sequences with num_blocks blocks in total: fewest
@@ -241,6 +271,19 @@ def _prefill_buckets(limits: BucketLimits, strategy: Callable, steps: StrategySt
             if bs * seq <= limits.max_prefill_tokens]
 
 
+def max_context_blocks(limits: BucketLimits) -> int:
+    """Most blocks of cached context a prompt (or its last chunk) can continue: at least its last token
+    is computed."""
+    return -(-(max(limits.max_input_tokens, limits.max_prompt_tokens) - 1) // limits.block_size)
+
+
+def context_buckets(limits: BucketLimits, plain: list[PrefillBucket], contexts: list[int]) -> list[PrefillBucket]:
+    """The third dimension: every plain (batch, seq) bucket again with each context size whose
+    rows' context blocks all fit the KV cache (the same graph budget caps the count downstream)."""
+    return [PrefillBucket(b.batch_size, b.seq_len, c) for b in plain for c in contexts
+            if b.batch_size * c <= limits.max_kv_blocks]
+
+
 def small_decode_batches(top_batch: int) -> list[int]:
     """The decode batch sizes every plan has (up to top_batch), so that a lone request or two are
     never padded to a batch of 8: at small batch a padded row costs as much as a real one."""
@@ -266,15 +309,19 @@ def default_steps(strategy: str, block_size: int) -> StrategySteps:
     return StrategySteps()
 
 
-def plan_buckets(limits: BucketLimits, strategy: str = "exponential", steps: StrategySteps | None = None) -> BucketPlan:
+def plan_buckets(limits: BucketLimits, strategy: str = "exponential", steps: StrategySteps | None = None,
+                 prefix_caching: bool = False) -> BucketPlan:
     """All buckets to warm up. Guarantees: every prompt of L <= max_input_tokens has a bucket, and a
     batch of them whose rounded-up shape fits max_prefill_tokens too (others split_prefill);
     n <= max_batch_size sequences holding T blocks in total, n <= T <= min(n * blocks_per_sequence,
     max_kv_blocks), have a decode bucket."""
     range_of = _strategy(strategy)
     steps = steps or default_steps(strategy, limits.block_size)
-    return BucketPlan(prefill=tuple(_prefill_buckets(limits, range_of, steps)),
-                      decode=tuple(_decode_buckets(limits, range_of, steps)))
+    prefill = _prefill_buckets(limits, range_of, steps)
+    top = max_context_blocks(limits)
+    if prefix_caching and top > 0:  # context blocks range like decode blocks: one block is the finest step
+        prefill += context_buckets(limits, prefill, range_of(1, max(1, steps.decode_block_step), top))
+    return BucketPlan(prefill=tuple(prefill), decode=tuple(_decode_buckets(limits, range_of, steps)))
 
 
 # ---------------------------------------------------------------------------------------

@@ -8,15 +8,59 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.buckets.core import STRATEGIES, BucketLimits, BucketPlan, DecodeBucket, PrefillBucket, plan_buckets
+from engine.buckets.core import (STRATEGIES, BucketLimits, BucketPlan, DecodeBucket, PrefillBucket, context_buckets,
+                                exponential_range, max_context_blocks, plan_buckets)
 
 ALL_STRATEGIES = (*sorted(STRATEGIES), "file", "fitted")
 
 
 def make_plan(strategy: str, limits: BucketLimits, shapes=None, bucket_file: str | Path | None = None,
-              max_graphs: int | None = None) -> BucketPlan:
+              max_graphs: int | None = None, prefix_caching: bool = False) -> BucketPlan:
     """The buckets of `strategy`. fitted needs `shapes` (a trace); max_graphs defaults to the
-    exponential plan's graph count, so fitted costs the same warmup as the default."""
+    exponential plan's graph count, so fitted costs the same warmup as the default. With
+    `prefix_caching`, prefill buckets gain the context dimension (engine/buckets/core.py); fitted
+    then keeps context and plain buckets together within max_graphs."""
+    fitted_context = prefix_caching and strategy == "fitted" and _recorded_contexts(shapes)
+    if fitted_context:
+        budget = max_graphs if max_graphs is not None else plan_buckets(limits, "exponential").graphs
+        max_graphs = budget - len(_recorded_contexts(shapes)) - 1  # room for a bucket per context, and a cover
+    plan = _make_plan(strategy, limits, shapes, bucket_file, max_graphs)
+    if prefix_caching and not any(b.context_blocks for b in plan.prefill):
+        plan = fitted_context_plan(plan, limits, shapes) if fitted_context else with_context(plan, limits)
+    return plan
+
+
+def _recorded_contexts(shapes) -> set:
+    return {(s.batch_size, s.size, s.context_blocks) for s in shapes or () if s.phase == "prefill" and s.context_blocks}
+
+
+def with_context(plan: BucketPlan, limits: BucketLimits) -> BucketPlan:
+    """The plan plus context buckets over its plain prefill buckets, at the exponential context
+    sizes (one block at the finest)."""
+    top = max_context_blocks(limits)
+    if top < 1:
+        return plan
+    plain = [b for b in plan.prefill if not b.context_blocks]
+    return BucketPlan(plan.prefill + tuple(context_buckets(limits, plain, exponential_range(1, 1, top))), plan.decode,
+                      plan.latency)
+
+
+def fitted_context_plan(plan: BucketPlan, limits: BucketLimits, shapes) -> BucketPlan:
+    """Context buckets fitted to a trace's recorded contexts: each one's rows, its new tokens rounded up
+    to whole blocks and its context to an exponential point; and one cover bucket (one row, the
+    longest chunk, the most context) so that every context within the limits runs."""
+    top = max_context_blocks(limits)
+    points = exponential_range(1, 1, top)
+    buckets = {PrefillBucket(1, plan.max_prefill_seq_len, top)}
+    longest, size = plan.max_prefill_seq_len, limits.block_size
+    for batch, seq, context in _recorded_contexts(shapes):
+        point = min(p for p in points if p >= min(context, top))
+        buckets.add(PrefillBucket(min(batch, limits.max_batch_size), min(-(-seq // size) * size, longest), point))
+    return BucketPlan(plan.prefill + tuple(sorted(buckets, key=lambda b: (b.batch_size, b.seq_len, b.context_blocks))),
+                      plan.decode, plan.latency)
+
+
+def _make_plan(strategy: str, limits: BucketLimits, shapes, bucket_file, max_graphs) -> BucketPlan:
     if strategy not in ALL_STRATEGIES:
         raise ValueError(f"unknown bucket strategy {strategy!r}; known: {', '.join(ALL_STRATEGIES)}")
     if max_graphs is not None and strategy != "fitted":
@@ -63,7 +107,8 @@ def _buckets(path, pairs, kind) -> list:
         try:
             bucket = kind(*pair)
         except (TypeError, ValueError):
-            raise ValueError(f"{path}: {kind.__name__} {pair!r} is not two positive integers") from None
+            raise ValueError(f"{path}: {kind.__name__} {pair!r} is not two positive integers "
+                             "(a prefill bucket may add its context blocks as a third)") from None
         if bucket not in out:
             out.append(bucket)
     return out
@@ -72,7 +117,7 @@ def _buckets(path, pairs, kind) -> list:
 def plan_problems(plan: BucketPlan, limits: BucketLimits) -> list[str]:
     """What makes a plan unusable under the limits: buckets beyond them, or shapes within them that
     no bucket (or split) could run."""
-    problems = [f"prefill bucket [{b.batch_size}, {b.seq_len}] is beyond the limits" + why
+    problems = [f"prefill bucket {_shape(b)} is beyond the limits" + why
                 for b in plan.prefill for why in [_prefill_beyond(b, limits)] if why]
     problems += [f"decode bucket [{b.batch_size}, {b.num_blocks}] is beyond the limits" + why
                  for b in plan.decode for why in [_decode_beyond(b, limits)] if why]
@@ -86,6 +131,10 @@ def plan_problems(plan: BucketPlan, limits: BucketLimits) -> list[str]:
     return problems
 
 
+def _shape(b: PrefillBucket) -> str:
+    return f"[{b.batch_size}, {b.seq_len}{f', {b.context_blocks}' if b.context_blocks else ''}]"
+
+
 def _prefill_beyond(b: PrefillBucket, limits: BucketLimits) -> str:
     if b.batch_size > limits.max_batch_size:
         return f": batch_size > max_batch_size={limits.max_batch_size}"
@@ -93,6 +142,8 @@ def _prefill_beyond(b: PrefillBucket, limits: BucketLimits) -> str:
         return f": seq_len > max_input_tokens={limits.max_input_tokens}"
     if b.tokens > limits.max_prefill_tokens:
         return f": {b.tokens} tokens > max_prefill_tokens={limits.max_prefill_tokens}"
+    if b.context_blocks > max_context_blocks(limits):
+        return f": context_blocks > {max_context_blocks(limits)} (a prompt of max_input_tokens={limits.max_input_tokens})"
     return ""
 
 

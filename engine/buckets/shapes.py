@@ -2,6 +2,7 @@
 
 One line per forward request the runner received, before any bucket padding or splitting:
   {"phase": "prefill", "batch_size": b, "seq_len": s}      s: the longest prompt of the batch
+  {"phase": "prefill", "batch_size": b, "seq_len": s, "context_blocks": c}   s new tokens after c cached blocks
   {"phase": "decode", "batch_size": b, "num_blocks": k}    k: KV blocks of the whole batch
 Standard library only: the `buckets` command reads traces without importing torch.
 """
@@ -21,9 +22,13 @@ class Shape:
     phase: str        # "prefill" or "decode"
     batch_size: int   # real rows of the batch
     size: int         # prefill: longest prompt in tokens; decode: KV blocks of the whole batch
+    context_blocks: int = 0  # prefill: most cached context blocks of a row (prefix cache, chunks)
 
     def as_json(self) -> dict:
-        return {"phase": self.phase, "batch_size": self.batch_size, SIZE_KEY[self.phase]: self.size}
+        record = {"phase": self.phase, "batch_size": self.batch_size, SIZE_KEY[self.phase]: self.size}
+        if self.context_blocks:
+            record["context_blocks"] = self.context_blocks
+        return record
 
 
 class ShapeFileError(ValueError):
@@ -44,7 +49,12 @@ def parse_shape(text: str) -> Shape:
         value = record.get(name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{phase} record needs a positive integer {name!r}, got {value!r}")
-    return Shape(phase, record["batch_size"], record[key])
+    context = record.get("context_blocks", 0)
+    if phase != "prefill" and "context_blocks" in record:
+        raise ValueError("context_blocks belongs to prefill records only")
+    if not isinstance(context, int) or isinstance(context, bool) or context < 0:
+        raise ValueError(f"prefill record needs a non-negative integer 'context_blocks', got {context!r}")
+    return Shape(phase, record["batch_size"], record[key], context)
 
 
 def load_shapes(path: str | Path) -> list[Shape]:
@@ -62,8 +72,9 @@ def load_shapes(path: str | Path) -> list[Shape]:
 
 
 def count_shapes(shapes, phase: str) -> Counter:
-    """(batch_size, size) -> occurrences, for one phase."""
-    return Counter((s.batch_size, s.size) for s in shapes if s.phase == phase)
+    """(batch_size, size) -> occurrences, for one phase (prefills without context: those with
+    context are planned by engine.buckets.plans.fitted_context_plan)."""
+    return Counter((s.batch_size, s.size) for s in shapes if s.phase == phase and not s.context_blocks)
 
 
 class ShapeRecorder:
@@ -79,8 +90,8 @@ class ShapeRecorder:
         with self._lock:
             self._file.write(json.dumps(shape.as_json()) + "\n")
 
-    def prefill(self, batch_size: int, seq_len: int) -> None:
-        self.record(Shape("prefill", batch_size, seq_len))
+    def prefill(self, batch_size: int, seq_len: int, context_blocks: int = 0) -> None:
+        self.record(Shape("prefill", batch_size, seq_len, context_blocks))
 
     def decode(self, batch_size: int, num_blocks: int) -> None:
         self.record(Shape("decode", batch_size, num_blocks))

@@ -44,6 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "fallback on the paged KV cache; native or transformers: that one only")
     parser.add_argument("--moe-impl", choices=["dense", "gather"], help="MoE experts (default: the device's: dense, "
                         "every expert over every token, on CPU and HPU; gather on CUDA)")
+    parser.add_argument("--prefix-caching", choices=["on", "off"], default="on",
+                        help="on (default): prefills may continue KV already in the cache (cache_len: prefix-cache "
+                             "hits, later chunks of a long prompt); warms the context buckets for them")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
 
 
@@ -74,7 +77,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         warmup_mode=args.warmup, warmup_profile=args.warmup_profile, record_shapes=args.record_shapes,
         lora_adapters=parse_lora_adapters(args.lora_adapters or env_lora_adapters()),
         lora_impl=args.lora_impl, max_lora_rank=args.max_lora_rank, implementation=args.implementation,
-        moe_impl=args.moe_impl, quantize=args.quantize,
+        moe_impl=args.moe_impl, quantize=args.quantize, prefix_caching=args.prefix_caching == "on",
     )
 
 

@@ -28,7 +28,7 @@ def strategy_reports(shard, shapes) -> list[dict]:
     from engine.buckets.plans import make_plan
     from engine.warmup.run import bucket_limits
 
-    limits = bucket_limits(shard.limits, shard.block_size, shard.runner.kv_cache.num_blocks)
+    limits = bucket_limits(shard.limits, shard.block_size, shard.runner.kv_cache.num_blocks, shard.config.prefix_caching)
     return [report(make_plan(name, limits, shapes), name, limits, shapes) for name in COMPARED]
 
 

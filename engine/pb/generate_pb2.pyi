@@ -284,10 +284,14 @@ class PrefillResponse(_message.Message):
     def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., concat_ns: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("batches",)
+    __slots__ = ("batches", "grown_request_ids", "grown_blocks")
     BATCHES_FIELD_NUMBER: _ClassVar[int]
+    GROWN_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    GROWN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     batches: _containers.RepeatedCompositeFieldContainer[CachedBatch]
-    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ...) -> None: ...
+    grown_request_ids: _containers.RepeatedScalarFieldContainer[int]
+    grown_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., grown_request_ids: _Optional[_Iterable[int]] = ..., grown_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns", "concat_ns")

@@ -23,23 +23,32 @@ def check_prefill(batch: Batch, cached: CachedBatch | None, live: dict, num_bloc
     if batch.id in live and (cached is None or cached.id != batch.id):
         raise InvalidRequestError(f"batch.id: batch {batch.id} is already live (FilterBatch or ClearCache it first)")
     owners = {block: seq.id for sequences in live.values() for seq in sequences for block in seq.blocks}
+    writers: dict[int, int] = {}  # blocks this batch's requests write
     for request in batch.requests:
-        check_blocks(request, owners, num_blocks)
+        check_blocks(request, owners, num_blocks, block_size, writers)
         check_slots(request, block_size)
+        shared = request.cache_len // block_size
         owners.update((block, request.id) for block in request.blocks if block != RESERVED_BLOCK)
+        writers.update((block, request.id) for block in request.blocks[shared:])
 
 
-def check_blocks(request: Request, owners: dict[int, int], num_blocks: int) -> None:
+def check_blocks(request: Request, owners: dict[int, int], num_blocks: int, block_size: int = 1,
+                 writers: dict[int, int] | None = None) -> None:
+    """A request's prefix blocks (its first cache_len tokens) are read only and may be shared with
+    other requests (prefix caching); every block it writes must be its own."""
     if request.blocks == PROBE_BLOCKS:
         return
-    seen = set()
-    for block in request.blocks:
+    seen, shared, writers = set(), request.cache_len // block_size, writers or {}
+    for index, block in enumerate(request.blocks):
         if not RESERVED_BLOCK < block < num_blocks:
             raise InvalidRequestError(f"request {request.id}: blocks: block {block} is not in the KV cache's "
                                       f"usable blocks 1..{num_blocks - 1} (block 0 is reserved)")
         if block in seen:
             raise InvalidRequestError(f"request {request.id}: blocks: block {block} is listed twice")
-        if block in owners:
+        if index < shared and block in writers:
+            raise InvalidRequestError(f"request {request.id}: blocks: prefix block {block} is being written by "
+                                      f"request {writers[block]} of the same batch")
+        if index >= shared and block in owners:
             raise InvalidRequestError(f"request {request.id}: blocks: block {block} is in use by live request "
                                       f"{owners[block]}")
         seen.add(block)
@@ -60,3 +69,21 @@ def check_decode(batches: list[CachedBatch]) -> None:
     ids = [b.id for b in batches]
     if len(set(ids)) != len(ids):
         raise InvalidRequestError(f"batches: a batch is listed twice ({ids})")
+
+
+def check_grown(grown: dict[int, list[int]], sequences: list, live: dict, num_blocks: int) -> None:
+    """Blocks a router hands running requests before a Decode (KV on demand): each request must be
+    in the step, each block usable and held by no live request, none given twice."""
+    ids = {seq.id for seq in sequences}
+    owners = {block: seq.id for batch in live.values() for seq in batch for block in seq.blocks}
+    given: set[int] = set()
+    for request_id, blocks in grown.items():
+        if request_id not in ids:
+            raise InvalidRequestError(f"grown_request_ids: request {request_id} is not in the decoded batches")
+        for block in blocks:
+            where = f"request {request_id}: grown_blocks: block {block}"
+            if not RESERVED_BLOCK < block < num_blocks:
+                raise InvalidRequestError(f"{where} is not in the KV cache's usable blocks 1..{num_blocks - 1}")
+            if block in owners or block in given:
+                raise InvalidRequestError(f"{where} is in use by request {owners.get(block, request_id)}")
+            given.add(block)

@@ -87,6 +87,23 @@ def cached_batch_from_pb(message: pb.CachedBatch) -> eb.CachedBatch:
                           max_tokens=message.max_tokens, current_tokens=message.current_tokens)
 
 
+def grown_from_pb(message: pb.DecodeRequest) -> dict[int, list[int]]:
+    """The DecodeRequest extension: request id -> blocks it gets before the step (KV on demand)."""
+    if len(message.grown_request_ids) != len(message.grown_blocks):
+        raise InvalidRequestError(f"grown_request_ids has {len(message.grown_request_ids)} entries and grown_blocks "
+                                  f"{len(message.grown_blocks)}: they are parallel lists")
+    grown: dict[int, list[int]] = {}
+    for request_id, block in zip(message.grown_request_ids, message.grown_blocks):
+        grown.setdefault(request_id, []).append(block)
+    return grown
+
+
+def decode_request_to_pb(batches: list[eb.CachedBatch], grown: dict[int, list[int]] | None) -> pb.DecodeRequest:
+    pairs = [(i, b) for i, blocks in (grown or {}).items() for b in blocks]
+    return pb.DecodeRequest(batches=[cached_batch_to_pb(b) for b in batches], grown_request_ids=[i for i, _ in pairs],
+                            grown_blocks=[b for _, b in pairs])
+
+
 # --- outbound -------------------------------------------------------------------------------
 
 

@@ -22,6 +22,14 @@ class Sequence:
     prefix_offset: int = 0               # incremental detokenization window
     read_offset: int = 0
     finish_reason: FinishReason | None = None
+    cache_len: int = 0                   # prompt tokens whose KV the router said was cached (not computed)
+    computed: int = 0                    # tokens whose KV is in the cache
+    prefill_end: int = 0                 # tokens its prefill computes (prompt, and a resumed request's tokens)
+
+    @property
+    def prefilling(self) -> bool:
+        """Chunked prefill: part of the prompt is still to be computed (no token sampled yet)."""
+        return self.computed < self.prefill_end
 
     @property
     def id(self) -> int:

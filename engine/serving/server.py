@@ -178,8 +178,9 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     @rpc
     async def Decode(self, request, context):
         batches = [convert.cached_batch_from_pb(b) for b in request.batches]
-        result, timings, stats = await self.step(self.shard.decode, batches, context=context,
-                                                 batch_id=batches[0].id if batches else 0)
+        grown = convert.grown_from_pb(request)
+        result, timings, stats = await self.step(self.shard.decode, batches, *((grown,) if grown else ()),
+                                                 context=context, batch_id=batches[0].id if batches else 0)
         context.set_trailing_metadata(stats_metadata(stats))
         return step_response(pb.DecodeResponse, result, timings)
 

@@ -1,6 +1,7 @@
 """One shard: the generate.v3 operations (warmup, prefill, decode, filter, clear) in plain Python."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import secrets
@@ -19,9 +20,10 @@ from engine.errors import InvalidRequestError, ModelLoadError
 from engine.kv_cache import BlockAllocator, KVCache
 from engine.lora_loader import load_adapters
 from engine.runner import ModelRunner
-from engine.serving.recompute import check_recompute_fits
+from engine.serving.recompute import check_recompute_fits, recompute_position
+from engine.serving.prefix import BlockContents
 from engine.serving.sequence import Sequence
-from engine.serving.checks import check_decode, check_prefill
+from engine.serving.checks import check_decode, check_grown, check_prefill
 from engine.serving.steps import StepContext, admit_requests, decode_step, prefill_step
 from engine.warmup.budget import GraphBudget, split_free_memory
 from engine.warmup.memory import profile_free_memory, size_kv_cache
@@ -59,6 +61,7 @@ class Shard:
         self.model_path, self.eos_token_ids = loaded.path, loaded.eos_token_ids
         self.implementation = getattr(self.model, "implementation", "native")
         log.info("serving %s with the %s implementation", self.model_config.architecture, self.implementation)
+        self.config = config = self._without_unsound_prefix_caching(config)
         if config.lora_adapters and self.implementation != "native":
             raise ModelLoadError("LoRA adapters are served with native implementations only (not --implementation transformers)")
         # LoRA adapters load before warmup, so that every bucket is warmed with them active.
@@ -67,12 +70,25 @@ class Shard:
         self.limits: ServingLimits | None = None
         self.runner: ModelRunner | None = None
         self.allocator: BlockAllocator | None = None
+        self.contents: BlockContents | None = None  # what each filled KV block holds (prefix caching)
+        self.chunk_stats = {"chunked_prompts": 0, "prefill_chunks": 0}  # chunked prefill, since warmup
         self.batches: dict[int, list[Sequence]] = {}
         self._grammar_compiler = None
         self.last_timings: StepTimings | None = None  # of the latest prefill or decode
         self.device_lock = threading.RLock()  # a step, or one bucket of background warmup
         self.background = None                # progressive warmup's BackgroundWarmup while it runs
         self.recorder = None                  # ShapeRecorder of --record-shapes
+
+    def _without_unsound_prefix_caching(self, config: EngineConfig) -> EngineConfig:
+        """A model whose keys' rotation depends on the sequence's final length (Phi-3's longrope:
+        engine/serving/recompute.py) cannot share cached blocks between sequences of different
+        lengths, nor compute a prompt in chunks: prefix caching (and chunking with it) goes off."""
+        if not config.prefix_caching or recompute_position(self.model) is None:
+            return config
+        log.warning("prefix caching and chunked prefill are off for %s: its rope tables switch with the sequence's "
+                    "length, so a cached block's keys hold for sequences of one side of the switch only",
+                    self.model_config.architecture)
+        return dataclasses.replace(config, prefix_caching=False)
 
     def _choose_dtype(self, config: EngineConfig) -> torch.dtype:
         """The serving dtype; with --dtype auto (the default) the device's choice, said at start."""
@@ -90,8 +106,8 @@ class Shard:
     def info(self) -> InfoResponse:
         return InfoResponse(
             requires_padding=False, dtype=str(self.dtype).removeprefix("torch."), device_type=self.adapter.device_type,
-            window_size=self.model_config.sliding_window, speculate=0, support_chunking=False,
-            use_prefix_caching=False, block_size=self.block_size,
+            window_size=self.model_config.sliding_window, speculate=0, support_chunking=self.config.prefix_caching,
+            use_prefix_caching=self.config.prefix_caching, block_size=self.block_size,
             attention_impl="flat_paged" if self.implementation == "native" else "transformers+flat_paged",
         )
 
@@ -123,18 +139,20 @@ class Shard:
                         self.adapter.zeros)
         self.adapter.graph_budget = GraphBudget(self.adapter, graph_bytes) if graph_bytes else None
         phases.mark("kv cache")
-        planned = bucket_limits(limits, self.block_size, num_blocks)
+        planned = bucket_limits(limits, self.block_size, num_blocks, chunked=self.config.prefix_caching)
         plan = plan_for(self.config, planned, self.fingerprint())
         self.runner = ModelRunner(self.model, self.adapter, cache, plan, self.dtype)
         self.background = run_warmup(self.runner, plan, self.config.warmup_mode, planned, self.config.warmup_prompt_logprobs,
                                      self.show_progress, self.device_lock, phases)
         self.warmup_log = phases  # per-phase and per-bucket times and memory (warmup-profile reads them)
         self.allocator, self.limits = BlockAllocator(num_blocks), limits
+        self.contents = BlockContents(self.block_size) if self.config.prefix_caching else None
         if batch is not None and batch.requests and self.adapter.warm_runs_forward:
             self.prefill(batch)
             self.clear(batch.id)
         self._start_recording()
         self.runner.padding = PaddingStats()  # serving_stats counts served traffic, not warmup
+        self.chunk_stats.update(chunked_prompts=0, prefill_chunks=0)
         return WarmupResult(cache.capacity_tokens, limits.max_input_tokens, limits.max_total_tokens)
 
     def fingerprint(self) -> dict:
@@ -179,7 +197,8 @@ class Shard:
         return {"prefill_real": padding.real("prefill"), "prefill_padded": padding.padded("prefill"),
                 "decode_real": padding.real("decode"), "decode_padded": padding.padded("decode"),
                 "unwarmed_shapes": unwarmed, "prefill_forwards": padding.forwards("prefill"),
-                "decode_forwards": padding.forwards("decode"), "copied_prompts": self.runner.kv_cache.copied_prompts}
+                "decode_forwards": padding.forwards("decode"), "copied_prompts": self.runner.kv_cache.copied_prompts,
+                **self.chunk_stats}
 
     @_exclusive
     def health(self) -> None:
@@ -211,17 +230,29 @@ class Shard:
         return result
 
     @_exclusive
-    def decode(self, batches: list[CachedBatch]) -> tuple[list[Generation], CachedBatch | None]:
+    def decode(self, batches: list[CachedBatch], grown: dict[int, list[int]] | None = None
+               ) -> tuple[list[Generation], CachedBatch | None]:
+        """`grown`: request id -> KV blocks the router added to it for this step (on-demand allocation)."""
         check_decode(batches)
         start, ctx = self._start_step()
         joined = time.perf_counter_ns()
         sequences = [seq for cached in batches for seq in self._get(cached.id)]
         concat_ns = time.perf_counter_ns() - joined if len(batches) > 1 else None
+        if grown:
+            self._grow(sequences, grown)
         generations = decode_step(ctx, sequences)
         self._take([cached.id for cached in batches])  # only once the step succeeded
         result = self._store(batches[0].id, sequences, generations)
         self._finish_step(start, concat_ns)
         return result
+
+    def _grow(self, sequences: list[Sequence], grown: dict[int, list[int]]) -> None:
+        check_grown(grown, sequences, self.batches, self.allocator.num_blocks)
+        for seq in sequences:
+            if seq.id in grown:
+                seq.blocks = seq.blocks + list(grown[seq.id])
+                if self.contents is not None:
+                    self.contents.forget(grown[seq.id])
 
     def _start_step(self) -> tuple[int, StepContext]:
         ctx = self._context()
@@ -253,7 +284,8 @@ class Shard:
             raise InvalidRequestError("the shard has not been warmed up")
         return StepContext(self.runner, self.tokenizer, self.allocator, self.limits, self.eos_token_ids,
                            self.special_token_ids, self.block_size, self._grammars, self._unset_seed,
-                           self.rank, self.world_size, self.lora_set, self.model_config.vocab_size)
+                           self.rank, self.world_size, self.lora_set, self.model_config.vocab_size, self.contents,
+                           self.chunk_stats)
 
     def _unset_seed(self, request_id: int) -> int:
         return (self.group_seed * 0x9E3779B97F4A7C15 + request_id) % 2**64 or 1
@@ -298,12 +330,18 @@ class Shard:
         max_tokens = sum(s.prompt_len + s.max_new_tokens for s in sequences)
         return CachedBatch(batch_id, [s.id for s in sequences], len(sequences), max_tokens, tokens)
 
+    def _prefill_budget(self, max_prefill: int | None, max_input: int | None) -> int:
+        """Without chunked prefill (it needs prefix caching's context buckets) a whole prompt is one
+        prefill, so the budget grows to max_input_tokens."""
+        budget = max_prefill or self.config.max_prefill_tokens
+        return budget if self.config.prefix_caching else max(budget, max_input or self.config.max_input_tokens)
+
     def _limits(self, max_input, max_prefill, max_total, max_batch) -> ServingLimits:
         limits = ServingLimits(
             max_batch_size=max_batch or self.config.max_batch_size,
             max_input_tokens=max_input or self.config.max_input_tokens,
             max_total_tokens=max_total or self.config.max_total_tokens,
-            max_prefill_tokens=max(max_prefill or self.config.max_prefill_tokens, max_input or self.config.max_input_tokens),
+            max_prefill_tokens=self._prefill_budget(max_prefill, max_input),
         )
         positions = self.model_config.max_position_embeddings
         if limits.max_total_tokens > positions:

@@ -41,10 +41,10 @@ def copy_prompts(runner, sequences: list[Sequence], shared: dict[int, int], widt
     server takes) is every copy's index length."""
     device = runner.adapter.torch_device
     for i, j in shared.items():
-        length = sequences[j].prompt_len
-        pad = [RESERVED_BLOCK] * (width - length)
-        source = torch.tensor(sequences[j].slots(0, length) + pad, dtype=torch.long).to(device)
-        target = torch.tensor(sequences[i].slots(0, length) + pad, dtype=torch.long).to(device)
+        start, length = sequences[i].computed, sequences[j].prompt_len  # a prefix-cache hit is in place already
+        pad = [RESERVED_BLOCK] * (width - (length - start))
+        source = torch.tensor(sequences[j].slots(start, length) + pad, dtype=torch.long).to(device)
+        target = torch.tensor(sequences[i].slots(start, length) + pad, dtype=torch.long).to(device)
         runner.kv_cache.copy_slots(source, target)
 
 

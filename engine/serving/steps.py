@@ -14,6 +14,8 @@ from engine.layers.lora import NO_ADAPTER, LoraSet
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
 from engine.sampling import choose, is_sampling, new_sampling_state, validate_parameters
 from engine.serving import siblings
+from engine.serving.chunks import chunk_cap, check_chunking, plan_chunks
+from engine.serving.prefix import BlockContents, check_cache_len
 from engine.serving.recompute import decode_logits
 from engine.serving.resume import check_resumed, replay
 from engine.serving.sequence import Sequence
@@ -35,6 +37,8 @@ class StepContext:
     world_size: int = 1
     lora_set: LoraSet | None = None  # the LoRA adapters requests may name in adapter_id
     vocab_size: int = 0              # the model's: token ids a resumed request may carry
+    contents: BlockContents | None = None  # what each filled KV block holds; None: no prefix caching
+    chunk_stats: dict | None = None  # "chunked_prompts", "prefill_chunks": counted for the router's metrics
 
 
 def adapter_slot(ctx: StepContext, request: Request) -> int:
@@ -56,6 +60,14 @@ def admit_requests(ctx: StepContext, requests: list[Request], resume: dict[int, 
         if request.id in resume:
             check_resumed(request.id, len(ids), resume[request.id], request.stopping_parameters.max_new_tokens,
                           ctx.limits.max_input_tokens, ctx.vocab_size)
+        full = ids + resume.get(request.id, [])
+        if request.blocks and len(request.blocks) * ctx.block_size < len(full):
+            raise InvalidRequestError(f"request {request.id}: {len(request.blocks)} blocks hold fewer than the "
+                                      f"{len(full)} tokens it prefills")
+        check_cache_len(request, len(full), ctx.block_size, ctx.contents is not None)
+        check_chunking(request, len(full) - request.cache_len, _cap(ctx))
+        if request.cache_len:
+            ctx.contents.check_prefix(request, full)
     grammars = [_compile_grammar(ctx, request) for request in requests]
     needed = sum(blocks_needed(kv_tokens(len(ids), r.stopping_parameters.max_new_tokens), ctx.block_size)
                  for r, ids in zip(requests, tokenized) if not r.blocks)
@@ -65,6 +77,9 @@ def admit_requests(ctx: StepContext, requests: list[Request], resume: dict[int, 
     for seq in sequences:
         if seq.id in resume:
             replay(ctx.tokenizer, seq, resume[seq.id])
+        seq.computed, seq.prefill_end = seq.cache_len, len(seq.token_ids)
+        if ctx.contents is not None:  # the blocks it writes no longer hold what they held
+            ctx.contents.forget(seq.blocks[seq.cache_len // ctx.block_size :])
     return sequences
 
 
@@ -93,9 +108,9 @@ def _tokenize(ctx: StepContext, request: Request) -> list[int]:
         raise InvalidRequestError(f"request {request.id}: max_new_tokens must be at least 1, got {max_new}")
     if len(ids) + max_new > limits.max_total_tokens:
         raise InvalidRequestError(f"request {request.id}: {len(ids)} prompt tokens + max_new_tokens={max_new} exceed max_total_tokens={limits.max_total_tokens}")
-    if request.blocks and len(request.blocks) * ctx.block_size < kv_tokens(len(ids), max_new):
-        raise InvalidRequestError(f"request {request.id}: {len(request.blocks)} blocks hold fewer than the "
-                                  f"{kv_tokens(len(ids), max_new)} tokens its prompt and max_new_tokens need")
+    if request.blocks and len(request.blocks) * ctx.block_size < len(ids):  # more may come with each Decode
+        raise InvalidRequestError(f"request {request.id}: {len(request.blocks)} blocks hold fewer than its "
+                                  f"{len(ids)} prompt tokens")
     if request.slots and len(request.slots) < len(ids):
         raise InvalidRequestError(f"request {request.id}: {len(request.slots)} slots for {len(ids)} prompt tokens")
     return ids
@@ -114,32 +129,56 @@ def _new_sequence(ctx: StepContext, request: Request, ids: list[int], grammar) -
         request, list(ids), len(ids), blocks, ctx.block_size, owns, list(request.slots),
         sampling=new_sampling_state(request.parameters, request.id, ctx.unset_seed(request.id)),
         grammar=None if grammar is None else ctx.grammars().new_state(grammar),
-        prefix_offset=max(len(ids) - 5, 0), read_offset=len(ids),
+        prefix_offset=max(len(ids) - 5, 0), read_offset=len(ids), cache_len=request.cache_len,
     )
 
 
+def _cap(ctx: StepContext) -> int:
+    return chunk_cap(ctx.runner.plan.max_prefill_seq_len, ctx.block_size)
+
+
 def prefill_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation]:
-    shared = siblings.sources(sequences)  # n > 1 siblings copy their source's prompt (engine/serving/siblings.py)
-    computed = [i for i in range(len(sequences)) if i not in shared]
-    inputs = [PrefillInput(sequences[i].token_ids, sequences[i].slots(0, len(sequences[i].token_ids)),
-                           sequences[i].request.prefill_logprobs, adapter_slot(ctx, sequences[i].request)) for i in computed]
+    """The next chunk of each prefilling sequence (all of a prompt that fits); a sequence whose
+    prompt is then computed samples its first token (engine/serving/chunks.py). `n`/`best_of`
+    siblings compute nothing: once their source's prompt is computed they copy it and sample
+    from its logits (engine/serving/siblings.py)."""
+    shared = siblings.sources(sequences)
+    planned = plan_chunks([s for i, s in enumerate(sequences) if i not in shared], ctx.limits.max_prefill_tokens,
+                          _cap(ctx))
+    if not planned:
+        return []
+    inputs = [PrefillInput(s.token_ids[a:b], s.slots(a, b), s.request.prefill_logprobs and a == 0,
+                           adapter_slot(ctx, s.request), s.slots(0, a)) for s, a, b in planned]
     output = ctx.runner.prefill(inputs)
-    siblings.copy_prompts(ctx.runner, sequences, shared, ctx.limits.max_input_tokens)
-    prompt_tokens = {}
-    for r, logprobs in output.prompt_logprobs.items():
-        seq = sequences[computed[r]]
-        prompt_tokens[computed[r]] = _scored_tokens(ctx, seq.token_ids[: seq.prompt_len], logprobs)
-    prompt_tokens.update({i: prompt_tokens[j] for i, j in shared.items() if sequences[i].request.prefill_logprobs})
-    logits = output.logits[siblings.logits_rows(computed, shared, len(sequences))] if shared else output.logits
-    generations = _advance(ctx, sequences, logits)
+    for seq, start, end in planned:
+        seq.computed = end
+        if ctx.chunk_stats is not None and (start, end) != (seq.cache_len, seq.prefill_end):  # a part of its prompt
+            ctx.chunk_stats["prefill_chunks"] += 1
+            ctx.chunk_stats["chunked_prompts"] += start == seq.cache_len
+    finished = {seq.id: row for row, (seq, _, _) in enumerate(planned) if not seq.prefilling}
+    copies = {i: j for i, j in shared.items() if sequences[j].id in finished}
+    siblings.copy_prompts(ctx.runner, sequences, copies, ctx.limits.max_input_tokens)
+    for i in copies:
+        sequences[i].computed = sequences[i].prefill_end
+    record_contents(ctx, [s for s, _, _ in planned] + [sequences[i] for i in copies])
+    rows = [(planned[row][0], row) for row in finished.values()]
+    rows += [(sequences[i], finished[sequences[j].id]) for i, j in copies.items()]
+    generations = _advance(ctx, [s for s, _ in rows], output.logits[[r for _, r in rows]]) if rows else []
     by_id = {g.request_id: g for g in generations}
-    for i, tokens in prompt_tokens.items():
-        if sequences[i].id in by_id:
-            by_id[sequences[i].id].prefill_tokens = tokens
+    for seq, row in rows:
+        logprobs = output.prompt_logprobs.get(row)
+        if logprobs is not None and seq.request.prefill_logprobs and seq.id in by_id:
+            by_id[seq.id].prefill_tokens = _scored_tokens(ctx, seq.token_ids[: seq.prompt_len], logprobs)
     return generations
 
 
 def decode_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation]:
+    """One token for every decoding sequence; the next chunk for those still prefilling."""
+    prefilling = {s.id for s in sequences if s.prefilling}  # before the chunk: a finished one decodes next step
+    generations = prefill_step(ctx, [s for s in sequences if s.id in prefilling]) if prefilling else []
+    sequences = [s for s in sequences if s.id not in prefilling]
+    if not sequences:
+        return generations
     inputs = []
     for seq in sequences:
         position = len(seq.token_ids) - 1
@@ -147,7 +186,18 @@ def decode_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation]
             raise InvalidRequestError(f"request {seq.id}: its KV blocks are full at position {position}")
         inputs.append(DecodeInput(seq.token_ids[-1], position, seq.slots(position, position + 1)[0],
                                   seq.blocks_through(position), adapter_slot(ctx, seq.request)))
-    return _advance(ctx, sequences, decode_logits(ctx.runner, sequences, inputs))
+    logits = decode_logits(ctx.runner, sequences, inputs)  # Phi-3 recomputes at its rope switch
+    for seq in sequences:
+        seq.computed = len(seq.token_ids)
+    record_contents(ctx, [s for s in sequences if len(s.token_ids) % ctx.block_size == 0])  # a block just filled
+    return generations + _advance(ctx, sequences, logits)
+
+
+def record_contents(ctx: StepContext, sequences: list[Sequence]) -> None:
+    """After a forward, every token of each sequence is in the cache: note the blocks they fill."""
+    if ctx.contents is not None:
+        for seq in sequences:
+            ctx.contents.record(seq.blocks, seq.token_ids, seq.request.adapter_id, seq.computed)
 
 
 def _advance(ctx: StepContext, sequences: list[Sequence], logits) -> list[Generation]:

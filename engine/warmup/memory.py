@@ -17,8 +17,9 @@ def profile_free_memory(model, adapter, dtype, block_size: int, limits: ServingL
         return adapter.memory_info()[0]
     config = model.config
     scratch = KVCache(config.num_layers, 1, block_size, model.local_kv_heads, config.head_dim, dtype, adapter.torch_device)
-    rows = max(1, min(limits.max_batch_size, limits.max_prefill_tokens // limits.max_input_tokens))
-    largest = PrefillBucket(rows, limits.max_input_tokens)
+    longest = min(limits.max_input_tokens, limits.max_prefill_tokens)  # longer prompts come in chunks
+    rows = max(1, min(limits.max_batch_size, limits.max_prefill_tokens // longest))
+    largest = PrefillBucket(rows, longest)
     plan = BucketPlan(prefill=(largest,), decode=())
     with adapter.profiling():  # no graph is captured on a cache that is freed right after
         ModelRunner(model, adapter, scratch, plan, dtype).warm(largest)

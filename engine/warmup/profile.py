@@ -51,7 +51,7 @@ def check_fingerprint(path, measured: dict, current: dict) -> None:
 
 def bucket_of(entry: dict) -> PrefillBucket | DecodeBucket:
     if entry["phase"] == "prefill":
-        return PrefillBucket(entry["batch_size"], entry["seq_len"])
+        return PrefillBucket(entry["batch_size"], entry["seq_len"], entry.get("context_blocks", 0))
     return DecodeBucket(entry["batch_size"], entry["num_blocks"])
 
 
@@ -90,7 +90,8 @@ def time_bucket(runner, bucket, runs: int) -> list[float]:
 
 
 def bucket_entry(bucket, warm, seconds: list[float]) -> dict:
-    size = {"seq_len": bucket.seq_len} if isinstance(bucket, PrefillBucket) else {"num_blocks": bucket.num_blocks}
+    size = ({"seq_len": bucket.seq_len, "context_blocks": bucket.context_blocks} if isinstance(bucket, PrefillBucket)
+            else {"num_blocks": bucket.num_blocks})
     return {"phase": "prefill" if isinstance(bucket, PrefillBucket) else "decode", "batch_size": bucket.batch_size,
             **size, "warm_s": warm.seconds, "latency_s": statistics.median(seconds), "latency_runs_s": seconds,
             "memory_bytes": warm.free_before - warm.free_after}
@@ -112,7 +113,8 @@ def write_profile(out_dir: Path, shard, entries: list[dict], strategy: str, extr
     data = {"version": PROFILE_VERSION, "fingerprint": shard.fingerprint(), "strategy": strategy,
             "limits": {"max_batch_size": limits.max_batch_size, "max_input_tokens": limits.max_input_tokens,
                        "max_total_tokens": limits.max_total_tokens, "max_prefill_tokens": limits.max_prefill_tokens},
-            "prefill_buckets": [[e["batch_size"], e["seq_len"]] for e in entries if e["phase"] == "prefill"],
+            "prefill_buckets": [[e["batch_size"], e["seq_len"], e.get("context_blocks", 0)] for e in entries
+                                if e["phase"] == "prefill"],
             "decode_buckets": [[e["batch_size"], e["num_blocks"]] for e in entries if e["phase"] == "decode"],
             "buckets": entries, "warmup_phases": [{"phase": n, "seconds": s, "free_bytes": f}
                                                   for n, s, f in shard.warmup_log.phases], **extra}

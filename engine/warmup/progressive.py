@@ -18,11 +18,15 @@ def covering_set(plan: BucketPlan, limits: BucketLimits) -> list:
     - the prefill bucket for one prompt of max_input_tokens (split_prefill can run every prompt alone);
     - the decode bucket for one sequence of max_total_tokens (split_decode can run every row alone);
     - the decode bucket for a full batch of full sequences, so that decoding, a forward per
-      generated token, does not run one forward per row while the rest warms."""
+      generated token, does not run one forward per row while the rest warms;
+    - with context buckets (prefix caching), the one for a longest chunk after the most context."""
     top = min(limits.max_batch_size, limits.max_kv_blocks)
     wanted = [plan.prefill_bucket(1, limits.max_input_tokens),
               plan.decode_bucket(1, min(limits.blocks_per_sequence, limits.max_kv_blocks)),
               plan.decode_bucket(top, min(top * limits.blocks_per_sequence, limits.max_kv_blocks))]
+    top_context = max((b.context_blocks for b in plan.prefill), default=0)
+    if top_context:
+        wanted.append(plan.prefill_bucket(1, limits.max_input_tokens, top_context))
     if None in wanted:
         raise ValueError("the bucket plan does not cover the limits: progressive warmup has no covering set")
     return list(dict.fromkeys(wanted))

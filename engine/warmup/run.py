@@ -20,8 +20,13 @@ from engine.warmup.warm import PhaseLog, report, warm_buckets, warmup_order
 log = logging.getLogger(__name__)
 
 
-def bucket_limits(limits: ServingLimits, block_size: int, kv_blocks: int) -> BucketLimits:
-    """The planner's limits for a cache of kv_blocks blocks (block 0 is reserved, not usable)."""
+def bucket_limits(limits: ServingLimits, block_size: int, kv_blocks: int, chunked: bool = False) -> BucketLimits:
+    """The planner's limits for a cache of kv_blocks blocks (block 0 is reserved, not usable).
+    `chunked`: prompts beyond the prefill budget run in chunks (engine/serving/chunks.py), so the
+    longest prefill is a chunk, and prompts only set how much context a chunk continues."""
+    if chunked and limits.max_input_tokens > limits.max_prefill_tokens:
+        return BucketLimits(limits.max_batch_size, limits.max_prefill_tokens, limits.max_total_tokens,
+                            limits.max_prefill_tokens, block_size, kv_blocks - 1, limits.max_input_tokens)
     return BucketLimits(limits.max_batch_size, limits.max_input_tokens, limits.max_total_tokens,
                         limits.max_prefill_tokens, block_size, kv_blocks - 1)
 
@@ -45,7 +50,8 @@ def plan_for(config, limits: BucketLimits, fingerprint: dict) -> BucketPlan:
         from engine.buckets.shapes import load_shapes
 
         shapes = load_shapes(config.bucket_shapes)
-    return make_plan(config.bucket_strategy, limits, shapes, config.bucket_file, config.max_graphs)
+    return make_plan(config.bucket_strategy, limits, shapes, config.bucket_file, config.max_graphs,
+                     prefix_caching=config.prefix_caching)
 
 
 def run_warmup(runner: ModelRunner, plan: BucketPlan, mode: str, limits: BucketLimits, prompt_logprobs: bool,

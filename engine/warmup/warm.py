@@ -58,7 +58,8 @@ class BucketWarmup:
 
 def warmup_order(buckets) -> list:
     """Largest first, so memory peaks early: a bucket that does not fit fails in the first seconds."""
-    return sorted(buckets, key=lambda b: (isinstance(b, DecodeBucket), -b.batch_size * bucket_size(b)))
+    return sorted(buckets, key=lambda b: (isinstance(b, DecodeBucket), -b.batch_size * bucket_size(b),
+                                          -getattr(b, "context_blocks", 0)))
 
 
 def bucket_size(bucket) -> int:
@@ -67,7 +68,8 @@ def bucket_size(bucket) -> int:
 
 def describe(bucket) -> str:
     if isinstance(bucket, PrefillBucket):
-        return f"prefill bs={bucket.batch_size} seq={bucket.seq_len}"
+        context = f" context={bucket.context_blocks}" if bucket.context_blocks else ""
+        return f"prefill bs={bucket.batch_size} seq={bucket.seq_len}{context}"
     return f"decode bs={bucket.batch_size} blocks={bucket.num_blocks}"
 
 

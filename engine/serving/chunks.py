@@ -1,0 +1,45 @@
+"""Chunked prefill on the shard: which prompt tokens each sequence computes in a step.
+
+A prompt longer than the longest prefill bucket, or than the step's prefill budget, is computed in
+chunks over successive steps (Prefill, then the Decodes that follow, next to the running decodes),
+each chunk a prefill that continues the KV already cached (engine/attention/context.py). A request
+may ask for a first chunk of `chunk_len` tokens (TGI's router does when it splits its budget); the
+shard sizes the following chunks itself, as TGI's shards do. A sequence samples its first token
+only when its last chunk is computed.
+"""
+from __future__ import annotations
+
+from engine.batch import Request
+from engine.errors import InvalidRequestError
+
+
+def chunk_cap(longest_bucket: int, block_size: int) -> int:
+    """Most new tokens of one sequence in one forward: the longest prefill bucket, in whole blocks
+    where it holds one (so that later chunks continue whole blocks)."""
+    return longest_bucket // block_size * block_size if longest_bucket >= block_size else longest_bucket
+
+
+def plan_chunks(sequences, budget: int, cap: int) -> list[tuple[object, int, int]]:
+    """(sequence, start, end) of the tokens each sequence computes now, under the step's budget of
+    new tokens; a sequence the budget does not reach computes nothing this step (it waits)."""
+    planned = []
+    for seq in sequences:
+        size = min(seq.prefill_end - seq.computed, cap, budget)
+        first = seq.request.chunk_len if seq.computed == seq.cache_len else None
+        if first:
+            size = min(size, first)
+        if size > 0:
+            planned.append((seq, seq.computed, seq.computed + size))
+            budget -= size
+    return planned
+
+
+def check_chunking(request: Request, total_tokens: int, cap: int) -> None:
+    if request.chunk_len is not None and request.chunk_len < 1:
+        raise InvalidRequestError(f"request {request.id}: chunk_len={request.chunk_len}: a chunk computes at "
+                                  "least one token (leave chunk_len unset for the whole prompt)")
+    if request.prefill_logprobs and total_tokens > cap:
+        raise InvalidRequestError(f"request {request.id}: prefill_logprobs needs the whole prompt in one prefill, "
+                                  f"and its {total_tokens} tokens exceed the longest ({cap})")
+    if request.prefill_logprobs and request.chunk_len is not None and request.chunk_len < total_tokens:
+        raise InvalidRequestError(f"request {request.id}: prefill_logprobs needs the whole prompt in one chunk")
