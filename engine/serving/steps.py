@@ -134,7 +134,10 @@ def _new_sequence(ctx: StepContext, request: Request, ids: list[int], grammar) -
 
 
 def _cap(ctx: StepContext) -> int:
-    return chunk_cap(ctx.runner.plan.max_prefill_seq_len, ctx.block_size)
+    """Most new tokens of a sequence in one forward. Without prefix caching nothing is chunked (no
+    context buckets): a prompt is computed whole, up to the longest prefill bucket."""
+    longest = ctx.runner.plan.max_prefill_seq_len
+    return chunk_cap(longest, ctx.block_size) if ctx.contents is not None else longest
 
 
 def prefill_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation]:
