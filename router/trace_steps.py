@@ -47,14 +47,17 @@ class TracedClient:
             trace.prefill = trace.prefill or self._start("prefill", trace.parent)
         extra = (resume,) if resume else ()
         result = await self._call(self.client.prefill, {i: t.prefill for i, t in traced.items()}, batch, cached, *extra)
-        self._advance(traced, result[0], first=True)
+        self._advance(traced, result[0])
         return result
 
-    async def decode(self, batches: list[CachedBatch]):
+    async def decode(self, batches: list[CachedBatch], grown=None):
+        """A decode step; a chunked prompt's later chunks run here too, under its still open `prefill`."""
         ids = [i for b in batches for i in b.request_ids]
-        traced = {i: self.requests[i] for i in ids if i in self.requests and self.requests[i].decode is not None}
-        result = await self._call(self.client.decode, {i: t.decode for i, t in traced.items()}, batches)
-        self._advance(traced, result[0], first=False)
+        traced = {i: self.requests[i] for i in ids if i in self.requests}
+        spans = {i: t.decode or t.prefill for i, t in traced.items() if (t.decode or t.prefill) is not None}
+        extra = (grown,) if grown else ()
+        result = await self._call(self.client.decode, spans, batches, *extra)
+        self._advance(traced, result[0])
         return result
 
     async def _call(self, method, spans: dict, *args):
@@ -64,14 +67,14 @@ class TracedClient:
         finally:
             STEP_METADATA.reset(token)
 
-    def _advance(self, traced: dict[int, RequestTrace], generations, first: bool) -> None:
+    def _advance(self, traced: dict[int, RequestTrace], generations) -> None:
         """The first token ends `prefill` and opens `decode`; the last ends `decode`."""
         for generation in generations:
             trace = traced.get(generation.request_id)
             if trace is None:
                 continue
             trace.tokens += len(generation.tokens.ids)
-            if first and "prefill" not in trace.ended:
+            if trace.prefill is not None and "prefill" not in trace.ended:
                 end(trace, "prefill")
                 trace.decode = self._start("decode", trace.parent)
             if generation.generated_text is not None:
