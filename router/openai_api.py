@@ -6,19 +6,19 @@ Each body is turned into TGI `Parameters` and goes through the same checks and t
 """
 from __future__ import annotations
 
-import json
 import time
-import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
-from engine.batch import FinishReason, Generation
+from engine.batch import Generation
 from router import chat, fanout, tools
+from router.openai_render import (ChatChunks, ChoiceStreams, CompletionChunks, Envelope, chat_logprobs, finish_reason,
+                                  merged, sse, usage)
 from router.tools import Tool, ToolChoice, ToolPlan
-from router.state import (RouterState, collect_all, error_payload, error_response, events, finite, submit,
+from router.state import (RouterState, collect_all, error_payload, error_response, events, finite,
                           submit_many)
 from router.validation import Grammar, Parameters, ValidationError, check, check_text
 
@@ -105,10 +105,9 @@ def parameters(state: RouterState, body: Sampling, max_tokens: int | None, top_n
 
 
 def check_n(state: RouterState, body: Sampling) -> None:
-    """`n` sequences share one prefill (router/fanout.py); streamed, only one."""
+    """`n` sequences share one prefill (router/fanout.py)."""
     problem = fanout.check_count("n", body.n, state.scheduler.limits.max_batch_size)
     check(problem is None, problem)
-    check(body.n == 1 or not body.stream, f"`n` > 1 is not supported with `stream`. Given: {body.n}")
 
 
 def response_grammar(response_format: dict | None) -> Grammar | None:
@@ -156,60 +155,8 @@ def message_text(message: Message) -> str:
 # --- responses ------------------------------------------------------------------------------------
 
 
-def finish_reason(generation: Generation) -> str:
-    return "length" if generation.generated_text.finish_reason == FinishReason.LENGTH else "stop"
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def logprob_entry(text: str, logprob: float | None) -> dict:
-    return {"token": text, "logprob": finite(logprob) if logprob is not None else None,
-            "bytes": list(text.encode())}
-
-
-def chat_logprobs(generation: Generation, top: bool) -> list[dict]:
-    entries = []
-    for i, text in enumerate(generation.tokens.texts):
-        entry = logprob_entry(text, generation.tokens.logprobs[i])
-        alternatives = generation.top_tokens[i] if top and i < len(generation.top_tokens) else None
-        entry["top_logprobs"] = ([logprob_entry(t, lp) for t, lp in zip(alternatives.texts, alternatives.logprobs)]
-                                 if alternatives else [])
-        entries.append(entry)
-    return entries
-
-
-class StreamedText:
-    """What a stream has sent so far. Token texts hold back an incomplete UTF-8 character; the final
-    text is decoded whole, so the last chunk carries whatever the token texts had not sent yet."""
-
-    def __init__(self):
-        self.sent = ""
-
-    def add(self, text: str) -> str:
-        self.sent += text
-        return text
-
-    def rest(self, final_text: str) -> str:
-        return self.add(final_text[len(self.sent):]) if final_text.startswith(self.sent) else ""
-
-
-class Envelope:
-    """The id, timestamps and model name every response and chunk of one request carries."""
-
-    def __init__(self, state: RouterState, body: Sampling, kind: str, prefix: str):
-        self.id, self.created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
-        self.model, self.kind = body.model or state.info["model_id"], kind
-
-    def wrap(self, choices: list[dict], **extra) -> dict:
-        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
-                "system_fingerprint": "bucketserve", "choices": choices, **extra}
-
-
-def sse(payload: Any) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+def envelope_for(state: RouterState, body: Sampling, kind: str, prefix: str) -> Envelope:
+    return Envelope(body.model or state.info["model_id"], kind, prefix)
 
 
 def error_event(error: Exception) -> str:
@@ -250,67 +197,30 @@ def generated_tokens(sequences: list[list[Generation]]) -> int:
     return sum(generations[-1].generated_text.generated_tokens for generations in sequences)
 
 
-class ChatChunks:
-    """Renders generations as `chat.completion.chunk` events: the role first, a chunk per token, the
-    finish reason on the last, usage when asked, then `[DONE]`."""
-
-    def __init__(self, envelope: Envelope, body: ChatRequest, prompt_tokens: int):
-        self.envelope, self.body, self.prompt_tokens, self.started = envelope, body, prompt_tokens, False
-        self.text, self.tools = StreamedText(), body.tool_plan().active
-
-    def chunk(self, delta: dict, logprobs=None, reason=None, **extra) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        return sse(self.envelope.wrap([choice], **extra))
-
-    def __call__(self, generation: Generation) -> list[str]:
-        out = [] if self.started else [self.chunk({"role": "assistant", "content": ""})]
-        self.started = True
-        if self.tools:  # a constrained reply is sent once whole, as content or as tool_calls deltas
-            return out + self.tool_reply(generation)
-        tokens, logprobs = generation.tokens, chat_logprobs(generation, bool(self.body.top_logprobs))
-        for i, text in enumerate(tokens.texts):
-            content = self.text.add("" if tokens.is_special[i] else text)
-            out.append(self.chunk({"content": content}, {"content": [logprobs[i]]} if self.body.logprobs else None))
-        last = generation.generated_text
-        if last is not None:
-            out.append(self.chunk({"content": self.text.rest(last.text)}, reason=finish_reason(generation)))
-            out.extend(self.ending(last))
-        return out
-
-    def tool_reply(self, generation: Generation) -> list[str]:
-        last = generation.generated_text
-        if last is None:
-            return []
-        deltas, reason = tools.reply_deltas(last.text, finish_reason(generation))
-        out = [self.chunk(delta) for delta in deltas]
-        return out + [self.chunk({}, reason=reason), *self.ending(last)]
-
-    def ending(self, last) -> list[str]:
-        out = []
-        if self.body.stream_options and self.body.stream_options.include_usage:
-            out.append(sse(self.envelope.wrap([], usage=usage(self.prompt_tokens, last.generated_tokens))))
-        return out + [sse("[DONE]")]
-
-
 async def chat_completions(state: RouterState, body: ChatRequest, http_request: HttpRequest):
-    envelope = Envelope(state, body, "chat.completion", "chatcmpl")
+    envelope = envelope_for(state, body, "chat.completion", "chatcmpl")
     try:
         check_implemented(body)
         check_n(state, body)
         state.scheduler.check_admission()  # before templating
         prompt = await state.offload(chat_prompt, state, body)
         # The chat template already wrote the special tokens the model expects.
+        sequences, length, streams = await submit_many(state, prompt, chat_parameters(state, body), body.n, "n",
+                                                       add_special_tokens=False)
         if not body.stream:
-            sequences, length, streams = await submit_many(state, prompt, chat_parameters(state, body), body.n, "n",
-                                                           add_special_tokens=False)
             return JSONResponse(chat_response(envelope, body, await collect_all(state, sequences, streams), length))
-        generations, length, stream = await submit(state, prompt, chat_parameters(state, body),
-                                                   add_special_tokens=False)
     except Exception as error:  # noqa: BLE001 - every failure gets an error body
         return error_response(state, error, openai=True)
     envelope.kind = "chat.completion.chunk"
-    render = ChatChunks(envelope, body, length)
-    return StreamingResponse(events(state, http_request, generations, stream, render, error_event),
+    renderers = [ChatChunks(envelope, body, index) for index in range(body.n)]
+    return stream_choices(state, http_request, envelope, body, renderers, sequences, streams, length)
+
+
+def stream_choices(state: RouterState, http_request: HttpRequest, envelope: Envelope, body: Sampling, renderers,
+                   sequences, streams, prompt_tokens: int) -> StreamingResponse:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    render = ChoiceStreams(envelope, renderers, prompt_tokens, include_usage)
+    return StreamingResponse(events(state, http_request, merged(sequences), streams, render, error_event),
                              media_type="text/event-stream")
 
 
@@ -342,37 +252,25 @@ def completion_choice(body: CompletionRequest, prompt: str, generations: list[Ge
 
 
 async def completions(state: RouterState, body: CompletionRequest, http_request: HttpRequest):
-    envelope = Envelope(state, body, "text_completion", "cmpl")
+    envelope = envelope_for(state, body, "text_completion", "cmpl")
     try:
         check_implemented(body)
         prompt, top = completion_prompt(body), body.logprobs or 0
         check(not (body.echo and body.stream), "`echo` is not supported with `stream`")
         check(0 <= top <= MAX_TOP_LOGPROBS, f"`logprobs` must be >= 0 and <= {MAX_TOP_LOGPROBS}. Given: {top}")
         check_n(state, body)
+        sequences, length, streams = await submit_many(state, prompt, parameters(state, body, body.max_tokens, top),
+                                                       body.n, "n")
         if not body.stream:
-            sequences, length, streams = await submit_many(state, prompt, parameters(state, body, body.max_tokens, top),
-                                                           body.n, "n")
             done = await collect_all(state, sequences, streams)
             choices = [completion_choice(body, prompt, g, g[-1].generated_text.text, finish_reason(g[-1]), i)
                        for i, g in enumerate(done)]
             return JSONResponse(envelope.wrap(choices, usage=usage(length, generated_tokens(done))))
-        generations, length, stream = await submit(state, prompt, parameters(state, body, body.max_tokens, top))
     except Exception as error:  # noqa: BLE001
         return error_response(state, error, openai=True)
-
-    streamed = StreamedText()
-
-    def render(generation: Generation) -> list[str]:
-        last = generation.generated_text
-        reason = finish_reason(generation) if last is not None else None
-        text = streamed.add("".join(t for t, special in zip(generation.tokens.texts, generation.tokens.is_special)
-                                    if not special))
-        text += streamed.rest(last.text) if last is not None else ""
-        out = [sse(envelope.wrap([completion_choice(body, "", [generation], text, reason)]))]
-        return out + ([sse("[DONE]")] if reason is not None else [])
-
-    return StreamingResponse(events(state, http_request, generations, stream, render, error_event),
-                             media_type="text/event-stream")
+    renderers = [CompletionChunks(envelope, lambda g, text, reason, i: completion_choice(body, "", g, text, reason, i),
+                                  index) for index in range(body.n)]
+    return stream_choices(state, http_request, envelope, body, renderers, sequences, streams, length)
 
 
 # --- the routes -----------------------------------------------------------------------------------

@@ -77,9 +77,26 @@ def test_bad_n_is_422_naming_the_field(client, n):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, n=n)
 
 
-def test_n_with_stream_is_refused(client):
-    with pytest.raises(openai.UnprocessableEntityError, match="`n` > 1 is not supported with `stream`"):
-        client.completions.create(model="m", prompt=PROMPT, max_tokens=4, n=2, stream=True)
+def test_streamed_n_sends_each_choice_by_index_as_the_unstreamed_reply_has_it(client, url):
+    texts, usage = completions(client, 3, seed=11, temperature=1.0)
+    before = shard_counters(url)
+    parts, finished, usages = {}, set(), []
+    for chunk in client.completions.create(model="m", prompt=PROMPT, max_tokens=12, n=3, seed=11, temperature=1.0,
+                                           stream=True, stream_options={"include_usage": True}):
+        usages += [chunk.usage] if chunk.usage else []
+        for choice in chunk.choices:
+            parts[choice.index] = parts.get(choice.index, "") + choice.text
+            finished |= {choice.index} if choice.finish_reason else set()
+    assert shard_counters(url)["prefill_forwards"] - before["prefill_forwards"] == 1
+    assert [parts[i] for i in range(3)] == texts and finished == {0, 1, 2}
+    assert len(usages) == 1 and usages[0].completion_tokens == usage.completion_tokens == 3 * 12
+    chat = dict(model="m", messages=[{"role": "user", "content": PROMPT}], max_tokens=10, temperature=0, n=2)
+    whole = client.chat.completions.create(**chat)
+    streamed = {}
+    for chunk in client.chat.completions.create(stream=True, **chat):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    assert [streamed[0], streamed[1]] == [c.message.content for c in whole.choices]
 
 
 def test_tgi_best_of_answers_the_likeliest_and_lists_the_others(url):
