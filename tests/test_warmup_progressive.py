@@ -95,3 +95,30 @@ def test_progressive_stays_where_no_collective_is_at_stake():
     assert lockstep_mode("progressive", lone_graph) == "progressive"
     assert lockstep_mode("progressive", graph_pair) == "full"
     assert lockstep_mode("none", graph_pair) == "none"
+
+
+def test_a_waiting_step_goes_before_the_next_background_bucket():
+    """The background thread holds the device lock one bucket at a time; a step that asks for it gets
+    it after the bucket in progress, not after every remaining bucket (a plain lock is not fair: its
+    releasing thread usually takes it again at once)."""
+    import time
+
+    from engine.warmup.progressive import BackgroundTurn, DeviceLock
+
+    lock, turns, started = DeviceLock(), [], threading.Event()
+
+    def background():
+        for i in range(300):
+            with BackgroundTurn(lock):
+                turns.append(i)
+                started.set()
+                time.sleep(0.002)  # a bucket's compile, shortened
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    started.wait(10)
+    asked = len(turns)
+    with lock:
+        waited = len(turns) - asked
+    thread.join()
+    assert waited <= 2, f"the step waited for {waited} background buckets"

@@ -5,7 +5,6 @@ import dataclasses
 import functools
 import logging
 import secrets
-import threading
 import time
 
 import torch
@@ -27,6 +26,7 @@ from engine.serving.checks import check_decode, check_grown, check_prefill
 from engine.serving.steps import StepContext, admit_requests, decode_step, prefill_step
 from engine.warmup.budget import GraphBudget, split_free_memory
 from engine.warmup.memory import profile_free_memory, size_kv_cache
+from engine.warmup.progressive import DeviceLock
 from engine.warmup.run import bucket_limits, plan_for, run_warmup
 from engine.warmup.warm import PhaseLog, report
 
@@ -75,7 +75,7 @@ class Shard:
         self.batches: dict[int, list[Sequence]] = {}
         self._grammar_compiler = None
         self.last_timings: StepTimings | None = None  # of the latest prefill or decode
-        self.device_lock = threading.RLock()  # a step, or one bucket of background warmup
+        self.device_lock = DeviceLock()  # a step, or one bucket of background warmup (steps first)
         self.background = None                # progressive warmup's BackgroundWarmup while it runs
         self.recorder = None                  # ShapeRecorder of --record-shapes
 
