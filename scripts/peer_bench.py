@@ -63,12 +63,19 @@ def one_request(url: str, i: int, out: list, t0: float) -> None:
               "end": time.perf_counter() - t0}
 
 
-def percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float | None:
+    """None when no request succeeded (a server that died): the record then says so in `errors`."""
+    if not values:
+        return None
     ordered = sorted(values)
     position = (len(ordered) - 1) * q / 100
     low = int(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 def run(url: str, n: int) -> dict:
@@ -86,8 +93,8 @@ def run(url: str, n: int) -> dict:
     lat = [r["latency"] for r in results if not r["error"]]
     ttft = [r["ttft"] for r in results if r["ttft"] is not None]
     return {"requests": n, "tokens": tokens, "seconds": round(wall, 3), "tok_s": round(tokens / wall, 2),
-            "p50_latency": round(percentile(lat, 50), 3), "p99_latency": round(percentile(lat, 99), 3),
-            "p50_ttft": round(percentile(ttft, 50), 3), "p99_ttft": round(percentile(ttft, 99), 3),
+            "p50_latency": rounded(percentile(lat, 50)), "p99_latency": rounded(percentile(lat, 99)),
+            "p50_ttft": rounded(percentile(ttft, 50)), "p99_ttft": rounded(percentile(ttft, 99)),
             "errors": len(errors), "first_error": errors[0] if errors else None,
             "wrong_token_counts": short}
 
@@ -97,6 +104,9 @@ def summarize(lines: list[str]) -> None:
     runs: dict = {}
     for line in lines:
         record = json.loads(line)
+        if record["p50_latency"] is None:  # not one request answered: the server is broken, not slow
+            print(f"{record['server']} at {record['requests']}: every request failed ({record['first_error']})")
+            continue
         runs.setdefault((record["server"], record["requests"]), []).append(record)
     keys = ("tok_s", "p50_latency", "p99_latency", "p50_ttft", "p99_ttft")
     medians = {k: {f: statistics.median(r[f] for r in v) for f in keys} for k, v in runs.items()}
