@@ -5,8 +5,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.attention import PrefillMetadata, attention
+from engine.attention import DecodeMetadata, PrefillMetadata, attention, prepare_metadata
+from engine.attention.backend import AttentionBackend, use_backend
 from engine.attention.flat import flat_attention, flat_block_tensors, flat_mask
+from engine.attention.lone_row import lone_row_attention, lone_row_mask
 from engine.attention.prompt import prompt_attention
 from engine.kv_cache import blocks_needed, slots_for
 
@@ -84,3 +86,36 @@ def test_attention_writes_keys_and_values_at_their_slots():
     torch.testing.assert_close(cache[0][5:8].flatten(), torch.arange(6.0))
     torch.testing.assert_close(cache[1][5:8].flatten(), -torch.arange(6.0))
     assert cache[0][1:5].abs().sum() == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([1, 2, 16]), st.sampled_from([1, 2]), st.sampled_from([1, 3]), st.integers(1, 40),
+       st.integers(0, 3), st.integers(0, 2**16))
+def test_lone_row_attention_equals_naive(block_size, kv_heads, group, length, padding_blocks, seed):
+    """A batch-1 bucket's one fused call over the flat block list (scattered blocks, padding blocks)."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = blocks_needed(length, block_size)
+    blocks = (torch.randperm(needed + 3, generator=gen) + 1)[:needed].tolist()
+    key_cache = torch.randn((needed + 4) * block_size, kv_heads, 8, generator=gen, dtype=torch.float64)
+    value_cache = torch.randn((needed + 4) * block_size, kv_heads, 8, generator=gen, dtype=torch.float64)
+    q = torch.randn(1, kv_heads * group, 8, generator=gen, dtype=torch.float64)
+    block_list, groups, usage = flat_block_tensors([blocks], [length], needed + padding_blocks, block_size)
+    _, _, bias = flat_mask(groups, usage, 1, block_size, torch.float64)
+    out = lone_row_attention(q, key_cache, value_cache, block_list, lone_row_mask(bias), 0.35)
+    slots = slots_for(blocks, 0, length, block_size)
+    expected = naive_attention(q[0], key_cache[slots], value_cache[slots], 0.35)
+    torch.testing.assert_close(out[0], expected, rtol=1e-9, atol=1e-9)
+
+
+def _decode_meta(batch: int) -> DecodeMetadata:
+    block_list, groups, usage = flat_block_tensors([[1]] * batch, [3] * batch, batch, 4)
+    mapping, owners, bias = flat_mask(groups, usage, batch, 4, torch.float32)
+    return DecodeMetadata(torch.tensor([2] * batch), block_list, mapping, owners, bias)
+
+
+def test_only_a_batch_one_bucket_on_the_torch_kernels_takes_the_lone_row_call():
+    assert prepare_metadata(_decode_meta(1), 1).lone_row_mask is not None
+    assert prepare_metadata(_decode_meta(2), 1).lone_row_mask is None
+    device_kernels = AttentionBackend("device", prompt_attention, flat_attention)
+    with use_backend(device_kernels):  # a device's own decode kernel is never bypassed
+        assert prepare_metadata(_decode_meta(1), 1).lone_row_mask is None

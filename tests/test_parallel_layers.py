@@ -1,11 +1,13 @@
 """How the tensor-parallel layers split a model, and that each rank reads only its own slices."""
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.profiler import profile
 
 from engine.distributed import Parallel
 from engine.errors import ModelLoadError
 from engine.layers.embedding import VocabParallelEmbedding
-from engine.layers.linear import RowParallelLinear, kv_partition, qkv_parallel
+from engine.layers.linear import RowParallelLinear, dense_linear, is_lone_reduced_row, kv_partition, qkv_parallel
 from engine.loader import build_model, load_weights, read_config, weight_files
 
 
@@ -73,3 +75,19 @@ def test_sharded_rank_holds_its_part_of_the_checkpoint(tiny_model_dirs):
 def test_a_model_that_cannot_be_split_is_a_clear_error(tiny_model_dirs):
     with pytest.raises(ModelLoadError, match=r"cannot be sharded 3 ways: attention heads \(4\) cannot be split over 3 shards"):
         build_model(read_config(tiny_model_dirs["llama"]), torch.float32, torch.device("cpu"), 64, Parallel(0, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_lone_reduced_precision_row_takes_matrix_vector_and_equals_the_float32_product(dtype, with_bias):
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(96, 64, generator=gen).to(dtype)
+    bias = torch.randn(96, generator=gen).to(dtype) if with_bias else None
+    x = torch.randn(1, 64, generator=gen).to(dtype)
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    with profile() as prof:
+        out = dense_linear(x, weight, bias)
+    assert "aten::mv" in {event.name for event in prof.events()}
+    assert out.shape == (1, 96) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+    assert is_lone_reduced_row(x) and not is_lone_reduced_row(x.float()) and not is_lone_reduced_row(x.repeat(2, 1))

@@ -2,16 +2,18 @@
 
 Every forward first writes the new keys and values into the cache by slot, then attends:
 prefill over the padded prompt batch (prompt.py), prefill that continues cached context (context.py),
-decode over a flat list of KV blocks (flat.py).
+decode over a flat list of KV blocks (flat.py), or for a bucket of one row one fused call over
+that list (lone_row.py).
 Imports nothing else of the engine: devices may register faster kernels for it (backend.py).
 """
 from typing import NamedTuple
 
 import torch
 
-from engine.attention.backend import active_backend
+from engine.attention.backend import TORCH, active_backend
 from engine.attention.context import context_attention
 from engine.attention.flat import flat_attention, flat_masked
+from engine.attention.lone_row import lone_row_attention, lone_row_mask
 from engine.attention.prompt import prompt_attention
 
 
@@ -30,6 +32,7 @@ class DecodeMetadata(NamedTuple):
     block_groups: torch.Tensor   # [num_blocks] owner row (0 for padding blocks)
     block_bias: torch.Tensor     # [num_blocks, block_size] 0 where valid, a large negative past usage
     block_masked: torch.Tensor | None = None  # derived once per forward by prepare_metadata
+    lone_row_mask: torch.Tensor | None = None  # likewise, for a batch-1 bucket on the pure-torch kernels
 
 
 AttentionMetadata = PrefillMetadata | DecodeMetadata
@@ -37,8 +40,11 @@ AttentionMetadata = PrefillMetadata | DecodeMetadata
 
 def prepare_metadata(meta: AttentionMetadata, kv_heads: int) -> AttentionMetadata:
     """Derive, once per forward, what every layer's attention would otherwise recompute."""
-    if isinstance(meta, DecodeMetadata) and meta.block_masked is None:
-        return meta._replace(block_masked=flat_masked(meta.block_bias, kv_heads))
+    if not isinstance(meta, DecodeMetadata) or meta.block_masked is not None:
+        return meta
+    meta = meta._replace(block_masked=flat_masked(meta.block_bias, kv_heads))
+    if active_backend() is TORCH and meta.slots.shape[0] == 1:
+        meta = meta._replace(lone_row_mask=lone_row_mask(meta.block_bias))
     return meta
 
 
@@ -58,7 +64,7 @@ def windowed_metadata(meta: DecodeMetadata, positions: torch.Tensor, window: int
     token_positions = start.unsqueeze(1) + torch.arange(block_size, device=groups.device)
     too_old = token_positions <= (positions.index_select(0, groups) - window).unsqueeze(1)
     bias = meta.block_bias.masked_fill(too_old, torch.finfo(meta.block_bias.dtype).min / 2)
-    return prepare_metadata(meta._replace(block_bias=bias, block_masked=None), kv_heads)
+    return prepare_metadata(meta._replace(block_bias=bias, block_masked=None, lone_row_mask=None), kv_heads)
 
 
 def write_kv(cache: tuple[torch.Tensor, torch.Tensor], slots, k, v) -> None:
@@ -84,6 +90,8 @@ def attention(q, k, v, cache, meta: AttentionMetadata, scale: float, window: int
             return prompt_attention(q, k, v, scale, window=window, softcap=softcap)
         return kernels.prefill(q, k, v, scale, lengths=meta.seq_lens)
     key_cache, value_cache = cache
+    if meta.lone_row_mask is not None and softcap is None:  # set only when the pure-torch kernels run
+        return lone_row_attention(q, key_cache, value_cache, meta.block_list, meta.lone_row_mask, scale)
     args = (q, key_cache, value_cache, meta.block_list, meta.block_mapping, meta.block_groups, meta.block_bias, scale,
             meta.block_masked)
     if softcap is not None:

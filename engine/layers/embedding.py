@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import Parallel, all_gather_last_dim, all_reduce_sum
-from engine.layers.linear import copy_checked
+from engine.layers.linear import copy_checked, dense_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -41,5 +41,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocabulary range, gathered into the full vocabulary on every rank."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight) if self.quantized is None else self.quantized.linear(hidden)
+        local = dense_linear(hidden, self.weight) if self.quantized is None else self.quantized.linear(hidden)
         return all_gather_last_dim(local, self.parallel)[..., : self.vocab_size]

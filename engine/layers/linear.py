@@ -32,8 +32,23 @@ def copy_checked(dest: torch.Tensor, source, index, full_shape: tuple[int, ...],
 def project(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T (+ bias), through the layer's quantized weight when it has one."""
     if layer.quantized is None:
-        return F.linear(x, layer.weight, bias)
+        return dense_linear(x, layer.weight, bias)
     out = layer.quantized.linear(x)
+    return out if bias is None else out + bias
+
+
+def is_lone_reduced_row(x: torch.Tensor) -> bool:
+    """One row (a lone decode) in bfloat16/float16."""
+    return x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias). A lone bfloat16/float16 row goes through matrix-vector: torch's
+    reduced-precision GEMV reads the weight once with float32 accumulation, where F.linear takes a
+    GEMM path that runs at half the speed on CPU (a batch-1 step's weights: 22 ms against 12 ms)."""
+    if not is_lone_reduced_row(x):
+        return F.linear(x, weight, bias)
+    out = torch.mv(weight, x[0]).unsqueeze(0)
     return out if bias is None else out + bias
 
 
