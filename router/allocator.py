@@ -49,8 +49,9 @@ class BlockAllocator:
     def can_allocate(self, tokens: int) -> bool:
         return tokens >= 0 and self.blocks_for(tokens) <= len(self._free)
 
-    def fits(self, tokens: int, token_ids=None, adapter=None) -> bool:
-        return self.can_allocate(tokens)
+    def fits(self, tokens: int, token_ids=None, adapter=None, copies: int = 1) -> bool:
+        """Whether `copies` allocations of `tokens` tokens each would succeed now."""
+        return tokens >= 0 and copies * self.blocks_for(tokens) <= len(self._free)
 
     def register(self, allocation: Allocation, token_ids, adapter) -> None:
         """Nothing is cached without prefix caching (router/prefix_cache.py)."""

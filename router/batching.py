@@ -44,6 +44,8 @@ def next_batch(scheduler) -> list[Entry]:
 def _allocate(scheduler, group: list[Entry]) -> bool:
     """Blocks for every member, or for none (the group waits)."""
     longest = scheduler._longest_resume()
+    if len(group) > 1 and not kv_blocks.group_fits(scheduler.allocator, group, longest):
+        return False
     for entry in group:
         entry.allocation = kv_blocks.admit(scheduler.allocator, entry, longest)
         if entry.allocation is None:

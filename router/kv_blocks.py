@@ -22,13 +22,24 @@ def admit(allocator, entry: Entry, longest_prefill: int | None) -> Allocation | 
     With `longest_prefill` (the shards resume requests: router/preemption.py), blocks for what it
     prefills only, more coming as it decodes, if it could be resumed at any point (its prompt and
     generated tokens always fit one prefill); otherwise blocks for all of max_new_tokens at once."""
-    ids, adapter = _lookup_ids(entry), entry.request.adapter_id
-    tokens = entry.tokens
-    if longest_prefill is not None and entry.tokens - 1 <= longest_prefill:
-        tokens = entry.prefill_length
+    ids, adapter, tokens = _lookup_ids(entry), entry.request.adapter_id, _tokens_now(entry, longest_prefill)
     if not allocator.fits(tokens, ids, adapter):
         return None
     return allocator.allocate(tokens, ids, adapter)
+
+
+def group_fits(allocator, group: list[Entry], longest_prefill: int | None) -> bool:
+    """Whether every member of an n/best_of group (one prompt, one budget) would be admitted now.
+    Asked before any member allocates, so a group that has to wait counts no prefix-cache lookups."""
+    head = group[0]
+    return allocator.fits(_tokens_now(head, longest_prefill), _lookup_ids(head), head.request.adapter_id,
+                          copies=len(group))
+
+
+def _tokens_now(entry: Entry, longest_prefill: int | None) -> int:
+    if longest_prefill is not None and entry.tokens - 1 <= longest_prefill:
+        return entry.prefill_length
+    return entry.tokens
 
 
 def prefilled(allocator, entries: list[Entry]) -> None:

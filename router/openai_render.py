@@ -146,6 +146,10 @@ class ChoiceStreams:
 
 async def merged(streams: list):
     """(index, generation) from every stream as each arrives; the first failure ends it."""
+    if len(streams) == 1:  # n = 1, nearly every request: read it directly, no task and queue hop per token
+        async for generation in streams[0]:
+            yield 0, generation
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream) -> None:

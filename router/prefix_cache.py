@@ -79,11 +79,12 @@ class PrefixCache:
         slots = tuple(b * self.block_size + o for b in blocks for o in range(self.block_size))[:tokens]
         return Allocation(blocks, slots, len(matched) * self.block_size)
 
-    def fits(self, tokens: int, token_ids: list[int] | None, adapter: str | None) -> bool:
-        """Whether allocate() would succeed now (counting the blocks it would reuse)."""
+    def fits(self, tokens: int, token_ids: list[int] | None, adapter: str | None, copies: int = 1) -> bool:
+        """Whether `copies` calls of allocate() would succeed now (counting the blocks they would
+        reuse, which all of them share). Counts no lookup."""
         matched = self._match(token_ids, adapter) if token_ids else []
         spare = self.num_free - sum(block in self._evictable for block in matched)
-        return self.blocks_for(tokens) - len(matched) <= spare
+        return copies * (self.blocks_for(tokens) - len(matched)) <= spare
 
     def grow(self, allocation: Allocation) -> Allocation | None:
         """The allocation with one more block (KV on demand), or None when none is left."""

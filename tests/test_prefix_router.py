@@ -1,6 +1,7 @@
 """The router's prefix cache: hash chain, reference counts, LRU eviction, and exact tokens through
 the scheduler on an in-process shard (caching on equals caching off equals transformers)."""
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -111,3 +112,34 @@ def test_the_launcher_passes_prefix_caching_to_the_shards_and_the_router(setting
     shard = engine_config(engine_parser().parse_args(["serve", *config.shard_args()]))
     router = router_parser().parse_args(config.router_args())
     assert shard.prefix_caching == router_config(router).prefix_caching == (setting == "on")
+
+
+def test_a_group_that_does_not_fit_waits_without_allocating_or_counting_lookups():
+    """n=3 siblings of a 9-token prompt whose 2 first blocks are cached: each needs 1 block of its own
+    now. Checking a group that does not fit takes no block and counts no lookup (it used to allocate
+    member by member, free them again, and count every lookup on each scheduler pass)."""
+    from router import batching, kv_blocks
+    from router.streams import Entry
+
+    cache = PrefixCache(num_blocks=9, block_size=4)  # 8 usable blocks
+    prompt = list(range(9))
+    cached = cache.allocate(9, prompt)
+    cache.register(cached, prompt, None)
+    cache.free(cached)
+    group = [Entry(Request(i, "x", stopping_parameters=StoppingCriteriaParameters(4)), 9, token_ids=prompt)
+             for i in range(3)]
+    blocker = cache.allocate(16)  # 4 of the 6 uncached blocks: 2 left for 3 members
+    lookups, free = cache.stats.requests, cache.num_free
+    assert not kv_blocks.group_fits(cache, group, longest_prefill=64)
+    scheduler = SimpleNamespace(allocator=cache, _longest_resume=lambda: 64)
+    assert not batching._allocate(scheduler, group)  # what each scheduler pass asks
+    assert (cache.stats.requests, cache.num_free) == (lookups, free)
+    cache.free(blocker)
+    assert kv_blocks.group_fits(cache, group, longest_prefill=64)
+    allocations = [kv_blocks.admit(cache, entry, 64) for entry in group]
+    assert all(a.cache_len == 8 for a in allocations) and cache.stats.requests == lookups + 3
+
+
+def test_the_plain_allocator_checks_copies_too():
+    allocator = BlockAllocator(num_blocks=9, block_size=4)
+    assert allocator.fits(9, copies=2) and not allocator.fits(9, copies=3)

@@ -20,7 +20,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import Parallel, all_reduce_sum
