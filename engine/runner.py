@@ -9,6 +9,7 @@ import torch
 
 from engine.attention import DecodeMetadata, PrefillMetadata
 from engine.attention.flat import flat_block_tensors, flat_mask
+from engine.attention.rows import row_block_tensors
 from engine.buckets.core import BucketPlan, DecodeBucket, PaddingStats, PrefillBucket
 from engine.devices.base import DeviceAdapter
 from engine.kv_cache import RESERVED_BLOCK, KVCache
@@ -184,6 +185,11 @@ class ModelRunner:
             block_groups=self._to_device(owners),
             block_bias=self._to_device(bias),
         )
+        # Where nothing is compiled, a step's shapes may follow its rows: padded per-row blocks (rows.py).
+        rows = None if self.adapter.warm_runs_forward else row_block_tensors(
+            [s.blocks for s in seqs], [s.position + 1 for s in seqs], bucket.batch_size, self.block_size, self.dtype)
+        if rows is not None:
+            meta = meta._replace(row_table=self._to_device(rows[0]), row_bias=self._to_device(rows[1]))
         ids = [s.token_id for s in seqs] + [0] * padding_rows
         positions = [s.position for s in seqs] + [0] * padding_rows
         lora = self._lora_index([s.adapter for s in seqs], bucket.batch_size)

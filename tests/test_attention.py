@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from engine.attention import DecodeMetadata, PrefillMetadata, attention, prepare_metadata
 from engine.attention.backend import AttentionBackend, use_backend
 from engine.attention.flat import flat_attention, flat_block_tensors, flat_mask
-from engine.attention.lone_row import lone_row_attention, lone_row_mask
+from engine.attention.rows import PADDED_MAX_RATIO, row_attention, row_block_tensors
 from engine.attention.prompt import prompt_attention
 from engine.kv_cache import blocks_needed, slots_for
 
@@ -89,22 +89,36 @@ def test_attention_writes_keys_and_values_at_their_slots():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.sampled_from([1, 2, 16]), st.sampled_from([1, 2]), st.sampled_from([1, 3]), st.integers(1, 40),
-       st.integers(0, 3), st.integers(0, 2**16))
-def test_lone_row_attention_equals_naive(block_size, kv_heads, group, length, padding_blocks, seed):
-    """A batch-1 bucket's one fused call over the flat block list (scattered blocks, padding blocks)."""
+@given(flat_cases())
+def test_row_attention_equals_naive(case):
+    """Each row's blocks padded to the longest row, one fused call (eager CPU; any batch-1 bucket)."""
+    block_size, kv_heads, group, dim, lengths, padding_rows, _, seed = case
     gen = torch.Generator().manual_seed(seed)
-    needed = blocks_needed(length, block_size)
-    blocks = (torch.randperm(needed + 3, generator=gen) + 1)[:needed].tolist()
-    key_cache = torch.randn((needed + 4) * block_size, kv_heads, 8, generator=gen, dtype=torch.float64)
-    value_cache = torch.randn((needed + 4) * block_size, kv_heads, 8, generator=gen, dtype=torch.float64)
-    q = torch.randn(1, kv_heads * group, 8, generator=gen, dtype=torch.float64)
-    block_list, groups, usage = flat_block_tensors([blocks], [length], needed + padding_blocks, block_size)
-    _, _, bias = flat_mask(groups, usage, 1, block_size, torch.float64)
-    out = lone_row_attention(q, key_cache, value_cache, block_list, lone_row_mask(bias), 0.35)
-    slots = slots_for(blocks, 0, length, block_size)
-    expected = naive_attention(q[0], key_cache[slots], value_cache[slots], 0.35)
-    torch.testing.assert_close(out[0], expected, rtol=1e-9, atol=1e-9)
+    needed = [blocks_needed(n, block_size) for n in lengths]
+    order = (torch.randperm(sum(needed) + 3, generator=gen) + 1).tolist()  # scattered; block 0 reserved
+    row_blocks = [order[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(lengths))]
+    key_cache = torch.randn((sum(needed) + 4) * block_size, kv_heads, dim, generator=gen, dtype=torch.float64)
+    value_cache = torch.randn((sum(needed) + 4) * block_size, kv_heads, dim, generator=gen, dtype=torch.float64)
+    batch = len(lengths) + padding_rows
+    q = torch.randn(batch, kv_heads * group, dim, generator=gen, dtype=torch.float64)
+    rows = row_block_tensors(row_blocks, lengths, batch, block_size, torch.float64)
+    if rows is None:  # padding would cost more than flat attention: the runner keeps the flat layout
+        assert batch * max(needed) > PADDED_MAX_RATIO * sum(needed)
+        return
+    table, bias = rows
+    out = row_attention(q, key_cache, value_cache, table, bias.view(batch, 1, 1, -1), 0.35)
+    assert torch.isfinite(out).all()
+    for row, (blocks, length) in enumerate(zip(row_blocks, lengths)):
+        slots = slots_for(blocks, 0, length, block_size)
+        expected = naive_attention(q[row], key_cache[slots], value_cache[slots], 0.35)
+        torch.testing.assert_close(out[row], expected, rtol=1e-9, atol=1e-9)
+
+
+def test_rows_far_apart_in_length_keep_the_flat_layout():
+    assert row_block_tensors([[1] * 40, [2], [3], [4]], [640, 16, 16, 16], 4, 16, torch.float32) is None
+    table, bias = row_block_tensors([[1, 2], [3]], [20, 5], 3, 16, torch.float32)
+    assert table.tolist() == [[1, 2], [3, 0], [0, 0]]
+    assert (bias[0] == 0).sum() == 20 and (bias[1] == 0).sum() == 5 and (bias[2] < 0).all()
 
 
 def _decode_meta(batch: int) -> DecodeMetadata:
@@ -113,9 +127,10 @@ def _decode_meta(batch: int) -> DecodeMetadata:
     return DecodeMetadata(torch.tensor([2] * batch), block_list, mapping, owners, bias)
 
 
-def test_only_a_batch_one_bucket_on_the_torch_kernels_takes_the_lone_row_call():
-    assert prepare_metadata(_decode_meta(1), 1).lone_row_mask is not None
-    assert prepare_metadata(_decode_meta(2), 1).lone_row_mask is None
+def test_a_batch_one_bucket_on_the_torch_kernels_reads_its_flat_list_as_its_row():
+    lone = prepare_metadata(_decode_meta(1), 1)
+    assert torch.equal(lone.row_attention[0], lone.block_list.view(1, -1))
+    assert prepare_metadata(_decode_meta(2), 1).row_attention is None  # the runner did not pad these rows
     device_kernels = AttentionBackend("device", prompt_attention, flat_attention)
     with use_backend(device_kernels):  # a device's own decode kernel is never bypassed
-        assert prepare_metadata(_decode_meta(1), 1).lone_row_mask is None
+        assert prepare_metadata(_decode_meta(1), 1).row_attention is None

@@ -2,8 +2,8 @@
 
 Every forward first writes the new keys and values into the cache by slot, then attends:
 prefill over the padded prompt batch (prompt.py), prefill that continues cached context (context.py),
-decode over a flat list of KV blocks (flat.py), or for a bucket of one row one fused call over
-that list (lone_row.py).
+decode over a flat list of KV blocks (flat.py), or, with the pure-torch kernels, over each row's
+blocks padded to the longest row in one fused call (rows.py: eager CPU, and any batch-1 bucket).
 Imports nothing else of the engine: devices may register faster kernels for it (backend.py).
 """
 from typing import NamedTuple
@@ -13,7 +13,7 @@ import torch
 from engine.attention.backend import TORCH, active_backend
 from engine.attention.context import context_attention
 from engine.attention.flat import flat_attention, flat_masked
-from engine.attention.lone_row import lone_row_attention, lone_row_mask
+from engine.attention.rows import row_attention
 from engine.attention.prompt import prompt_attention
 
 
@@ -32,7 +32,10 @@ class DecodeMetadata(NamedTuple):
     block_groups: torch.Tensor   # [num_blocks] owner row (0 for padding blocks)
     block_bias: torch.Tensor     # [num_blocks, block_size] 0 where valid, a large negative past usage
     block_masked: torch.Tensor | None = None  # derived once per forward by prepare_metadata
-    lone_row_mask: torch.Tensor | None = None  # likewise, for a batch-1 bucket on the pure-torch kernels
+    # Where nothing is compiled (rows.py): each row's blocks padded to the longest row, and their bias.
+    row_table: torch.Tensor | None = None  # [batch, width]
+    row_bias: torch.Tensor | None = None   # [batch, width * block_size] 0 where valid, a large negative past
+    row_attention: tuple | None = None     # (table, mask) derived by prepare_metadata for the torch kernels
 
 
 AttentionMetadata = PrefillMetadata | DecodeMetadata
@@ -43,8 +46,14 @@ def prepare_metadata(meta: AttentionMetadata, kv_heads: int) -> AttentionMetadat
     if not isinstance(meta, DecodeMetadata) or meta.block_masked is not None:
         return meta
     meta = meta._replace(block_masked=flat_masked(meta.block_bias, kv_heads))
-    if active_backend() is TORCH and meta.slots.shape[0] == 1:
-        meta = meta._replace(lone_row_mask=lone_row_mask(meta.block_bias))
+    if active_backend() is not TORCH:  # a device's own decode kernel is never bypassed
+        return meta
+    batch = meta.slots.shape[0]
+    table, bias = meta.row_table, meta.row_bias
+    if table is None and batch == 1:  # a lone row: the flat block list is its table, the block bias its mask
+        table, bias = meta.block_list.view(1, -1), meta.block_bias.reshape(1, -1)
+    if table is not None:
+        meta = meta._replace(row_attention=(table, bias.view(batch, 1, 1, -1)))
     return meta
 
 
@@ -63,8 +72,12 @@ def windowed_metadata(meta: DecodeMetadata, positions: torch.Tensor, window: int
     start = (index - first.index_select(0, groups)) * block_size
     token_positions = start.unsqueeze(1) + torch.arange(block_size, device=groups.device)
     too_old = token_positions <= (positions.index_select(0, groups) - window).unsqueeze(1)
-    bias = meta.block_bias.masked_fill(too_old, torch.finfo(meta.block_bias.dtype).min / 2)
-    return prepare_metadata(meta._replace(block_bias=bias, block_masked=None, lone_row_mask=None), kv_heads)
+    shut = torch.finfo(meta.block_bias.dtype).min / 2
+    meta = meta._replace(block_bias=meta.block_bias.masked_fill(too_old, shut), block_masked=None, row_attention=None)
+    if meta.row_bias is not None:  # a row's padded position j holds its token j
+        span = torch.arange(meta.row_bias.shape[1], device=groups.device)
+        meta = meta._replace(row_bias=meta.row_bias.masked_fill(span <= (positions - window).unsqueeze(1), shut))
+    return prepare_metadata(meta, kv_heads)
 
 
 def write_kv(cache: tuple[torch.Tensor, torch.Tensor], slots, k, v) -> None:
@@ -90,8 +103,8 @@ def attention(q, k, v, cache, meta: AttentionMetadata, scale: float, window: int
             return prompt_attention(q, k, v, scale, window=window, softcap=softcap)
         return kernels.prefill(q, k, v, scale, lengths=meta.seq_lens)
     key_cache, value_cache = cache
-    if meta.lone_row_mask is not None and softcap is None:  # set only when the pure-torch kernels run
-        return lone_row_attention(q, key_cache, value_cache, meta.block_list, meta.lone_row_mask, scale)
+    if meta.row_attention is not None and softcap is None:  # set only when the pure-torch kernels run
+        return row_attention(q, key_cache, value_cache, *meta.row_attention, scale)
     args = (q, key_cache, value_cache, meta.block_list, meta.block_mapping, meta.block_groups, meta.block_bias, scale,
             meta.block_masked)
     if softcap is not None:
