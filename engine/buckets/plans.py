@@ -30,6 +30,19 @@ def make_plan(strategy: str, limits: BucketLimits, shapes=None, bucket_file: str
     return plan
 
 
+def with_every_decode_batch(plan: BucketPlan) -> BucketPlan:
+    """The plan plus a decode bucket for every batch size below each planned one, offered that
+    bucket's block counts: where a bucket costs no graph (eager CPU), a step of 17 sequences then
+    runs 17 rows, not 32 (every padded row is a full row of every GEMM). Registration is all such a
+    bucket costs at warmup, and strict mode still refuses any shape outside the plan."""
+    batches = sorted({b.batch_size for b in plan.decode})
+    below = {size: max((s for s in batches if s < size), default=0) for size in batches}
+    extra = {DecodeBucket(n, bucket.num_blocks) for bucket in plan.decode
+             for n in range(below[bucket.batch_size] + 1, bucket.batch_size)}
+    decode = sorted(set(plan.decode) | extra, key=lambda b: (b.batch_size, b.num_blocks))
+    return BucketPlan(plan.prefill, tuple(decode), plan.latency)
+
+
 def _recorded_contexts(shapes) -> set:
     return {(s.batch_size, s.size, s.context_blocks) for s in shapes or () if s.phase == "prefill" and s.context_blocks}
 

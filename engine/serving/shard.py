@@ -140,7 +140,7 @@ class Shard:
         self.adapter.graph_budget = GraphBudget(self.adapter, graph_bytes) if graph_bytes else None
         phases.mark("kv cache")
         planned = bucket_limits(limits, self.block_size, num_blocks, chunked=self.config.prefix_caching)
-        plan = plan_for(self.config, planned, self.fingerprint())
+        plan = plan_for(self.config, planned, self.fingerprint(), graphless=not self.adapter.warm_runs_forward)
         self.runner = ModelRunner(self.model, self.adapter, cache, plan, self.dtype)
         self.background = run_warmup(self.runner, plan, self.config.warmup_mode, planned, self.config.warmup_prompt_logprobs,
                                      self.show_progress, self.device_lock, phases)

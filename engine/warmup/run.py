@@ -37,9 +37,10 @@ def build_plan(limits: ServingLimits, block_size: int, kv_blocks: int, strategy:
     return make_plan(strategy, bucket_limits(limits, block_size, kv_blocks))
 
 
-def plan_for(config, limits: BucketLimits, fingerprint: dict) -> BucketPlan:
-    """The shard's buckets: a warmup profile's exactly (with its latencies), else the strategy's."""
-    from engine.buckets.plans import make_plan
+def plan_for(config, limits: BucketLimits, fingerprint: dict, graphless: bool = False) -> BucketPlan:
+    """The shard's buckets: a warmup profile's exactly (with its latencies), else the strategy's;
+    `graphless` (a device that compiles nothing) adds a decode bucket for every batch size."""
+    from engine.buckets.plans import make_plan, with_every_decode_batch
 
     if config.warmup_profile:
         from engine.warmup.profile import plan_from_profile
@@ -50,8 +51,9 @@ def plan_for(config, limits: BucketLimits, fingerprint: dict) -> BucketPlan:
         from engine.buckets.shapes import load_shapes
 
         shapes = load_shapes(config.bucket_shapes)
-    return make_plan(config.bucket_strategy, limits, shapes, config.bucket_file, config.max_graphs,
+    plan = make_plan(config.bucket_strategy, limits, shapes, config.bucket_file, config.max_graphs,
                      prefix_caching=config.prefix_caching)
+    return with_every_decode_batch(plan) if graphless else plan
 
 
 def run_warmup(runner: ModelRunner, plan: BucketPlan, mode: str, limits: BucketLimits, prompt_logprobs: bool,
