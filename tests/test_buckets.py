@@ -389,3 +389,16 @@ def test_padding_stats_rejects_bad_records():
     with pytest.raises(ValueError, match="prefil.*prefill, decode"):
         stats.record("prefil", 1, 2)
     assert stats.as_dict()["prefill"] == {"real": 0, "padded": 0, "waste": 0.0}
+
+
+def test_a_device_that_compiles_nothing_gets_a_decode_bucket_for_every_batch_size():
+    from engine.buckets.plans import with_every_decode_batch
+
+    plan = BucketPlan((PrefillBucket(1, 16),), (DecodeBucket(1, 4), DecodeBucket(4, 8), DecodeBucket(4, 16),
+                                                DecodeBucket(8, 32)))
+    every = with_every_decode_batch(plan)
+    assert set(plan.decode) <= set(every.decode) and every.prefill == plan.prefill
+    assert {(b.batch_size, b.num_blocks) for b in set(every.decode) - set(plan.decode)} == {
+        (2, 8), (2, 16), (3, 8), (3, 16), (5, 32), (6, 32), (7, 32)}
+    assert every.decode_bucket(3, 10) == DecodeBucket(3, 16)  # no padded row
+    assert plan.decode_bucket(3, 10) == DecodeBucket(4, 16)

@@ -23,6 +23,7 @@ def test_eager_cpu_warmup_registers_every_bucket_and_runs_no_forward(tiny_model_
     plan, warmed = shard.runner.plan, shard.adapter.shapes.warmed
     assert {("prefill", b) for b in plan.prefill} | {("decode", b) for b in plan.decode} <= warmed
     assert calls == []  # no memory-profiling prefill, no bucket, no warmup batch
+    assert {b.batch_size for b in plan.decode} == {1, 2, 3, 4}  # nothing compiles: no step pads a row
     with pytest.raises(UnwarmedShapeError):
         shard.adapter.run(("decode", "a shape outside the plan"), shard.model)
 
