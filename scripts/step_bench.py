@@ -1,6 +1,7 @@
 """Milliseconds per decode step of the embedded model, at the given batch sizes.
 
     [STEP_THREADS=1] python scripts/step_bench.py --batches 1 2 4 8 32 128 --context 160 [--profile 1]
+        [--dtype bfloat16] [--quantize int4]
 
 Every row sits at about `--context` tokens of KV (rows differ a little, as in serving); the step is
 the engine's own `ModelRunner.decode` (tensors built, forward, logits of the real rows). Prints the
@@ -60,14 +61,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=160)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantize", default="none", choices=["none", "int8", "int4"])
     parser.add_argument("--profile", type=int, help="also print the profiler's table for this batch size")
     args = parser.parse_args()
     top = max(args.batches)
     config = EngineConfig(device="cpu", dtype=args.dtype, max_batch_size=top, max_input_tokens=256,
-                          max_total_tokens=512, max_prefill_tokens=512, warmup_mode="full")
+                          max_total_tokens=512, max_prefill_tokens=512, warmup_mode="full", quantize=args.quantize)
     shard = Shard(config, show_progress=False)
     shard.warmup()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, context ~{args.context}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, quantize {args.quantize}, "
+          f"context ~{args.context}")
     for batch in args.batches:
         rows = decode_rows(shard, batch, args.context)
         wall, cpu = time_steps(shard, rows, args.steps)
