@@ -32,34 +32,39 @@ def flat_cases(draw):
     return block_size, kv_heads, group, dim, lengths, padding_rows, padding_blocks, seed
 
 
-@settings(max_examples=60, deadline=None)
-@given(flat_cases())
-def test_flat_attention_equals_naive(case):
-    block_size, kv_heads, group, dim, lengths, padding_rows, padding_blocks, seed = case
+def scattered_rows(case):
+    """Rows of the given lengths whose blocks are scattered over a random cache in random order
+    (block 0 stays reserved), their queries (with padding rows) in float64."""
+    block_size, kv_heads, group, dim, lengths, padding_rows, _, seed = case
     gen = torch.Generator().manual_seed(seed)
     needed = [blocks_needed(n, block_size) for n in lengths]
     total_blocks = sum(needed) + 1 + 3
-    # Blocks are scattered over the cache in random order; block 0 stays reserved.
     order = (torch.randperm(total_blocks - 1, generator=gen) + 1).tolist()
-    row_blocks, start = [], 0
-    for count in needed:
-        row_blocks.append(order[start : start + count])
-        start += count
-    key_cache = torch.randn(total_blocks * block_size, kv_heads, dim, generator=gen, dtype=torch.float64)
-    value_cache = torch.randn(total_blocks * block_size, kv_heads, dim, generator=gen, dtype=torch.float64)
-    batch = len(lengths) + padding_rows
-    q = torch.randn(batch, kv_heads * group, dim, generator=gen, dtype=torch.float64)
-    scale = 1 / math.sqrt(dim)
+    row_blocks = [order[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(lengths))]
+    caches = [torch.randn(total_blocks * block_size, kv_heads, dim, generator=gen, dtype=torch.float64) for _ in "kv"]
+    q = torch.randn(len(lengths) + padding_rows, kv_heads * group, dim, generator=gen, dtype=torch.float64)
+    return row_blocks, *caches, q
 
-    block_list, groups, usage = flat_block_tensors(row_blocks, lengths, sum(needed) + padding_blocks, block_size)
-    mapping, owners, bias = flat_mask(groups, usage, batch, block_size, torch.float64)
-    out = flat_attention(q, key_cache, value_cache, block_list, mapping, owners, bias, scale)
 
+def assert_rows_equal_naive(out, q, key_cache, value_cache, row_blocks, lengths, block_size, scale):
     assert torch.isfinite(out).all()  # padded rows and blocks must not produce NaN
     for row, (blocks, length) in enumerate(zip(row_blocks, lengths)):
         slots = slots_for(blocks, 0, length, block_size)
         expected = naive_attention(q[row], key_cache[slots], value_cache[slots], scale)
         torch.testing.assert_close(out[row], expected, rtol=1e-9, atol=1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(flat_cases())
+def test_flat_attention_equals_naive(case):
+    block_size, _, _, dim, lengths, _, padding_blocks, _ = case
+    row_blocks, key_cache, value_cache, q = scattered_rows(case)
+    scale = 1 / math.sqrt(dim)
+    num_blocks = sum(len(blocks) for blocks in row_blocks) + padding_blocks
+    block_list, groups, usage = flat_block_tensors(row_blocks, lengths, num_blocks, block_size)
+    mapping, owners, bias = flat_mask(groups, usage, q.shape[0], block_size, torch.float64)
+    out = flat_attention(q, key_cache, value_cache, block_list, mapping, owners, bias, scale)
+    assert_rows_equal_naive(out, q, key_cache, value_cache, row_blocks, lengths, block_size, scale)
 
 
 @settings(max_examples=30, deadline=None)
@@ -92,26 +97,16 @@ def test_attention_writes_keys_and_values_at_their_slots():
 @given(flat_cases())
 def test_row_attention_equals_naive(case):
     """Each row's blocks padded to the longest row, one fused call (eager CPU; any batch-1 bucket)."""
-    block_size, kv_heads, group, dim, lengths, padding_rows, _, seed = case
-    gen = torch.Generator().manual_seed(seed)
-    needed = [blocks_needed(n, block_size) for n in lengths]
-    order = (torch.randperm(sum(needed) + 3, generator=gen) + 1).tolist()  # scattered; block 0 reserved
-    row_blocks = [order[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(lengths))]
-    key_cache = torch.randn((sum(needed) + 4) * block_size, kv_heads, dim, generator=gen, dtype=torch.float64)
-    value_cache = torch.randn((sum(needed) + 4) * block_size, kv_heads, dim, generator=gen, dtype=torch.float64)
-    batch = len(lengths) + padding_rows
-    q = torch.randn(batch, kv_heads * group, dim, generator=gen, dtype=torch.float64)
+    block_size, lengths = case[0], case[4]
+    row_blocks, key_cache, value_cache, q = scattered_rows(case)
+    batch, needed = q.shape[0], [len(blocks) for blocks in row_blocks]
     rows = row_block_tensors(row_blocks, lengths, batch, block_size, torch.float64)
     if rows is None:  # padding would cost more than flat attention: the runner keeps the flat layout
         assert batch * max(needed) > PADDED_MAX_RATIO * sum(needed)
         return
     table, bias = rows
     out = row_attention(q, key_cache, value_cache, table, bias.view(batch, 1, 1, -1), 0.35)
-    assert torch.isfinite(out).all()
-    for row, (blocks, length) in enumerate(zip(row_blocks, lengths)):
-        slots = slots_for(blocks, 0, length, block_size)
-        expected = naive_attention(q[row], key_cache[slots], value_cache[slots], 0.35)
-        torch.testing.assert_close(out[row], expected, rtol=1e-9, atol=1e-9)
+    assert_rows_equal_naive(out, q, key_cache, value_cache, row_blocks, lengths, block_size, 0.35)
 
 
 def test_rows_far_apart_in_length_keep_the_flat_layout():
