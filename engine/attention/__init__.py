@@ -13,8 +13,8 @@ import torch
 from engine.attention.backend import TORCH, active_backend
 from engine.attention.context import context_attention
 from engine.attention.flat import flat_attention, flat_masked
-from engine.attention.rows import row_attention
 from engine.attention.prompt import prompt_attention
+from engine.attention.rows import row_attention
 
 
 class PrefillMetadata(NamedTuple):
