@@ -252,6 +252,17 @@ def test_bucket_choice_is_minimal(inputs, data):
                    for b in holding)
 
 
+@FAST
+@given(st.lists(st.builds(DecodeBucket, st.integers(1, 12), st.integers(1, 40)), max_size=30),
+       st.integers(1, 14), st.integers(1, 45))
+def test_decode_choice_over_any_buckets(buckets, rows, total):
+    """The indexed lookup picks what a scan of every bucket would, over any set (gaps, duplicates)."""
+    plan = BucketPlan(prefill=(), decode=tuple(buckets))
+    holding = [b for b in buckets if b.batch_size >= rows and b.num_blocks >= total]
+    expected = min(holding, key=lambda b: (b.batch_size, b.num_blocks), default=None)
+    assert plan.decode_bucket(rows, total) == expected
+
+
 def test_prefill_choice_tie_prefers_smaller_batch():
     plan = BucketPlan(prefill=(PrefillBucket(4, 64), PrefillBucket(2, 128)), decode=())
     assert plan.prefill_bucket(1, 10) == PrefillBucket(2, 128)

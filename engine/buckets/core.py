@@ -11,7 +11,9 @@ importing torch.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Iterable, Mapping
 
 from engine.buckets.ranges import (  # noqa: F401 - re-exported: the planner's public names live here
@@ -197,8 +199,27 @@ class BucketPlan:
         With latencies: the fastest holding bucket, ties broken the same way."""
         _require_positive("batch_size", batch_size)
         _require_positive("num_blocks", num_blocks)
-        holding = [b for b in self.decode if b.batch_size >= batch_size and b.num_blocks >= num_blocks]
-        return min(holding, key=lambda b: (self._seconds(b), b.batch_size, b.num_blocks), default=None)
+        if self.latency is not None:
+            holding = [b for b in self.decode if b.batch_size >= batch_size and b.num_blocks >= num_blocks]
+            return min(holding, key=lambda b: (self._seconds(b), b.batch_size, b.num_blocks), default=None)
+        # Without latencies the order is (batch size, blocks): the first batch size at or above
+        # batch_size with a bucket of enough blocks. The runner asks this twice per row each step,
+        # and an eager CPU plan has a bucket for every batch size: a scan cost milliseconds a step.
+        sizes, blocks, buckets = self._decode_index
+        for i in range(bisect_left(sizes, batch_size), len(sizes)):
+            j = bisect_left(blocks[i], num_blocks)
+            if j < len(blocks[i]):
+                return buckets[i][j]
+        return None
+
+    @cached_property
+    def _decode_index(self) -> tuple[list[int], list[list[int]], list[list[DecodeBucket]]]:
+        """Decode batch sizes ascending; for each, its buckets' block counts and buckets, ascending."""
+        by_size: dict[int, list[DecodeBucket]] = {}
+        for bucket in sorted(set(self.decode), key=lambda b: (b.batch_size, b.num_blocks)):
+            by_size.setdefault(bucket.batch_size, []).append(bucket)
+        sizes = sorted(by_size)
+        return sizes, [[b.num_blocks for b in by_size[s]] for s in sizes], [by_size[s] for s in sizes]
 
     def split_prefill(self, seq_lens: list[int]) -> list[list[int]]:
         """Partition prompt indices into groups that each fit a prefill bucket, with the fewest
