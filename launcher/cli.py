@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-impl", choices=["dense", "gather"], help="MoE experts (default: the device's)")
     p.add_argument("--prefix-caching", choices=["on", "off"], default=d.prefix_caching,
                    help="on (default): requests reuse the KV blocks of cached prompt prefixes (shards and router)")
+    p.add_argument("--lookahead", choices=["on", "off"], default=d.lookahead,
+                   help="on (default): while nothing waits to be admitted, the shards run a batch's next forward "
+                        "as soon as they answer a step (async scheduling)")
     p.add_argument("--uds-path", help="socket base: rank r listens on BASE-r (default: a unique path per launch)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT,
                    help="the router's HTTP port (checked even with --no-router)")
@@ -89,7 +92,8 @@ def config_from_args(args: argparse.Namespace) -> LauncherConfig:
         max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens,
         block_size=args.block_size, warmup=args.warmup, warmup_profile=args.warmup_profile,
         record_shapes=args.record_shapes, lora_adapters=args.lora_adapters or env_lora_adapters(),
-        lora_impl=args.lora_impl, implementation=args.implementation, moe_impl=args.moe_impl, prefix_caching=args.prefix_caching, uds_path=args.uds_path, port=args.port, master_port=args.master_port,
+        lora_impl=args.lora_impl, implementation=args.implementation, moe_impl=args.moe_impl, prefix_caching=args.prefix_caching,
+        lookahead=args.lookahead, uds_path=args.uds_path, port=args.port, master_port=args.master_port,
         hostname=args.hostname, max_concurrent_requests=args.max_concurrent_requests, payload_limit=args.payload_limit,
         no_router=args.no_router, restart_on_failure=args.restart_on_failure,
         startup_timeout=args.startup_timeout, shutdown_timeout=args.shutdown_timeout, api_key=args.api_key,

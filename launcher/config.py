@@ -31,6 +31,7 @@ class LauncherConfig:
     implementation: str | None = None    # auto, native or transformers; None: the engine's default (auto)
     moe_impl: str | None = None          # MoE experts, dense or gather; None: the device's default
     prefix_caching: str = "on"           # on | off: passed to the shards (context buckets) and the router
+    lookahead: str = "on"                # on | off: the router's async scheduling (router/scheduler.py)
     uds_path: str | None = None          # socket base; None: a unique one is picked per launch
     port: int = DEFAULT_PORT             # the router's HTTP port
     hostname: str = "0.0.0.0"            # the router's HTTP address (TGI's default: reachable from outside a container)
@@ -85,6 +86,7 @@ class LauncherConfig:
                 "--max-batch-size", str(self.max_batch_size),
                 "--max-concurrent-requests", str(self.max_concurrent_requests),
                 "--payload-limit", str(self.payload_limit), "--prefix-caching", self.prefix_caching,
+                "--lookahead", self.lookahead,
                 # the router starts with the shards (its imports overlap their model load) and waits for them
                 "--wait-for-shards", str(self.startup_timeout)]
         if self.model_id is not None:

@@ -58,6 +58,7 @@ class RouterConfig:
     parent_pid: int | None = None        # stop when this process (the launcher) is gone
     wait_for_shards: float = 0.0         # seconds to wait for the master shard to answer; 0: it must already
     prefix_caching: bool = True          # reuse cached prefix blocks, where the shards can (Info.use_prefix_caching)
+    lookahead: bool = True               # async scheduling: shards run a batch's next forward early
 
 
 def warmup_batch(max_input: int, max_prefill: int, max_total: int, max_batch: int) -> Batch:
@@ -131,7 +132,7 @@ async def build_state(config: RouterConfig, client: ShardClient) -> RouterState:
         return (await rewarm(client, config)).max_supported_total_tokens
 
     scheduler = Scheduler(client, allocator, limits, rewarm=capacity_after_rewarm,
-                          chunking=bool(info.get("support_chunking")))
+                          chunking=bool(info.get("support_chunking")), lookahead=config.lookahead)
     metrics = RouterMetrics(scheduler, client)
     scheduler.on_step = metrics.on_step
     await scheduler.start()
@@ -188,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefix-caching", choices=["on", "off"], default="on",
                         help="on (default): requests reuse the KV blocks of a cached prompt prefix (when the "
                              "shards report use_prefix_caching)")
+    parser.add_argument("--lookahead", choices=["on", "off"], default="on",
+                        help="on (default): while nothing waits to be admitted, the shards run a batch's next "
+                             "forward as soon as they answer a step, overlapping the router's round trip")
     parser.add_argument("--parent-pid", type=int, default=os.environ.get("BUCKETSERVE_PARENT_PID"),
                         help="stop when this process is gone (the launcher sets it)")
     parser.add_argument("--wait-for-shards", type=float, default=0.0,
@@ -206,7 +210,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         args.max_input_tokens, args.max_total_tokens, args.max_batch_prefill_tokens,
                         args.max_batch_size, args.max_concurrent_requests, adapter_names(args.lora_adapters),
                         access_from_args(args), args.otlp_endpoint,
-                        args.payload_limit, args.parent_pid, args.wait_for_shards, args.prefix_caching == "on")
+                        args.payload_limit, args.parent_pid, args.wait_for_shards, args.prefix_caching == "on",
+                        args.lookahead == "on")
 
 
 def adapter_names(spec: str) -> tuple[str, ...]:

@@ -21,10 +21,12 @@ from engine.serving import convert
 from engine.batch import Batch, CachedBatch, Generation, InfoResponse, WarmupResult
 from engine.pb import generate_pb2 as pb
 from engine.pb import generate_pb2_grpc as pb_grpc
-from engine.serving.server import MAX_MESSAGE_BYTES, STATS_METADATA_KEY, resume_metadata, status_for
+from engine.serving.server import (LOOKAHEAD_METADATA_KEY, MAX_MESSAGE_BYTES, STATS_METADATA_KEY, resume_metadata,
+                                   status_for)
 
 StepResult = tuple[list[Generation], CachedBatch | None]
 # Metadata the current step sends besides its own (the traced requests' span contexts, router/trace_steps.py).
+LOOKAHEAD_METADATA = ((LOOKAHEAD_METADATA_KEY, "1"),)
 STEP_METADATA: contextvars.ContextVar[tuple] = contextvars.ContextVar("step_metadata", default=())
 
 
@@ -47,8 +49,11 @@ class ShardClient(Protocol):
         """`resume`: request id -> the tokens it generated before the shards restarted; only
         clients whose `resumes` is true accept it."""
 
-    async def decode(self, batches: list[CachedBatch], grown: dict[int, list[int]] | None = None) -> StepResult:
-        """`grown`: request id -> KV blocks added to it before this step (on-demand allocation)."""
+    async def decode(self, batches: list[CachedBatch], grown: dict[int, list[int]] | None = None,
+                     look_ahead: bool = False) -> StepResult:
+        """`grown`: request id -> KV blocks added to it before this step (on-demand allocation).
+        `look_ahead`: the next call decodes the answered batch again, so the shards may start that
+        step's forward at once (our shards do; TGI's ignore it)."""
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch: ...
 
@@ -149,9 +154,10 @@ class GrpcShardClient:
                                     cached_batch=convert.cached_batch_to_pb(cached) if cached else None)
         return step_result(await self._all("Prefill", request, resume_metadata(resume) if resume else None))
 
-    async def decode(self, batches: list[CachedBatch], grown: dict[int, list[int]] | None = None) -> StepResult:
+    async def decode(self, batches: list[CachedBatch], grown: dict[int, list[int]] | None = None,
+                     look_ahead: bool = False) -> StepResult:
         request = convert.decode_request_to_pb(batches, grown)
-        return step_result(await self._all("Decode", request))
+        return step_result(await self._all("Decode", request, LOOKAHEAD_METADATA if look_ahead else None))
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
         request = pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids)
@@ -225,9 +231,13 @@ class InProcessClient:
         return await self._call("Prefill", self.shard.prefill, copy.deepcopy(batch), copy.deepcopy(cached),
                                 copy.deepcopy(resume))
 
-    async def decode(self, batches: list[CachedBatch], grown: dict[int, list[int]] | None = None) -> StepResult:
+    async def decode(self, batches: list[CachedBatch], grown: dict[int, list[int]] | None = None,
+                     look_ahead: bool = False) -> StepResult:
         extra = (copy.deepcopy(grown),) if grown else ()
-        return await self._call("Decode", self.shard.decode, copy.deepcopy(batches), *extra)
+        result = await self._call("Decode", self.shard.decode, copy.deepcopy(batches), *extra)
+        if look_ahead and result[1] is not None:  # the same worker: the next call waits for it
+            self.executor.submit(self._timed, "decode", self.shard.look_ahead, result[1].id)
+        return result
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
         return await self._call("FilterBatch", self.shard.filter, batch_id, list(request_ids))

@@ -50,6 +50,11 @@ class ShardStatsCollector:
             yield counter("bucketserve_shard_chunked_prompts", "prompts computed in several chunks",
                           stats["chunked_prompts"])
             yield counter("bucketserve_shard_prefill_chunks", "chunks of those prompts", stats["prefill_chunks"])
+        if "lookahead_runs" in stats:  # async scheduling: runs beyond steps are forwards thrown away
+            yield counter("bucketserve_shard_lookahead_runs", "decode forwards run before their step was asked for",
+                          stats["lookahead_runs"])
+            yield counter("bucketserve_shard_lookahead_steps", "decode steps that used such a forward",
+                          stats["lookahead_steps"])
 
 
 class KvCollector:

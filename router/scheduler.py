@@ -39,8 +39,13 @@ class Scheduler:
 
     def __init__(self, client: ShardClient, allocator: BlockAllocator, limits: ServingLimits,
                  rewarm: Callable[[], Awaitable[int | None]] | None = None,
-                 on_step: Callable[[str, int], None] | None = None, chunking: bool = False):
+                 on_step: Callable[[str, int], None] | None = None, chunking: bool = False,
+                 lookahead: bool = True):
         self.client, self.allocator, self.limits = client, allocator, limits
+        # Async scheduling: a Decode sent while nothing waits asks the shards to run the batch's next
+        # forward right after answering (engine/serving/lookahead.py); the next iteration then decodes
+        # that batch before admitting anyone, so the early forward is used whole, not split.
+        self.lookahead, self._ahead_pending = lookahead, False
         self.chunking = chunking  # the shards chunk long prompts (Info.support_chunking)
         self.rewarm, self.on_step = rewarm, on_step
         self.stats = SchedulerStats()
@@ -137,7 +142,7 @@ class Scheduler:
             return
         if self._running is not None:
             self._running = await self._keep(self._running, self._entries_of([self._running]))
-        new = self._next_batch()
+        new = None if self._ahead_pending and self._running is not None else self._next_batch()
         if new is not None:
             prefilled = await self._confined_prefill(*new)
             if self._running is None and len(prefilled) <= 1:
@@ -267,11 +272,15 @@ class Scheduler:
         entries = self._entries_of(batches)
         self.stats.decode_sizes[sum(b.size for b in batches)] += 1
         self._notify("decode", sum(b.size for b in batches))
+        look_ahead = self.lookahead and not self._queue
+        self._ahead_pending = False
         try:
-            generations, cached = await (self.client.decode(batches, grown) if grown else self.client.decode(batches))
+            generations, cached = await self.client.decode(batches, *([grown] if grown else []),
+                                                           **({"look_ahead": True} if look_ahead else {}))
         except ShardError as error:
             await self._fail([b.id for b in batches], entries, error)
             return None
+        self._ahead_pending = look_ahead and cached is not None
         return await self._settle(generations, cached, entries)
 
     def _notify(self, phase: str, size: int) -> None:

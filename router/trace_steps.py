@@ -9,6 +9,8 @@ that admits it to the step that answers its first token, its `decode` span from 
 """
 from __future__ import annotations
 
+import functools
+
 import json
 from dataclasses import dataclass, field
 
@@ -50,13 +52,13 @@ class TracedClient:
         self._advance(traced, result[0])
         return result
 
-    async def decode(self, batches: list[CachedBatch], grown=None):
+    async def decode(self, batches: list[CachedBatch], grown=None, **options):
         """A decode step; a chunked prompt's later chunks run here too, under its still open `prefill`."""
         ids = [i for b in batches for i in b.request_ids]
         traced = {i: self.requests[i] for i in ids if i in self.requests}
         spans = {i: t.decode or t.prefill for i, t in traced.items() if (t.decode or t.prefill) is not None}
         extra = (grown,) if grown else ()
-        result = await self._call(self.client.decode, spans, batches, *extra)
+        result = await self._call(functools.partial(self.client.decode, **options), spans, batches, *extra)
         self._advance(traced, result[0])
         return result
 

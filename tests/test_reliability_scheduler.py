@@ -86,10 +86,10 @@ class RestartingClient(OutageClient):
         super().__init__(inner)
         self.down_at, self.decode_count = down_at, 0
 
-    async def decode(self, batches, *grown):  # grown: KV blocks added on demand
+    async def decode(self, batches, *grown, **options):  # grown: KV blocks added on demand; look_ahead
         self.decode_count += 1
         self.down = self.down or self.decode_count == self.down_at
-        return await super().decode(batches, *grown)
+        return await super().decode(batches, *grown, **options)
 
 
 @pytest.mark.parametrize("down_at", [1, 7])

@@ -42,7 +42,7 @@ def collect(tokens: dict, result) -> CachedBatch | None:
 
 
 async def run_sequence(client, tokenizer) -> tuple[dict, WarmupResult]:
-    """Warmup, two Prefills, Decode of both, FilterBatch, Decode to the end, ClearCache."""
+    """Warmup, two Prefills, Decode of both, FilterBatch, Decode to the end (looking ahead), ClearCache."""
     await client.health()
     info = await client.info()
     warmup_batch = Batch(0, [Request(0, "_test " * 8, stopping_parameters=StoppingCriteriaParameters(4))], size=1)
@@ -56,8 +56,9 @@ async def run_sequence(client, tokenizer) -> tuple[dict, WarmupResult]:
     kept = [i for i in cached.request_ids if i != DROPPED]
     cached = await client.filter_batch(cached.id, kept)
     assert cached.request_ids == kept and cached.size == 5
-    while cached is not None:
-        cached = collect(tokens, await client.decode([cached]))
+    while cached is not None:  # looking ahead: each rank runs the next forward as soon as it answers
+        cached = collect(tokens, await client.decode([cached], look_ahead=True))
+    assert client.serving_stats()["lookahead_steps"] >= NEW_TOKENS - 4
     await client.clear_cache()
     for rpc in (client.decode([CachedBatch(77, [0], 1, 10, 5)]), client.filter_batch(77, [])):
         with pytest.raises(ShardError) as caught:

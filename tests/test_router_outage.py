@@ -28,9 +28,9 @@ class OutageClient(RecordingClient):
         self._check()
         return await super().prefill(batch, cached, **resume)
 
-    async def decode(self, batches, *grown):  # grown: KV blocks added on demand
+    async def decode(self, batches, *grown, **options):  # grown: KV blocks added on demand; look_ahead
         self._check()
-        return await super().decode(batches, *grown)
+        return await super().decode(batches, *grown, **options)
 
     async def clear_cache(self, batch_id=None):
         self._check()

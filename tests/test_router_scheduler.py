@@ -65,12 +65,12 @@ class RecordingClient:
         self.calls.append(("prefill", batch.id, [r.id for r in batch.requests]))
         return await self.inner.prefill(batch, cached, **resume)
 
-    async def decode(self, batches, *grown):  # grown: KV blocks added on demand
+    async def decode(self, batches, *grown, **options):  # grown: KV blocks added on demand; look_ahead
         self.decodes += 1
         self.calls.append(("decode", [b.id for b in batches], sum(b.size for b in batches)))
         if self.decodes == self.fail_decode_at:
             raise ShardError(grpc.StatusCode.INTERNAL, "injected decode failure")
-        return await self.inner.decode(batches, *grown)
+        return await self.inner.decode(batches, *grown, **options)
 
     async def filter_batch(self, batch_id, request_ids):
         result = await self.inner.filter_batch(batch_id, request_ids)

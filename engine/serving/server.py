@@ -33,6 +33,9 @@ STATS_METADATA_KEY = "bucketserve-stats"
 # A Prefill's resumed requests: JSON {request id: [token ids generated before a shard restart]}. Like the
 # stats, outside the generate.v3 messages: TGI's shards ignore it, and its router never sends it.
 RESUME_METADATA_KEY = "bucketserve-resume"
+# On a Decode: "1" when the router will decode the same batch next (nothing waits to be admitted),
+# so the shard may run that next forward as soon as it has answered (engine/serving/lookahead.py).
+LOOKAHEAD_METADATA_KEY = "bucketserve-lookahead"
 MAX_METADATA_BYTES = 64 * 1024 * 1024  # gRPC's default (8 KiB) holds a few hundred resumed tokens only
 PARENT_POLL_S = 0.5
 
@@ -181,6 +184,9 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         grown = convert.grown_from_pb(request)
         result, timings, stats = await self.step(self.shard.decode, batches, *((grown,) if grown else ()),
                                                  context=context, batch_id=batches[0].id if batches else 0)
+        cached = result[1]
+        if cached is not None and wants_lookahead(context.invocation_metadata()):
+            self.executor.submit(self.shard.look_ahead, cached.id)  # queued before the answer leaves
         context.set_trailing_metadata(stats_metadata(stats))
         return step_response(pb.DecodeResponse, result, timings)
 
@@ -188,6 +194,10 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     async def Health(self, request, context):
         await self.call(self.shard.health)
         return pb.HealthResponse()
+
+
+def wants_lookahead(metadata) -> bool:
+    return any(k == LOOKAHEAD_METADATA_KEY and v == "1" for k, v in metadata or ())
 
 
 def resume_metadata(resume: dict[int, list[int]]) -> tuple[tuple[str, str], ...]:

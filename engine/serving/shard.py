@@ -23,7 +23,8 @@ from engine.serving.recompute import check_recompute_fits, recompute_position
 from engine.serving.prefix import BlockContents
 from engine.serving.sequence import Sequence
 from engine.serving.checks import check_decode, check_grown, check_prefill
-from engine.serving.steps import StepContext, admit_requests, decode_step, prefill_step
+from engine.serving.lookahead import Ahead
+from engine.serving.steps import StepContext, admit_requests, decode_step, look_ahead_step, prefill_step
 from engine.warmup.budget import GraphBudget, split_free_memory
 from engine.warmup.memory import profile_free_memory, size_kv_cache
 from engine.warmup.progressive import DeviceLock
@@ -73,6 +74,8 @@ class Shard:
         self.contents: BlockContents | None = None  # what each filled KV block holds (prefix caching)
         self.chunk_stats = {"chunked_prompts": 0, "prefill_chunks": 0}  # chunked prefill, since warmup
         self.batches: dict[int, list[Sequence]] = {}
+        self.ahead: Ahead | None = None  # the next forward of a batch, run early (engine/serving/lookahead.py)
+        self.lookahead_stats = {"lookahead_runs": 0, "lookahead_steps": 0}  # forwards run early; steps that used one
         self._grammar_compiler = None
         self.last_timings: StepTimings | None = None  # of the latest prefill or decode
         self.device_lock = DeviceLock()  # a step, or one bucket of background warmup (steps first)
@@ -153,6 +156,7 @@ class Shard:
         self._start_recording()
         self.runner.padding = PaddingStats()  # serving_stats counts served traffic, not warmup
         self.chunk_stats.update(chunked_prompts=0, prefill_chunks=0)
+        self.lookahead_stats.update(lookahead_runs=0, lookahead_steps=0)
         return WarmupResult(cache.capacity_tokens, limits.max_input_tokens, limits.max_total_tokens)
 
     def fingerprint(self) -> dict:
@@ -198,7 +202,7 @@ class Shard:
                 "decode_real": padding.real("decode"), "decode_padded": padding.padded("decode"),
                 "unwarmed_shapes": unwarmed, "prefill_forwards": padding.forwards("prefill"),
                 "decode_forwards": padding.forwards("decode"), "copied_prompts": self.runner.kv_cache.copied_prompts,
-                **self.chunk_stats}
+                **self.chunk_stats, **self.lookahead_stats}
 
     @_exclusive
     def health(self) -> None:
@@ -240,11 +244,29 @@ class Shard:
         concat_ns = time.perf_counter_ns() - joined if len(batches) > 1 else None
         if grown:
             self._grow(sequences, grown)
-        generations = decode_step(ctx, sequences)
+        ahead, self.ahead = self.ahead, None
+        early_ns = ahead.forward_ns if ahead is not None and ahead.covers(sequences) else 0
+        self.lookahead_stats["lookahead_steps"] += early_ns > 0
+        generations = decode_step(ctx, sequences, ahead)
         self._take([cached.id for cached in batches])  # only once the step succeeded
         result = self._store(batches[0].id, sequences, generations)
-        self._finish_step(start, concat_ns)
+        self._finish_step(start, concat_ns, early_ns)
         return result
+
+    @_exclusive
+    def look_ahead(self, batch_id: int) -> None:
+        """Run batch `batch_id`'s next decode forward now, for its next step to use: called right
+        after a step is answered, when the router said it will decode that batch next. A failure
+        here is only logged: the step itself runs the forward again and reports it."""
+        self.ahead = None
+        sequences = self.batches.get(batch_id)
+        if self.runner is None or not sequences:
+            return
+        try:
+            self.ahead = look_ahead_step(self._context(), sequences)
+            self.lookahead_stats["lookahead_runs"] += self.ahead is not None
+        except Exception:  # noqa: BLE001 - the step repeats the work and answers the error
+            log.exception("lookahead of batch %d failed", batch_id)
 
     def _grow(self, sequences: list[Sequence], grown: dict[int, list[int]]) -> None:
         check_grown(grown, sequences, self.batches, self.allocator.num_blocks)
@@ -259,9 +281,10 @@ class Shard:
         self.runner.forward_ns = 0
         return time.perf_counter_ns(), ctx
 
-    def _finish_step(self, start: int, concat_ns: int | None) -> None:
-        total = time.perf_counter_ns() - start
-        forward = self.runner.forward_ns
+    def _finish_step(self, start: int, concat_ns: int | None, early_ns: int = 0) -> None:
+        """`early_ns`: the lookahead forward this step used; its time counts as the step's."""
+        total = time.perf_counter_ns() - start + early_ns
+        forward = self.runner.forward_ns + early_ns
         self.last_timings = StepTimings(forward, total - forward - (concat_ns or 0), total, concat_ns)
 
     def filter(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
@@ -276,6 +299,8 @@ class Shard:
 
     def clear(self, batch_id: int | None = None) -> None:
         ids = list(self.batches) if batch_id is None else [batch_id]
+        if batch_id is None:
+            self.ahead = None
         for sequence_list in (self.batches.pop(i, []) for i in ids):
             self._release(sequence_list)
 

@@ -16,7 +16,7 @@ from engine.sampling import choose, is_sampling, new_sampling_state, validate_pa
 from engine.serving import siblings
 from engine.serving.chunks import chunk_cap, check_chunking, plan_chunks
 from engine.serving.prefix import BlockContents, check_cache_len
-from engine.serving.recompute import decode_logits
+from engine.serving.lookahead import Ahead, logits_using, run_ahead
 from engine.serving.resume import check_resumed, replay
 from engine.serving.sequence import Sequence
 from engine.config import ServingLimits
@@ -175,25 +175,45 @@ def prefill_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation
     return generations
 
 
-def decode_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation]:
-    """One token for every decoding sequence; the next chunk for those still prefilling."""
+def decode_step(ctx: StepContext, sequences: list[Sequence], ahead: Ahead | None = None) -> list[Generation]:
+    """One token for every decoding sequence; the next chunk for those still prefilling. `ahead`: a
+    lookahead's logits (engine/serving/lookahead.py), used for the rows it computed."""
     prefilling = {s.id for s in sequences if s.prefilling}  # before the chunk: a finished one decodes next step
     generations = prefill_step(ctx, [s for s in sequences if s.id in prefilling]) if prefilling else []
     sequences = [s for s in sequences if s.id not in prefilling]
     if not sequences:
         return generations
-    inputs = []
     for seq in sequences:
-        position = len(seq.token_ids) - 1
-        if blocks_needed(position + 1, ctx.block_size) > len(seq.blocks):
-            raise InvalidRequestError(f"request {seq.id}: its KV blocks are full at position {position}")
-        inputs.append(DecodeInput(seq.token_ids[-1], position, seq.slots(position, position + 1)[0],
-                                  seq.blocks_through(position), adapter_slot(ctx, seq.request)))
-    logits = decode_logits(ctx.runner, sequences, inputs)  # Phi-3 recomputes at its rope switch
+        if not _has_next_slot(ctx, seq):
+            raise InvalidRequestError(f"request {seq.id}: its KV blocks are full at position {len(seq.token_ids) - 1}")
+    # Phi-3 recomputes at its rope switch (decode_logits, under logits_using).
+    logits = logits_using(ahead, ctx.runner, sequences, _decode_inputs(ctx, sequences))
     for seq in sequences:
         seq.computed = len(seq.token_ids)
     record_contents(ctx, [s for s in sequences if len(s.token_ids) % ctx.block_size == 0])  # a block just filled
     return generations + _advance(ctx, sequences, logits)
+
+
+def look_ahead_step(ctx: StepContext, sequences: list[Sequence]) -> Ahead | None:
+    """The next step's forward of these sequences, run now; None where it cannot run yet: a row
+    still prefilling, or one whose next position needs a KV block the router has not added."""
+    if not sequences or any(s.prefilling or not _has_next_slot(ctx, s) for s in sequences):
+        return None
+    return run_ahead(ctx.runner, sequences, _decode_inputs(ctx, sequences))
+
+
+def _has_next_slot(ctx: StepContext, seq: Sequence) -> bool:
+    return blocks_needed(len(seq.token_ids), ctx.block_size) <= len(seq.blocks)
+
+
+def _decode_inputs(ctx: StepContext, sequences: list[Sequence]) -> list[DecodeInput]:
+    """Each row's latest token at its position, the slot its KV goes to and the blocks it reads."""
+    inputs = []
+    for seq in sequences:
+        position = len(seq.token_ids) - 1
+        inputs.append(DecodeInput(seq.token_ids[-1], position, seq.slots(position, position + 1)[0],
+                                  seq.blocks_through(position), adapter_slot(ctx, seq.request)))
+    return inputs
 
 
 def record_contents(ctx: StepContext, sequences: list[Sequence]) -> None:
