@@ -58,9 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-impl", choices=["dense", "gather"], help="MoE experts (default: the device's)")
     p.add_argument("--prefix-caching", choices=["on", "off"], default=d.prefix_caching,
                    help="on (default): requests reuse the KV blocks of cached prompt prefixes (shards and router)")
-    p.add_argument("--lookahead", choices=["on", "off"], default=d.lookahead,
-                   help="on (default): while nothing waits to be admitted, the shards run a batch's next forward "
-                        "as soon as they answer a step (async scheduling)")
+    p.add_argument("--lookahead", choices=["auto", "on", "off"], default=d.lookahead,
+                   help="on: while nothing waits to be admitted, the shards run a batch's next forward as soon as "
+                        "they answer a step (async scheduling); auto (default): on unless the shards run on CPU")
     p.add_argument("--uds-path", help="socket base: rank r listens on BASE-r (default: a unique path per launch)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT,
                    help="the router's HTTP port (checked even with --no-router)")

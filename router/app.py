@@ -28,7 +28,7 @@ from router.client import GrpcShardClient, ShardClient
 from router.errors import DEFAULT_PAYLOAD_LIMIT, BodyLimit, install_error_handlers
 from router.metrics import RouterMetrics
 from router.openai_api import openai_routes
-from router.scheduler import Scheduler
+from router.scheduler import Scheduler, lookahead_for
 from router.state import RouterState
 from router.tgi_api import service_routes, tgi_routes
 from router.validation import MAX_TOP_N_TOKENS
@@ -58,7 +58,7 @@ class RouterConfig:
     parent_pid: int | None = None        # stop when this process (the launcher) is gone
     wait_for_shards: float = 0.0         # seconds to wait for the master shard to answer; 0: it must already
     prefix_caching: bool = True          # reuse cached prefix blocks, where the shards can (Info.use_prefix_caching)
-    lookahead: bool = True               # async scheduling: shards run a batch's next forward early
+    lookahead: str = "auto"              # async scheduling (on, off; auto: on unless the shards run on CPU)
 
 
 def warmup_batch(max_input: int, max_prefill: int, max_total: int, max_batch: int) -> Batch:
@@ -131,8 +131,9 @@ async def build_state(config: RouterConfig, client: ShardClient) -> RouterState:
     async def capacity_after_rewarm() -> int | None:
         return (await rewarm(client, config)).max_supported_total_tokens
 
+    lookahead = lookahead_for(config.lookahead, info["model_device_type"])
     scheduler = Scheduler(client, allocator, limits, rewarm=capacity_after_rewarm,
-                          chunking=bool(info.get("support_chunking")), lookahead=config.lookahead)
+                          chunking=bool(info.get("support_chunking")), lookahead=lookahead)
     metrics = RouterMetrics(scheduler, client)
     scheduler.on_step = metrics.on_step
     await scheduler.start()
@@ -189,9 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefix-caching", choices=["on", "off"], default="on",
                         help="on (default): requests reuse the KV blocks of a cached prompt prefix (when the "
                              "shards report use_prefix_caching)")
-    parser.add_argument("--lookahead", choices=["on", "off"], default="on",
-                        help="on (default): while nothing waits to be admitted, the shards run a batch's next "
-                             "forward as soon as they answer a step, overlapping the router's round trip")
+    parser.add_argument("--lookahead", choices=["auto", "on", "off"], default="auto",
+                        help="on: while nothing waits to be admitted, the shards run a batch's next forward as soon "
+                             "as they answer a step, overlapping the router's round trip; auto (default): on "
+                             "unless the shards run on CPU")
     parser.add_argument("--parent-pid", type=int, default=os.environ.get("BUCKETSERVE_PARENT_PID"),
                         help="stop when this process is gone (the launcher sets it)")
     parser.add_argument("--wait-for-shards", type=float, default=0.0,
@@ -211,7 +213,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         args.max_batch_size, args.max_concurrent_requests, adapter_names(args.lora_adapters),
                         access_from_args(args), args.otlp_endpoint,
                         args.payload_limit, args.parent_pid, args.wait_for_shards, args.prefix_caching == "on",
-                        args.lookahead == "on")
+                        args.lookahead)
 
 
 def adapter_names(spec: str) -> tuple[str, ...]:

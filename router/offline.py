@@ -8,7 +8,7 @@ from engine.batch import Generation, Request
 from router.allocator import BlockAllocator
 from router.client import InProcessClient
 from engine.config import ServingLimits
-from router.scheduler import Scheduler
+from router.scheduler import Scheduler, lookahead_for
 
 
 def limits_of(shard, requests: int) -> ServingLimits:
@@ -29,7 +29,8 @@ def run_scheduled(shard, requests: list[Request], lengths: list[int], capacity_t
 async def _run(shard, requests, lengths, capacity_tokens, seconds) -> dict[int, list[Generation]]:
     client = InProcessClient(shard, max_batch_size=shard.limits.max_batch_size)
     allocator = BlockAllocator(capacity_tokens // shard.block_size + 1, shard.block_size)
-    scheduler = Scheduler(client, allocator, limits_of(shard, len(requests)))
+    lookahead = lookahead_for("auto", shard.adapter.device_type)
+    scheduler = Scheduler(client, allocator, limits_of(shard, len(requests)), lookahead=lookahead)
     await scheduler.start()
     try:
         streams = [scheduler.submit(request, length) for request, length in zip(requests, lengths)]

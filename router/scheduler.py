@@ -32,6 +32,12 @@ log = logging.getLogger(__name__)
 RECOVERY_POLL_S = 0.5
 
 
+def lookahead_for(setting: str, device_type: str) -> bool:
+    """--lookahead auto: on where the forward runs on an accelerator, leaving the host free to answer
+    meanwhile; off on CPU, where the forward already takes every core the router would need."""
+    return setting == "on" or (setting == "auto" and device_type != "cpu")
+
+
 class Scheduler:
     """`rewarm`, when given, runs once the shards answer Health again after they were unreachable
     (a restarted shard has lost its warmed graphs and batches) and answers their KV capacity in

@@ -159,7 +159,7 @@ def test_the_router_asks_only_while_nothing_waits_and_then_decodes_that_batch(sh
 
     async def run():
         client = FlagRecordingClient(InProcessClient(shard, max_batch_size=LIMITS.max_batch_size))
-        scheduler = Scheduler(client, allocator, LIMITS)
+        scheduler = Scheduler(client, allocator, LIMITS, lookahead=True)
         await scheduler.start()
         try:
             early = [scheduler.submit(make_request(i, NEW), lengths[i]) for i in (0, 1)]
@@ -184,3 +184,17 @@ def test_the_router_asks_only_while_nothing_waits_and_then_decodes_that_batch(sh
     assert ("look_ahead", False) in calls  # not while 2-3 waited (nor at the very end)
     runs, used = (after[k] - before[k] for k in ("lookahead_runs", "lookahead_steps"))
     assert runs == used >= asked // 2  # none thrown away; skipped only where a row needed a new block or all ended
+
+
+@pytest.mark.parametrize("setting", ["auto", "on", "off"])
+def test_the_setting_reaches_the_router_and_auto_looks_ahead_off_cpu(setting):
+    from launcher.cli import build_parser, config_from_args
+    from router.app import build_parser as router_parser, config_from_args as router_config
+    from router.scheduler import lookahead_for
+
+    argv = [] if setting == "auto" else ["--lookahead", setting]  # auto is the default
+    launched = config_from_args(build_parser().parse_args(argv))
+    assert router_config(router_parser().parse_args(launched.router_args())).lookahead == setting
+    chosen = {device: lookahead_for(setting, device) for device in ("cpu", "cuda", "hpu")}
+    assert chosen == {"auto": {"cpu": False, "cuda": True, "hpu": True},
+                      "on": dict.fromkeys(chosen, True), "off": dict.fromkeys(chosen, False)}[setting]
