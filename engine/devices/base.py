@@ -106,6 +106,10 @@ class DeviceAdapter(ABC):
         first (HPU: optimum-habana, engine/devices/hpu_optimum.py). Elsewhere the class itself."""
         return causal_lm_class
 
+    def prepare_model(self, model, dtype: torch.dtype) -> None:
+        """Put a loaded model's weights in the form this device multiplies fastest (CPU: packed
+        bfloat16, engine/devices/cpu_packed.py). Elsewhere they stay as loaded."""
+
     def reset(self) -> None:
         """Forget the warmed shapes (and graphs): a new KV cache was bound, so they must be warmed again."""
         self.shapes.clear()

@@ -1,3 +1,4 @@
+import logging
 import math
 
 import numpy as np
@@ -5,6 +6,8 @@ import psutil
 import torch
 
 from engine.devices.base import DeviceAdapter
+
+log = logging.getLogger(__name__)
 
 
 class CompiledGraphs:
@@ -44,6 +47,14 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
             # repository's does); AVX512-BF16 alone already makes bfloat16 the faster choice.
             return torch.bfloat16, f"torch reports {' and '.join(features)} on this CPU"
         return torch.float32, "this CPU has neither AVX512-BF16 nor AMX"
+
+    def prepare_model(self, model, dtype: torch.dtype) -> None:
+        """Eager bfloat16: the decoder projections prepacked for oneDNN (compile mode leaves the
+        weights to inductor)."""
+        from engine.devices.cpu_packed import pack_linear_weights, packing_available
+
+        if self.graph_mode == "eager" and dtype == torch.bfloat16 and packing_available():
+            log.info("packed %d bfloat16 projections for oneDNN", pack_linear_weights(model))
 
     @property
     def warm_runs_forward(self) -> bool:

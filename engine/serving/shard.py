@@ -67,6 +67,7 @@ class Shard:
             raise ModelLoadError("LoRA adapters are served with native implementations only (not --implementation transformers)")
         # LoRA adapters load before warmup, so that every bucket is warmed with them active.
         self.lora_set = load_adapters(self.model, config, self.adapter.default_lora_impl, self.parallel)
+        self.adapter.prepare_model(self.model, self.dtype)  # after the adapters: they read the plain weights' dtype
         self.special_token_ids = frozenset(self.tokenizer.all_special_ids)
         self.limits: ServingLimits | None = None
         self.runner: ModelRunner | None = None
