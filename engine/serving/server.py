@@ -196,6 +196,9 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         return pb.HealthResponse()
 
 
+LOOKAHEAD_METADATA = ((LOOKAHEAD_METADATA_KEY, "1"),)  # what a router sends to ask for it
+
+
 def wants_lookahead(metadata) -> bool:
     return any(k == LOOKAHEAD_METADATA_KEY and v == "1" for k, v in metadata or ())
 
