@@ -44,7 +44,7 @@ bench: $(STAMP)
 lint-docker: $(STAMP)
 	$(VENV)/bin/hadolint --config .hadolint.yaml Dockerfile_gaudi Dockerfile_cuda Dockerfile_xpu
 
-# Regenerate the committed gRPC stubs in engine/pb/ after editing proto/generate.proto.
+# Regenerate the committed gRPC stubs in engine/wire/ after editing proto/generate.proto.
 proto: $(STAMP)
 	$(PY) scripts/gen_proto.py
 

@@ -67,13 +67,13 @@ class EngineConfig:
     model_id: str | None = None          # None: the embedded SmolLM2-135M-Instruct
     device: str = "cpu"
     dtype: str | None = None             # None or "auto": the device's (cpu: bfloat16 where it has AVX512-BF16/AMX)
-    quantize: str = "none"               # none | int8 | int4 | fp8 (engine/quantize.py)
+    quantize: str = "none"               # none | int8 | int4 | fp8 (engine/weights/quantize.py)
     block_size: int | None = None        # None: the device's preferred KV block size
     max_batch_size: int = 32
     max_input_tokens: int = 1024
     max_total_tokens: int = 2048
     max_prefill_tokens: int = 4096
-    bucket_strategy: str = "exponential"  # linear | exponential | padding | file | fitted (engine/buckets/plans.py)
+    bucket_strategy: str = "exponential"  # linear | exponential | padding | file | fitted (engine/buckets/plan.py)
     bucket_shapes: str | None = None     # fitted: the JSONL trace of batch shapes to fit
     bucket_file: str | None = None       # file: JSON of the buckets
     max_graphs: int | None = None        # fitted: graph budget; None: the exponential plan's count

@@ -10,7 +10,7 @@ import torch
 from engine.attention import DecodeMetadata, PrefillMetadata
 from engine.attention.flat import flat_block_tensors, flat_mask
 from engine.attention.rows import row_block_tensors
-from engine.buckets.core import BucketPlan, DecodeBucket, PaddingStats, PrefillBucket
+from engine.buckets.grid import BucketPlan, DecodeBucket, PaddingStats, PrefillBucket
 from engine.devices.base import DeviceAdapter
 from engine.kv_cache import RESERVED_BLOCK, KVCache
 from engine.layers.lora import NO_ADAPTER

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import Request, StoppingCriteriaParameters
-from engine.buckets.core import PaddingStats
+from engine.buckets.grid import PaddingStats
 from launcher.generate import run_requests, warm_for
 from engine.serving.shard import Shard
 

@@ -34,7 +34,7 @@ def check_split(model_id: str | None, num_shard: int) -> None:
     if num_shard == 1:
         return
     from engine.config import default_cache_dir
-    from engine.loader import read_config, resolve_model_dir
+    from engine.weights.loader import read_config, resolve_model_dir
 
     model_dir = resolve_model_dir(model_id, default_cache_dir())
     config = read_config(model_dir)

@@ -164,7 +164,7 @@ def bucketserve(argv: list[str] | None = None) -> int:
     buckets / warmup-profile, that command of the engine; with `loadtest`, the load generator."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "loadtest":
-        from router.loadtest import main as loadtest_main
+        from launcher.loadtest import main as loadtest_main
 
         return loadtest_main(argv[1:])
     if argv and argv[0] in ENGINE_COMMANDS:

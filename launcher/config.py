@@ -31,7 +31,7 @@ class LauncherConfig:
     implementation: str | None = None    # auto, native or transformers; None: the engine's default (auto)
     moe_impl: str | None = None          # MoE experts, dense or gather; None: the device's default
     prefix_caching: str = "on"           # on | off: passed to the shards (context buckets) and the router
-    lookahead: str = "auto"              # auto | on | off: the router's async scheduling (router/scheduler.py)
+    lookahead: str = "auto"              # auto | on | off: the router's async scheduling (router/sched/scheduler.py)
     uds_path: str | None = None          # socket base; None: a unique one is picked per launch
     port: int = DEFAULT_PORT             # the router's HTTP port
     hostname: str = "0.0.0.0"            # the router's HTTP address (TGI's default: reachable from outside a container)

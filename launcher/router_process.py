@@ -1,7 +1,7 @@
 """The router as a child of the launcher: started once the shards answer, watched, stopped first.
 
 The router outlives shard restarts: when the shards go away it answers 503 for new requests, holds
-the queued ones, and re-warms the shards once they answer again (router/scheduler.py).
+the queued ones, and re-warms the shards once they answer again (router/sched/scheduler.py).
 """
 from __future__ import annotations
 

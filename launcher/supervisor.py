@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.pb import generate_pb2 as pb
-from engine.pb import generate_pb2_grpc as pb_grpc
+from engine.wire import generate_pb2 as pb
+from engine.wire import generate_pb2_grpc as pb_grpc
 from launcher.checks import pick_free_port
 from launcher.config import LauncherConfig, child_environment
 from engine.devices.probe import DevicePlan

@@ -3,7 +3,7 @@ import asyncio
 import logging
 import sys
 
-from router.access import log_request_ids
+from router.http.access import log_request_ids
 from router.app import build_parser, config_from_args, serve
 
 

@@ -18,20 +18,20 @@ from fastapi import FastAPI
 from transformers import AutoTokenizer
 
 from engine.config import ServingLimits, default_cache_dir, parse_lora_adapters
-from engine.loader import resolve_model_dir
+from engine.weights.loader import resolve_model_dir
 from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCriteriaParameters
-from router.access import AccessConfig, access_from_args, add_access_args, install
-from router import tracing
-from router.allocator import BlockAllocator
-from router.prefix_cache import PrefixCache
+from router.http.access import AccessConfig, access_from_args, add_access_args, install
+from router.http import tracing
+from router.sched.allocator import BlockAllocator
+from router.sched.prefix_cache import PrefixCache
 from router.client import GrpcShardClient, ShardClient
-from router.errors import DEFAULT_PAYLOAD_LIMIT, BodyLimit, install_error_handlers
-from router.metrics import RouterMetrics
-from router.openai_api import openai_routes
-from router.scheduler import Scheduler, lookahead_for
-from router.state import RouterState
-from router.tgi_api import service_routes, tgi_routes
-from router.validation import MAX_TOP_N_TOKENS
+from router.http.errors import DEFAULT_PAYLOAD_LIMIT, BodyLimit, install_error_handlers
+from router.http.metrics import RouterMetrics
+from router.http.openai_api import openai_routes
+from router.sched.scheduler import Scheduler, lookahead_for
+from router.http.state import RouterState
+from router.http.tgi_api import service_routes, tgi_routes
+from router.http.validation import MAX_TOP_N_TOKENS
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -113,7 +113,7 @@ def info_dict(config: RouterConfig, info, limits: ServingLimits, result) -> dict
 def create_app(state: RouterState, access: AccessConfig = AccessConfig(), traces: tracing.Tracing | None = None,
                payload_limit: int = DEFAULT_PAYLOAD_LIMIT) -> FastAPI:
     """The HTTP app: TGI's routes, OpenAI's, and the service routes, over one state; every error
-    in the route's shape (router/errors.py)."""
+    in the route's shape (router/http/errors.py)."""
     app = FastAPI(title="bucketserve router")
     app.add_middleware(BodyLimit, limit=payload_limit, metrics=state.metrics)
     tracing.install(app, traces, state.scheduler)   # inside the access middleware, which names the request first

@@ -17,15 +17,15 @@ from typing import Protocol
 
 import grpc
 
-from engine.serving import convert
+from engine.wire import convert
 from engine.batch import Batch, CachedBatch, Generation, InfoResponse, WarmupResult
-from engine.pb import generate_pb2 as pb
-from engine.pb import generate_pb2_grpc as pb_grpc
+from engine.wire import generate_pb2 as pb
+from engine.wire import generate_pb2_grpc as pb_grpc
 from engine.serving.server import (LOOKAHEAD_METADATA, MAX_MESSAGE_BYTES, STATS_METADATA_KEY, resume_metadata,
                                    status_for)
 
 StepResult = tuple[list[Generation], CachedBatch | None]
-# Metadata the current step sends besides its own (the traced requests' span contexts, router/trace_steps.py).
+# Metadata the current step sends besides its own (the traced requests' span contexts, router/http/trace_steps.py).
 STEP_METADATA: contextvars.ContextVar[tuple] = contextvars.ContextVar("step_metadata", default=())
 
 

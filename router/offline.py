@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 from engine.batch import Generation, Request
-from router.allocator import BlockAllocator
+from router.sched.allocator import BlockAllocator
 from router.client import InProcessClient
 from engine.config import ServingLimits
-from router.scheduler import Scheduler, lookahead_for
+from router.sched.scheduler import Scheduler, lookahead_for
 
 
 def limits_of(shard, requests: int) -> ServingLimits:

@@ -66,14 +66,14 @@ build_server() {  # no network at build time: no curl, no OpenSSL, no prebuilt w
 gguf_for() {  # the llama.cpp model file of a precision; converted once from our safetensors
     local hf out
     if [ "$1" = int4 ]; then
-        "$PY" -c "from engine.loader import embedded_gguf_path; print(embedded_gguf_path())"
+        "$PY" -c "from engine.weights.loader import embedded_gguf_path; print(embedded_gguf_path())"
         return
     fi
     out=$WORK/smollm2-135m-$1.gguf
     if [ ! -f "$out" ]; then
         # the converter imports sentencepiece before it looks for a tokenizer.model (ours has none)
         "$PY" -c "import sentencepiece" 2>/dev/null || "$PY" -m pip install -q sentencepiece
-        hf=$("$PY" -c "from engine.config import default_cache_dir; from engine.loader import resolve_model_dir; print(resolve_model_dir(None, default_cache_dir()))")
+        hf=$("$PY" -c "from engine.config import default_cache_dir; from engine.weights.loader import resolve_model_dir; print(resolve_model_dir(None, default_cache_dir()))")
         PYTHONPATH=$SRC/gguf-py "$PY" "$SRC/convert_hf_to_gguf.py" "$hf" --outtype "${1/fp32/f32}" --outfile "$out.tmp" >"$WORK/convert-$1.log" 2>&1
         mv "$out.tmp" "$out"
     fi

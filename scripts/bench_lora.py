@@ -23,7 +23,7 @@ from engine.batch import Batch, Request, StoppingCriteriaParameters
 from launcher.bench import Workload, make_prompts
 from engine.config import EngineConfig
 from launcher.generate import warm_for
-from engine.loader import resolve_model_dir
+from engine.weights.loader import resolve_model_dir
 from engine.serving.shard import Shard
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

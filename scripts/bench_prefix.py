@@ -23,10 +23,10 @@ import time
 from engine.batch import Request, StoppingCriteriaParameters
 from engine.config import EngineConfig, ServingLimits
 from engine.serving.shard import Shard
-from router.allocator import BlockAllocator
+from router.sched.allocator import BlockAllocator
 from router.client import InProcessClient
-from router.prefix_cache import PrefixCache
-from router.scheduler import Scheduler
+from router.sched.prefix_cache import PrefixCache
+from router.sched.scheduler import Scheduler
 
 LIMITS = ServingLimits(max_batch_size=16, max_prefill_tokens=2048, max_input_tokens=2048, max_total_tokens=2600)
 SYSTEM = ("You are a meticulous assistant for a logistics company. Follow the policies below exactly. "

@@ -1,11 +1,11 @@
-"""Generate the Python gRPC stubs of proto/generate.proto into engine/pb/.
+"""Generate the Python gRPC stubs of proto/generate.proto into engine/wire/.
 
     python scripts/gen_proto.py            # regenerate the committed stubs
     python scripts/gen_proto.py OUT_DIR    # generate elsewhere (tests compare the two)
 
-protoc writes `import generate_pb2` into the gRPC module, which only works with engine/pb on
-sys.path; the import is rewritten to the package path so `engine.pb.generate_pb2_grpc` imports
-`engine.pb.generate_pb2`.
+protoc writes `import generate_pb2` into the gRPC module, which only works with engine/wire on
+sys.path; the import is rewritten to the package path so `engine.wire.generate_pb2_grpc` imports
+`engine.wire.generate_pb2`.
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PROTO = REPO / "proto" / "generate.proto"
-PACKAGE_DIR = REPO / "engine" / "pb"
+PACKAGE_DIR = REPO / "engine" / "wire"
 GENERATED = ("generate_pb2.py", "generate_pb2.pyi", "generate_pb2_grpc.py")
 BARE_IMPORT = "import generate_pb2 as generate__pb2"
-PACKAGE_IMPORT = "from engine.pb import generate_pb2 as generate__pb2"
+PACKAGE_IMPORT = "from engine.wire import generate_pb2 as generate__pb2"
 
 
 def generate(out_dir: Path, proto: Path = PROTO) -> list[Path]:

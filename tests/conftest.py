@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig, default_cache_dir
-from engine.loader import resolve_model_dir
+from engine.weights.loader import resolve_model_dir
 from tests.models import build_tiny_model
 
 torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Tests of engine.buckets.core: ranges, plan coverage, bucket choice, splitting, padding stats."""
+"""Tests of engine.buckets.grid: ranges, plan coverage, bucket choice, splitting, padding stats."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from engine.buckets.core import (
+from engine.buckets.grid import (
     STRATEGIES,
     BucketLimits,
     BucketPlan,
@@ -403,7 +403,7 @@ def test_padding_stats_rejects_bad_records():
 
 
 def test_a_device_that_compiles_nothing_gets_a_decode_bucket_for_every_batch_size():
-    from engine.buckets.plans import with_every_decode_batch
+    from engine.buckets.plan import with_every_decode_batch
 
     plan = BucketPlan((PrefillBucket(1, 16),), (DecodeBucket(1, 4), DecodeBucket(4, 8), DecodeBucket(4, 16),
                                                 DecodeBucket(8, 32)))

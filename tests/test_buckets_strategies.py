@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from engine.buckets.core import BucketLimits, BucketPlan, DecodeBucket, PrefillBucket, padding_range, plan_buckets
+from engine.buckets.grid import BucketLimits, BucketPlan, DecodeBucket, PrefillBucket, padding_range, plan_buckets
 from engine.cli.main import main
 from engine.buckets.fitted import _layers_1d, fit_plan
-from engine.buckets.plans import make_plan, plan_problems
+from engine.buckets.plan import make_plan, plan_problems
 from engine.buckets.shapes import Shape, count_shapes, load_shapes
 from engine.buckets.trace_cost import decode_cost, prefill_cost, uniform_prefill_tokens
 

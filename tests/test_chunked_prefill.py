@@ -9,9 +9,9 @@ from engine.config import ServingLimits
 from engine.errors import InvalidRequestError
 from engine.serving.shard import Shard
 from router.client import InProcessClient
-from router.metrics import RouterMetrics
-from router.prefix_cache import PrefixCache
-from router.scheduler import Scheduler
+from router.http.metrics import RouterMetrics
+from router.sched.prefix_cache import PrefixCache
+from router.sched.scheduler import Scheduler
 from tests.conftest import tiny_config
 from tests.test_equivalence import PROMPTS, reference_tokens
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from engine.buckets.core import BucketLimits, max_context_blocks
-from engine.buckets.plans import make_plan
+from engine.buckets.grid import BucketLimits, max_context_blocks
+from engine.buckets.plan import make_plan
 from engine.buckets.shapes import Shape, parse_shape
 
 LIMITS = BucketLimits(max_batch_size=4, max_input_tokens=128, max_total_tokens=256, max_prefill_tokens=256,

@@ -3,7 +3,7 @@ that records the aten ops of a capture and re-runs them on replay (tests/fakes/c
 import pytest
 import torch
 
-from engine.buckets.core import BucketPlan, DecodeBucket
+from engine.buckets.grid import BucketPlan, DecodeBucket
 from engine.devices import get_adapter
 from engine.devices.cuda import CUDAAdapter
 from engine.devices.graph_inputs import GraphInputError

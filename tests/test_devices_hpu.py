@@ -6,11 +6,11 @@ import sys
 import pytest
 import torch
 
-from engine.buckets.core import DecodeBucket, PrefillBucket
+from engine.buckets.grid import DecodeBucket, PrefillBucket
 from engine.devices import get_adapter
 from engine.devices.cpu import CPUAdapter
 from engine.devices.graph_inputs import GraphInputError
-from engine.devices.hpu import HPUAdapter
+from engine.devices.hpu.adapter import HPUAdapter
 from engine.devices.probe import DeviceError
 from engine.distributed import Parallel
 from engine.errors import UnwarmedShapeError
@@ -174,7 +174,7 @@ def test_no_step_markers_in_compile_mode_or_on_other_devices(habana, monkeypatch
     trace = traced_forward(habana, monkeypatch, get_adapter("cpu"), Parallel(0, 2))
     assert "layer" in trace and "mark_step" not in trace
     habana = start_bridge(monkeypatch, lazy_mode="0")
-    monkeypatch.setattr("engine.devices.hpu.compile_static", lambda fn, backend: fn)  # no hpu_backend here
+    monkeypatch.setattr("engine.devices.hpu.adapter.compile_static", lambda fn, backend: fn)  # no hpu_backend here
     compiled = hpu(graph_mode="compile", world_size=2)
     assert compiled.step_marker is None
     trace = traced_forward(habana, monkeypatch, compiled, Parallel(0, 2))

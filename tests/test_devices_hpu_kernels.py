@@ -6,8 +6,9 @@ import inspect
 import pytest
 import torch
 
-from engine.buckets.core import BucketPlan, DecodeBucket
-from engine.devices import get_adapter, hpu_attention
+from engine.buckets.grid import BucketPlan, DecodeBucket
+from engine.devices import get_adapter
+from engine.devices.hpu import attention as hpu_attention
 from tests.fakes.tiny import CONFIG, PLAN, next_steps, prompts, runner_for, tiny_model
 from tests.fakes.vllm_hpu_extension import FakeExtension
 from tests.test_devices_hpu import habana, reference_logits, warmed  # noqa: F401 - the fixture
@@ -61,7 +62,7 @@ def test_the_kernels_replay_correctly_in_hpu_graphs(habana, monkeypatch):
 
 def test_v1_21_0_without_vllm_falls_back_with_a_warning_naming_the_reason(habana, monkeypatch, caplog):
     extension = FakeExtension("v1.21.0", with_vllm=False)
-    with caplog.at_level("WARNING", logger="engine.devices.hpu_attention"):
+    with caplog.at_level("WARNING", logger="engine.devices.hpu.attention"):
         adapter, prefill, decode = serve(extension, monkeypatch, habana)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and warnings[0].startswith("decode attention runs in pure torch: no usable "
@@ -86,7 +87,7 @@ def test_a_release_with_an_unknown_required_argument_is_refused(habana, monkeypa
         return {**functions, "flat_pa": flat_pa}
 
     extension.ops_functions = newer
-    with caplog.at_level("WARNING", logger="engine.devices.hpu_attention"):
+    with caplog.at_level("WARNING", logger="engine.devices.hpu.attention"):
         serve(extension, monkeypatch, habana)
     assert any("its flat_pa requires window_blocks, which this engine does not pass" in r.getMessage()
                for r in caplog.records)
@@ -94,7 +95,7 @@ def test_a_release_with_an_unknown_required_argument_is_refused(habana, monkeypa
 
 
 def test_without_any_kernel_attention_is_pure_torch_and_said_once(habana, caplog):
-    with caplog.at_level("WARNING", logger="engine.devices.hpu_attention"):
+    with caplog.at_level("WARNING", logger="engine.devices.hpu.attention"):
         first, second = get_adapter("hpu"), get_adapter("hpu")
     assert first.attention_backend is None and second.attention_backend is None
     messages = [r.getMessage() for r in caplog.records]

@@ -1,4 +1,4 @@
-"""optimum-habana on the HPU's transformers fallback (engine/devices/hpu_optimum.py), against a fake as strict
+"""optimum-habana on the HPU's transformers fallback (engine/devices/hpu/optimum.py), against a fake as strict
 as v1.19.1 (tests/fakes/optimum_habana.py): adapt_transformers_to_gaudi() is applied, a Gaudi variant that
 keeps its own attention and KV cache is taken back out (with a warning naming why) so the fallback still
 runs its attention through our paged cache, and an optimum-habana that cannot be imported is reported."""
@@ -11,11 +11,11 @@ from transformers import AttentionInterface, AutoConfig
 from transformers.generation import GenerationMixin
 from transformers.models.llama import modeling_llama
 
-from engine.devices import hpu_optimum
+from engine.devices.hpu import optimum as hpu_optimum
 from engine.devices.cpu import CPUAdapter
 from engine.distributed import SINGLE
 from engine.models.fallback import ATTENTION_NAME
-from engine.models.fallback_loader import load_transformers_model
+from engine.weights.fallback import load_transformers_model
 from tests.fakes.optimum_habana import FakeOptimumHabana
 from tests.fakes.optimum_habana_llama import GaudiLlamaForCausalLM
 from tests.models import build_tiny_model
@@ -43,7 +43,7 @@ def load(model_dir, prepare):
 
 def test_a_gaudi_variant_with_its_own_attention_is_taken_back_out(optimum, tiny_model_dirs, caplog):
     optimum.install()
-    with caplog.at_level(logging.WARNING, logger="engine.devices.hpu_optimum"):
+    with caplog.at_level(logging.WARNING, logger="engine.devices.hpu.optimum"):
         hf_model = load(tiny_model_dirs["llama"], hpu_optimum.adapt_for_fallback)
     assert optimum.calls == 1 and GenerationMixin.generate is not ORIGINAL_GENERATE  # applied, process-wide
     assert type(hf_model) is ORIGINAL_LLAMA and type(hf_model.model.layers[0].self_attn) is ORIGINAL_ATTENTION
@@ -79,14 +79,14 @@ def test_the_verdict_matches_what_the_classes_do(optimum, tiny_model_dirs):
 def test_an_architecture_without_a_gaudi_variant_is_served_adapted(optimum, tmp_path, smollm_dir, caplog):
     optimum.install()
     model_dir = build_tiny_model("olmo2", tmp_path / "olmo2", smollm_dir, variants=FALLBACKS)
-    with caplog.at_level(logging.WARNING, logger="engine.devices.hpu_optimum"):
+    with caplog.at_level(logging.WARNING, logger="engine.devices.hpu.optimum"):
         hf_model = load(model_dir, hpu_optimum.adapt_for_fallback)
     assert optimum.calls == 1 and type(hf_model) is transformers.Olmo2ForCausalLM and not caplog.text
 
 
 def test_an_optimum_habana_that_cannot_be_imported_is_reported_once(optimum, tiny_model_dirs, caplog):
     optimum.install(importable=False)
-    with caplog.at_level(logging.WARNING, logger="engine.devices.hpu_optimum"):
+    with caplog.at_level(logging.WARNING, logger="engine.devices.hpu.optimum"):
         assert hpu_optimum.adapt_for_fallback(ORIGINAL_LLAMA) is ORIGINAL_LLAMA
         assert hpu_optimum.adapt_for_fallback(ORIGINAL_LLAMA) is ORIGINAL_LLAMA
     assert caplog.text.count("transformers.modeling_attn_mask_utils") == 1 and optimum.calls == 0

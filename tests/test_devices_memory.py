@@ -4,7 +4,7 @@ import threading
 
 import torch
 
-from engine.buckets.core import DecodeBucket
+from engine.buckets.grid import DecodeBucket
 from engine.serving.shard import Shard
 from engine.warmup.warm import warm_buckets, warmup_order
 from tests.fakes.tiny import PLAN, next_steps, prompts, runner_for, tiny_model

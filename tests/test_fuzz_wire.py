@@ -9,8 +9,8 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from engine.pb import generate_pb2 as pb
-from engine.pb import generate_pb2_grpc as pb_grpc
+from engine.wire import generate_pb2 as pb
+from engine.wire import generate_pb2_grpc as pb_grpc
 from tests.test_equivalence import PROMPTS, reference_tokens
 from tests.test_server import (NEW_TOKENS, collect, drain, prompt_request, short_socket_dir, start_cli_server,
                                stop_cli_server, tgi_warmup_request, wait_until_serving)

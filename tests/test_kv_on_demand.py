@@ -7,10 +7,10 @@ import pytest
 from engine.batch import Request, StoppingCriteriaParameters
 from engine.config import ServingLimits
 from engine.serving.shard import Shard
-from router.allocator import BlockAllocator
+from router.sched.allocator import BlockAllocator
 from router.client import InProcessClient
-from router.prefix_cache import PrefixCache
-from router.scheduler import Scheduler
+from router.sched.prefix_cache import PrefixCache
+from router.sched.scheduler import Scheduler
 from tests.conftest import tiny_config
 from tests.test_equivalence import PROMPTS, reference_tokens
 

@@ -15,8 +15,8 @@ import grpc
 import psutil
 import pytest
 
-from engine.pb import generate_pb2 as pb
-from engine.pb import generate_pb2_grpc as pb_grpc
+from engine.wire import generate_pb2 as pb
+from engine.wire import generate_pb2_grpc as pb_grpc
 from launcher.checks import split_problem
 from launcher.cli import bucketserve
 from engine.devices.probe import DeviceError, Probe, probe_in_child, resolve_device

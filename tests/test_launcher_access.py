@@ -1,8 +1,8 @@
 """The launcher passes the router's access, tracing and payload flags on; the API key only in the environment."""
 from launcher.cli import build_parser, config_from_args
-from router.access import access_from_args
+from router.http.access import access_from_args
 from router.app import build_parser as router_parser
-from router.errors import DEFAULT_PAYLOAD_LIMIT
+from router.http.errors import DEFAULT_PAYLOAD_LIMIT
 
 
 def launched(*argv):

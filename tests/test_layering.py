@@ -10,7 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("engine", "router", "launcher")  # lowest first
-MAX_ENGINE_ROOT_MODULES = 25
+MAX_ENGINE_ROOT_MODULES = 10
+MAX_ROUTER_ROOT_MODULES = 6
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -117,6 +118,28 @@ def test_engine_root_holds_only_the_shared_modules():
     assert len(modules) <= MAX_ENGINE_ROOT_MODULES, modules
 
 
+def test_router_root_holds_only_its_entry_points():
+    modules = sorted(p.name for p in (ROOT / "router").glob("*.py"))
+    assert len(modules) <= MAX_ROUTER_ROOT_MODULES, modules
+
+
+def serving_imports(graph: dict[str, set[str]]) -> list[str]:
+    """The router reaches the shard only through the wire contract (engine.wire), never the shard's
+    own serving code."""
+    return sorted(f"{src} imports {dst}" for src, deps in graph.items() if src.split(".")[0] == "router"
+                  for dst in deps if dst == "engine.serving" or dst.startswith("engine.serving."))
+
+
+def test_the_router_imports_the_wire_not_the_shard():
+    assert serving_imports(import_graph(ROOT)) == []
+
+
+def test_the_sched_wing_imports_no_http():
+    graph = import_graph(ROOT)
+    assert sorted(f"{s} imports {d}" for s, deps in graph.items() if s.startswith("router.sched")
+                  for d in deps if d.startswith("router.http")) == []
+
+
 def test_every_folder_says_what_it_holds():
     for init in [p for pkg in LAYERS for p in (ROOT / pkg).rglob("__init__.py")]:
         assert ast.get_docstring(ast.parse(init.read_text())), f"{init.relative_to(ROOT)} has no docstring"
@@ -148,6 +171,14 @@ def test_a_cycle_through_a_relative_lazy_import_is_found(tree):
     root = tree({"engine/w/__init__.py": "", "engine/w/run.py": "def go():\n    from .prog import p\n",
                  "engine/w/prog.py": "from engine.w.run import go\n", "engine/ok.py": "from engine.w import run\n"})
     assert cycles(import_graph(root)) == [["engine.w.prog", "engine.w.run"]]
+
+
+def test_a_router_import_of_the_shard_serving_code_is_found(tree):
+    root = tree({"engine/serving/__init__.py": "", "engine/serving/server.py": "K = 1\n",
+                 "engine/wire/__init__.py": "", "engine/wire/contract.py": "K = 1\n",
+                 "router/c.py": "def f():\n    from engine.serving.server import K\n",
+                 "router/d.py": "from engine.wire.contract import K\n"})
+    assert serving_imports(import_graph(root)) == ["router.c imports engine.serving.server"]
 
 
 def test_a_cycle_between_folders_is_found(tree):

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.errors import ModelLoadError
-from engine.loader import build_model, convert_gguf, embedded_gguf_path, load, load_weights, read_config, resolve_model_dir, weight_files
+from engine.weights.loader import build_model, convert_gguf, embedded_gguf_path, load, load_weights, read_config, resolve_model_dir, weight_files
 from engine.models.config import ModelConfig
 from tests.models import build_tiny_model
 

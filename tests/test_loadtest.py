@@ -10,7 +10,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from router import loadtest
+from launcher import loadtest
 from tests.test_router_http import free_port, served  # noqa: F401 - `served` is a fixture used below
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

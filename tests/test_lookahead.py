@@ -1,4 +1,4 @@
-"""Decode lookahead (async scheduling: engine/serving/lookahead.py, router/scheduler.py).
+"""Decode lookahead (async scheduling: engine/serving/lookahead.py, router/sched/scheduler.py).
 
 A step that takes its logits from a forward run early gives the tokens, and the seeded draws, it
 would have given without one, and runs no forward of its own; rows that joined since run alone;
@@ -13,9 +13,9 @@ import pytest
 
 from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCriteriaParameters
 from engine.errors import InvalidRequestError
-from router.allocator import BlockAllocator
+from router.sched.allocator import BlockAllocator
 from router.client import InProcessClient
-from router.scheduler import Scheduler
+from router.sched.scheduler import Scheduler
 from tests.conftest import warmed_llama_shard
 from tests.test_equivalence import PROMPTS, reference_tokens
 from tests.test_router_scheduler import LIMITS, RecordingClient, consume, full_allocator, make_request
@@ -190,7 +190,7 @@ def test_the_router_asks_only_while_nothing_waits_and_then_decodes_that_batch(sh
 def test_the_setting_reaches_the_router_and_auto_looks_ahead_off_cpu(setting):
     from launcher.cli import build_parser, config_from_args
     from router.app import build_parser as router_parser, config_from_args as router_config
-    from router.scheduler import lookahead_for
+    from router.sched.scheduler import lookahead_for
 
     argv = [] if setting == "auto" else ["--lookahead", setting]  # auto is the default
     launched = config_from_args(build_parser().parse_args(argv))

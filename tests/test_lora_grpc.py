@@ -6,7 +6,7 @@ import shutil
 import grpc
 import pytest
 
-from engine.pb import generate_pb2 as pb
+from engine.wire import generate_pb2 as pb
 from engine.serving.server import ServerConfig
 from engine.serving.shard import Shard
 from tests.conftest import tiny_config

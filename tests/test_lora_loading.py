@@ -10,8 +10,8 @@ from engine.config import parse_lora_adapters
 from engine.distributed import Parallel
 from engine.errors import ModelLoadError
 from engine.layers.lora import DenseLora, GatherLora, LoraSet, LoraWeights, lora_ops
-from engine.loader import build_model, load_weights, read_config, weight_files
-from engine.lora_loader import attach_adapters, read_adapter
+from engine.weights.loader import build_model, load_weights, read_config, weight_files
+from engine.weights.lora import attach_adapters, read_adapter
 from tests.models import build_tiny_model
 from tests.test_lora import ADAPTERS, lora_dirs, make_adapter  # noqa: F401 - lora_dirs is a fixture
 

@@ -8,7 +8,7 @@ import torch
 
 from engine.errors import ModelLoadError
 from launcher.generate import generate
-from engine.loader import load
+from engine.weights.loader import load
 from engine.models.fallback import TransformersCausalLM
 from engine.serving.shard import Shard
 from tests.conftest import tiny_config

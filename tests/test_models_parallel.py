@@ -36,7 +36,7 @@ def test_ranks_hold_their_rows_of_stacked_and_expert_tensors(family_dirs):
     from safetensors.torch import load_file
 
     from engine.distributed import Parallel
-    from engine.loader import build_model, load_weights, read_config, weight_files
+    from engine.weights.loader import build_model, load_weights, read_config, weight_files
 
     phi3 = family_dirs["phi3"]
     model = build_model(read_config(phi3), torch.float32, torch.device("cpu"), 64, Parallel(1, 2))

@@ -8,7 +8,7 @@ from engine.distributed import Parallel
 from engine.errors import ModelLoadError
 from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.linear import RowParallelLinear, dense_linear, is_lone_reduced_row, kv_partition, qkv_parallel
-from engine.loader import build_model, load_weights, read_config, weight_files
+from engine.weights.loader import build_model, load_weights, read_config, weight_files
 
 
 class RecordingSlice:

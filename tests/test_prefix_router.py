@@ -8,10 +8,10 @@ import pytest
 from engine.batch import Request, StoppingCriteriaParameters
 from engine.config import ServingLimits
 from engine.serving.shard import Shard
-from router.allocator import BlockAllocator
+from router.sched.allocator import BlockAllocator
 from router.client import InProcessClient
-from router.prefix_cache import PrefixCache
-from router.scheduler import Scheduler
+from router.sched.prefix_cache import PrefixCache
+from router.sched.scheduler import Scheduler
 from tests.conftest import tiny_config
 from tests.test_equivalence import reference_tokens
 
@@ -118,8 +118,8 @@ def test_a_group_that_does_not_fit_waits_without_allocating_or_counting_lookups(
     """n=3 siblings of a 9-token prompt whose 2 first blocks are cached: each needs 1 block of its own
     now. Checking a group that does not fit takes no block and counts no lookup (it used to allocate
     member by member, free them again, and count every lookup on each scheduler pass)."""
-    from router import batching, kv_blocks
-    from router.streams import Entry
+    from router.sched import batching, kv_blocks
+    from router.sched.streams import Entry
 
     cache = PrefixCache(num_blocks=9, block_size=4)  # 8 usable blocks
     prompt = list(range(9))

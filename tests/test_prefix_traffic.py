@@ -9,8 +9,8 @@ from engine.batch import Request, StoppingCriteriaParameters
 from engine.config import ServingLimits
 from engine.serving.shard import Shard
 from router.client import InProcessClient
-from router.prefix_cache import PrefixCache
-from router.scheduler import Scheduler
+from router.sched.prefix_cache import PrefixCache
+from router.sched.scheduler import Scheduler
 from tests.conftest import tiny_config
 
 BUDGET = 32

@@ -1,4 +1,4 @@
-"""Weight-only quantized layers (engine/layers/quant.py) and GGUF blocks read as stored (engine/gguf_weights.py):
+"""Weight-only quantized layers (engine/layers/quant.py) and GGUF blocks read as stored (engine/weights/gguf.py):
 each equals a dequantize-then-matmul reference."""
 import numpy as np
 import pytest
@@ -6,7 +6,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from engine.gguf_weights import decode_q4, unpermute_rows
+from engine.weights.gguf import decode_q4, unpermute_rows
 from engine.layers.quant import Int4Weight, Int8Weight, int4_groupwise, int8_per_channel
 
 

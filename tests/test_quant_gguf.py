@@ -1,11 +1,11 @@
-"""The embedded SmolLM2 Q4_1 GGUF loaded into int4 as stored (engine/gguf_weights.py, engine/quantize.py)."""
+"""The embedded SmolLM2 Q4_1 GGUF loaded into int4 as stored (engine/weights/gguf.py, engine/weights/quantize.py)."""
 import pytest
 import torch
 from safetensors import safe_open
 
-from engine import loader
+from engine.weights import loader
 from engine.config import default_cache_dir
-from engine.gguf_weights import read_weights
+from engine.weights.gguf import read_weights
 from engine.layers.quant import weight_bytes
 from tests.test_quant_models import dequantized_state, greedy, transformers_on
 

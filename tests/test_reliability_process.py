@@ -5,7 +5,7 @@ from pathlib import Path
 
 import psutil
 
-from engine.pb import generate_pb2_grpc as pb_grpc
+from engine.wire import generate_pb2_grpc as pb_grpc
 from tests.test_launcher import Launch, engine_processes_of  # noqa: F401
 from tests.test_launcher_router import wait_served
 from tests.test_server import short_socket_dir, start_cli_server, tgi_warmup_request, wait_until_serving

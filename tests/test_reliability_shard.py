@@ -6,7 +6,7 @@ import grpc
 import psutil
 import pytest
 
-from engine.pb import generate_pb2 as pb
+from engine.wire import generate_pb2 as pb
 from tests.test_server import (collect, drain, expected, free_tcp_port, prompt_request, router_blocks,  # noqa: F401
                                served, shard, short_socket_dir, socket_dir, start_cli_server, stop_cli_server,
                                wait_until_serving, warm)

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.errors import CapacityError
-from router.allocator import Allocation, BlockAllocator
+from router.sched.allocator import Allocation, BlockAllocator
 
 
 def test_lowest_blocks_first_and_slots_follow_blocks():

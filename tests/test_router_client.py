@@ -7,10 +7,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.batch import Batch, CachedBatch, Request, StoppingCriteriaParameters, WarmupResult
-from engine.pb import generate_pb2 as pb
-from engine.pb import generate_pb2_grpc as pb_grpc
+from engine.wire import generate_pb2 as pb
+from engine.wire import generate_pb2_grpc as pb_grpc
 from engine.serving.shard import Shard
-from router.allocator import BlockAllocator
+from router.sched.allocator import BlockAllocator
 from router.client import GrpcShardClient, InProcessClient, ShardError, minimum_warmup
 from tests.conftest import tiny_config
 from tests.test_equivalence import PROMPTS, reference_tokens

@@ -10,7 +10,7 @@ import openai
 import pytest
 from text_generation import Client
 
-from router.fanout import MAX_SIBLINGS
+from router.sched.fanout import MAX_SIBLINGS
 from tests.test_router_http import shard_and_router
 from tests.test_server import short_socket_dir
 

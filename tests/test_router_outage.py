@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from router.client import ShardError
-from router.scheduler import Overloaded, ShardsUnavailable
+from router.sched.scheduler import Overloaded, ShardsUnavailable
 from tests.test_router_scheduler import (LIMITS, RecordingClient, consume, expected, full_allocator,  # noqa: F401
                                          make_request, shard, warmed, with_scheduler)
 

@@ -6,10 +6,10 @@ import pytest
 
 from engine.batch import Batch, Request, StoppingCriteriaParameters
 from engine.serving.shard import Shard
-from router.allocator import BlockAllocator
+from router.sched.allocator import BlockAllocator
 from router.client import InProcessClient, ShardError
 from engine.config import ServingLimits
-from router.scheduler import Scheduler
+from router.sched.scheduler import Scheduler
 from tests.conftest import tiny_config
 from tests.test_equivalence import PROMPTS, reference_tokens
 
@@ -163,7 +163,7 @@ def test_kv_pressure_makes_requests_wait(shard, warmed, expected):
     for p, tokens in zip(prompts, results):
         assert tokens == expected[p][:20]
     assert max(seen_queue) > 0 and stats.kv_waits > 0
-    # Blocks are taken as requests grow (router/preemption.py): more than two decode at once, and
+    # Blocks are taken as requests grow (router/sched/preemption.py): more than two decode at once, and
     # the pressure shows as waits at admission and as preemptions when a running request needs a block.
     assert stats.preemptions > 0
     assert allocator.idle

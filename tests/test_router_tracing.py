@@ -8,8 +8,8 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from router import tracing
-from router.access import AccessConfig
+from router.http import tracing
+from router.http.access import AccessConfig
 from router.app import RouterConfig, build_state, create_app
 from engine.serving.server import ServerConfig, ShardServer
 from engine.serving.tracing import StepTracer

@@ -1,4 +1,4 @@
-"""engine/sampling.py against the definitions of its processors, each computed again here from scratch."""
+"""engine/serving/sampling.py against the definitions of its processors, each computed again here from scratch."""
 import math
 import random
 
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from engine.batch import NextTokenChooserParameters as Params
 from engine.errors import InvalidRequestError
-from engine.sampling import (
+from engine.serving.sampling import (
     choose,
     is_sampling,
     new_sampling_state,

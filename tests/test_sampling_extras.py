@@ -1,11 +1,11 @@
-"""bucketserve's sampling extensions in engine/sampling.py: OpenAI's presence penalty and logit_bias, vectorized
+"""bucketserve's sampling extensions in engine/serving/sampling.py: OpenAI's presence penalty and logit_bias, vectorized
 over a batch where every row keeps its own values (the protocol carries them as extension fields >= 1000)."""
 import pytest
 import torch
 
 from engine.batch import NextTokenChooserParameters as Params
 from engine.errors import InvalidRequestError
-from engine.sampling import choose, new_sampling_state, process_scores
+from engine.serving.sampling import choose, new_sampling_state, process_scores
 
 VOCAB = 40
 

@@ -15,8 +15,8 @@ import grpc
 import pytest
 
 from engine.cli.main import build_parser, server_config
-from engine.pb import generate_pb2 as pb
-from engine.pb import generate_pb2_grpc as pb_grpc
+from engine.wire import generate_pb2 as pb
+from engine.wire import generate_pb2_grpc as pb_grpc
 from engine.errors import BucketserveError
 from engine.serving.server import ServerConfig, ShardServer, remove_stale_socket
 from engine.serving.shard import Shard

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.pb import generate_pb2 as pb
+from engine.wire import generate_pb2 as pb
 from engine.serving.server import ServerConfig
 from engine.serving.shard import Shard
 from tests.conftest import tiny_config

@@ -7,8 +7,8 @@ import sys
 import grpc
 import pytest
 
-from engine.pb import generate_pb2 as pb
-from engine.pb import generate_pb2_grpc as pb_grpc
+from engine.wire import generate_pb2 as pb
+from engine.wire import generate_pb2_grpc as pb_grpc
 from router.client import GrpcShardClient, ShardError
 from tests.test_server import short_socket_dir
 

@@ -5,8 +5,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from engine.pb import generate_pb2 as pb
-from engine.pb import generate_pb2_grpc as pb_grpc
+from engine.wire import generate_pb2 as pb
+from engine.wire import generate_pb2_grpc as pb_grpc
 from tests.models import build_tiny_model
 from tests.test_equivalence import PROMPTS, reference_tokens
 from tests.test_server import (collect, short_socket_dir, text_request, start_cli_server, stop_cli_server,

@@ -1,4 +1,4 @@
-"""Tool calling's grammar (router/tools.py) on the shard's grammar compiler and the embedded tokenizer.
+"""Tool calling's grammar (router/http/tools.py) on the shard's grammar compiler and the embedded tokenizer.
 
 The "model" draws each token at temperature 1 from random logits over the tokens the grammar allows, many
 times over hypothesis-generated tool schemas: every reply must parse into calls of declared functions whose
@@ -16,8 +16,8 @@ from transformers import AutoTokenizer
 
 from engine.batch import GrammarType
 from engine.grammar import GrammarCompiler
-from router import tools
-from router.validation import ValidationError
+from router.http import tools
+from router.http.validation import ValidationError
 from tests.tool_schemas import tools as tool_lists
 
 VOCAB = 49152 + 64
@@ -119,7 +119,7 @@ def test_a_reply_cut_short_keeps_its_text_and_length():
 
 
 def test_a_template_without_tools_gets_them_as_a_system_message(tokenizer):
-    from router import chat
+    from router.http import chat
 
     declared = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
     call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}

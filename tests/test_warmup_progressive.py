@@ -55,7 +55,7 @@ def test_serves_reference_tokens_before_the_background_warmup_ends(tiny_model_di
 
 
 def test_covering_set_serves_any_batch_by_splitting():
-    from engine.buckets.core import BucketLimits, plan_buckets
+    from engine.buckets.grid import BucketLimits, plan_buckets
     from engine.warmup.progressive import covering_set
 
     limits = BucketLimits(8, 128, 256, 512, 16, 100)

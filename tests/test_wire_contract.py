@@ -18,9 +18,9 @@ import pytest
 from google.protobuf import descriptor_pb2
 
 from engine import batch as eb
-from engine.serving import convert
+from engine.wire import convert
 from engine.errors import CapacityError, InvalidRequestError, UnwarmedShapeError
-from engine.pb import generate_pb2 as pb
+from engine.wire import generate_pb2 as pb
 from engine.serving.server import ServerConfig
 from tests.test_equivalence import PROMPTS, reference_tokens
 from tests.test_server import (REPO, BackgroundServer, short_socket_dir, start_cli_server, stop_cli_server,
@@ -163,7 +163,7 @@ def test_compiled_service_matches_the_table(contract):
 def test_committed_stubs_are_not_stale(tmp_path):
     generate = runpy.run_path(str(REPO / "scripts" / "gen_proto.py"))["generate"]
     for fresh in generate(tmp_path):
-        committed = REPO / "engine" / "pb" / fresh.name
+        committed = REPO / "engine" / "wire" / fresh.name
         assert committed.is_file(), f"{committed} is missing: run python scripts/gen_proto.py"
         assert without_version_stamps(committed.read_text()) == without_version_stamps(fresh.read_text()), (
             f"{committed} is stale against proto/generate.proto: run python scripts/gen_proto.py")
@@ -198,7 +198,7 @@ def field_line(f: Field) -> str:
     return " ".join(filter(None, [f.label, f.type, f.name])) + f" = {f.number};"
 
 
-# Runs in its own interpreter with only the table's modules importable: engine.pb is never loaded,
+# Runs in its own interpreter with only the table's modules importable: engine.wire is never loaded,
 # and the two sets of generate.v3 descriptors cannot meet in one descriptor pool.
 CLIENT = """
 import json, sys

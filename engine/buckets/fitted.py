@@ -21,7 +21,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-from engine.buckets.core import BucketLimits, BucketPlan, DecodeBucket, PrefillBucket, small_decode_batches
+from engine.buckets.grid import BucketLimits, BucketPlan, DecodeBucket, PrefillBucket, small_decode_batches
 from engine.buckets.trace_cost import decode_outside, prefill_outside
 
 MAX_CANDIDATES = 256     # block values one decode group considers (quantiles beyond that)

@@ -73,7 +73,7 @@ def load_shapes(path: str | Path) -> list[Shape]:
 
 def count_shapes(shapes, phase: str) -> Counter:
     """(batch_size, size) -> occurrences, for one phase (prefills without context: those with
-    context are planned by engine.buckets.plans.fitted_context_plan)."""
+    context are planned by engine.buckets.plan.fitted_context_plan)."""
     return Counter((s.batch_size, s.size) for s in shapes if s.phase == phase and not s.context_blocks)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from engine.buckets.core import BucketLimits, BucketPlan
+from engine.buckets.grid import BucketLimits, BucketPlan
 
 
 @dataclass

@@ -8,7 +8,7 @@ import argparse
 import json
 from collections import defaultdict
 
-from engine.buckets.core import BucketLimits, BucketPlan
+from engine.buckets.grid import BucketLimits, BucketPlan
 from engine.config import EngineConfig
 
 DEFAULT_BLOCK_SIZE = 16  # the CPU adapter's; HPU uses 128
@@ -26,7 +26,7 @@ def add_limit_args(parser: argparse.ArgumentParser, block_size_default: int | No
 
 
 def add_plan_args(parser: argparse.ArgumentParser, strategy_default: str | None) -> None:
-    from engine.buckets.plans import ALL_STRATEGIES
+    from engine.buckets.plan import ALL_STRATEGIES
 
     parser.add_argument("--shapes", help="JSONL trace of batch shapes (from `engine serve --record-shapes`)")
     parser.add_argument("--strategy", default=strategy_default, choices=ALL_STRATEGIES)
@@ -82,7 +82,7 @@ def format_report(out: dict) -> str:
 
 
 def cmd_buckets(args: argparse.Namespace) -> None:
-    from engine.buckets.plans import make_plan
+    from engine.buckets.plan import make_plan
     from engine.buckets.shapes import load_shapes
 
     limits = limits_from_args(args, args.block_size, args.max_kv_blocks)

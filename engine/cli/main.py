@@ -51,9 +51,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_bucket_args(parser: argparse.ArgumentParser, defaults: EngineConfig) -> None:
-    """Bucket planning and warmup (engine/buckets/plans.py, engine/warmup/)."""
+    """Bucket planning and warmup (engine/buckets/plan.py, engine/warmup/)."""
     from engine.config import WARMUP_MODES
-    from engine.buckets.plans import ALL_STRATEGIES
+    from engine.buckets.plan import ALL_STRATEGIES
 
     parser.add_argument("--bucket-strategy", default=defaults.bucket_strategy, choices=ALL_STRATEGIES)
     parser.add_argument("--bucket-shapes", help="fitted: JSONL trace of batch shapes to fit (from --record-shapes)")

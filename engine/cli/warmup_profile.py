@@ -25,7 +25,7 @@ def profile_config(args: argparse.Namespace) -> EngineConfig:
 
 def strategy_reports(shard, shapes) -> list[dict]:
     """Each strategy's padding on the trace, under this shard's limits and KV cache."""
-    from engine.buckets.plans import make_plan
+    from engine.buckets.plan import make_plan
     from engine.warmup.run import bucket_limits
 
     limits = bucket_limits(shard.limits, shard.block_size, shard.runner.kv_cache.num_blocks, shard.config.prefix_caching)

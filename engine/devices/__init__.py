@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # torch is imported with the adapter, not by the launcher's d
 _ADAPTERS = {
     "cpu": ("engine.devices.cpu", "CPUAdapter"),
     "cuda": ("engine.devices.cuda", "CUDAAdapter"),
-    "hpu": ("engine.devices.hpu", "HPUAdapter"),
+    "hpu": ("engine.devices.hpu.adapter", "HPUAdapter"),
     "xpu": ("engine.devices.xpu", "XPUAdapter"),
 }
 

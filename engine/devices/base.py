@@ -49,7 +49,7 @@ class DeviceAdapter(ABC):
     default_graph_mode: str = "eager"
     default_lora_impl: str = "dense"  # engine/layers/lora.py: static shapes, safe in graphs and buckets
     default_moe_impl: str = "dense"   # engine/layers/moe.py: every expert over every token, graph-friendly
-    quantize_modes: tuple[str, ...] = ()  # --quantize modes besides none (engine/quantize.py)
+    quantize_modes: tuple[str, ...] = ()  # --quantize modes besides none (engine/weights/quantize.py)
     step_marker: Callable[[], None] | None = None        # installed around forwards (HPU lazy mode)
     attention_backend: AttentionBackend | None = None    # None: pure torch attention
     graph_budget = None  # engine.warmup.budget.GraphBudget, set by the shard when graphs are captured
@@ -103,7 +103,7 @@ class DeviceAdapter(ABC):
 
     def prepare_transformers(self, causal_lm_class):
         """The class the transformers fallback builds for `causal_lm_class`: a device may adapt transformers
-        first (HPU: optimum-habana, engine/devices/hpu_optimum.py). Elsewhere the class itself."""
+        first (HPU: optimum-habana, engine/devices/hpu/optimum.py). Elsewhere the class itself."""
         return causal_lm_class
 
     def prepare_model(self, model, dtype: torch.dtype) -> None:

@@ -204,7 +204,7 @@ def hpu_plan(ids: tuple[str, ...], num_shard: int, environ) -> DevicePlan:
     the module at its LOCAL_RANK (the launcher sets it). The bridge's mode must be in the environment
     before a shard imports torch; shards run the default graph mode, HPU graphs (lazy)."""
     from engine.config import default_cache_dir
-    from engine.devices.hpu_vars import launch_environment
+    from engine.devices.hpu.vars import launch_environment
 
     extra = launch_environment("graphs", num_shard, default_cache_dir(), environ)
     return DevicePlan("hpu", VISIBILITY_VARS["hpu"], ids, tuple(sorted(extra.items())), shared_list=True)

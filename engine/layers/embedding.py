@@ -18,7 +18,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = parallel.rank * self.rows_per_rank
         self.end = min(self.start + self.rows_per_rank, vocab_size)
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size))
-        self.quantized = None  # an Int8Weight (engine.quantize), which then replaces `weight`
+        self.quantized = None  # an Int8Weight (engine.weights.quantize), which then replaces `weight`
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight) if self.quantized is None else self.quantized.rows(ids)

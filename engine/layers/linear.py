@@ -66,8 +66,8 @@ class ColumnParallelLinear(nn.Module):
             offset += local
         self.weight = nn.Parameter(torch.empty(offset, in_features))
         self.bias = nn.Parameter(torch.empty(offset)) if bias else None
-        self.lora = None  # LoraWeights, attached by engine.lora_loader when adapters are loaded
-        self.quantized = None  # Int8Weight or Int4Weight (engine.quantize), which then replaces `weight`
+        self.lora = None  # LoraWeights, attached by engine.weights.lora when adapters are loaded
+        self.quantized = None  # Int8Weight or Int4Weight (engine.weights.quantize), which then replaces `weight`
 
     def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
         """`lora`: the forward's adapter selector (engine.layers.lora), None without adapters."""
@@ -132,7 +132,7 @@ class RowParallelLinear(nn.Module):
         self.local_in = parallel.split(in_features, "projection input")
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.lora = None  # LoraWeights over this rank's input columns, attached by engine.lora_loader
+        self.lora = None  # LoraWeights over this rank's input columns, attached by engine.weights.lora
         self.quantized = None  # as in ColumnParallelLinear
 
     def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:

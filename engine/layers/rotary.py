@@ -152,7 +152,7 @@ class RotaryEmbedding(nn.Module):
         # longrope: row 0 the short table, row 1 the long one; other types: one table.
         self.long_from = rope.original_max_position_embeddings if rope.rope_type == "longrope" else None
         if torch.empty(0).is_meta:
-            # Built on the meta device (engine.loader.build_model), the tables are only placeholders
+            # Built on the meta device (engine.weights.loader.build_model), the tables are only placeholders
             # until rebuild_rotary: computing them there runs Python decompositions (seconds).
             size = (2 if self.long_from else 1, max_positions, rope.rotary_dim(head_dim))
             self.register_buffer("cos", torch.empty(size), persistent=False)

@@ -111,7 +111,7 @@ class LlamaForCausalLM(nn.Module):
         if config.local_rope is not None:
             self.local_rotary = RotaryEmbedding(config.local_rope, config.head_dim, max_positions)
         self.local_kv_heads = self.layers[0].self_attn.num_kv_heads
-        self.lora_set = None  # LoraSet of the served adapters, set by engine.lora_loader
+        self.lora_set = None  # LoraSet of the served adapters, set by engine.weights.lora
 
     def make_mlp(self, config: ModelConfig, parallel: Parallel, layer: int) -> nn.Module:
         return LlamaMLP(config, parallel)

@@ -3,7 +3,7 @@ with the step before.
 
 A decode answer travels to the router, which hands each token to its stream and only then sends
 the next Decode; the shard waits meanwhile. When the router says it will decode the same batch
-again (gRPC metadata, router/scheduler.py), the shard runs that next forward at once, right after
+again (gRPC metadata, router/sched/scheduler.py), the shard runs that next forward at once, right after
 answering, and keeps the logits here. The next step takes the rows it finds (same sequence, same
 length), runs only the rest, and samples as usual: sampling, stopping and seeded generators all
 move at the step itself, so a lookahead changes no token and no random draw.

@@ -6,7 +6,7 @@ same way). The router sends the generated tokens as Prefill metadata (engine/ser
 from __future__ import annotations
 
 from engine.errors import InvalidRequestError
-from engine.sampling import skip_draws
+from engine.serving.sampling import skip_draws
 from engine.serving.detokenize import decode_next
 from engine.serving.sequence import Sequence
 

@@ -1,6 +1,6 @@
 """The gRPC server of one shard: TGI's generate.v3 over a unix socket, a thin layer over `Shard`.
 
-Every RPC translates protobuf to the engine's dataclasses (engine/serving/convert.py), runs the shard
+Every RPC translates protobuf to the engine's dataclasses (engine/wire/convert.py), runs the shard
 method in a single-worker executor (the shard is synchronous and not thread-safe, and the event
 loop must stay free to answer other RPCs meanwhile) and maps the shard's errors to gRPC status
 codes. An error never stops the server: the next RPC is served as usual.
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.serving import convert
+from engine.wire import convert
 from engine.errors import BucketserveError, CapacityError, InvalidRequestError, UnwarmedShapeError
-from engine.pb import generate_pb2 as pb
-from engine.pb import generate_pb2_grpc as pb_grpc
+from engine.wire import generate_pb2 as pb
+from engine.wire import generate_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

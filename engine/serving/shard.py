@@ -9,15 +9,15 @@ import time
 
 import torch
 
-from engine import loader
+from engine.weights import loader
 from engine.batch import Batch, CachedBatch, Generation, InfoResponse, StepTimings, WarmupResult
 from engine.config import EngineConfig, ServingLimits, distributed_address, torch_dtype
 from engine.distributed import Parallel, broadcast_int, init_distributed, min_across_ranks
-from engine.buckets.core import PaddingStats
+from engine.buckets.grid import PaddingStats
 from engine.devices import get_adapter
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.kv_cache import BlockAllocator, KVCache
-from engine.lora_loader import load_adapters
+from engine.weights.lora import load_adapters
 from engine.runner import ModelRunner
 from engine.serving.recompute import check_recompute_fits, recompute_position
 from engine.serving.prefix import BlockContents

@@ -12,7 +12,7 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache import BlockAllocator, blocks_needed
 from engine.layers.lora import NO_ADAPTER, LoraSet
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
-from engine.sampling import choose, is_sampling, new_sampling_state, validate_parameters
+from engine.serving.sampling import choose, is_sampling, new_sampling_state, validate_parameters
 from engine.serving import siblings
 from engine.serving.chunks import chunk_cap, check_chunking, plan_chunks
 from engine.serving.prefix import BlockContents, check_cache_len

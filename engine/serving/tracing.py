@@ -1,7 +1,7 @@
 """The shard's own step spans, on only with `--otlp-endpoint` (TGI's shards trace their steps the same way).
 
 A router that traces sends, with each Prefill or Decode, the span context of every traced request in the
-step (metadata `bucketserve-traces`: `{request_id: W3C traceparent}`, router/trace_steps.py). The shard
+step (metadata `bucketserve-traces`: `{request_id: W3C traceparent}`, router/http/trace_steps.py). The shard
 records one `prefill_step` or `decode_step` span per such request, a child of that request's phase span,
 covering the step as the shard ran it (attributes: batch id and size, forward time). Off, nothing of
 OpenTelemetry is imported and the metadata is not read.

@@ -1,7 +1,7 @@
 """Warmup's memory steps: free memory after the largest prefill, and the KV cache sized from it."""
 from __future__ import annotations
 
-from engine.buckets.core import BucketPlan, PrefillBucket
+from engine.buckets.grid import BucketPlan, PrefillBucket
 from engine.config import ServingLimits
 from engine.errors import CapacityError
 from engine.kv_cache import KVCache, blocks_needed

@@ -14,7 +14,7 @@ import statistics
 import time
 from pathlib import Path
 
-from engine.buckets.core import BucketLimits, BucketPlan, DecodeBucket, PrefillBucket
+from engine.buckets.grid import BucketLimits, BucketPlan, DecodeBucket, PrefillBucket
 
 PROFILE_VERSION = 1
 
@@ -57,7 +57,7 @@ def bucket_of(entry: dict) -> PrefillBucket | DecodeBucket:
 
 def plan_from_profile(path, limits: BucketLimits, current_fingerprint: dict) -> BucketPlan:
     """Exactly the profile's buckets, choosing among them by measured latency."""
-    from engine.buckets.plans import check_plan
+    from engine.buckets.plan import check_plan
 
     data = read_profile(path)
     check_fingerprint(path, data.get("fingerprint", {}), current_fingerprint)

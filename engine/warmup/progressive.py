@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
-from engine.buckets.core import BucketLimits, BucketPlan, DecodeBucket
+from engine.buckets.grid import BucketLimits, BucketPlan, DecodeBucket
 from engine.warmup.warm import PhaseLog, bucket_size, describe, report, warm_buckets
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from engine.buckets.core import BucketLimits, BucketPlan
+from engine.buckets.grid import BucketLimits, BucketPlan
 from engine.config import WARMUP_MODES, ServingLimits
 from engine.runner import ModelRunner
 from engine.warmup.progressive import start_progressive
@@ -32,7 +32,7 @@ def bucket_limits(limits: ServingLimits, block_size: int, kv_blocks: int, chunke
 
 
 def build_plan(limits: ServingLimits, block_size: int, kv_blocks: int, strategy: str = "exponential") -> BucketPlan:
-    from engine.buckets.plans import make_plan
+    from engine.buckets.plan import make_plan
 
     return make_plan(strategy, bucket_limits(limits, block_size, kv_blocks))
 
@@ -40,7 +40,7 @@ def build_plan(limits: ServingLimits, block_size: int, kv_blocks: int, strategy:
 def plan_for(config, limits: BucketLimits, fingerprint: dict, graphless: bool = False) -> BucketPlan:
     """The shard's buckets: a warmup profile's exactly (with its latencies), else the strategy's;
     `graphless` (a device that compiles nothing) adds a decode bucket for every batch size."""
-    from engine.buckets.plans import make_plan, with_every_decode_batch
+    from engine.buckets.plan import make_plan, with_every_decode_batch
 
     if config.warmup_profile:
         from engine.warmup.profile import plan_from_profile
@@ -105,6 +105,6 @@ def preflight(config, fingerprint: dict) -> None:
 
         load_shapes(config.bucket_shapes)
     if config.bucket_file:
-        from engine.buckets.plans import load_bucket_file
+        from engine.buckets.plan import load_bucket_file
 
         load_bucket_file(config.bucket_file)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from engine.buckets.core import BucketPlan, DecodeBucket, PrefillBucket
+from engine.buckets.grid import BucketPlan, DecodeBucket, PrefillBucket
 from engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)

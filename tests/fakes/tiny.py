@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.buckets.core import BucketPlan, DecodeBucket, PrefillBucket
+from engine.buckets.grid import BucketPlan, DecodeBucket, PrefillBucket
 from engine.distributed import SINGLE, Parallel
 from engine.kv_cache import KVCache
 from engine.models.config import ModelConfig

@@ -1,0 +1,127 @@
+"""Intel Gaudi (HPU), the first-class target.
+
+Graph modes:
+- "graphs" (default): lazy mode with the model wrapped once by `wrap_in_hpu_graph`; every warmed
+  bucket is captured during warmup and replayed afterwards, and any other shape bypasses the
+  graphs per call (a capture at serving time would stall the batch and grow device memory).
+- "lazy": lazy mode without graphs (each forward is traced and its recipe looked up).
+- "compile": `torch.compile(backend="hpu_backend")`, one static graph per warmed bucket (eager bridge).
+In the lazy modes a step marker cuts the graph after each decoder layer; graph inputs are checked
+to be tensors only. The bridge reads PT_HPU_LAZY_MODE once, when torch is imported, so the
+launcher puts it in each shard's environment (engine/devices/hpu/env.py); here we only check it.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+from engine.devices.hpu import attention as hpu_attention
+from engine.devices.base import DeviceAdapter, kind_of
+from engine.devices.cpu import compile_static
+from engine.devices.graph_inputs import check_tensor_inputs
+from engine.devices.hpu.env import apply_environment, check_bridge_mode
+from engine.devices.hpu.vars import hpu_environment
+from engine.devices.probe import require
+
+
+class HPUAdapter(DeviceAdapter):
+    name = "hpu"
+    dist_backend = "hccl"
+    default_dtype = torch.bfloat16
+    default_block_size = 128  # the matrix engine's preferred tile
+    graph_modes = ("graphs", "lazy", "compile")
+    default_graph_mode = "graphs"
+    torch_device_type = "hpu"
+
+    def __init__(self, graph_mode: str | None = None, strict_shapes: bool = True, **options):
+        super().__init__(graph_mode, strict_shapes, **options)
+        environment = hpu_environment(self.graph_mode, self.world_size, self.cache_dir)
+        self.htorch = load_habana(lambda: apply_environment(environment, os.environ))
+        self.lazy = self.graph_mode != "compile"
+        check_bridge_mode(self.htorch, self.lazy, self.graph_mode)
+        if self.world_size > 1:
+            # Registers the "hccl" backend with torch.distributed; init_process_group needs it first.
+            importlib.import_module("habana_frameworks.torch.distributed.hccl")
+        if self.lazy:
+            self.step_marker = self.htorch.core.mark_step
+        self.kernels = hpu_attention.load_kernels()
+        self.attention_backend = self.kernels.backend
+        self._graphed: dict = {}  # model -> the same model, its forward wrapped in HPU graphs
+
+    @property
+    def captures_graphs(self) -> bool:
+        return self.graph_mode == "graphs"
+
+    def prepare_transformers(self, causal_lm_class):
+        from engine.devices.hpu.optimum import adapt_for_fallback
+
+        return adapt_for_fallback(causal_lm_class)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.torch_device_type)
+
+    def memory_info(self) -> tuple[int, int]:
+        free, total = torch.hpu.mem_get_info()
+        return int(free), int(total)
+
+    def synchronize(self) -> None:
+        self.htorch.hpu.synchronize()
+
+    def reset(self) -> None:
+        """A new KV cache: the wrapper keys graphs by input shapes alone, so a graph captured on the
+        old cache would be replayed on the new one's shapes, reading and writing freed memory."""
+        super().reset()
+        for model in self._graphed.values():
+            if hasattr(model, "clear_cache"):
+                model.clear_cache()
+
+    def forward(self, shape, fn, args, warming):
+        check_tensor_inputs(args)
+        self.kernels.configure(fn)
+        graphed = (warming or shape in self.shapes.warmed) and shape not in self.shapes.without_graph
+        self.mark_step()  # the inputs' host-to-device copies stay out of the model's graph
+        if self.graph_mode == "graphs":
+            self.stats[(("capture" if warming else "replay") if graphed else "bypass", kind_of(shape))] += 1
+            out = self._wrapped(fn)(*args, bypass_hpu_graphs=not graphed)
+            if graphed:
+                # A graph returns the same static output tensor every time: the next replay of this
+                # bucket (a batch split in two groups) would overwrite what the caller still holds.
+                out = out.clone()
+        elif self.graph_mode == "compile" and graphed:
+            self.stats[("compiled", kind_of(shape))] += 1
+            out = self._compiled(fn)(*args)
+        else:
+            self.stats[("bypass" if not graphed else "lazy", kind_of(shape))] += 1
+            out = fn(*args)
+        self.mark_step()
+        return out
+
+    def mark_step(self) -> None:
+        if self.step_marker is not None:
+            self.step_marker()
+
+    def _wrapped(self, model):
+        if model not in self._graphed:
+            # disable_tensor_cache: intermediate tensors are not kept alive between replays,
+            # which leaves the memory to the KV cache.
+            self._graphed[model] = self.htorch.hpu.wrap_in_hpu_graph(model, disable_tensor_cache=True)
+        return self._graphed[model]
+
+    def _compiled(self, model):
+        if model not in self._graphed:
+            self._graphed[model] = compile_static(model, backend="hpu_backend")
+        return self._graphed[model]
+
+
+def load_habana(before_import):
+    """habana_frameworks.torch, after checking that a Gaudi device is visible (DeviceError if not)."""
+    require("hpu", before_import)
+    import habana_frameworks.torch as htorch
+    import habana_frameworks.torch.core  # noqa: F401 - mark_step
+    import habana_frameworks.torch.hpu  # noqa: F401 - graphs, synchronize
+    import habana_frameworks.torch.utils.internal  # noqa: F401 - is_lazy
+
+    return htorch

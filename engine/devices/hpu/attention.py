@@ -1,0 +1,90 @@
+"""Gaudi attention kernels behind our attention contracts: Habana's FusedSDPA for prefill and
+vllm-hpu-extension's flat_pa (any supported release, engine/devices/hpu/ops.py) for decode.
+Whatever is missing runs in pure torch, said once as a WARNING with the reason."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.flat import flat_attention
+from engine.attention.prompt import prompt_attention
+from engine.devices.hpu.ops import FlatPA, load_flat_pa
+
+log = logging.getLogger(__name__)
+_told: set[str] = set()
+
+
+@dataclass
+class HPUKernels:
+    backend: AttentionBackend | None  # None: pure torch for both
+    flat_pa: FlatPA | None
+
+    def configure(self, model) -> None:
+        """Before the first forward: the extension's runtime config needs the model type."""
+        if self.flat_pa is not None:
+            self.flat_pa.configure(model_type(model))
+
+
+def model_type(model) -> str:
+    """HF's model_type from our architecture name ("Qwen2ForCausalLM" -> "qwen2")."""
+    architecture = getattr(getattr(model, "config", None), "architecture", "")
+    return architecture.removesuffix("ForCausalLM").lower() or "unknown"
+
+
+def load_kernels() -> HPUKernels:
+    fused = load_fused_sdpa()
+    flat_pa, reasons = load_flat_pa()
+    if flat_pa is None:
+        _warn_once("decode attention runs in pure torch: no usable vllm-hpu-extension ("
+                   + "; ".join(reasons) + ")")
+    if fused is None and flat_pa is None:
+        return HPUKernels(None, None)
+    prefill = partial(fused_prefill, fused) if fused else prompt_attention
+    decode = partial(flat_pa_decode, flat_pa) if flat_pa else flat_attention
+    name = "+".join(filter(None, ["fusedsdpa" if fused else "", f"flat_pa {flat_pa.release}" if flat_pa else ""]))
+    _info_once(f"attention: {name}")
+    return HPUKernels(AttentionBackend(name, prefill, decode), flat_pa)
+
+
+def load_fused_sdpa():
+    try:
+        from habana_frameworks.torch.hpex.kernels import FusedSDPA
+    except ImportError as err:
+        _warn_once(f"prefill attention runs in pure torch: FusedSDPA is not importable ({err})")
+        return None
+    return FusedSDPA
+
+
+def fused_prefill(fused, q, k, v, scale: float, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim], right-padded prompts (the kernel
+    takes grouped kv heads as they are). `lengths`, each row's real length, lets the kernel skip the
+    padding's work, as TGI passes valid_seq_lengths; without them every row counts as full (causality
+    alone keeps real tokens from seeing the padding after them)."""
+    batch, seq = q.shape[:2]
+    if lengths is None:
+        lengths = torch.full((batch,), seq, dtype=torch.int32, device=q.device)
+    out = fused.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, 0.0, True, scale,
+                      "None", None, lengths.to(torch.int32), "right")  # FusedSDPA is an autograd Function: positional only
+    return out.transpose(1, 2)
+
+
+def flat_pa_decode(flat_pa: FlatPA, q, key_cache, value_cache, block_list, block_mapping, block_groups, block_bias,
+                   scale, masked=None) -> torch.Tensor:
+    """flat_attention's contract (`masked` is pure torch's own precomputation, unused here)."""
+    return flat_pa(q, key_cache, value_cache, block_list, block_mapping, block_groups, block_bias, scale)
+
+
+def _warn_once(message: str) -> None:
+    if message not in _told:
+        _told.add(message)
+        log.warning(message)
+
+
+def _info_once(message: str) -> None:
+    if message not in _told:
+        _told.add(message)
+        log.info(message)

@@ -1,0 +1,48 @@
+"""Grammars compiled at the router, as the shard will compile them, so that a grammar the shard
+would refuse (a regex that does not parse, a schema of an unknown type) or that allows no token at
+all (`[^\\s\\S]`) is a 422 for its own request instead of a failed prefill of a whole batch.
+
+The compiler is the shard's (engine/grammar.py, xgrammar) over the router's tokenizer; it caches
+compiled grammars, so a grammar sent again costs nothing. Without xgrammar the router leaves the
+check to the shard.
+"""
+from __future__ import annotations
+
+import threading
+
+from engine.batch import GrammarType
+from engine.errors import InvalidRequestError
+from router.http.validation import ValidationError
+
+
+class GrammarCheck:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._compiler, self._failed = None, False
+        self._lock = threading.Lock()
+
+    def _get(self):
+        with self._lock:  # the first requests may arrive together on the validation threads
+            if self._compiler is None and not self._failed:
+                try:
+                    from engine.grammar import GrammarCompiler
+                except ImportError:
+                    self._failed = True
+                    return None
+                eos = self.tokenizer.eos_token_id
+                if eos is None:  # the compiler needs an end: leave the check to the shard
+                    self._failed = True
+                    return None
+                self._compiler = GrammarCompiler(self.tokenizer, len(self.tokenizer), frozenset([eos]))
+            return self._compiler
+
+    def __call__(self, grammar: str, grammar_type: GrammarType) -> None:
+        compiler = self._get()
+        if compiler is None or grammar_type == GrammarType.NONE:
+            return
+        try:
+            compiled = compiler.compile(grammar_type, grammar)
+        except InvalidRequestError as error:
+            raise ValidationError(str(error).replace("parameters.grammar", "`grammar`")) from None
+        if not compiler.new_state(compiled).allowed_mask().any():
+            raise ValidationError("`grammar` matches no text: it allows no token at all")

@@ -1,0 +1,176 @@
+"""OpenAI response pieces: finish reasons, usage, logprobs, and the server-sent events of a stream.
+
+A stream of `n` choices reads its sequences concurrently (`merged`) and renders each one's
+generations with its own renderer, which numbers its chunks with the choice's index; the usage chunk
+(when asked) and `[DONE]` come once, after the last choice has finished.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+from engine.batch import FinishReason, Generation
+from router.http import tools
+from router.http.state import finite
+
+
+def finish_reason(generation: Generation) -> str:
+    return "length" if generation.generated_text.finish_reason == FinishReason.LENGTH else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def logprob_entry(text: str, logprob: float | None) -> dict:
+    return {"token": text, "logprob": finite(logprob) if logprob is not None else None,
+            "bytes": list(text.encode())}
+
+
+def chat_logprobs(generation: Generation, top: bool) -> list[dict]:
+    entries = []
+    for i, text in enumerate(generation.tokens.texts):
+        entry = logprob_entry(text, generation.tokens.logprobs[i])
+        alternatives = generation.top_tokens[i] if top and i < len(generation.top_tokens) else None
+        entry["top_logprobs"] = ([logprob_entry(t, lp) for t, lp in zip(alternatives.texts, alternatives.logprobs)]
+                                 if alternatives else [])
+        entries.append(entry)
+    return entries
+
+
+class StreamedText:
+    """What a stream has sent so far. Token texts hold back an incomplete UTF-8 character; the final
+    text is decoded whole, so the last chunk carries whatever the token texts had not sent yet."""
+
+    def __init__(self):
+        self.sent = ""
+
+    def add(self, text: str) -> str:
+        self.sent += text
+        return text
+
+    def rest(self, final_text: str) -> str:
+        return self.add(final_text[len(self.sent):]) if final_text.startswith(self.sent) else ""
+
+
+class Envelope:
+    """The id, timestamps and model name every response and chunk of one request carries."""
+
+    def __init__(self, model: str, kind: str, prefix: str):
+        self.id, self.created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+        self.model, self.kind = model, kind
+
+    def wrap(self, choices: list[dict], **extra) -> dict:
+        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
+                "system_fingerprint": "bucketserve", "choices": choices, **extra}
+
+
+def sse(payload: Any) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+class ChatChunks:
+    """Renders one choice's generations as `chat.completion.chunk` events: the role first, a chunk
+    per token, the finish reason on the last (ChoiceStreams adds usage and `[DONE]`)."""
+
+    def __init__(self, envelope: Envelope, body, index: int = 0):
+        self.envelope, self.body, self.index, self.started = envelope, body, index, False
+        self.text, self.tools = StreamedText(), body.tool_plan().active
+
+    def chunk(self, delta: dict, logprobs=None, reason=None) -> str:
+        choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return sse(self.envelope.wrap([choice]))
+
+    def __call__(self, generation: Generation) -> list[str]:
+        out = [] if self.started else [self.chunk({"role": "assistant", "content": ""})]
+        self.started = True
+        if self.tools:  # a constrained reply is sent once whole, as content or as tool_calls deltas
+            return out + self.tool_reply(generation)
+        tokens, logprobs = generation.tokens, chat_logprobs(generation, bool(self.body.top_logprobs))
+        for i, text in enumerate(tokens.texts):
+            content = self.text.add("" if tokens.is_special[i] else text)
+            out.append(self.chunk({"content": content}, {"content": [logprobs[i]]} if self.body.logprobs else None))
+        last = generation.generated_text
+        if last is not None:
+            out.append(self.chunk({"content": self.text.rest(last.text)}, reason=finish_reason(generation)))
+        return out
+
+    def tool_reply(self, generation: Generation) -> list[str]:
+        last = generation.generated_text
+        if last is None:
+            return []
+        deltas, reason = tools.reply_deltas(last.text, finish_reason(generation))
+        return [self.chunk(delta) for delta in deltas] + [self.chunk({}, reason=reason)]
+
+
+class CompletionChunks:
+    """Renders one choice's generations as `text_completion` events, the finish reason on the last."""
+
+    def __init__(self, envelope: Envelope, choice, index: int = 0):
+        self.envelope, self.choice, self.index, self.text = envelope, choice, index, StreamedText()
+
+    def __call__(self, generation: Generation) -> list[str]:
+        last = generation.generated_text
+        reason = finish_reason(generation) if last is not None else None
+        text = self.text.add("".join(t for t, special in zip(generation.tokens.texts, generation.tokens.is_special)
+                                     if not special))
+        text += self.text.rest(last.text) if last is not None else ""
+        return [sse(self.envelope.wrap([self.choice([generation], text, reason, self.index)]))]
+
+
+class ChoiceStreams:
+    """The events of `n` choices read together: each (index, generation) goes to its choice's
+    renderer; once every choice has its last generation, usage (when asked) and `[DONE]`."""
+
+    def __init__(self, envelope: Envelope, renderers: list, prompt_tokens: int, include_usage: bool):
+        self.envelope, self.renderers, self.prompt_tokens = envelope, renderers, prompt_tokens
+        self.include_usage, self.generated, self.open = include_usage, 0, len(renderers)
+
+    def __call__(self, item: tuple[int, Generation]) -> list[str]:
+        index, generation = item
+        out = self.renderers[index](generation)
+        if generation.generated_text is None:
+            return out
+        self.generated += generation.generated_text.generated_tokens
+        self.open -= 1
+        if self.open:
+            return out
+        if self.include_usage:
+            out.append(sse(self.envelope.wrap([], usage=usage(self.prompt_tokens, self.generated))))
+        return out + [sse("[DONE]")]
+
+
+async def merged(streams: list):
+    """(index, generation) from every stream as each arrives; the first failure ends it."""
+    if len(streams) == 1:  # n = 1, nearly every request: read it directly, no task and queue hop per token
+        async for generation in streams[0]:
+            yield 0, generation
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async for generation in stream:
+                await queue.put((index, generation, None))
+            await queue.put((index, None, None))
+        except Exception as error:  # noqa: BLE001 - handed to the reader
+            await queue.put((index, None, error))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, generation, error = await queue.get()
+            if error is not None:
+                raise error
+            if generation is None:
+                running -= 1
+                continue
+            yield index, generation
+    finally:
+        for task in tasks:
+            task.cancel()

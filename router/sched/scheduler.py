@@ -1,0 +1,396 @@
+"""Continuous batching: the router's loop that turns queued requests into shard steps (DESIGN.md 1, 3).
+
+One background task owns the shard's batches. Each step it may admit new requests from the head of
+a FIFO queue (`Prefill(new)`), then decodes everything running together (`Decode([running, new])`,
+the shard concatenates), hands each generation to its request's stream, and drops finished or
+cancelled requests (`FilterBatch`, or `ClearCache` when none remain). This is what TGI's v3 router
+does, so the same loop drives our shards in process or over gRPC.
+
+The scheduler owns KV blocks too (router/sched/kv_blocks.py): a request gets blocks for its prompt and its
+new tokens at admission, reusing cached prefix blocks, and gives them back once no shard batch lists it.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import deque
+from typing import Awaitable, Callable
+
+import grpc
+
+from engine.batch import Batch, CachedBatch, Generation, Request
+from engine.config import ServingLimits
+from router.sched import batching, fanout, kv_blocks, preemption
+from router.sched.admission import Overloaded, ShardsUnavailable  # noqa: F401 - raised by submit
+from router.sched.allocator import BlockAllocator
+from router.client import ShardClient, ShardError
+from router.sched.streams import RequestCancelled, RequestStream, Entry
+from router.sched.scheduler_stats import SchedulerStats
+
+log = logging.getLogger(__name__)
+RECOVERY_POLL_S = 0.5
+
+
+def lookahead_for(setting: str, device_type: str) -> bool:
+    """--lookahead auto: on where the forward runs on an accelerator, leaving the host free to answer
+    meanwhile; off on CPU, where the forward already takes every core the router would need."""
+    return setting == "on" or (setting == "auto" and device_type != "cpu")
+
+
+class Scheduler:
+    """`rewarm`, when given, runs once the shards answer Health again after they were unreachable
+    (a restarted shard has lost its warmed graphs and batches) and answers their KV capacity in
+    tokens; `on_step(phase, batch_size)` is called for every prefill and decode, for metrics."""
+
+    def __init__(self, client: ShardClient, allocator: BlockAllocator, limits: ServingLimits,
+                 rewarm: Callable[[], Awaitable[int | None]] | None = None,
+                 on_step: Callable[[str, int], None] | None = None, chunking: bool = False,
+                 lookahead: bool = True):
+        self.client, self.allocator, self.limits = client, allocator, limits
+        # Async scheduling: a Decode sent while nothing waits asks the shards to run the batch's next
+        # forward right after answering (engine/serving/lookahead.py); the next iteration then decodes
+        # that batch before admitting anyone, so the early forward is used whole, not split.
+        self.lookahead, self._ahead_pending = lookahead, False
+        self.chunking = chunking  # the shards chunk long prompts (Info.support_chunking)
+        self.rewarm, self.on_step = rewarm, on_step
+        self.stats = SchedulerStats()
+        self.available = True  # False from a failed step whose shards were unreachable until they answer again
+        self._queue: deque[Entry] = deque()
+        self._entries: dict[int, Entry] = {}  # submitted and not yet released, by request id
+        self._running: CachedBatch | None = None
+        self._batch_ids = itertools.count(1)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    # --- the caller's side ------------------------------------------------------------------
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._queue)
+
+    @property
+    def running_count(self) -> int:
+        return self._running.size if self._running is not None else 0
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="scheduler")
+
+    async def stop(self) -> None:
+        """Stop the loop; requests still queued or running end with RequestCancelled."""
+        if self._task is None:
+            return
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        self._task = None
+        await self._abandon_all(RequestCancelled("the scheduler stopped"))
+
+    def submit(self, request: Request, input_length: int, token_ids: list[int] | None = None) -> RequestStream:
+        """Queue a request (without blocks: the scheduler allocates them) and return its stream.
+        Raises ValueError for a request that can never run, Overloaded or ShardsUnavailable."""
+        return self.submit_group([request], input_length, token_ids)[0]
+
+    def submit_group(self, requests: list[Request], input_length: int,
+                     token_ids: list[int] | None = None) -> list[RequestStream]:
+        """Queue requests with one prompt, admitted together to share its prefill (router/sched/fanout.py)."""
+        fanout.check_group(requests, input_length, self.limits, self.allocator, self._entries, self.chunking)
+        self.check_admission(len(requests))
+        group = requests[0].id if len(requests) > 1 else None
+        entries = [Entry(r, input_length, token_ids=token_ids, group=group) for r in requests]
+        self._entries.update((entry.id, entry) for entry in entries)
+        self._queue.extend(entries)
+        self._wake.set()
+        return [RequestStream(self, entry) for entry in entries]
+
+    def check_admission(self, count: int = 1) -> None:
+        """Raise Overloaded or ShardsUnavailable now: callers ask before expensive work (tokenizing)."""
+        if not self.available:
+            raise ShardsUnavailable("the shards are unavailable (restarting?): retry later")
+        if len(self._entries) + count > self.limits.max_concurrent_requests:
+            raise Overloaded(f"Model is overloaded: {len(self._entries)} requests are queued or running")
+
+    def cancel(self, request_id: int) -> None:
+        entry = self._entries.get(request_id)
+        if entry is not None:
+            self._cancel_entry(entry)
+
+    def _cancel_entry(self, entry: Entry) -> None:
+        if not entry.live:
+            return
+        entry.cancelled = True
+        entry.outbox.put_nowait(RequestCancelled(f"request {entry.id} was cancelled"))
+        if entry in self._queue:  # never reached a shard: nothing to filter, no blocks held
+            self._queue.remove(entry)
+            self._entries.pop(entry.id, None)
+        # A running one stays listed until the loop filters it out at its next step.
+        self._wake.set()
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self._step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # noqa: BLE001 - a bug must not leave streams hanging forever
+                log.exception("scheduler step failed")
+                await self._abandon_running(error)
+
+    async def _step(self) -> None:
+        """One iteration: drop cancelled requests, maybe admit a new batch, then decode."""
+        if not self.available:
+            await self._recover()
+            return
+        if self._running is not None:
+            self._running = await self._keep(self._running, self._entries_of([self._running]))
+        new = None if self._ahead_pending and self._running is not None else self._next_batch()
+        if new is not None:
+            prefilled = await self._confined_prefill(*new)
+            if self._running is None and len(prefilled) <= 1:
+                self._running = prefilled[0] if prefilled else None
+                return
+            batches = ([self._running] if self._running is not None else []) + prefilled
+        elif self._running is not None:
+            batches = [self._running]
+        else:
+            await self._idle()
+            return
+        batches, grown = await preemption.grow(self, batches)
+        self._running = await self._decode(batches, grown) if batches else None
+
+    async def _recover(self) -> None:
+        """Hold the queue until every shard answers Health again, re-warm them, then serve on."""
+        await self._abandon_running(ShardsUnavailable("the shards became unavailable during generation"))
+        while True:
+            try:
+                await self.client.health()
+                capacity = await self.rewarm() if self.rewarm is not None else None
+                break
+            except ShardError as error:
+                log.debug("shards still unavailable: %s", error)
+                await asyncio.sleep(RECOVERY_POLL_S)
+        self._resize(capacity if capacity is not None else (self.allocator.num_blocks - 1) * self.allocator.block_size)
+        log.warning("the shards answer again: serving the %d queued request(s)", len(self._queue))
+        self.available = True
+
+    def _resize(self, capacity_tokens: int) -> None:
+        """New shards may have another KV capacity and hold no cached prefix. No request holds blocks
+        now (all were requeued without them): the allocator is replaced."""
+        size, blocks = self.allocator.block_size, capacity_tokens // self.allocator.block_size + 1
+        assert self.allocator.idle, "resizing an allocator with blocks in use"
+        if blocks != self.allocator.num_blocks:
+            log.warning("the shards' KV capacity is now %d blocks (was %d)", blocks, self.allocator.num_blocks)
+        self.allocator = type(self.allocator)(blocks, size)  # restarted shards hold no cached prefix either
+
+    async def _idle(self) -> None:
+        # Nothing running and nothing admissible: sleep until a submit or a cancel changes that.
+        self._wake.clear()
+        await self._wake.wait()
+
+    def _next_batch(self) -> tuple[Batch, list[Entry]] | None:
+        taken = batching.next_batch(self)
+        return (self._batch(taken), taken) if taken else None
+
+    def _batch(self, entries: list[Entry]) -> Batch:
+        return batching.make_batch(next(self._batch_ids), entries)
+
+    async def _confined_prefill(self, batch: Batch, entries: list[Entry]) -> list[CachedBatch]:
+        """Prefill new requests; whatever goes wrong there ends those requests only (the running
+        batch decodes on). A batch the shard refuses is tried again one request at a time, so
+        that only the request at fault fails."""
+        self.stats.prefill_sizes[len(entries)] += 1
+        self._notify("prefill", len(entries))
+        self.stats.prefills_while_running += self._running is not None
+        try:
+            return await self._prefill(batch, entries, alone=len(entries) == 1)
+        except Exception as error:  # noqa: BLE001 - not a ShardError: a bug, confined to these requests
+            log.exception("prefill of batch %d failed", batch.id)
+            await self._fail([batch.id], entries, error)
+            return []
+
+    async def _prefill(self, batch: Batch, entries: list[Entry], alone: bool) -> list[CachedBatch]:
+        resume = {e.id: list(e.generated) for e in entries if e.generated}
+        try:
+            generations, cached = await (self.client.prefill(batch, resume=resume) if resume
+                                         else self.client.prefill(batch))
+        except ShardError as error:
+            if error.code == grpc.StatusCode.UNAVAILABLE:
+                self._requeue(entries, error)
+                return []
+            if error.code == grpc.StatusCode.INVALID_ARGUMENT and not alone:
+                return await self._prefill_one_by_one(batch, entries, error)
+            await self._fail([batch.id], entries, error)  # only the new batch was touched
+            return []
+        kv_blocks.prefilled(self.allocator, entries)
+        kept = await self._settle(generations, cached, entries)
+        return [kept] if kept is not None else []
+
+    async def _prefill_one_by_one(self, batch: Batch, entries: list[Entry], error: ShardError) -> list[CachedBatch]:
+        log.warning("prefill of batch %d refused (%s): trying its %d requests one by one", batch.id, error, len(entries))
+        await self._clear([batch.id])
+        prefilled = []
+        for entry in entries:
+            if not self.available:  # the shards went away meanwhile: the rest wait with the queue
+                self._requeue([entry], error)
+            elif entry.live:
+                prefilled += await self._prefill(self._batch([entry]), [entry], alone=True)
+            else:
+                self._release(entry)
+        return prefilled
+
+    def _requeue(self, entries: list[Entry], error: ShardError) -> None:
+        """The shards went away: these requests wait at the head of the queue, in their order, for
+        the shards to come back (nothing is lost in a restart). One that had generated tokens is
+        resumed then: its prompt and those tokens are prefilled again, and its stream goes on."""
+        started = sum(bool(e.generated) for e in entries if e.live)
+        log.warning("the shards are unavailable (%s): holding %d new request(s) and %d to resume", error,
+                    len(entries) - started, started)
+        self.available = False
+        for entry in reversed(entries):
+            if entry.allocation is not None:
+                self.allocator.free(entry.allocation)
+                entry.allocation = None
+            if entry.live and entry.generated and not self._resumable(entry):
+                self._finish(entry, error)
+            if entry.live:
+                self._queue.appendleft(entry)
+            else:
+                self._release(entry)
+
+    def _resumable(self, entry: Entry) -> bool:
+        """Only shards that read the generated tokens resume (ours, not TGI's); they must fit a prefill."""
+        longest = self._longest_resume()
+        return longest is not None and entry.prefill_length <= longest
+
+    def _longest_resume(self) -> int | None:
+        """The longest prompt + generated tokens the shards can resume (None: they resume nothing)."""
+        if not getattr(self.client, "resumes", False):
+            return None
+        return self.limits.max_input_tokens if self.chunking else min(self.limits.max_input_tokens,
+                                                                      self.limits.max_prefill_tokens)
+
+    async def _decode(self, batches: list[CachedBatch], grown: dict | None = None) -> CachedBatch | None:
+        entries = self._entries_of(batches)
+        self.stats.decode_sizes[sum(b.size for b in batches)] += 1
+        self._notify("decode", sum(b.size for b in batches))
+        look_ahead = self.lookahead and not self._queue
+        self._ahead_pending = False
+        try:
+            generations, cached = await self.client.decode(batches, *([grown] if grown else []),
+                                                           **({"look_ahead": True} if look_ahead else {}))
+        except ShardError as error:
+            await self._fail([b.id for b in batches], entries, error)
+            return None
+        self._ahead_pending = look_ahead and cached is not None
+        return await self._settle(generations, cached, entries)
+
+    def _notify(self, phase: str, size: int) -> None:
+        if self.on_step is not None:
+            self.on_step(phase, size)
+
+    def _entries_of(self, batches: list[CachedBatch]) -> list[Entry]:
+        return [self._entries[i] for b in batches for i in b.request_ids if i in self._entries]
+
+    # --- after a step ---------------------------------------------------------------------------
+
+    async def _settle(self, generations: list[Generation], cached: CachedBatch | None,
+                      entries: list[Entry]) -> CachedBatch | None:
+        self._dispatch(generations)
+        return await self._keep(cached, entries)
+
+    def _dispatch(self, generations: list[Generation]) -> None:
+        for generation in generations:
+            entry = self._entries.get(generation.request_id)
+            if entry is None or not entry.live:
+                continue  # cancelled: its consumer is gone
+            entry.outbox.put_nowait(generation)
+            kv_blocks.first_token(self.allocator, entry)
+            entry.generated.extend(generation.tokens.ids)
+            entry.finished = generation.generated_text is not None
+
+    async def _keep(self, cached: CachedBatch | None, entries: list[Entry]) -> CachedBatch | None:
+        """The batch without its finished and cancelled requests; those that left give back blocks."""
+        kept = await self._prune(cached, entries)
+        listed = set(kept.request_ids) if kept is not None else set()
+        for entry in entries:
+            if entry.id not in listed:
+                if entry.live:  # the shard dropped it without a last generation
+                    self._finish(entry, ShardError(grpc.StatusCode.INTERNAL,
+                                                   f"the shard dropped request {entry.id} unfinished"))
+                self._release(entry)
+        return kept
+
+    async def _prune(self, cached: CachedBatch | None, entries: list[Entry]) -> CachedBatch | None:
+        if cached is None:
+            return None
+        keep = [i for i in cached.request_ids if i in self._entries and self._entries[i].live]
+        if len(keep) == len(cached.request_ids):
+            return cached
+        try:
+            if keep:
+                return await self.client.filter_batch(cached.id, keep)
+            await self.client.clear_cache(cached.id)
+        except ShardError as error:
+            await self._fail([cached.id], entries, error)
+        return None
+
+    async def _fail(self, batch_ids: list[int], entries: list[Entry], error: Exception) -> None:
+        """A step failed: drop its batches on the shard, and every request in them gets the error;
+        when the shards are gone, they wait for the restart instead (`_requeue`)."""
+        self.stats.failed_steps += 1
+        log.warning("shard step on batches %s failed: %s", batch_ids, error)
+        if getattr(error, "code", None) == grpc.StatusCode.UNAVAILABLE:
+            self._requeue(entries, error)  # the next iteration waits for them; queued requests wait too
+            return
+        await self._clear(batch_ids)
+        for entry in entries:
+            if entry.live:
+                self._finish(entry, error)
+            self._release(entry)
+
+    async def _clear(self, batch_ids: list[int]) -> None:
+        for batch_id in batch_ids:
+            try:
+                await self.client.clear_cache(batch_id)
+            except ShardError as clear_error:
+                log.warning("ClearCache(%d) failed too: %s", batch_id, clear_error)
+
+    def _finish(self, entry: Entry, item: Generation | BaseException) -> None:
+        entry.finished = True
+        entry.outbox.put_nowait(item)
+
+    def _release(self, entry: Entry) -> None:
+        if entry.allocation is not None:
+            kv_blocks.finished(self.allocator, entry)
+            self.allocator.free(entry.allocation)
+            entry.allocation = None
+        if self._entries.get(entry.id) is entry:
+            del self._entries[entry.id]
+
+    # --- giving up --------------------------------------------------------------------------------
+
+    async def _abandon_running(self, error: BaseException) -> None:
+        """After an unexpected failure the shard's batches are unknown: clear them all."""
+        in_flight = [e for e in self._entries.values() if e not in self._queue]
+        if self._running is not None or in_flight:  # an idle stop leaves the shard alone
+            try:
+                await self.client.clear_cache(None)
+            except ShardError as clear_error:
+                log.warning("ClearCache failed: %s", clear_error)
+        self._running = None
+        for entry in in_flight:
+            if entry.live:
+                self._finish(entry, error)
+            self._release(entry)
+
+    async def _abandon_all(self, error: BaseException) -> None:
+        for entry in list(self._queue):
+            self._finish(entry, error)
+            self._release(entry)
+        self._queue.clear()
+        await self._abandon_running(error)
