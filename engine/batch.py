@@ -1,4 +1,4 @@
-"""Plain dataclasses mirroring the generate.v3 protocol messages (see DESIGN.md section 3).
+"""Plain dataclasses mirroring the generate.v3 messages (docs/architecture.md#wire-protocol).
 
 The shard works on these; the gRPC server only translates them to and from protobuf.
 """

@@ -3,5 +3,5 @@ tensor-parallel rank, waits until every one answers Health, supervises them (sto
 or restart on a failure), and starts the router. The offline commands that drive the router's
 scheduler over an in-process shard (`bucketserve generate|bench`) live here too.
 
-`python -m launcher --help` lists the flags; DESIGN.md section 1 places it in the system.
+`python -m launcher --help` lists the flags; docs/architecture.md#components places it.
 """

@@ -1,4 +1,4 @@
-"""The wire format is exactly the contract of DESIGN.md section 3, kept in the repository as proto/CONTRACT.md.
+"""The wire format is exactly proto/CONTRACT.md's contract (docs/architecture.md#wire-protocol).
 
 The message table is parsed out of that file; our compiled descriptors must match it field by field,
 and a client generated from nothing but that table must drive `python -m engine serve`.

@@ -1,8 +1,9 @@
-"""KV blocks on demand (DESIGN.md 10): before each Decode, every request in the step gets the block
-its next token needs. When none is left, the newest request is preempted: the shard drops it
-(FilterBatch), its blocks go back (its full blocks stay in the prefix cache), and it waits at the
-head of the queue. Readmitted, it is prefilled again from its prompt and the tokens it generated
-(the resume path of engine/serving/resume.py), so its stream goes on without a duplicate or a gap.
+"""KV blocks on demand (docs/architecture.md#kv-on-demand): before each Decode, every request
+in the step gets the block its next token needs. When none is left, the newest request is
+preempted: the shard drops it (FilterBatch), its blocks go back (its full blocks stay in the
+prefix cache), and it waits at the head of the queue. Readmitted, it is prefilled again from its
+prompt and the tokens it generated (the resume path of engine/serving/resume.py), so its stream
+goes on without a duplicate or a gap.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""KV blocks with a prefix cache (DESIGN.md 10): full blocks are found again by the tokens they hold.
+"""KV blocks found again by the tokens they hold (docs/architecture.md#prefix-caching).
 
 Each full block of a computed sequence is keyed by a hash chain over its tokens and every token
 before it, and the LoRA adapter (engine.serving.prefix.chain_hashes), so equal keys mean equal KV.

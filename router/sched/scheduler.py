@@ -1,4 +1,4 @@
-"""Continuous batching: the router's loop that turns queued requests into shard steps (DESIGN.md 1, 3).
+"""Continuous batching: the router's loop (docs/architecture.md#the-life-of-a-request).
 
 One background task owns the shard's batches. Each step it may admit new requests from the head of
 a FIFO queue (`Prefill(new)`), then decodes everything running together (`Decode([running, new])`,
