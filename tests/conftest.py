@@ -3,10 +3,8 @@ import torch
 
 from engine.config import default_cache_dir
 from engine.weights.loader import resolve_model_dir
+from tests.helpers import tiny_config, warmed_llama_shard  # noqa: F401 - re-exported
 from tests.models import build_tiny_model
-
-# Re-exported: modules import these from here. New code imports them from tests.helpers.
-from tests.helpers import tiny_config, warmed_llama_shard  # noqa: F401
 
 torch.manual_seed(0)
 

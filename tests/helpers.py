@@ -6,6 +6,7 @@ A module states only its own values; the fixture factories turn them into module
     shard = shard_fixture(max_batch_size=4, warmup=LIMITS)
     expected = reference_fixture(PROMPTS, NEW_TOKENS)
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,10 +35,18 @@ PROMPTS = [
 
 def tiny_config(model_dir, **overrides) -> EngineConfig:
     """A small, strict shard config; `overrides` are EngineConfig fields."""
-    # float32: these shards are compared with transformers in float32 (--dtype auto may pick bfloat16)
-    settings = dict(model_id=str(model_dir), dtype="float32", block_size=16, max_batch_size=8,
-                    max_input_tokens=128, max_total_tokens=256, max_prefill_tokens=512,
-                    strict_shapes=True)
+    # float32: these shards are compared with transformers in float32 (--dtype auto may pick
+    # bfloat16)
+    settings = dict(
+        model_id=str(model_dir),
+        dtype="float32",
+        block_size=16,
+        max_batch_size=8,
+        max_input_tokens=128,
+        max_total_tokens=256,
+        max_prefill_tokens=512,
+        strict_shapes=True,
+    )
     return EngineConfig(**{**settings, **overrides})
 
 
@@ -50,8 +59,12 @@ def tiny_shard(model_dir, *, warmup: bool | ServingLimits = True, **overrides):
 
     shard = Shard(tiny_config(model_dir, **overrides), show_progress=False)
     if isinstance(warmup, ServingLimits):
-        shard.warmup(warmup.max_input_tokens, warmup.max_prefill_tokens, warmup.max_total_tokens,
-                     warmup.max_batch_size)
+        shard.warmup(
+            warmup.max_input_tokens,
+            warmup.max_prefill_tokens,
+            warmup.max_total_tokens,
+            warmup.max_batch_size,
+        )
     elif warmup:
         shard.warmup()
     return shard
@@ -63,7 +76,8 @@ def warmed_llama_shard(tiny_model_dirs):
 
 
 def shard_fixture(variant: str = "llama", *, warmup: bool | ServingLimits = True, **overrides):
-    """A module fixture: `tiny_shard` on the tiny `variant`, its batches cleared after the module."""
+    """A module fixture: `tiny_shard` on the tiny `variant`; its batches are cleared after the
+    module."""
 
     @pytest.fixture(scope="module")
     def shard(tiny_model_dirs):
@@ -86,16 +100,20 @@ def reference_tokens(model_dir, texts, max_new_tokens, add_special_tokens=True, 
     and each answer costs a model load and a generate per prompt."""
     key = (_weights_key(model_dir), tuple(texts), max_new_tokens, add_special_tokens, stop_on_eos)
     if key not in _references:
-        _references[key] = _generate_reference(model_dir, texts, max_new_tokens, add_special_tokens,
-                                               stop_on_eos)
+        _references[key] = _generate_reference(
+            model_dir, texts, max_new_tokens, add_special_tokens, stop_on_eos
+        )
     return [list(tokens) for tokens in _references[key]]  # a copy: a test may change its lists
 
 
 def _weights_key(model_dir) -> tuple:
-    """The directory and its files' sizes and times: a rewritten model is not taken for the old one."""
+    """The directory and its files' sizes and times: a model rewritten in place is not taken for
+    the old one."""
     files = sorted(p for p in Path(model_dir).iterdir() if p.is_file())
-    return (str(Path(model_dir).resolve()),
-            tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+    return (
+        str(Path(model_dir).resolve()),
+        tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files),
+    )
 
 
 def _generate_reference(model_dir, texts, max_new_tokens, add_special_tokens, stop_on_eos):
@@ -107,11 +125,17 @@ def _generate_reference(model_dir, texts, max_new_tokens, add_special_tokens, st
         model.generation_config.eos_token_id = None
     outputs = []
     for text in texts:
-        ids = tokenizer(text, return_tensors="pt", add_special_tokens=add_special_tokens)["input_ids"]
+        encoded = tokenizer(text, return_tensors="pt", add_special_tokens=add_special_tokens)
+        ids = encoded["input_ids"]
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-        outputs.append(out[0, ids.shape[1]:].tolist())
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        outputs.append(out[0, ids.shape[1] :].tolist())
     return outputs
 
 
@@ -128,14 +152,25 @@ def reference_fixture(texts, max_new_tokens, variant: str = "llama", **options):
 # --- requests ------------------------------------------------------------------------------------
 
 
-def build_request(i: int, max_new_tokens: int, text: str | None = None, *,
-                  parameters: NextTokenChooserParameters | None = None,
-                  ignore_eos_token: bool = True, **fields) -> Request:
+def build_request(
+    i: int,
+    max_new_tokens: int,
+    text: str | None = None,
+    *,
+    parameters: NextTokenChooserParameters | None = None,
+    ignore_eos_token: bool = True,
+    **fields,
+) -> Request:
     """Request `i` for PROMPTS[i] (or `text`): greedy unless `parameters` say otherwise, and
     `max_new_tokens` long whatever EOS says; `fields` are the Request's others (blocks, slots,
     adapter_id, cache_len, truncate, ...)."""
-    stopping = StoppingCriteriaParameters(max_new_tokens=max_new_tokens,
-                                          ignore_eos_token=ignore_eos_token)
-    return Request(i, PROMPTS[i] if text is None else text,
-                   parameters=NextTokenChooserParameters() if parameters is None else parameters,
-                   stopping_parameters=stopping, **fields)
+    stopping = StoppingCriteriaParameters(
+        max_new_tokens=max_new_tokens, ignore_eos_token=ignore_eos_token
+    )
+    return Request(
+        i,
+        PROMPTS[i] if text is None else text,
+        parameters=NextTokenChooserParameters() if parameters is None else parameters,
+        stopping_parameters=stopping,
+        **fields,
+    )
