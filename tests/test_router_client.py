@@ -89,6 +89,7 @@ def test_in_process_client(tiny_model_dirs, expected):
     assert (warmed.max_input_tokens, warmed.max_total_tokens) == (64, 128)
 
 
+@pytest.mark.slow
 def test_grpc_client_on_two_tensor_parallel_shards(tiny_model_dirs, expected):
     model_dir = tiny_model_dirs["llama"]
     folder, port = short_socket_dir(), free_port()

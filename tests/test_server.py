@@ -306,6 +306,7 @@ def liveness_probe(stub) -> None:
 # --- `python -m engine serve` as a user runs it ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_server_replaces_a_stale_socket_and_also_serves_tcp(tiny_model_dirs, expected):
     # Rank filtering across a real two-process group is tested in test_tensor_parallel.py.
     base = short_socket_dir()
