@@ -2,6 +2,13 @@
 #   make run    set up .venv and serve the embedded model on CPU: launcher, shard and HTTP router
 #   make test   set up .venv and run the test suite (what CI runs)
 #
+# While working:
+#   make test-fast   the suite without the `slow` tests (those that start shard, router or launcher
+#                    processes, or run the embedded model); CI runs them all
+#   make lint        ruff's linter and its formatter's check, line length 100 (pyproject.toml);
+#                    `ruff format .` and `ruff check --fix .` apply what they can
+#   make lint-docker hadolint over the Dockerfiles
+#
 # torch is installed first and pinned, so that nothing later pulls a multi-GB CUDA build.
 # On an accelerator image that ships its own torch, install with `pip install -e .` instead.
 
@@ -11,7 +18,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run generate test bench lint-docker proto clean
+.PHONY: run generate test test-fast bench lint lint-docker proto clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,8 +45,15 @@ generate: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
 bench: $(STAMP)
 	$(VENV)/bin/bucketserve bench --compare transformers
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 lint-docker: $(STAMP)
 	$(VENV)/bin/hadolint --config .hadolint.yaml Dockerfile_gaudi Dockerfile_cuda Dockerfile_xpu

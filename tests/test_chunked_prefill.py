@@ -14,6 +14,7 @@ from router.sched.prefix_cache import PrefixCache
 from router.sched.scheduler import Scheduler
 from tests.conftest import tiny_config
 from tests.test_equivalence import PROMPTS, reference_tokens
+from tests.helpers import reference_fixture, shard_fixture
 
 BUDGET = 32
 LONG = " ".join([PROMPTS[4]] * 3)  # about 4.5x the budget
@@ -22,16 +23,8 @@ NEW = 8
 LIMITS = ServingLimits(max_batch_size=4, max_prefill_tokens=BUDGET, max_input_tokens=192, max_total_tokens=256)
 
 
-@pytest.fixture(scope="module")
-def shard(tiny_model_dirs):
-    shard = Shard(tiny_config(tiny_model_dirs["llama"], max_batch_size=4), show_progress=False)
-    shard.warmup(LIMITS.max_input_tokens, BUDGET, LIMITS.max_total_tokens, 4)
-    return shard
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_model_dirs):
-    return reference_tokens(tiny_model_dirs["llama"], [LONG, SHORT], NEW)
+shard = shard_fixture(max_batch_size=4, warmup=LIMITS)
+expected = reference_fixture([LONG, SHORT], NEW)
 
 
 def test_the_shard_chunks_a_prompt_beyond_its_budget(shard):

@@ -21,6 +21,7 @@ def test_generate_chat_answers_from_the_embedded_model():
     assert "Paris" in answer["text"] and 0 < len(answer["token_ids"]) <= 20
 
 
+@pytest.mark.slow
 def test_prompt_over_the_input_limit_is_a_one_line_error():
     result = run_cli("generate", "--prompt", ("word " * 100).strip(), "--max-input-tokens", "32", "--max-new-tokens", "4")
     assert result.returncode == 2

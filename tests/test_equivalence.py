@@ -6,35 +6,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from launcher.generate import chat_prompt, generate
 from engine.serving.shard import Shard
 from tests.conftest import tiny_config
+from tests.helpers import PROMPTS, reference_tokens  # other modules import them from here too
 
-# Six prompts of clearly different lengths, decoded together in one mixed batch.
-PROMPTS = [
-    "Hi",
-    "The quick brown fox jumps over the lazy dog.",
-    "Once upon a time, in a kingdom by the sea, there lived a princess who loved to read old maps.",
-    "List three prime numbers:",
-    "In 1969 the first humans walked on the moon. The mission was called Apollo 11 and it carried "
-    "three astronauts: Neil Armstrong, Buzz Aldrin and Michael Collins, who stayed in orbit while "
-    "the other two landed in the Sea of Tranquility.",
-    "Water boils at",
-]
 NEW_TOKENS = 40  # > 2 blocks of 16: decode crosses block boundaries
-
-
-def reference_tokens(model_dir, texts, max_new_tokens, add_special_tokens=True, stop_on_eos=False):
-    """transformers' greedy generate, one prompt at a time (no padding in the reference)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if not stop_on_eos:
-        model.generation_config.eos_token_id = None
-    outputs = []
-    for text in texts:
-        ids = tokenizer(text, return_tensors="pt", add_special_tokens=add_special_tokens)["input_ids"]
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=0)
-        outputs.append(out[0, ids.shape[1]:].tolist())
-    return outputs
 
 
 @pytest.mark.parametrize("variant", ["llama", "mistral", "qwen2"])

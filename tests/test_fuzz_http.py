@@ -14,6 +14,8 @@ from tests.test_equivalence import PROMPTS, reference_tokens
 from tests.test_router_http import (ROUTER_LIMITS, free_port, generate, start_router, token_ids, wait_for_router)
 from tests.test_server import short_socket_dir, start_cli_server, stop_cli_server, wait_until_serving
 
+pytestmark = pytest.mark.slow  # end to end: real shard and router processes
+
 EXAMPLES = 80
 ROUTES = ["/generate", "/generate_stream", "/", "/tokenize", "/v1/chat/completions", "/v1/completions"]
 TGI_FIELDS = ["max_new_tokens", "temperature", "top_k", "top_p", "typical_p", "do_sample", "seed",

@@ -15,6 +15,8 @@ from tests.test_equivalence import PROMPTS, reference_tokens
 from tests.test_server import (NEW_TOKENS, collect, drain, prompt_request, short_socket_dir, start_cli_server,
                                stop_cli_server, tgi_warmup_request, wait_until_serving)
 
+pytestmark = pytest.mark.slow  # end to end: a real shard process
+
 EXAMPLES = 40
 CALLS_PER_EXAMPLE = 8
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,

@@ -8,13 +8,12 @@ from transformers import AutoModelForCausalLM
 from engine.batch import Batch, FinishReason, Request, StoppingCriteriaParameters
 from engine.serving.shard import Shard
 from tests.conftest import tiny_config, warmed_llama_shard
+from tests.helpers import shard_fixture
 
 PROMPT = "The lighthouse keeper counted the ships that passed in the night"
 
 
-@pytest.fixture(scope="module")
-def shard(tiny_model_dirs):
-    return warmed_llama_shard(tiny_model_dirs)
+shard = shard_fixture(max_batch_size=4)
 
 
 @pytest.fixture(scope="module")

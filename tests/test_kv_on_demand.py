@@ -13,22 +13,15 @@ from router.sched.prefix_cache import PrefixCache
 from router.sched.scheduler import Scheduler
 from tests.conftest import tiny_config
 from tests.test_equivalence import PROMPTS, reference_tokens
+from tests.helpers import reference_fixture, shard_fixture
 
 BLOCK = 16
 NEW = 40  # a request grows by 2-3 blocks while it decodes
 LIMITS = ServingLimits(max_batch_size=4, max_prefill_tokens=256, max_input_tokens=128, max_total_tokens=256)
 
 
-@pytest.fixture(scope="module")
-def shard(tiny_model_dirs):
-    shard = Shard(tiny_config(tiny_model_dirs["llama"], max_batch_size=4), show_progress=False)
-    shard.warmup(128, 256, 256, 4)
-    return shard
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_model_dirs):
-    return reference_tokens(tiny_model_dirs["llama"], PROMPTS, NEW)
+shard = shard_fixture(max_batch_size=4, warmup=LIMITS)
+expected = reference_fixture(PROMPTS, NEW)
 
 
 class UpFrontClient(InProcessClient):

@@ -179,6 +179,7 @@ def kill_shard(launch: Launch, base: str, rank: int) -> int:
 # --- a two-shard launch ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_shards_answer_and_each_request_is_served_once_then_sigterm_stops_all(launched, tiny_model_dirs):
     launch = launched("--num-shard", "2", "--no-router", "--device", "cpu")
     base = launch.wait_ready()
@@ -201,6 +202,7 @@ def test_two_shards_answer_and_each_request_is_served_once_then_sigterm_stops_al
     assert_nothing_left(launch, base)
 
 
+@pytest.mark.slow
 def test_a_shard_killed_during_decode_ends_the_launch(launched):
     folder = short_socket_dir()
     launch = launched("--num-shard", "2", "--no-router", "--device", "cpu", "--uds-path", f"{folder}/s")
@@ -219,6 +221,7 @@ def test_a_shard_killed_during_decode_ends_the_launch(launched):
     shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_restart_on_failure_brings_the_group_back(launched):
     launch = launched("--num-shard", "2", "--no-router", "--device", "cpu", "--restart-on-failure")
     base = launch.wait_ready()
@@ -237,6 +240,7 @@ def test_restart_on_failure_brings_the_group_back(launched):
     assert_nothing_left(launch, base)
 
 
+@pytest.mark.slow
 def test_a_shard_that_dies_at_start_up_stops_the_launch(launched, tiny_model_dirs, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model_dirs["llama"], broken)
@@ -252,6 +256,7 @@ def test_a_shard_that_dies_at_start_up_stops_the_launch(launched, tiny_model_dir
     shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_shards_not_healthy_within_the_startup_timeout_stop_the_launch(launched):
     folder = short_socket_dir()
     # No shard imports torch and loads a model in a fifth of a second.

@@ -13,6 +13,8 @@ from tests.test_equivalence import reference_tokens
 from tests.test_launcher import Launch, STARTUP_S, engine_processes_of, kill_shard, launched  # noqa: F401
 from tests.test_server import short_socket_dir
 
+pytestmark = pytest.mark.slow  # end to end: launched shards and routers
+
 SERVES = re.compile(r"the router serves (http://\S+) ")
 ROUTER_STARTUP_S = 300  # the router warms the shards up before it answers
 

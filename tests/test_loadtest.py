@@ -221,6 +221,7 @@ def test_parse_event():
 
 
 @pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.slow
 def test_against_the_real_router(served, capsys, tmp_path, stream):  # noqa: F811 - the imported fixture
     extra = ["--stream"] if stream else []
     status, summary = run(capsys, served[0], *extra, "--max-new-tokens", "8", "--arrivals", "uniform",

@@ -19,26 +19,18 @@ from router.sched.scheduler import Scheduler
 from tests.conftest import warmed_llama_shard
 from tests.test_equivalence import PROMPTS, reference_tokens
 from tests.test_router_scheduler import LIMITS, RecordingClient, consume, full_allocator, make_request
+from tests.helpers import build_request, reference_fixture, shard_fixture
 
 NEW = 24
 SEEDED = NextTokenChooserParameters(temperature=0.9, top_k=20, do_sample=True, seed=1234)
 
 
-@pytest.fixture(scope="module")
-def shard(tiny_model_dirs):
-    shard = warmed_llama_shard(tiny_model_dirs)
-    yield shard
-    shard.clear()
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_model_dirs):
-    return reference_tokens(tiny_model_dirs["llama"], PROMPTS, NEW)
+shard = shard_fixture(max_batch_size=4)
+expected = reference_fixture(PROMPTS, NEW)
 
 
 def request(i: int, new: int = NEW, sampled: bool = False, **blocks) -> Request:
-    return Request(i, PROMPTS[i], parameters=SEEDED if sampled else NextTokenChooserParameters(),
-                   stopping_parameters=StoppingCriteriaParameters(new, ignore_eos_token=True), **blocks)
+    return build_request(i, new, parameters=SEEDED if sampled else None, **blocks)
 
 
 def collect(tokens: dict, result):

@@ -11,6 +11,7 @@ from launcher.generate import run_requests
 from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 from tests.test_equivalence import PROMPTS
+from tests.helpers import build_request, tiny_shard
 
 NEW_TOKENS = 24  # > one block of 16: decode crosses a block boundary with adapters active
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -78,12 +79,11 @@ def lora_expected(tiny_model_dirs, lora_dirs):
 
 def lora_shard(tiny_model_dirs, lora_dirs, **overrides) -> Shard:
     specs = tuple((name, str(path)) for name, path in lora_dirs.items())
-    return Shard(tiny_config(tiny_model_dirs["llama"], lora_adapters=specs, **overrides), show_progress=False)
+    return tiny_shard(tiny_model_dirs["llama"], warmup=False, lora_adapters=specs, **overrides)
 
 
 def request(i: int, adapter: str | None, max_new_tokens: int = NEW_TOKENS) -> Request:
-    stopping = StoppingCriteriaParameters(max_new_tokens=max_new_tokens, ignore_eos_token=True)
-    return Request(i, PROMPTS[i], stopping_parameters=stopping, adapter_id=adapter)
+    return build_request(i, max_new_tokens, adapter_id=adapter)
 
 
 def test_every_adapter_changes_the_reference(lora_expected):

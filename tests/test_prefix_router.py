@@ -14,6 +14,7 @@ from router.sched.prefix_cache import PrefixCache
 from router.sched.scheduler import Scheduler
 from tests.conftest import tiny_config
 from tests.test_equivalence import reference_tokens
+from tests.helpers import build_request, reference_fixture, shard_fixture
 
 BLOCK = 16
 NEW = 5
@@ -44,16 +45,9 @@ def test_hash_chain_refcounts_and_lru_eviction():
     assert cache.stats.hit_requests == 2 and cache.stats.hit_tokens == 12
 
 
-@pytest.fixture(scope="module")
-def shard(tiny_model_dirs):
-    shard = Shard(tiny_config(tiny_model_dirs["llama"], max_batch_size=4), show_progress=False)
-    shard.warmup(64 * 2, 256, 256, 4)
-    return shard
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_model_dirs):
-    return reference_tokens(tiny_model_dirs["llama"], PROMPTS, NEW)
+shard = shard_fixture(max_batch_size=4, warmup=ServingLimits(max_batch_size=4, max_prefill_tokens=256,
+                                                             max_input_tokens=64 * 2, max_total_tokens=256))
+expected = reference_fixture(PROMPTS, NEW)
 
 
 def serve(shard, allocator, waves):
@@ -82,7 +76,7 @@ def ids_of(shard, i):
 
 
 def request(shard, i):
-    return Request(i, PROMPTS[i], stopping_parameters=StoppingCriteriaParameters(max_new_tokens=NEW, ignore_eos_token=True))
+    return build_request(i, NEW, PROMPTS[i])
 
 
 def test_shared_prefixes_equal_transformers_and_caching_off(shard, expected):

@@ -7,6 +7,7 @@ from engine.kv_cache import slots_for
 from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 from tests.test_equivalence import reference_tokens
+from tests.helpers import build_request, reference_fixture, shard_fixture
 
 NEW = 6
 BLOCK = 16
@@ -15,16 +16,8 @@ SHARED = ("In 1969 the first humans walked on the moon. The mission was called A
 SUFFIXES = [" while the other two landed.", " and then all three came home safely.", " for a day."]
 
 
-@pytest.fixture(scope="module")
-def shard(tiny_model_dirs):
-    shard = Shard(tiny_config(tiny_model_dirs["llama"], max_batch_size=4), show_progress=False)
-    shard.warmup()
-    return shard
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_model_dirs):
-    return reference_tokens(tiny_model_dirs["llama"], [SHARED + s for s in SUFFIXES], NEW)
+shard = shard_fixture(max_batch_size=4)
+expected = reference_fixture([SHARED + s for s in SUFFIXES], NEW)
 
 
 def length(shard, text):
@@ -34,8 +27,7 @@ def length(shard, text):
 def request(shard, i, blocks, cache_len=0, **kw):
     text = SHARED + SUFFIXES[i]
     slots = slots_for(blocks, 0, length(shard, text), BLOCK)
-    stopping = StoppingCriteriaParameters(max_new_tokens=NEW, ignore_eos_token=True)
-    return Request(i, text, stopping_parameters=stopping, blocks=blocks, slots=slots, cache_len=cache_len, **kw)
+    return build_request(i, NEW, text, blocks=blocks, slots=slots, cache_len=cache_len, **kw)
 
 
 def run(shard, batch_id, requests):

@@ -12,6 +12,7 @@ from router.client import InProcessClient
 from router.sched.prefix_cache import PrefixCache
 from router.sched.scheduler import Scheduler
 from tests.conftest import tiny_config
+from tests.helpers import shard_fixture
 
 BUDGET = 32
 LIMITS = ServingLimits(max_batch_size=4, max_prefill_tokens=BUDGET, max_input_tokens=112, max_total_tokens=160)
@@ -19,12 +20,7 @@ PREFIXES = ["word " * 70, "The moon landing was in 1969 and " * 6]
 TRAFFIC = settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(scope="module")
-def shard(tiny_model_dirs):
-    shard = Shard(tiny_config(tiny_model_dirs["llama"], max_batch_size=4, warmup_prompt_logprobs=False),
-                  show_progress=False)
-    shard.warmup(LIMITS.max_input_tokens, BUDGET, LIMITS.max_total_tokens, 4)
-    return shard
+shard = shard_fixture(max_batch_size=4, warmup_prompt_logprobs=False, warmup=LIMITS)
 
 
 def traffic(data):

@@ -8,6 +8,8 @@ import pytest
 from tests.test_equivalence import PROMPTS, reference_tokens
 from tests.test_router_http import router_url, served  # noqa: F401 - the shard + router of this module
 
+pytestmark = pytest.mark.slow  # end to end: real shard and router processes
+
 VALID_TOKENS = 40
 MARKER = "zq-marker-7731"  # never to be echoed back in an error body
 

@@ -4,11 +4,14 @@ import signal
 from pathlib import Path
 
 import psutil
+import pytest
 
 from engine.wire import generate_pb2_grpc as pb_grpc
 from tests.test_launcher import Launch, engine_processes_of  # noqa: F401
 from tests.test_launcher_router import wait_served
 from tests.test_server import short_socket_dir, start_cli_server, tgi_warmup_request, wait_until_serving
+
+pytestmark = pytest.mark.slow  # end to end: shard and launcher processes, signalled
 
 PARENT_GONE_S = 30  # a shard polls its parent every 0.5 s, then stops within its grace period
 

@@ -14,6 +14,8 @@ from tests.test_launcher import Launch, STARTUP_S, engine_processes_of, kill_sha
 from tests.test_launcher_router import wait_served
 from tests.test_server import short_socket_dir
 
+pytestmark = pytest.mark.slow  # end to end: launched shards and routers, one killed
+
 NEW_TOKENS = 80
 REQUESTS = (PROMPTS + ["The three primary colors are", "A good breakfast has"])[:8]
 LIMITS = ["--device", "cpu", "--restart-on-failure", "--hostname", "127.0.0.1",

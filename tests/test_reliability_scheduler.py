@@ -8,8 +8,9 @@ import pytest
 from engine.batch import GrammarType, NextTokenChooserParameters
 from router.client import ShardError
 from tests.test_router_outage import OutageClient, wait_for
-from tests.test_router_scheduler import (RecordingClient, consume, expected, full_allocator,  # noqa: F401
-                                         make_request, shard, warmed, with_scheduler)
+from tests.test_router_scheduler import (RecordingClient, consume, full_allocator, make_request,
+                                         with_scheduler)
+from tests.test_router_scheduler import expected, shard, warmed  # noqa: F401 - fixtures
 
 
 def with_grammar(request, text: str):

@@ -7,9 +7,9 @@ import psutil
 import pytest
 
 from engine.wire import generate_pb2 as pb
-from tests.test_server import (collect, drain, expected, free_tcp_port, prompt_request, router_blocks,  # noqa: F401
-                               served, shard, short_socket_dir, socket_dir, start_cli_server, stop_cli_server,
-                               wait_until_serving, warm)
+from tests.test_server import (collect, drain, free_tcp_port, prompt_request, router_blocks,
+                               short_socket_dir, start_cli_server, stop_cli_server, wait_until_serving, warm)
+from tests.test_server import expected, served, shard, socket_dir  # noqa: F401 - fixtures
 
 RUNNING_BATCH = 10
 
@@ -78,6 +78,7 @@ def test_bad_assignments_are_refused_and_the_running_batch_is_exact(served, shar
     assert tokens == {1: expected[1]}
 
 
+@pytest.mark.slow
 def test_the_tcp_port_listens_on_loopback_unless_a_hostname_is_given(tiny_model_dirs):
     base, port = short_socket_dir(), free_tcp_port()
     process = start_cli_server(tiny_model_dirs["llama"], base / "s", extra=["--port", str(port)])

@@ -16,6 +16,7 @@ from tests.conftest import tiny_config
 from tests.test_equivalence import PROMPTS, reference_tokens
 from tests.test_server import short_socket_dir, start_cli_server, stop_cli_server, wait_until_serving
 from tests.test_tensor_parallel import free_port
+from tests.helpers import build_request, reference_fixture
 
 NEW_TOKENS = 20  # > one block of 16: decode crosses a block boundary
 LIMITS = dict(max_input_tokens=64, max_prefill_tokens=128, max_total_tokens=128)
@@ -28,9 +29,7 @@ def requests(ids, tokenizer, allocator: BlockAllocator) -> list[Request]:
     for i in ids:
         prompt_len = len(tokenizer(PROMPTS[i])["input_ids"])
         taken = allocator.allocate(prompt_len + NEW_TOKENS)
-        stopping = StoppingCriteriaParameters(NEW_TOKENS, ignore_eos_token=True)
-        made.append(Request(i, PROMPTS[i], stopping_parameters=stopping, blocks=list(taken.blocks),
-                            slots=list(taken.slots)))
+        made.append(build_request(i, NEW_TOKENS, blocks=list(taken.blocks), slots=list(taken.slots)))
     return made
 
 
@@ -72,9 +71,7 @@ def check_tokens(tokens: dict, expected: list) -> None:
     assert tokens[DROPPED] == expected[DROPPED][:2]  # its prefill token and one decode token
 
 
-@pytest.fixture(scope="module")
-def expected(tiny_model_dirs):
-    return reference_tokens(tiny_model_dirs["llama"], PROMPTS, NEW_TOKENS)
+expected = reference_fixture(PROMPTS, NEW_TOKENS)
 
 
 def test_in_process_client(tiny_model_dirs, expected):
@@ -92,6 +89,7 @@ def test_in_process_client(tiny_model_dirs, expected):
     assert (warmed.max_input_tokens, warmed.max_total_tokens) == (64, 128)
 
 
+@pytest.mark.slow
 def test_grpc_client_on_two_tensor_parallel_shards(tiny_model_dirs, expected):
     model_dir = tiny_model_dirs["llama"]
     folder, port = short_socket_dir(), free_port()

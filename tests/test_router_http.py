@@ -17,6 +17,8 @@ from tests.test_equivalence import PROMPTS, reference_tokens
 from tests.test_server import (REPO, short_socket_dir, start_cli_server, stop_cli_server,
                                wait_until_serving)
 
+pytestmark = pytest.mark.slow  # end to end: real shard and router processes
+
 NEW_TOKENS = 20
 ROUTER_LIMITS = ["--max-input-tokens", "64", "--max-total-tokens", "128", "--max-batch-prefill-tokens", "128",
                  "--max-batch-size", "4"]

@@ -12,6 +12,8 @@ from tests.test_equivalence import PROMPTS
 from tests.test_router_http import free_port, start_router, wait_for_router
 from tests.test_server import short_socket_dir, start_cli_server, stop_cli_server, wait_until_serving
 
+pytestmark = pytest.mark.slow  # end to end: real shard and router processes
+
 # Room for long generations: a stream must still be running when its client goes away.
 LIMITS = ["--max-input-tokens", "64", "--max-total-tokens", "512", "--max-batch-prefill-tokens", "128",
           "--max-batch-size", "4"]

@@ -4,12 +4,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+import pytest
 
 from tests.test_equivalence import PROMPTS
 from tests.test_launcher import launched  # noqa: F401 - launcher processes, cleaned up after the test
 from tests.test_launcher_router import wait_served
 from tests.test_lora import lora_dirs, lora_expected  # noqa: F401 - adapters made with peft, and references
 from tests.test_server import short_socket_dir
+
+pytestmark = pytest.mark.slow  # end to end: a launched shard and router
 
 NEW_TOKENS = 12
 EOS = 2

@@ -14,6 +14,8 @@ from router.sched.fanout import MAX_SIBLINGS
 from tests.test_router_http import shard_and_router
 from tests.test_server import short_socket_dir
 
+pytestmark = pytest.mark.slow  # end to end: real shard and router processes
+
 PROMPT = "Once upon a time, in a kingdom by the sea, there lived"
 LIMITS = ["--max-input-tokens", "64", "--max-total-tokens", "128", "--max-batch-prefill-tokens", "128",
           "--max-batch-size", "8"]

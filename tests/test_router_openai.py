@@ -10,6 +10,8 @@ from transformers import AutoTokenizer
 from tests.test_equivalence import PROMPTS, reference_tokens
 from tests.test_router_http import served  # noqa: F401 - the shard + router processes of this module
 
+pytestmark = pytest.mark.slow  # end to end: real shard and router processes
+
 NEW_TOKENS = 12
 
 

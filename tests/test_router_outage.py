@@ -8,8 +8,9 @@ import pytest
 
 from router.client import ShardError
 from router.sched.scheduler import Overloaded, ShardsUnavailable
-from tests.test_router_scheduler import (LIMITS, RecordingClient, consume, expected, full_allocator,  # noqa: F401
-                                         make_request, shard, warmed, with_scheduler)
+from tests.test_router_scheduler import (LIMITS, RecordingClient, consume, full_allocator, make_request,
+                                         with_scheduler)
+from tests.test_router_scheduler import expected, shard, warmed  # noqa: F401 - fixtures
 
 
 class OutageClient(RecordingClient):

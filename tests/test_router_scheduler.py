@@ -12,6 +12,7 @@ from engine.config import ServingLimits
 from router.sched.scheduler import Scheduler
 from tests.conftest import tiny_config
 from tests.test_equivalence import PROMPTS, reference_tokens
+from tests.helpers import build_request, reference_fixture, tiny_shard
 
 LIMITS = ServingLimits(max_batch_size=4, max_prefill_tokens=128, max_input_tokens=64, max_total_tokens=128)
 MAX_NEW = 30
@@ -20,7 +21,7 @@ MAX_NEW = 30
 @pytest.fixture(scope="module")
 def warmed(tiny_model_dirs):
     """(shard, KV capacity in tokens, tokenizer-counted prompt lengths), warmed once for the module."""
-    shard = Shard(tiny_config(tiny_model_dirs["llama"], max_batch_size=4), show_progress=False)
+    shard = tiny_shard(tiny_model_dirs["llama"], warmup=False, max_batch_size=4)
 
     async def warm():
         client = InProcessClient(shard, max_batch_size=LIMITS.max_batch_size)
@@ -36,9 +37,7 @@ def warmed(tiny_model_dirs):
     return shard, result.max_supported_total_tokens, lengths
 
 
-@pytest.fixture(scope="module")
-def expected(tiny_model_dirs):
-    return reference_tokens(tiny_model_dirs["llama"], PROMPTS, MAX_NEW)
+expected = reference_fixture(PROMPTS, MAX_NEW)
 
 
 @pytest.fixture
@@ -86,8 +85,7 @@ class RecordingClient:
 
 
 def make_request(i: int, max_new: int, prompt: int | None = None) -> Request:
-    return Request(i, PROMPTS[i % len(PROMPTS) if prompt is None else prompt],
-                   stopping_parameters=StoppingCriteriaParameters(max_new, ignore_eos_token=True))
+    return build_request(i, max_new, PROMPTS[i % len(PROMPTS) if prompt is None else prompt])
 
 
 async def consume(stream) -> list[int]:

@@ -18,6 +18,8 @@ from tests.test_router_http import shard_and_router
 from tests.test_server import short_socket_dir
 from tests.tool_schemas import tools as tool_lists
 
+pytestmark = pytest.mark.slow  # end to end: real shard and router processes
+
 KEY = "sk-test-key"
 ORIGIN = "https://app.example"
 # Room for a prompt that lists the tools, and for a reply spelled one character per token.

@@ -16,11 +16,10 @@ from engine.serving.tracing import StepTracer
 from router.client import STEP_METADATA, GrpcShardClient, InProcessClient
 from tests.conftest import warmed_llama_shard
 from tests.test_server import BackgroundServer, short_socket_dir
+from tests.helpers import shard_fixture
 
 
-@pytest.fixture(scope="module")
-def shard(tiny_model_dirs):
-    return warmed_llama_shard(tiny_model_dirs)
+shard = shard_fixture(max_batch_size=4)
 
 
 async def serve_and_call(shard, model_dir, traces, calls, shard_client=None):

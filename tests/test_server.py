@@ -22,6 +22,7 @@ from engine.serving.server import ServerConfig, ShardServer, remove_stale_socket
 from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 from tests.test_equivalence import PROMPTS, reference_tokens
+from tests.helpers import reference_fixture, shard_fixture
 
 REPO = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 20  # > one block of 16: decode crosses a block boundary
@@ -160,10 +161,8 @@ def socket_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def shard(tiny_model_dirs):
-    # The engine's own batch limit (8) differs from the server's (4): Warmup must use the server's.
-    return Shard(tiny_config(tiny_model_dirs["llama"], max_batch_size=8, **LIMITS), show_progress=False)
+# The engine's own batch limit (8) differs from the server's (4): Warmup must use the server's.
+shard = shard_fixture(warmup=False, max_batch_size=8, **LIMITS)
 
 
 @pytest.fixture(scope="module")
@@ -174,9 +173,7 @@ def served(shard, socket_dir):
     assert not (socket_dir / "shard-0").exists()  # the socket goes with the server
 
 
-@pytest.fixture(scope="module")
-def expected(tiny_model_dirs):
-    return reference_tokens(tiny_model_dirs["llama"], PROMPTS, NEW_TOKENS)  # ignore_eos requests: no EOS stop
+expected = reference_fixture(PROMPTS, NEW_TOKENS)  # ignore_eos requests: no EOS stop
 
 
 def warm(stub) -> pb.WarmupResponse:
@@ -309,6 +306,7 @@ def liveness_probe(stub) -> None:
 # --- `python -m engine serve` as a user runs it ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_server_replaces_a_stale_socket_and_also_serves_tcp(tiny_model_dirs, expected):
     # Rank filtering across a real two-process group is tested in test_tensor_parallel.py.
     base = short_socket_dir()

@@ -8,23 +8,17 @@ from engine.runner import DecodeInput
 from engine.serving.shard import Shard
 from tests.conftest import tiny_config, warmed_llama_shard
 from tests.test_equivalence import PROMPTS, reference_tokens
+from tests.helpers import build_request, reference_fixture, shard_fixture
 
 NEW_TOKENS = 20
 
 
-@pytest.fixture(scope="module")
-def shard(tiny_model_dirs):
-    return warmed_llama_shard(tiny_model_dirs)
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_model_dirs):
-    return reference_tokens(tiny_model_dirs["llama"], PROMPTS, NEW_TOKENS)
+shard = shard_fixture(max_batch_size=4)
+expected = reference_fixture(PROMPTS, NEW_TOKENS)
 
 
 def request(i, max_new_tokens=NEW_TOKENS, **kw):
-    stopping = StoppingCriteriaParameters(max_new_tokens=max_new_tokens, ignore_eos_token=True)
-    return Request(i, PROMPTS[i], stopping_parameters=stopping, **kw)
+    return build_request(i, max_new_tokens, **kw)
 
 
 def drain(shard, cached, tokens):

@@ -6,14 +6,13 @@ import pytest
 from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCriteriaParameters
 from engine.errors import InvalidRequestError
 from tests.conftest import warmed_llama_shard
+from tests.helpers import shard_fixture
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"
 STOP = StoppingCriteriaParameters(max_new_tokens=20, ignore_eos_token=True)  # > 1 block: decode reads copied blocks
 
 
-@pytest.fixture(scope="module")
-def shard(tiny_model_dirs):
-    return warmed_llama_shard(tiny_model_dirs)
+shard = shard_fixture(max_batch_size=4)
 
 
 def run(shard, batch_id: int, requests: list[Request]) -> dict[int, list[int]]:

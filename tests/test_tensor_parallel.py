@@ -12,6 +12,8 @@ from tests.test_equivalence import PROMPTS, reference_tokens
 from tests.test_server import (collect, short_socket_dir, text_request, start_cli_server, stop_cli_server,
                                tgi_warmup_request, wait_until_serving)
 
+pytestmark = pytest.mark.slow  # end to end: tensor-parallel shard processes
+
 NEW_TOKENS = 20
 
 

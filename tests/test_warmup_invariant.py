@@ -12,6 +12,7 @@ from engine.batch import Batch, Request, StoppingCriteriaParameters
 from engine.buckets.shapes import Shape
 from engine.serving.shard import Shard
 from tests.conftest import tiny_config
+from tests.helpers import build_request
 
 # Small limits keep warmup short: 4 rows, prompts up to 48 tokens, 6 blocks of 16 per sequence.
 LIMITS = dict(max_batch_size=4, max_input_tokens=48, max_total_tokens=96, max_prefill_tokens=96,
@@ -63,8 +64,7 @@ def shards(tiny_model_dirs, tmp_path_factory):
 
 def request(rid: int, prompt_len: int, new_tokens: int) -> Request:
     # truncate keeps the last prompt_len tokens: exact lengths whatever the tokenizer does.
-    stopping = StoppingCriteriaParameters(max_new_tokens=new_tokens, ignore_eos_token=True)
-    return Request(rid, "word " * 60, truncate=prompt_len, stopping_parameters=stopping)
+    return build_request(rid, new_tokens, "word " * 60, truncate=prompt_len)
 
 
 def serve_random_traffic(shard: Shard, data) -> int:

@@ -11,15 +11,12 @@ from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 from tests.test_equivalence import PROMPTS
 from tests.test_shard import drain, request
+from tests.helpers import reference_fixture
 
 NEW_TOKENS = 20
 
 
-@pytest.fixture(scope="module")
-def expected(tiny_model_dirs):
-    from tests.test_equivalence import reference_tokens
-
-    return reference_tokens(tiny_model_dirs["llama"], PROMPTS, NEW_TOKENS)
+expected = reference_fixture(PROMPTS, NEW_TOKENS)
 
 
 def test_serves_reference_tokens_before_the_background_warmup_ends(tiny_model_dirs, expected, monkeypatch):

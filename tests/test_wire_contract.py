@@ -241,6 +241,7 @@ def compile_contract_client(contract: Contract, out_dir: Path) -> None:
     (out_dir / "client.py").write_text(CLIENT)
 
 
+@pytest.mark.slow
 def test_a_client_generated_from_the_table_drives_the_shard(contract, tiny_model_dirs, tmp_path):
     compile_contract_client(contract, tmp_path)
     model_dir, prompts, new_tokens = tiny_model_dirs["llama"], PROMPTS[1:4], 18
