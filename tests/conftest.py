@@ -23,7 +23,7 @@ def tiny_model_dirs(tmp_path_factory, smollm_dir):
 
 def tiny_config(model_dir, **overrides) -> EngineConfig:
     # float32: these shards are compared with transformers in float32 (--dtype auto may pick bfloat16)
-    settings = dict(model_id=str(model_dir), dtype="float32", block_size=16, max_batch_size=8, max_input_tokens=128,
+    settings = dict(model_id=str(model_dir), device="cpu", dtype="float32", block_size=16, max_batch_size=8, max_input_tokens=128,
                     max_total_tokens=256, max_prefill_tokens=512, strict_shapes=True)
     return EngineConfig(**{**settings, **overrides})
 
