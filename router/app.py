@@ -60,7 +60,7 @@ async def warm_up(client: ShardClient, config: RouterConfig) -> tuple[ServingLim
     if result.max_supported_total_tokens is None:
         raise RuntimeError("the shards did not report their KV cache capacity")
     blocks = result.max_supported_total_tokens // info.block_size + 1
-    limits = ServingLimits(config.max_batch_size, config.max_batch_prefill_tokens, result.max_input_tokens,
+    limits = ServingLimits(config.max_batch_size, config.max_prefill_tokens, result.max_input_tokens,
                              result.max_total_tokens, config.max_concurrent_requests)
     caching = config.prefix_caching and info.use_prefix_caching
     allocator = (PrefixCache if caching else BlockAllocator)(blocks, info.block_size)
@@ -70,9 +70,9 @@ async def warm_up(client: ShardClient, config: RouterConfig) -> tuple[ServingLim
 
 async def rewarm(client: ShardClient, config: RouterConfig):
     """Warmup with the router's limits: at start, and again after the shards restarted."""
-    batch = warmup_batch(config.max_input_tokens, config.max_batch_prefill_tokens, config.max_total_tokens,
+    batch = warmup_batch(config.max_input_tokens, config.max_prefill_tokens, config.max_total_tokens,
                          config.max_batch_size)
-    return await client.warmup(batch, config.max_input_tokens, config.max_batch_prefill_tokens,
+    return await client.warmup(batch, config.max_input_tokens, config.max_prefill_tokens,
                                config.max_total_tokens)
 
 
