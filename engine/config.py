@@ -1,12 +1,15 @@
-"""Engine configuration: one frozen dataclass, filled from the CLI.
+"""Engine configuration: frozen dataclasses whose fields are the knobs, each with its flag, default
+and help (`knob`); engine/cli/flags.py builds the command lines from them.
 
-Environment variables are read here and nowhere else.
+Environment variables are read here (and, for the knobs that name one, in engine/cli/flags.py)
+and nowhere else.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 
 def default_cache_dir() -> Path:
@@ -18,7 +21,7 @@ def default_cache_dir() -> Path:
 
 
 def env_int(name: str) -> int | None:
-    """An integer from the environment (TGI's launcher sets e.g. MAX_BATCH_SIZE), or None."""
+    """An integer from the environment (TGI's launcher sets e.g. RANK, WORLD_SIZE), or None."""
     value = os.environ.get(name)
     return int(value) if value else None
 
@@ -43,12 +46,49 @@ def parse_lora_adapters(text: str | None) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
-def env_lora_adapters() -> str | None:
-    """TGI's LORA_ADAPTERS, the default of --lora-adapters."""
-    return os.environ.get("LORA_ADAPTERS") or None
+def format_lora_adapters(pairs: tuple[tuple[str, str], ...]) -> str:
+    """The inverse of parse_lora_adapters: what the launcher gives each shard and the router."""
+    return ",".join(name if name == path else f"{name}={path}" for name, path in pairs)
+
+
+# --- knobs: one dataclass field each --------------------------------------------------------------
+
+
+def knob(default: Any = MISSING, help: str = "", *, flags: tuple[str, ...] = (),
+         choices: tuple | Callable[[], tuple] | None = None, env: str | None = None,
+         parse: Callable[[str], Any] | None = None, text: Callable[[Any], str] | None = None,
+         switch: bool = False, repeat: bool = False, secret: bool = False, required: bool = False,
+         metavar: str | None = None):
+    """A configuration field that carries its own command-line flag (engine/cli/flags.py builds the
+    parsers of the engine, the router and the launcher from these, and passes them on).
+
+    flags: the flag's spellings, the first one canonical (default: --field-name); choices: the
+    values allowed (a function, to import them lazily); env: a variable (TGI's) whose value is the
+    default when it is set; parse / text: the flag's text to the value and back (bool fields are
+    `on|off`, or with `switch` a flag without a value); repeat: the flag may be given several times
+    (each may hold a comma-separated list) into a tuple; secret: never passed on a command line,
+    only in `env`; required: the command line must give it."""
+    meta = {"help": help, "flags": tuple(flags), "choices": choices, "env": env, "parse": parse,
+            "text": text, "switch": switch, "repeat": repeat, "secret": secret, "required": required,
+            "metavar": metavar}
+    return field(default=default, metadata={"knob": meta})
+
+
+def nested(cls, **defaults):
+    """A field that holds another knob dataclass (its flags are flattened into the parent's);
+    `defaults` override some of its fields' defaults in this place."""
+    factory = (lambda: cls(**defaults)) if defaults else cls
+    return field(default_factory=factory, metadata={"nested": cls})
+
+
+def _strategies() -> tuple[str, ...]:
+    from engine.buckets.plan import ALL_STRATEGIES  # the planner owns its names
+
+    return ALL_STRATEGIES
 
 
 WARMUP_MODES = ("full", "progressive", "none")  # engine/warmup/run.py
+QUANTIZE_MODES = ("none", "int8", "int4", "fp8")
 
 
 @dataclass(frozen=True)
@@ -62,37 +102,79 @@ class ServingLimits:
     max_concurrent_requests: int = 128  # router only: queued + running; beyond it a submit is refused (HTTP 429)
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    model_id: str | None = None          # None: the embedded SmolLM2-135M-Instruct
-    device: str = "cpu"
-    dtype: str | None = None             # None or "auto": the device's (cpu: bfloat16 where it has AVX512-BF16/AMX)
-    quantize: str = "none"               # none | int8 | int4 | fp8 (engine/weights/quantize.py)
-    block_size: int | None = None        # None: the device's preferred KV block size
-    max_batch_size: int = 32
-    max_input_tokens: int = 1024
-    max_total_tokens: int = 2048
-    max_prefill_tokens: int = 4096
-    bucket_strategy: str = "exponential"  # linear | exponential | padding | file | fitted (engine/buckets/plan.py)
-    bucket_shapes: str | None = None     # fitted: the JSONL trace of batch shapes to fit
-    bucket_file: str | None = None       # file: JSON of the buckets
-    max_graphs: int | None = None        # fitted: graph budget; None: the exponential plan's count
-    warmup_mode: str = "full"            # full | progressive | none (engine/warmup/run.py)
-    warmup_profile: str | None = None    # profile.json of `engine warmup-profile`: its buckets and latencies
-    record_shapes: str | None = None     # append the batch shapes served to this JSONL file
-    graph_mode: str | None = None        # None: the device's (graphs on hpu and cuda, eager elsewhere)
-    strict_shapes: bool = True           # a forward at an unwarmed shape raises
-    warmup_prompt_logprobs: bool = True  # also warm the prefill variant behind prefill_logprobs
-    kv_cache_memory_fraction: float = 0.9
-    graph_memory_fraction: float = 0.1   # of that, kept for device graphs where they are captured
-    cache_dir: Path | None = None        # None: default_cache_dir()
-    seed: int = 0
-    lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, directory) of each PEFT LoRA adapter served
-    lora_impl: str | None = None         # "dense" or "gather"; None: the device's default_lora_impl
-    max_lora_rank: int = 64              # adapters of a higher rank are refused at load
-    implementation: str = "auto"         # auto, native or transformers (engine/models/fallback.py)
-    moe_impl: str | None = None          # MoE experts, "dense" or "gather"; None: the device's default_moe_impl
-    prefix_caching: bool = True          # serve prefills that continue cached KV (cache_len); warms context buckets
+@dataclass(frozen=True, kw_only=True)
+class SharedKnobs:
+    """The knobs that the shards and the router both read: one field each, so `engine serve`,
+    `python -m router` and the launcher (which passes it to both) have one flag, one default and
+    one help for it."""
+    model_id: str | None = knob(None, "HF model directory or .gguf file (default: the embedded "
+                                      "SmolLM2-135M-Instruct)")
+    cache_dir: Path | None = knob(None, "where converted models are cached (default: "
+                                        "$BUCKETSERVE_CACHE, else ~/.cache/bucketserve)", parse=Path)
+    max_batch_size: int = knob(32, "the most requests in one batch (default: $MAX_BATCH_SIZE, as "
+                                   "TGI's launcher sets it, else 32)", env="MAX_BATCH_SIZE")
+    max_input_tokens: int = knob(1024, "the longest prompt in tokens")
+    max_total_tokens: int = knob(2048, "the longest prompt plus generation in tokens")
+    max_prefill_tokens: int = knob(4096, "the most prompt tokens one prefill batch holds",
+                                   flags=("--max-batch-prefill-tokens", "--max-prefill-tokens"))
+    prefix_caching: bool = knob(True, "on (default): prefills may continue KV already in the cache "
+                                      "(prefix-cache hits, later chunks of a long prompt): the shards "
+                                      "warm context buckets for them and the router reuses the KV "
+                                      "blocks of cached prompt prefixes")
+    lora_adapters: tuple[tuple[str, str], ...] = knob(
+        (), "PEFT LoRA adapters to serve, name=dir[,name=dir...]; a request picks one by "
+            "adapter_id or OpenAI `model` (default: $LORA_ADAPTERS)",
+        env="LORA_ADAPTERS", parse=parse_lora_adapters, text=format_lora_adapters)
+    otlp_endpoint: str | None = knob(None, "send OpenTelemetry spans to this OTLP gRPC collector, "
+                                           "e.g. http://localhost:4317: the router's request spans "
+                                           "and, nested under them, the shards' step spans (default: "
+                                           "no tracing)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig(SharedKnobs):
+    """One shard's configuration (`engine serve`, and the offline `generate` / `bench`)."""
+    device: str = knob("auto", "auto (default): hpu, else cuda/rocm, else xpu, whichever is present "
+                               "and supported; else cpu; or cpu, cuda, hpu, xpu", metavar="DEVICE")
+    dtype: str = knob("auto", "auto (default: cpu: bfloat16 where it has AVX512-BF16 or AMX, else "
+                              "float32; accelerators: their default), float32, bfloat16 or float16")
+    quantize: str = knob("none", "weight-only int8 (per channel) or int4 (group 32; GGUF Q4_0/Q4_1 as "
+                                 "stored) on CPU; fp8: a pre-quantized FP8 checkpoint (engine/weights/"
+                                 "quantize.py)", choices=QUANTIZE_MODES)
+    block_size: int | None = knob(None, "KV cache block size in tokens (default: the device's)")
+    bucket_strategy: str = knob("exponential", "how buckets are planned (engine/buckets/plan.py)",
+                                choices=_strategies)
+    bucket_shapes: str | None = knob(None, "fitted: JSONL trace of batch shapes to fit (from "
+                                           "--record-shapes)")
+    bucket_file: str | None = knob(None, 'file: JSON {"prefill_buckets": [[bs, seq], ...], '
+                                         '"decode_buckets": [...]}')
+    max_graphs: int | None = knob(None, "fitted: graph budget (default: the exponential plan's count)")
+    warmup_mode: str = knob("full", "full (default); progressive: healthy after a covering set, the "
+                                    "rest in the background; none: no warmup, every shape eager "
+                                    "(debugging only)", flags=("--warmup",), choices=WARMUP_MODES)
+    warmup_profile: str | None = knob(None, "profile.json of `warmup-profile`: warm exactly its "
+                                            "buckets and choose buckets by its measured latencies")
+    record_shapes: str | None = knob(None, "append the batch shapes served to this JSONL file "
+                                           "(rank 0)")
+    graph_mode: str | None = knob(None, "default: the device's (hpu: graphs or lazy or compile; cuda: "
+                                        "graphs or eager or compile; xpu, cpu: eager or compile)",
+                                  choices=("eager", "graphs", "lazy", "compile"))
+    strict_shapes: bool = knob(True, "on (default): a forward at an unwarmed shape raises")
+    warmup_prompt_logprobs: bool = knob(True, "on (default): also warm the prefill variant behind "
+                                              "prefill_logprobs")
+    kv_cache_memory_fraction: float = knob(0.9, "the share of free device memory the KV cache takes")
+    graph_memory_fraction: float = knob(0.1, "of that, the share kept for device graphs where they "
+                                             "are captured")
+    lora_impl: str | None = knob(None, "LoRA operations (default: the device's: dense on CPU and HPU, "
+                                       "static shapes; gather on CUDA)", choices=("dense", "gather"))
+    max_lora_rank: int = knob(64, "adapters of a higher rank are refused at start")
+    implementation: str = knob("auto", "auto (default): our native model when the architecture has "
+                                       "one, else the transformers fallback on the paged KV cache; "
+                                       "native or transformers: that one only (engine/models/"
+                                       "fallback.py)", choices=("auto", "native", "transformers"))
+    moe_impl: str | None = knob(None, "MoE experts (default: the device's: dense, every expert over "
+                                      "every token, on CPU and HPU; gather on CUDA)",
+                                choices=("dense", "gather"))
 
     @property
     def resolved_cache_dir(self) -> Path:

@@ -1,108 +1,70 @@
-"""The launcher's configuration: one frozen dataclass, filled from the command line."""
+"""The launcher's configuration: a knob dataclass that holds the shards' and the router's, filled
+from the command line (engine/cli/flags.py) and passed on to them field by field."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
-from engine.config import EngineConfig
+from engine.cli.flags import changed_flags, knob_environment_names, secret_environment
+from engine.config import EngineConfig, SharedKnobs, knob, nested
+from router.config import RouterConfig
 
 DEFAULT_PORT = 3000  # TGI's router port: a `docker run -p 8080:3000` written for TGI works unchanged
+# The router's knobs that differ under the launcher, as TGI's launcher: reachable from outside a
+# container on TGI's port. Every other knob has one default, the field's.
+ROUTER_DEFAULTS = {"port": DEFAULT_PORT, "hostname": "0.0.0.0"}
+# The router's knobs that the launcher sets itself (from its sockets, its start-up timeout and its
+# pid), so they are not flags of its own.
+ROUTER_SET_BY_LAUNCHER = ("master_url", "wait_for_shards", "parent_pid")
 
-_ENGINE = EngineConfig()  # the shard's defaults, so a launched shard behaves like `engine serve`
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LauncherConfig:
-    model_id: str | None = None          # None: the embedded model, as `engine serve`
-    num_shard: int = 1
-    device: str = "auto"                 # after resolve(): a concrete device, never "auto"
-    dtype: str | None = None             # None: the engine's default (auto)
-    quantize: str | None = None          # engine serve --quantize; None: its default (none)
-    max_batch_size: int = _ENGINE.max_batch_size
-    max_input_tokens: int = _ENGINE.max_input_tokens
-    max_total_tokens: int = _ENGINE.max_total_tokens
-    max_prefill_tokens: int = _ENGINE.max_prefill_tokens  # --max-batch-prefill-tokens, TGI's name
-    block_size: int | None = None
-    warmup: str | None = None            # engine serve --warmup (full | progressive | none); None: its default
-    warmup_profile: str | None = None    # engine serve --warmup-profile: a profile.json to warm from
-    record_shapes: str | None = None     # engine serve --record-shapes: rank 0 appends served shapes here
-    lora_adapters: str | None = None     # name=dir[,name=dir...], passed to every shard as --lora-adapters
-    lora_impl: str | None = None         # dense or gather; None: the device's default
-    implementation: str | None = None    # auto, native or transformers; None: the engine's default (auto)
-    moe_impl: str | None = None          # MoE experts, dense or gather; None: the device's default
-    prefix_caching: str = "on"           # on | off: passed to the shards (context buckets) and the router
-    lookahead: str = "auto"              # auto | on | off: the router's async scheduling (router/sched/scheduler.py)
-    uds_path: str | None = None          # socket base; None: a unique one is picked per launch
-    port: int = DEFAULT_PORT             # the router's HTTP port
-    hostname: str = "0.0.0.0"            # the router's HTTP address (TGI's default: reachable from outside a container)
-    max_concurrent_requests: int = 128   # the router answers 429 beyond it
-    payload_limit: int = 2_000_000       # request body bytes; the router answers 413 beyond it (TGI's default)
-    master_port: int | None = None       # torch.distributed rendezvous; None: a free port per launch
-    no_router: bool = False
-    restart_on_failure: bool = False
-    startup_timeout: float = 1800.0      # loading a large model from a slow disk takes many minutes
-    shutdown_timeout: float = 10.0
-    max_restarts: int = 3                # restarts allowed within restart_window seconds, then give up
-    restart_window: float = 300.0
-    api_key: str | None = None           # given to the router as $BUCKETSERVE_API_KEY (never on a command line)
-    cors_allow_origins: tuple[str, ...] = ()
-    otlp_endpoint: str | None = None
+    """`python -m launcher`: the launcher's own knobs, and the configuration of every shard
+    (`engine`) and of the router (`router`), which it passes on field by field: a knob the shards
+    and the router share (engine/config.py SharedKnobs) is one flag that sets both."""
+    engine: EngineConfig = nested(EngineConfig)
+    router: RouterConfig = nested(RouterConfig, **ROUTER_DEFAULTS)
+    num_shard: int = knob(1, "tensor-parallel ranks, one process each")
+    uds_path: str | None = knob(None, "socket base: rank r listens on BASE-r (default: a unique "
+                                      "path per launch)")
+    master_port: int | None = knob(None, "torch.distributed rendezvous port (default: a free one)")
+    no_router: bool = knob(False, "start the shards only and print the master socket", switch=True)
+    restart_on_failure: bool = knob(False, "restart the whole group when a shard dies (at most "
+                                           "--max-restarts times within --restart-window seconds)",
+                                    switch=True)
+    max_restarts: int = knob(3, "restarts allowed within --restart-window seconds, then give up")
+    restart_window: float = knob(300.0, "seconds over which --max-restarts counts")
+    # loading a large model from a slow disk takes many minutes
+    startup_timeout: float = knob(1800.0, "seconds until every shard answers Health")
+    shutdown_timeout: float = knob(10.0, "seconds a shard may take to stop gracefully before it "
+                                         "is killed")
 
     def socket_path(self, rank: int) -> str:
         return f"{self.uds_path}-{rank}"
 
     def shard_args(self) -> list[str]:
-        """The `engine serve` arguments every rank gets (its rank comes from the environment)."""
+        """The `engine serve` arguments every rank gets (its rank comes from the environment): the
+        socket base and every engine knob that differs from its default."""
         # --verbose: the launcher shows each shard's latest log line while it loads, so it should say something.
-        args = ["--verbose", "--device", self.device, "--uds-path", str(self.uds_path),
-                "--max-batch-size", str(self.max_batch_size),
-                "--max-input-tokens", str(self.max_input_tokens), "--max-total-tokens", str(self.max_total_tokens),
-                "--max-prefill-tokens", str(self.max_prefill_tokens), "--prefix-caching", self.prefix_caching]
-        if self.model_id is not None:
-            args += ["--model-id", self.model_id]
-        if self.dtype is not None:
-            args += ["--dtype", self.dtype]
-        if self.block_size is not None:
-            args += ["--block-size", str(self.block_size)]
-        if self.lora_adapters:
-            args += ["--lora-adapters", self.lora_adapters]
-        if self.lora_impl is not None:
-            args += ["--lora-impl", self.lora_impl]
-        for flag, value in (("--warmup", self.warmup), ("--warmup-profile", self.warmup_profile),
-                            ("--record-shapes", self.record_shapes), ("--implementation", self.implementation),
-                            ("--moe-impl", self.moe_impl), ("--otlp-endpoint", self.otlp_endpoint),
-                            ("--quantize", self.quantize)):
-            if value is not None:
-                args += [flag, value]
-        return args
+        return ["--verbose", "--uds-path", str(self.uds_path), *changed_flags(self.engine)]
 
+    def router_config(self) -> RouterConfig:
+        """The router's configuration: the shared knobs as the shards', the master shard's socket,
+        and a start-up wait as long as the shards' (the router starts with the shards: its imports
+        overlap their model load)."""
+        shared = {f.name: getattr(self.engine, f.name) for f in fields(SharedKnobs)}
+        return replace(self.router, **shared, master_url=f"unix://{self.socket_path(0)}",
+                       wait_for_shards=self.startup_timeout)
 
     def router_args(self) -> list[str]:
-        """`python -m router` arguments: the master shard, the same model and limits as the shards."""
-        args = ["--master-shard-uds-path", f"unix://{self.socket_path(0)}", "--hostname", self.hostname,
-                "--port", str(self.port), "--max-input-tokens", str(self.max_input_tokens),
-                "--max-total-tokens", str(self.max_total_tokens),
-                "--max-batch-prefill-tokens", str(self.max_prefill_tokens),
-                "--max-batch-size", str(self.max_batch_size),
-                "--max-concurrent-requests", str(self.max_concurrent_requests),
-                "--payload-limit", str(self.payload_limit), "--prefix-caching", self.prefix_caching,
-                "--lookahead", self.lookahead,
-                # the router starts with the shards (its imports overlap their model load) and waits for them
-                "--wait-for-shards", str(self.startup_timeout)]
-        if self.model_id is not None:
-            args += ["--model-id", self.model_id]
-        if self.lora_adapters:  # the router checks adapter_id against these names
-            args += ["--lora-adapters", self.lora_adapters]
-        for origin in self.cors_allow_origins:
-            args += ["--cors-allow-origin", origin]
-        if self.otlp_endpoint:
-            args += ["--otlp-endpoint", self.otlp_endpoint]
-        return args
+        """`python -m router` arguments: every router knob that differs from its default (the API
+        key travels in the environment instead: router_environment)."""
+        return changed_flags(self.router_config())
 
     def router_environment(self, environ) -> dict[str, str]:
-        env = child_environment(environ)
-        if self.api_key:
-            env["BUCKETSERVE_API_KEY"] = self.api_key
+        env = child_environment(environ, drop=tuple(knob_environment_names(RouterConfig)))
+        env.update(secret_environment(self.router_config()))
         return env
 
 

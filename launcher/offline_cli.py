@@ -11,6 +11,9 @@ from engine.cli.main import add_engine_args, engine_config
 from engine.config import EngineConfig
 from engine.errors import BucketserveError
 
+DEFAULT_MAX_NEW_TOKENS = 64
+SERVING_ONLY = ("otlp_endpoint",)  # offline commands trace nothing
+
 
 def offline_config(args: argparse.Namespace) -> EngineConfig:
     """generate and bench never ask for prompt logprobs, so they skip warming that variant."""
@@ -60,15 +63,16 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def add_offline_commands(commands) -> None:
     gen = commands.add_parser("generate", help="generate text offline from prompts")
-    add_engine_args(gen)
+    add_engine_args(gen, exclude=SERVING_ONLY)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--prompts-file", help='JSON lines of {"prompt": "..."}')
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    gen.add_argument("--max-new-tokens", type=int, required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                     help=f"the most tokens each prompt may generate (default: {DEFAULT_MAX_NEW_TOKENS})")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=cmd_generate)
     ben = commands.add_parser("bench", help="throughput benchmark, optionally against transformers")
-    add_engine_args(ben)
+    add_engine_args(ben, exclude=SERVING_ONLY)
     ben.add_argument("--compare", choices=["transformers"], help="run the same workload through this peer")
     ben.add_argument("--num-prompts", type=int, default=32)
     ben.add_argument("--min-tokens", type=int, default=16)

@@ -37,8 +37,9 @@ class RouterProcess:
 
     @property
     def url(self) -> str:
-        host = self.config.hostname if self.config.hostname not in ("0.0.0.0", "::") else "127.0.0.1"
-        return f"http://{host}:{self.config.port}"
+        router = self.config.router
+        host = router.hostname if router.hostname not in ("0.0.0.0", "::") else "127.0.0.1"
+        return f"http://{host}:{router.port}"
 
     def wait_ready(self, stop: threading.Event, timeout: float) -> bool:
         """Block until the router answers /health (True) or a stop is requested (False); the router

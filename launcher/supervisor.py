@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from engine.cli.flags import knob_environment_names
+from engine.config import EngineConfig
 from engine.wire import generate_pb2 as pb
 from engine.wire import generate_pb2_grpc as pb_grpc
 from launcher.checks import pick_free_port
@@ -37,7 +39,10 @@ MASTER_ADDR = "127.0.0.1"   # every rank runs on this host
 # would otherwise leave a ready shard unasked for up to two minutes.
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 1000)]
-INHERITED_VARS_DROPPED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MAX_BATCH_SIZE")
+# The group's own variables, set per rank below, and the knobs' (MAX_BATCH_SIZE, LORA_ADAPTERS):
+# a shard gets its knobs as flags only.
+INHERITED_VARS_DROPPED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                          *sorted(knob_environment_names(EngineConfig)))
 
 
 class LaunchFailure(Exception):
@@ -79,7 +84,7 @@ class ShardGroup:
     def spawn(self) -> None:
         # A fresh rendezvous port per (re)start unless one was given: the dead group's store may
         # still hold the old one.
-        self.master_port = self.config.master_port or pick_free_port(avoid=self.config.port)
+        self.master_port = self.config.master_port or pick_free_port(avoid=self.config.router.port)
         self.shards = [self._start(rank) for rank in range(self.config.num_shard)]
         pids = ", ".join(f"{s.rank}: pid {s.process.pid}" for s in self.shards)
         self.console.line(f"started {len(self.shards)} shard(s) on {self.device.name} ({pids}), "
@@ -97,8 +102,7 @@ class ShardGroup:
         # BUCKETSERVE_PARENT_PID: a shard stops by itself once this launcher is gone (even SIGKILLed).
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(self.config.num_shard),
                    BUCKETSERVE_PARENT_PID=str(os.getpid()),
-                   MASTER_ADDR=MASTER_ADDR, MASTER_PORT=str(self.master_port),
-                   MAX_BATCH_SIZE=str(self.config.max_batch_size))
+                   MASTER_ADDR=MASTER_ADDR, MASTER_PORT=str(self.master_port))
         env.update(self.device.env(rank))
         return env
 
@@ -137,9 +141,10 @@ class ShardGroup:
     def warm_up(self) -> None:
         """Warm every shard for the launch's limits, all ranks at once (their forwards meet in
         collectives). A router warms shards once, at its start: after a restart the launcher must."""
-        request = pb.WarmupRequest(max_input_tokens=self.config.max_input_tokens,
-                                   max_prefill_tokens=self.config.max_prefill_tokens,
-                                   max_total_tokens=self.config.max_total_tokens)
+        limits = self.config.engine
+        request = pb.WarmupRequest(max_input_tokens=limits.max_input_tokens,
+                                   max_prefill_tokens=limits.max_prefill_tokens,
+                                   max_total_tokens=limits.max_total_tokens)
         stubs = [pb_grpc.TextGenerationServiceStub(self.channels[r]) for r in range(self.config.num_shard)]
         with ThreadPoolExecutor(len(stubs)) as pool:
             list(pool.map(lambda stub: stub.Warmup(request, timeout=self.config.startup_timeout), stubs))

@@ -10,22 +10,23 @@ import argparse
 import asyncio
 import logging
 import os
-from pathlib import Path
-from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI
 from transformers import AutoTokenizer
 
-from engine.config import ServingLimits, default_cache_dir, parse_lora_adapters
+from engine.cli.flags import add_knob_flags, config_from_args as knobs_from_args
+from engine.config import ServingLimits, default_cache_dir
 from engine.weights.loader import resolve_model_dir
 from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCriteriaParameters
-from router.http.access import AccessConfig, access_from_args, add_access_args, install
+from router.config import EMBEDDED_MODEL_NAME, AccessConfig, RouterConfig  # noqa: F401 - re-exported
+from router.http.access import install
 from router.http import tracing
 from router.sched.allocator import BlockAllocator
 from router.sched.prefix_cache import PrefixCache
 from router.client import GrpcShardClient, ShardClient
-from router.http.errors import DEFAULT_PAYLOAD_LIMIT, BodyLimit, install_error_handlers
+from router.config import DEFAULT_PAYLOAD_LIMIT
+from router.http.errors import BodyLimit, install_error_handlers
 from router.http.metrics import RouterMetrics
 from router.http.openai_api import openai_routes
 from router.sched.scheduler import Scheduler, lookahead_for
@@ -35,30 +36,7 @@ from router.http.validation import MAX_TOP_N_TOKENS
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
-EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 PARENT_POLL_S = 0.5
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    master_url: str
-    tokenizer: str
-    model_id: str
-    hostname: str = "127.0.0.1"
-    port: int = 8080
-    max_input_tokens: int = 1024
-    max_total_tokens: int = 2048
-    max_batch_prefill_tokens: int = 4096
-    max_batch_size: int = 8
-    max_concurrent_requests: int = 128
-    lora_adapters: tuple[str, ...] = ()  # names the shards loaded, for `adapter_id` / OpenAI `model`
-    access: AccessConfig = AccessConfig()
-    otlp_endpoint: str | None = None     # OpenTelemetry collector (gRPC); None: no tracing at all
-    payload_limit: int = DEFAULT_PAYLOAD_LIMIT  # request body bytes; a larger body gets 413
-    parent_pid: int | None = None        # stop when this process (the launcher) is gone
-    wait_for_shards: float = 0.0         # seconds to wait for the master shard to answer; 0: it must already
-    prefix_caching: bool = True          # reuse cached prefix blocks, where the shards can (Info.use_prefix_caching)
-    lookahead: str = "auto"              # async scheduling (on, off; auto: on unless the shards run on CPU)
 
 
 def warmup_batch(max_input: int, max_prefill: int, max_total: int, max_batch: int) -> Batch:
@@ -82,7 +60,7 @@ async def warm_up(client: ShardClient, config: RouterConfig) -> tuple[ServingLim
     if result.max_supported_total_tokens is None:
         raise RuntimeError("the shards did not report their KV cache capacity")
     blocks = result.max_supported_total_tokens // info.block_size + 1
-    limits = ServingLimits(config.max_batch_size, config.max_batch_prefill_tokens, result.max_input_tokens,
+    limits = ServingLimits(config.max_batch_size, config.max_prefill_tokens, result.max_input_tokens,
                              result.max_total_tokens, config.max_concurrent_requests)
     caching = config.prefix_caching and info.use_prefix_caching
     allocator = (PrefixCache if caching else BlockAllocator)(blocks, info.block_size)
@@ -92,14 +70,14 @@ async def warm_up(client: ShardClient, config: RouterConfig) -> tuple[ServingLim
 
 async def rewarm(client: ShardClient, config: RouterConfig):
     """Warmup with the router's limits: at start, and again after the shards restarted."""
-    batch = warmup_batch(config.max_input_tokens, config.max_batch_prefill_tokens, config.max_total_tokens,
+    batch = warmup_batch(config.max_input_tokens, config.max_prefill_tokens, config.max_total_tokens,
                          config.max_batch_size)
-    return await client.warmup(batch, config.max_input_tokens, config.max_batch_prefill_tokens,
+    return await client.warmup(batch, config.max_input_tokens, config.max_prefill_tokens,
                                config.max_total_tokens)
 
 
 def info_dict(config: RouterConfig, info, limits: ServingLimits, result) -> dict:
-    return {"model_id": config.model_id, "model_sha": None, "model_dtype": info.dtype,
+    return {"model_id": config.model_name, "model_sha": None, "model_dtype": info.dtype,
             "model_device_type": info.device_type, "model_pipeline_tag": "text-generation",
             "max_concurrent_requests": limits.max_concurrent_requests, "max_best_of": 1, "max_stop_sequences": 4,
             "max_input_tokens": limits.max_input_tokens, "max_total_tokens": limits.max_total_tokens,
@@ -107,7 +85,7 @@ def info_dict(config: RouterConfig, info, limits: ServingLimits, result) -> dict
             "max_batch_total_tokens": result.max_supported_total_tokens, "block_size": info.block_size,
             "attention_impl": info.attention_impl,  # flat_paged (native model) or transformers+flat_paged
             "validation_workers": 1, "max_client_batch_size": 1, "router": "bucketserve-router",
-            "version": VERSION, "sha": None, "docker_label": None, "lora_adapters": list(config.lora_adapters)}
+            "version": VERSION, "sha": None, "docker_label": None, "lora_adapters": list(config.adapter_names)}
 
 
 def create_app(state: RouterState, access: AccessConfig = AccessConfig(), traces: tracing.Tracing | None = None,
@@ -126,7 +104,7 @@ def create_app(state: RouterState, access: AccessConfig = AccessConfig(), traces
 
 
 async def build_state(config: RouterConfig, client: ShardClient) -> RouterState:
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(config))
     limits, allocator, info = await warm_up(client, config)
     async def capacity_after_rewarm() -> int | None:
         return (await rewarm(client, config)).max_supported_total_tokens
@@ -166,56 +144,19 @@ async def watch_parent(parent_pid: int, server: uvicorn.Server) -> None:
     server.should_exit = True
 
 
+def tokenizer_dir(config: RouterConfig) -> str:
+    """--tokenizer, else the directory of --model-id (a GGUF model's converted one)."""
+    if config.tokenizer:
+        return config.tokenizer
+    return str(resolve_model_dir(config.model_id, config.cache_dir or default_cache_dir()))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m router", description="bucketserve HTTP router (TGI's API)")
-    parser.add_argument("--master-shard-uds-path", required=True, help="the rank-0 shard, e.g. unix:///tmp/x-0")
-    parser.add_argument("--model-id", help="the shards' model: HF directory or .gguf (default: the embedded model)")
-    parser.add_argument("--tokenizer", help="a directory with the model's tokenizer (default: --model-id's)")
-    parser.add_argument("--cache-dir", type=Path, help="where the shards cached a converted GGUF model")
-    parser.add_argument("--hostname", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8080)
-    parser.add_argument("--max-input-tokens", type=int, default=1024)
-    parser.add_argument("--max-total-tokens", type=int, default=2048)
-    parser.add_argument("--max-batch-prefill-tokens", type=int, default=4096)
-    parser.add_argument("--max-batch-size", type=int, default=8)
-    parser.add_argument("--max-concurrent-requests", type=int, default=128,
-                        help="queued + running requests; beyond it a request gets HTTP 429")
-    parser.add_argument("--lora-adapters", default=os.environ.get("LORA_ADAPTERS", ""),
-                        help="name=path[,name=path...] as given to the shards (the router needs the names)")
-    add_access_args(parser)
-    parser.add_argument("--otlp-endpoint", help="send OpenTelemetry traces to this OTLP gRPC collector, "
-                                                "e.g. http://localhost:4317 (default: no tracing)")
-    parser.add_argument("--payload-limit", type=int, default=DEFAULT_PAYLOAD_LIMIT,
-                        help="largest request body in bytes; a larger one gets HTTP 413 (TGI's flag and default)")
-    parser.add_argument("--prefix-caching", choices=["on", "off"], default="on",
-                        help="on (default): requests reuse the KV blocks of a cached prompt prefix (when the "
-                             "shards report use_prefix_caching)")
-    parser.add_argument("--lookahead", choices=["auto", "on", "off"], default="auto",
-                        help="on: while nothing waits to be admitted, the shards run a batch's next forward as soon "
-                             "as they answer a step, overlapping the router's round trip; auto (default): on "
-                             "unless the shards run on CPU")
-    parser.add_argument("--parent-pid", type=int, default=os.environ.get("BUCKETSERVE_PARENT_PID"),
-                        help="stop when this process is gone (the launcher sets it)")
-    parser.add_argument("--wait-for-shards", type=float, default=0.0,
-                        help="wait up to this many seconds for the shards to answer (the launcher starts the "
-                             "router while the shards load); default 0: fail at once if they do not")
+    parser = argparse.ArgumentParser(prog="python -m router",
+                                     description="bucketserve HTTP router (TGI's API)")
+    add_knob_flags(parser, RouterConfig)
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
-    url = args.master_shard_uds_path
-    if not url.startswith(("unix:", "dns:", "ipv4:", "ipv6:")) and "://" not in url:
-        url = f"unix://{url}"
-    tokenizer = args.tokenizer or str(resolve_model_dir(args.model_id, args.cache_dir or default_cache_dir()))
-    model_id = args.model_id or (args.tokenizer if args.tokenizer else EMBEDDED_MODEL_NAME)
-    return RouterConfig(url, tokenizer, model_id, args.hostname, args.port,
-                        args.max_input_tokens, args.max_total_tokens, args.max_batch_prefill_tokens,
-                        args.max_batch_size, args.max_concurrent_requests, adapter_names(args.lora_adapters),
-                        access_from_args(args), args.otlp_endpoint,
-                        args.payload_limit, args.parent_pid, args.wait_for_shards, args.prefix_caching == "on",
-                        args.lookahead)
-
-
-def adapter_names(spec: str) -> tuple[str, ...]:
-    """`a=/path/a,b=/path/b` (or bare ids, served under their own string) -> ("a", "b")."""
-    return tuple(name for name, _ in parse_lora_adapters(spec))
+    return knobs_from_args(RouterConfig, args)

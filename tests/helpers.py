@@ -39,6 +39,7 @@ def tiny_config(model_dir, **overrides) -> EngineConfig:
     # bfloat16)
     settings = dict(
         model_id=str(model_dir),
+        device="cpu",
         dtype="float32",
         block_size=16,
         max_batch_size=8,

@@ -93,3 +93,41 @@ def test_bench_output_lengths_spread_evenly_and_mix_with_prompt_lengths():
     assert sorted(lengths) == [16 + 112 * i // 31 for i in range(32)]
     assert lengths != sorted(lengths)  # not ordered like the prompts, which grow with i
     assert Workload(num_prompts=4, new_tokens=9, min_new_tokens=9).output_lengths() == [9] * 4
+
+
+def test_generate_has_a_documented_max_new_tokens_default(capsys):
+    from engine.cli.main import build_parser
+    from launcher.offline_cli import DEFAULT_MAX_NEW_TOKENS, add_offline_commands
+
+    args = build_parser(extra_commands=(add_offline_commands,)).parse_args(["generate", "--prompt", "hi"])
+    assert args.max_new_tokens == DEFAULT_MAX_NEW_TOKENS == 64
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "(default: 64)" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--prompt", "hi", "--max-new-tokens", "many"],
+    ["generate", "--prompt", "hi", "--no-such-flag"],
+    ["generate", "--prompt", "hi", "--device"],
+    ["bench", "--num-prompts", "x"],
+    ["bench", "--compare", "vllm"],
+    ["serve", "--prefix-caching", "maybe"],
+    ["buckets", "--max-batch-size", "-"],
+    ["warmup-profile"],
+], ids=["generate-int", "generate-unknown", "generate-missing-value", "bench-int", "bench-choice",
+        "serve-choice", "buckets-int", "warmup-profile-required"])
+def test_every_argument_error_is_one_error_line(capsys, argv):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+
+
+def test_generate_without_max_new_tokens_generates_up_to_the_default(tiny_model_dirs):
+    result = run_cli("generate", "--model-id", str(tiny_model_dirs["llama"]), "--prompt", "hi", "--json")
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    assert 0 < len(answer["token_ids"]) <= 64
+    assert answer["finish_reason"] != "length" or len(answer["token_ids"]) == 64

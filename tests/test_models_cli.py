@@ -32,9 +32,11 @@ def test_generate_json_matches_transformers(capsys, family_dirs, fallback_dirs, 
 
 def test_launcher_passes_the_implementation_to_every_shard():
     from engine.cli.main import build_parser, engine_config
+    from engine.config import EngineConfig
     from launcher.config import LauncherConfig
 
-    shard_args = LauncherConfig(implementation="transformers", moe_impl="gather", uds_path="/tmp/s").shard_args()
+    engine = EngineConfig(implementation="transformers", moe_impl="gather")
+    shard_args = LauncherConfig(engine=engine, uds_path="/tmp/s").shard_args()
     config = engine_config(build_parser().parse_args(["serve", *shard_args]))
     assert (config.implementation, config.moe_impl) == ("transformers", "gather")
     assert engine_config(build_parser().parse_args(["serve"])).implementation == "auto"

@@ -130,12 +130,13 @@ def test_dtype_auto_picks_the_cpus_bfloat16_and_says_so(tiny_model_dirs, capsys)
 
 def test_quantize_and_dtype_flags_reach_the_shard_config():
     from engine.cli.main import build_parser, engine_config
+    from engine.config import EngineConfig
     from launcher.config import LauncherConfig
 
     config = engine_config(build_parser().parse_args(["serve", "--quantize", "int4"]))
     assert (config.quantize, config.dtype) == ("int4", "auto")
     assert engine_config(build_parser().parse_args(["serve"])).quantize == "none"
-    args = LauncherConfig(quantize="int8").shard_args()
+    args = LauncherConfig(engine=EngineConfig(quantize="int8")).shard_args()
     assert args[args.index("--quantize") + 1] == "int8"
     assert "--quantize" not in LauncherConfig().shard_args()
 

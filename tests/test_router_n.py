@@ -42,7 +42,7 @@ def shard_counters(url: str) -> dict[str, float]:
 
 
 def completions(client, n: int, **extra) -> tuple[list[str], object]:
-    reply = client.completions.create(model="m", prompt=PROMPT, max_tokens=12, n=n, **extra)
+    reply = client.completions.create(model="tgi", prompt=PROMPT, max_tokens=12, n=n, **extra)
     assert [c.index for c in reply.choices] == list(range(n))
     return [c.text for c in reply.choices], reply.usage
 
@@ -62,7 +62,7 @@ def test_n4_with_a_seed_gives_four_reproducible_sequences_for_one_prefill(client
 
 
 def test_greedy_n2_gives_two_equal_sequences_equal_to_n1(client):
-    chat = dict(model="m", messages=[{"role": "user", "content": PROMPT}], max_tokens=10, temperature=0)
+    chat = dict(model="tgi", messages=[{"role": "user", "content": PROMPT}], max_tokens=10, temperature=0)
     two = client.chat.completions.create(n=2, **chat)
     one = client.chat.completions.create(n=1, **chat)
     assert [c.index for c in two.choices] == [0, 1]
@@ -74,16 +74,16 @@ def test_greedy_n2_gives_two_equal_sequences_equal_to_n1(client):
 @pytest.mark.parametrize("n", [0, MAX_SIBLINGS + 1])
 def test_bad_n_is_422_naming_the_field(client, n):
     with pytest.raises(openai.UnprocessableEntityError, match=rf"`n` must be >= 1 and <= {MAX_SIBLINGS}"):
-        client.completions.create(model="m", prompt=PROMPT, max_tokens=4, n=n)
+        client.completions.create(model="tgi", prompt=PROMPT, max_tokens=4, n=n)
     with pytest.raises(openai.UnprocessableEntityError, match="`n` must be"):
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, n=n)
+        client.chat.completions.create(model="tgi", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, n=n)
 
 
 def test_streamed_n_sends_each_choice_by_index_as_the_unstreamed_reply_has_it(client, url):
     texts, usage = completions(client, 3, seed=11, temperature=1.0)
     before = shard_counters(url)
     parts, finished, usages = {}, set(), []
-    for chunk in client.completions.create(model="m", prompt=PROMPT, max_tokens=12, n=3, seed=11, temperature=1.0,
+    for chunk in client.completions.create(model="tgi", prompt=PROMPT, max_tokens=12, n=3, seed=11, temperature=1.0,
                                            stream=True, stream_options={"include_usage": True}):
         usages += [chunk.usage] if chunk.usage else []
         for choice in chunk.choices:
@@ -92,7 +92,7 @@ def test_streamed_n_sends_each_choice_by_index_as_the_unstreamed_reply_has_it(cl
     assert shard_counters(url)["prefill_forwards"] - before["prefill_forwards"] == 1
     assert [parts[i] for i in range(3)] == texts and finished == {0, 1, 2}
     assert len(usages) == 1 and usages[0].completion_tokens == usage.completion_tokens == 3 * 12
-    chat = dict(model="m", messages=[{"role": "user", "content": PROMPT}], max_tokens=10, temperature=0, n=2)
+    chat = dict(model="tgi", messages=[{"role": "user", "content": PROMPT}], max_tokens=10, temperature=0, n=2)
     whole = client.chat.completions.create(**chat)
     streamed = {}
     for chunk in client.chat.completions.create(stream=True, **chat):

@@ -114,6 +114,21 @@ def test_models_lists_the_served_model(client, url):
     assert [m.id for m in client.models.list().data] == [info["model_id"]]
 
 
+def test_a_model_that_is_not_served_is_404_in_openais_shape(client):
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.completions.create(model="gpt-4", prompt="Hi", max_tokens=2)
+    assert refused.value.status_code == 404
+    assert refused.value.body == {"message": "The model `gpt-4` does not exist.", "type": "NotFoundError",
+                                  "param": "model", "code": 404}
+
+
+def test_the_served_name_and_tgis_alias_are_served_and_answered_with_the_served_name(client, url):
+    served = httpx.get(f"{url}/info", timeout=30).json()["model_id"]
+    assert served == "llama"  # the model directory's name
+    for name in (served, "tgi"):
+        assert client.completions.create(model=name, prompt="Hi", max_tokens=2).model == served
+
+
 def test_tokenize_matches_the_tokenizer(url, tokenizer):
     text = "The quick brown fox"
     tokens = httpx.post(f"{url}/tokenize", json={"inputs": text}, timeout=30).json()

@@ -93,7 +93,7 @@ def streamed_calls(client, **request) -> tuple[list, str]:
 def test_sampled_tool_calls_validate_streamed_and_not(client, declared, seed):
     # One call per reply (parallel replies are sampled in test_tools.py), and no max_tokens: the reply may take
     # all the room the prompt leaves, since a random model may spell a name one character per token.
-    request = dict(model="m", messages=ASK, tools=declared, tool_choice="required", temperature=1.0,
+    request = dict(model="tgi", messages=ASK, tools=declared, tool_choice="required", temperature=1.0,
                    parallel_tool_calls=False)
 
     def whole(s):
@@ -112,7 +112,7 @@ def test_sampled_tool_calls_validate_streamed_and_not(client, declared, seed):
 def test_named_tool_choice_is_respected(client):
     for seed in range(4):
         response = client.chat.completions.create(
-            model="m", messages=ASK, tools=[WEATHER, CLOCK], temperature=1.0, seed=seed, max_tokens=100,
+            model="tgi", messages=ASK, tools=[WEATHER, CLOCK], temperature=1.0, seed=seed, max_tokens=100,
             tool_choice={"type": "function", "function": {"name": "clock"}}, parallel_tool_calls=False)
         calls = response.choices[0].message.tool_calls
         assert len(calls) == 1 and response.choices[0].finish_reason == "tool_calls"
@@ -120,7 +120,7 @@ def test_named_tool_choice_is_respected(client):
 
 
 def test_tool_choice_none_answers_in_text(client):
-    response = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="none",
+    response = client.chat.completions.create(model="tgi", messages=ASK, tools=[WEATHER], tool_choice="none",
                                               temperature=0, max_tokens=8)
     choice = response.choices[0]
     assert choice.message.tool_calls is None and isinstance(choice.message.content, str)
@@ -129,7 +129,7 @@ def test_tool_choice_none_answers_in_text(client):
 
 def test_auto_gives_a_valid_call_or_text(client):
     for seed in range(3):
-        choice = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], temperature=1.0,
+        choice = client.chat.completions.create(model="tgi", messages=ASK, tools=[WEATHER], temperature=1.0,
                                                 seed=seed, max_tokens=60).choices[0]
         if choice.message.tool_calls:
             validate_calls(choice.message.tool_calls, [WEATHER], {"weather"})
@@ -141,7 +141,7 @@ def test_tool_results_in_the_history_are_accepted(client, url):
     call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
     messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-    response = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER], max_tokens=60)
+    response = client.chat.completions.create(model="tgi", messages=messages, tools=[WEATHER], max_tokens=60)
     assert response.choices[0].finish_reason in ("tool_calls", "stop", "length")
     templated = httpx.post(f"{url}/chat_tokenize", json={"messages": messages, "tools": [WEATHER]},
                            headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()["templated_text"]
@@ -150,7 +150,7 @@ def test_tool_results_in_the_history_are_accepted(client, url):
 
 def test_a_template_that_refuses_gives_422_with_its_message(client):
     with pytest.raises(openai.UnprocessableEntityError) as raised:
-        client.chat.completions.create(model="m", messages=[{"role": "system", "content": "Be brief."}, *ASK],
+        client.chat.completions.create(model="tgi", messages=[{"role": "system", "content": "Be brief."}, *ASK],
                                        max_tokens=4)
     assert "System messages are not supported" in raised.value.response.json()["error"]["message"]
 
@@ -173,7 +173,7 @@ def test_api_key_is_required_except_for_health_and_metrics(url):
 def test_openai_client_without_the_key_gets_authentication_error(url):
     stranger = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0, timeout=30)
     with pytest.raises(openai.AuthenticationError) as raised:
-        stranger.chat.completions.create(model="m", messages=ASK, max_tokens=2)
+        stranger.chat.completions.create(model="tgi", messages=ASK, max_tokens=2)
     assert raised.value.body["code"] == "invalid_api_key"
 
 
@@ -234,7 +234,7 @@ def test_presence_penalty_matches_its_definition_on_transformers_logits(client, 
             break   # a prompt on which the penalty changes the greedy run, so the comparison means something
     else:
         pytest.fail("the penalty changed none of the greedy runs")
-    response = client.completions.create(model="m", prompt=prompt, max_tokens=new, temperature=0,
+    response = client.completions.create(model="tgi", prompt=prompt, max_tokens=new, temperature=0,
                                          presence_penalty=2.0, logprobs=0, extra_body={"ignore_eos": True})
     assert response.choices[0].text == tokenizer.decode(expected)
 
@@ -243,31 +243,31 @@ def test_logit_bias_bans_and_forces(client, tools_model):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tools_model)
-    first = client.completions.create(model="m", prompt="Hello", max_tokens=1, temperature=0).choices[0].text
+    first = client.completions.create(model="tgi", prompt="Hello", max_tokens=1, temperature=0).choices[0].text
     banned_id = tokenizer(first, add_special_tokens=False)["input_ids"][0]
-    other = client.completions.create(model="m", prompt="Hello", max_tokens=1, temperature=0,
+    other = client.completions.create(model="tgi", prompt="Hello", max_tokens=1, temperature=0,
                                       logit_bias={str(banned_id): -100}).choices[0].text
     assert other != first
     forced = tokenizer.convert_ids_to_tokens(300)
-    text = client.completions.create(model="m", prompt="Hello", max_tokens=4, temperature=1.0, seed=3,
+    text = client.completions.create(model="tgi", prompt="Hello", max_tokens=4, temperature=1.0, seed=3,
                                      logit_bias={"300": 100}).choices[0].text
     assert text == tokenizer.decode([300] * 4), forced
 
 
 def test_min_tokens_and_ignore_eos(client):
     eos = {"2": 100}  # <|im_end|>: the model would end at once
-    ended = client.completions.create(model="m", prompt="Hi", max_tokens=10, temperature=0, logit_bias=eos)
+    ended = client.completions.create(model="tgi", prompt="Hi", max_tokens=10, temperature=0, logit_bias=eos)
     assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 1
-    held = client.completions.create(model="m", prompt="Hi", max_tokens=10, temperature=0, logit_bias=eos,
+    held = client.completions.create(model="tgi", prompt="Hi", max_tokens=10, temperature=0, logit_bias=eos,
                                      extra_body={"min_tokens": 4})
     assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 5
-    ignored = client.completions.create(model="m", prompt="Hi", max_tokens=6, temperature=0, logit_bias=eos,
+    ignored = client.completions.create(model="tgi", prompt="Hi", max_tokens=6, temperature=0, logit_bias=eos,
                                         extra_body={"ignore_eos": True})
     assert ignored.choices[0].finish_reason == "length" and ignored.usage.completion_tokens == 6
 
 
 def test_seed_stop_user_and_max_completion_tokens(client):
-    request = dict(model="m", messages=ASK, temperature=1.0, seed=11, max_completion_tokens=8, user="someone")
+    request = dict(model="tgi", messages=ASK, temperature=1.0, seed=11, max_completion_tokens=8, user="someone")
     first, again = (client.chat.completions.create(**request).choices[0].message.content for _ in range(2))
     assert first == again
     other = client.chat.completions.create(**{**request, "seed": 12}).choices[0].message.content
@@ -284,7 +284,7 @@ def test_seed_stop_user_and_max_completion_tokens(client):
     ({"presence_penalty": 3}, "`presence_penalty`"), ({"min_tokens": 99}, "`min_tokens`"),
 ])
 def test_bad_sampling_fields_are_422_naming_them(url, extra, message):
-    body = {"model": "m", "messages": ASK, "max_tokens": 8, **extra}
+    body = {"model": "tgi", "messages": ASK, "max_tokens": 8, **extra}
     response = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                           timeout=30)
     assert response.status_code == 422 and message in response.json()["error"]["message"]

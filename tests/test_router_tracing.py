@@ -23,8 +23,8 @@ shard = shard_fixture(max_batch_size=4)
 
 
 async def serve_and_call(shard, model_dir, traces, calls, shard_client=None):
-    config = RouterConfig("", str(model_dir), "tiny", max_input_tokens=64, max_total_tokens=128,
-                          max_batch_prefill_tokens=128, max_batch_size=4)
+    config = RouterConfig(tokenizer=str(model_dir), model_id="tiny", max_input_tokens=64,
+                          max_total_tokens=128, max_prefill_tokens=128, max_batch_size=4)
     state = await build_state(config, shard_client or InProcessClient(shard, max_batch_size=4))
     try:
         app = create_app(state, AccessConfig(), traces)

@@ -9,17 +9,15 @@ import json
 from collections import defaultdict
 
 from engine.buckets.grid import BucketLimits, BucketPlan
+from engine.cli.flags import add_knob_flags
 from engine.config import EngineConfig
 
 DEFAULT_BLOCK_SIZE = 16  # the CPU adapter's; HPU uses 128
+LIMIT_KNOBS = ("max_batch_size", "max_input_tokens", "max_total_tokens", "max_prefill_tokens")
 
 
 def add_limit_args(parser: argparse.ArgumentParser, block_size_default: int | None = DEFAULT_BLOCK_SIZE) -> None:
-    defaults = EngineConfig()
-    parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
-    parser.add_argument("--max-input-tokens", type=int, default=defaults.max_input_tokens)
-    parser.add_argument("--max-total-tokens", type=int, default=defaults.max_total_tokens)
-    parser.add_argument("--max-prefill-tokens", type=int, default=defaults.max_prefill_tokens)
+    add_knob_flags(parser, EngineConfig, only=LIMIT_KNOBS)
     if block_size_default is not None:
         parser.add_argument("--block-size", type=int, default=block_size_default,
                             help=f"KV block size in tokens (default {block_size_default}, the CPU adapter's; HPU: 128)")

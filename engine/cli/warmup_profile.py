@@ -6,21 +6,23 @@ import datetime
 import sys
 from pathlib import Path
 
+from dataclasses import replace
+
 from engine.cli.buckets import add_limit_args, add_plan_args, report
+from engine.cli.flags import add_knob_flags, config_from_args
 from engine.config import EngineConfig
 
 COMPARED = ("linear", "exponential", "padding", "fitted")
 
 
+MODEL_KNOBS = ("model_id", "device", "dtype", "quantize", "graph_mode", "cache_dir", "block_size")
+
+
 def profile_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model_id=args.model_id, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        max_batch_size=args.max_batch_size, max_input_tokens=args.max_input_tokens,
-        max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens,
-        bucket_strategy=args.strategy, bucket_shapes=args.shapes, bucket_file=args.bucket_file,
-        max_graphs=args.max_graphs, graph_mode=args.graph_mode, cache_dir=args.cache_dir, warmup_mode="full",
-        quantize=args.quantize,
-    )
+    # --max-graphs and --bucket-file are the knobs' own flags; the plan's strategy and trace are
+    # named as in `engine buckets`
+    return replace(config_from_args(EngineConfig, args), bucket_strategy=args.strategy,
+                   bucket_shapes=args.shapes, warmup_mode="full")
 
 
 def strategy_reports(shard, shapes) -> list[dict]:
@@ -74,14 +76,8 @@ def add_profile_command(commands) -> None:
                             description="Warm every bucket of a plan and measure, per bucket, the warmup (compile or "
                                         "capture) time, the median step latency and the memory; write DIR/profile.json "
                                         "and PNG plots. `engine serve --warmup-profile DIR/profile.json` reuses it.")
-    p.add_argument("--model-id", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, hpu or xpu")
-    p.add_argument("--dtype", default="auto", help="auto (default), float32, bfloat16 or float16")
-    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4", "fp8"])
-    p.add_argument("--graph-mode", help="default: the device's (cpu: eager or compile)")
-    p.add_argument("--cache-dir", type=Path, help="where converted models are cached")
+    add_knob_flags(p, EngineConfig, only=MODEL_KNOBS)
     add_limit_args(p, block_size_default=None)
-    p.add_argument("--block-size", type=int, help="KV cache block size in tokens (default: the device's)")
     add_plan_args(p, defaults.bucket_strategy)
     p.add_argument("--runs", type=int, default=5, help="timed runs per bucket (the median is kept)")
     p.add_argument("--out", required=True, help="output directory")

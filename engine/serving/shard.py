@@ -308,10 +308,13 @@ class Shard:
     def _context(self) -> StepContext:
         if self.runner is None:
             raise InvalidRequestError("the shard has not been warmed up")
-        return StepContext(self.runner, self.tokenizer, self.allocator, self.limits, self.eos_token_ids,
-                           self.special_token_ids, self.block_size, self._grammars, self._unset_seed,
-                           self.rank, self.world_size, self.lora_set, self.model_config.vocab_size, self.contents,
-                           self.chunk_stats)
+        return StepContext(runner=self.runner, tokenizer=self.tokenizer, allocator=self.allocator,
+                           limits=self.limits, eos_token_ids=self.eos_token_ids,
+                           special_token_ids=self.special_token_ids, block_size=self.block_size,
+                           grammars=self._grammars, unset_seed=self._unset_seed, rank=self.rank,
+                           world_size=self.world_size, lora_set=self.lora_set,
+                           vocab_size=self.model_config.vocab_size, contents=self.contents,
+                           chunk_stats=self.chunk_stats)
 
     def _unset_seed(self, request_id: int) -> int:
         return (self.group_seed * 0x9E3779B97F4A7C15 + request_id) % 2**64 or 1

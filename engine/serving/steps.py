@@ -22,7 +22,7 @@ from engine.serving.sequence import Sequence
 from engine.config import ServingLimits
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepContext:
     runner: ModelRunner
     tokenizer: object

@@ -13,15 +13,16 @@ import argparse
 import contextvars
 import hmac
 import logging
-import os
 import re
 import time
 import uuid
-from dataclasses import dataclass
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.middleware.cors import CORSMiddleware
+
+from engine.cli.flags import add_knob_flags, config_from_args
+from router.config import AccessConfig
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -30,23 +31,12 @@ REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", d
 CALLER_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
-@dataclass(frozen=True)
-class AccessConfig:
-    api_key: str | None = None
-    cors_allow_origins: tuple[str, ...] = ()
-
-
 def add_access_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--api-key", default=os.environ.get("BUCKETSERVE_API_KEY") or None,
-                        help="require `Authorization: Bearer KEY` on every route but /health and /metrics "
-                             "(default: $BUCKETSERVE_API_KEY; unset: no key needed)")
-    parser.add_argument("--cors-allow-origin", action="append", default=[],
-                        help="an origin browsers may call from (repeat, or `*`); default: none")
+    add_knob_flags(parser, AccessConfig)  # the fields of AccessConfig (router/config.py)
 
 
 def access_from_args(args: argparse.Namespace) -> AccessConfig:
-    origins = tuple(o.strip() for value in args.cors_allow_origin for o in value.split(",") if o.strip())
-    return AccessConfig(args.api_key, origins)
+    return config_from_args(AccessConfig, args)
 
 
 def unauthorized_body(path: str) -> dict:

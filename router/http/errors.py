@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 
 from router.sched.admission import Overloaded, ShardsUnavailable
 from router.client import ShardError
+from router.config import DEFAULT_PAYLOAD_LIMIT  # noqa: F401 - the --payload-limit knob's default
 from router.sched.streams import RequestCancelled
 from router.http.validation import ValidationError
 
@@ -109,7 +110,6 @@ def install_error_handlers(app: FastAPI, metrics) -> None:
 
 # --- the request-body limit (TGI's --payload-limit) ------------------------------------------------
 
-DEFAULT_PAYLOAD_LIMIT = 2_000_000  # bytes, TGI's default
 BODY_METHODS = ("POST", "PUT", "PATCH")
 GONE = object()
 

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from engine.batch import Generation
+from router.config import TGI_MODEL_ALIAS
 from router.http import chat, tools
 from router.sched import fanout
 from router.http.openai_render import (ChatChunks, ChoiceStreams, CompletionChunks, Envelope, chat_logprobs, finish_reason,
@@ -157,7 +158,26 @@ def message_text(message: Message) -> str:
 
 
 def envelope_for(state: RouterState, body: Sampling, kind: str, prefix: str) -> Envelope:
-    return Envelope(body.model or state.info["model_id"], kind, prefix)
+    return Envelope(answering_model(state, body), kind, prefix)
+
+
+# --- the model a request names --------------------------------------------------------------------
+
+
+def answering_model(state: RouterState, body: Sampling) -> str:
+    """The name a response carries: the adapter the request picked, else the served model's."""
+    return body.model if body.model in state.limits.adapters else state.info["model_id"]
+
+
+def unknown_model(state: RouterState, body: Sampling) -> JSONResponse | None:
+    """404 in OpenAI's shape for a `model` that is neither the served one, an adapter, nor `tgi`
+    (TGI's clients send that name); None when the request may go on. No `model` is fine."""
+    if body.model in (None, state.info["model_id"], TGI_MODEL_ALIAS, *state.limits.adapters):
+        return None
+    state.metrics.outcome("not_found")
+    message = f"The model `{body.model}` does not exist."
+    error = {"message": message, "type": "NotFoundError", "param": "model", "code": 404}
+    return JSONResponse({"error": error}, status_code=404)
 
 
 def error_event(error: Exception) -> str:
@@ -287,11 +307,11 @@ def models(state: RouterState) -> dict:
 def openai_routes(app: FastAPI, state: RouterState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_route(body: ChatRequest, http_request: HttpRequest):
-        return await chat_completions(state, body, http_request)
+        return unknown_model(state, body) or await chat_completions(state, body, http_request)
 
     @app.post("/v1/completions")
     async def completions_route(body: CompletionRequest, http_request: HttpRequest):
-        return await completions(state, body, http_request)
+        return unknown_model(state, body) or await completions(state, body, http_request)
 
     chat.chat_tokenize_route(app, state, ChatRequest, lambda body: chat_prompt(state, body))
 
