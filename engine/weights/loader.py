@@ -1,7 +1,6 @@
 """Find a model, convert it when it is a GGUF file, and load its weights into our modules."""
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -14,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from engine.distributed import SINGLE, Parallel
-from engine.errors import ModelLoadError
+from engine.errors import CorruptFileError, ModelLoadError
 from engine.layers.linear import STACKED, copy_checked
 from engine.layers.moe import MOE_IMPLS
 from engine.models import has_native, model_class
@@ -65,6 +64,8 @@ def resolve_model_dir(model_id: str | None, cache_dir: Path) -> Path:
         return convert_gguf(gguf, cache_dir)
     path = Path(model_id)
     if path.is_dir() and (path / "config.json").is_file():
+        for file in sorted(path.glob("*.safetensors")):
+            check_safetensors(file)
         return path
     raise ModelLoadError(
         f"model {model_id!r} not found: expected a directory with config.json and *.safetensors, "
@@ -72,16 +73,45 @@ def resolve_model_dir(model_id: str | None, cache_dir: Path) -> Path:
     )
 
 
+SAFETENSORS_HEADER_LIMIT = 100_000_000  # the safetensors format's own bound on the JSON header
+
+
+def check_safetensors(file: Path) -> None:
+    """A CorruptFileError naming `file` when it is not a safetensors file or is shorter than its
+    header says (a truncated copy); reads only the header."""
+    size = file.stat().st_size
+    corrupt = lambda why: CorruptFileError(f"weight file {file} is corrupt or unreadable: {why}")  # noqa: E731
+    with open(file, "rb") as reader:
+        prefix = reader.read(8)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 0 < length <= SAFETENSORS_HEADER_LIMIT:
+            raise corrupt(f"not a safetensors file (its {size} bytes do not start with a header length)")
+        if length > size - 8:
+            raise corrupt(f"truncated: its header alone is {8 + length} bytes, but the file has {size}")
+        try:
+            header = json.loads(reader.read(length))
+            end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            raise corrupt("not a safetensors file (its header is not a safetensors JSON index)") from None
+    if 8 + length + end > size:
+        raise corrupt(f"truncated: its header places tensor data up to byte {8 + length + end}, "
+                      f"but the file has {size} bytes")
+
+
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
-    """Dequantize a GGUF file once through transformers and cache it as safetensors."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = cache_dir / "models" / f"{gguf.stem}-{key}"
-    if (target / "config.json").is_file():
-        return target
+    """Dequantize a GGUF file once through transformers and cache it as safetensors, keyed by the
+    file's content (engine/weights/convert_cache.py): one copy per model, wherever the file lies."""
+    from engine.weights import convert_cache
+    from engine.weights.gguf import read_index
+
+    key = convert_cache.content_key(read_index(gguf))  # a truncated or corrupt file stops here
+    if (found := convert_cache.find_entry(cache_dir, key)) is not None:
+        convert_cache.record_source(found, gguf)
+        return found
+    target = convert_cache.entry_path(cache_dir, gguf, key)
     log.info("converting %s to safetensors in %s (once)", gguf.name, target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=convert_cache.SCRATCH_PREFIX))
     try:
         _write_hf_dir(gguf, scratch)
         scratch.rename(target)  # atomic: a concurrent converter either wins or finds it done
@@ -90,6 +120,7 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
             raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    convert_cache.record_source(target, gguf)
     return target
 
 
