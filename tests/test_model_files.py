@@ -50,7 +50,7 @@ def test_copies_of_one_gguf_share_one_cache_entry(tmp_path, fake_conversion):
     assert fake_conversion == [first] and len(list((cache / "models").iterdir())) == 1
 
 
-def test_a_changed_file_gets_a_new_entry(tmp_path, fake_conversion):
+def test_a_changed_file_gets_a_new_entry_and_its_old_content_the_old_one(tmp_path, fake_conversion):
     cache = tmp_path / "cache"
     original = loader.resolve_model_dir(str(gguf_copy(tmp_path, "a/model.gguf")), cache)
 
@@ -61,6 +61,8 @@ def test_a_changed_file_gets_a_new_entry(tmp_path, fake_conversion):
     changed = gguf_copy(tmp_path, "a/model.gguf", rename_model)  # the same path, new content
     assert loader.resolve_model_dir(str(changed), cache) != original
     assert len(fake_conversion) == 2 and len(list((cache / "models").iterdir())) == 2
+    restored = gguf_copy(tmp_path, "a/model.gguf")  # the first content again, written anew
+    assert loader.resolve_model_dir(str(restored), cache) == original and len(fake_conversion) == 2
 
 
 def test_cache_list_and_clear(tmp_path, fake_conversion, capsys):
