@@ -1,5 +1,7 @@
-"""`bucketserve cache list|clear`: the models converted from GGUF files (engine/weights/convert_cache.py),
-each with the files it came from and its size on disk, and their removal."""
+"""`bucketserve cache list|clear`: the models converted from GGUF files
+(engine/weights/convert_cache.py), each with the files it came from and its size on disk, and
+their removal."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,15 +20,23 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog="bucketserve cache", description="The models converted from GGUF files, cached "
-                            "under $BUCKETSERVE_CACHE (default ~/.cache/bucketserve), one copy per file content.")
+    parser = _OneLineParser(
+        prog="bucketserve cache",
+        description="The models converted from GGUF files, cached "
+        "under $BUCKETSERVE_CACHE (default ~/.cache/bucketserve), one copy per file content.",
+    )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
     listing = commands.add_parser("list", help="each cached model: its name, size and source files")
     clearing = commands.add_parser("clear", help="remove every cached model, or the one named")
-    clearing.add_argument("entry", nargs="?", help="a name from `cache list`, or the GGUF file it came from")
+    clearing.add_argument(
+        "entry", nargs="?", help="a name from `cache list`, or the GGUF file it came from"
+    )
     for command in (listing, clearing):
-        command.add_argument("--cache-dir", type=Path, help="the cache directory (default: $BUCKETSERVE_CACHE "
-                                                            "or ~/.cache/bucketserve)")
+        command.add_argument(
+            "--cache-dir",
+            type=Path,
+            help="the cache directory (default: $BUCKETSERVE_CACHE or ~/.cache/bucketserve)",
+        )
     return parser
 
 
@@ -49,7 +59,10 @@ def cmd_list(cache_dir: Path) -> int:
         return 0
     for entry in entries:
         print(describe(entry))
-    print(f"{len(entries)} cached, {megabytes(sum(e.size for e in entries))} in {convert_cache.models_dir(cache_dir)}")
+    print(
+        f"{len(entries)} cached, {megabytes(sum(e.size for e in entries))} "
+        f"in {convert_cache.models_dir(cache_dir)}"
+    )
     return 0
 
 

@@ -17,10 +17,11 @@ from tests.test_equivalence import NEW_TOKENS, PROMPTS, reference_tokens
 
 # Not natively implemented; each with something of its own: Olmo2's norms after the projections,
 # Starcoder2's LayerNorm, biases and a sliding window shorter than the test sequences, Granite's
-# multipliers, GPT-NeoX's fused qkv, partial rotary and parallel residual. The second GPT-NeoX keeps
-# the shared shape's num_key_value_heads and head_dim, fields its config stores but its modules never
-# read: the cache geometry must be what the modules compute. StableLM's class lacks transformers'
-# attention-backend flag, yet its modules call the interface (partial rotary, q/k/v biases).
+# multipliers, GPT-NeoX's fused qkv, partial rotary and parallel residual. The second GPT-NeoX
+# keeps the shared shape's num_key_value_heads and head_dim, fields its config stores but its
+# modules never read: the cache geometry must be what the modules compute. StableLM's class lacks
+# transformers' attention-backend flag, yet its modules call the interface (partial rotary, q/k/v
+# biases).
 FALLBACKS = {
     "olmo2": ("Olmo2Config", dict(tie_word_embeddings=False)),
     "starcoder2": ("Starcoder2Config", dict(head_dim=None, sliding_window=24)),
@@ -107,31 +108,42 @@ def attend_by_itself(self, hidden_states, position_embeddings, attention_mask=No
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
     shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-    q, k, v = (proj(hidden_states).view(shape).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
+    projections = (self.q_proj, self.k_proj, self.v_proj)
+    q, k, v = (proj(hidden_states).view(shape).transpose(1, 2) for proj in projections)
     q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
     k, v = repeat_kv(k, self.num_key_value_groups), repeat_kv(v, self.num_key_value_groups)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     return self.o_proj(out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)), None
 
 
-def test_a_model_attending_outside_the_interface_is_refused(tiny_model_dirs, tmp_path, monkeypatch):
+def load_through_the_fallback(model_dir, tmp_path):
+    return load(str(model_dir), tmp_path, torch.float32, torch.device("cpu"),
+                implementation="transformers")
+
+
+def test_a_model_attending_outside_the_interface_is_refused(tiny_model_dirs, tmp_path,
+                                                            monkeypatch):
     from transformers.models.llama import modeling_llama
 
     monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", attend_by_itself)
-    with pytest.raises(ModelLoadError, match="LlamaForCausalLM does not run its attention through transformers' "
-                                             "attention interface \\(a probe forward made no call into it\\)"):
-        load(str(tiny_model_dirs["llama"]), tmp_path, torch.float32, torch.device("cpu"), implementation="transformers")
+    refusal = ("LlamaForCausalLM does not run its attention through transformers' attention "
+               r"interface \(a probe forward made no call into it\)")
+    with pytest.raises(ModelLoadError, match=refusal):
+        load_through_the_fallback(tiny_model_dirs["llama"], tmp_path)
 
 
-def test_a_model_attending_outside_the_interface_in_some_layers_is_refused(tiny_model_dirs, tmp_path, monkeypatch):
+def test_a_model_attending_outside_the_interface_in_some_layers_is_refused(tiny_model_dirs,
+                                                                           tmp_path, monkeypatch):
     from transformers.models.llama import modeling_llama
 
     interface_forward = modeling_llama.LlamaAttention.forward
 
     def first_layer_by_itself(self, *args, **kwargs):
-        return (attend_by_itself if self.layer_idx == 0 else interface_forward)(self, *args, **kwargs)
+        forward = attend_by_itself if self.layer_idx == 0 else interface_forward
+        return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", first_layer_by_itself)
-    with pytest.raises(ModelLoadError, match=r"calls transformers' attention interface from layers \[1\], "
-                                             "not once from each of its 2 layers"):
-        load(str(tiny_model_dirs["llama"]), tmp_path, torch.float32, torch.device("cpu"), implementation="transformers")
+    refusal = (r"calls transformers' attention interface from layers \[1\], not once from each "
+               "of its 2 layers")
+    with pytest.raises(ModelLoadError, match=refusal):
+        load_through_the_fallback(tiny_model_dirs["llama"], tmp_path)

@@ -1,5 +1,7 @@
 """A model directory whose only tokenizer is a sentencepiece `tokenizer.model` (older Llama 2 and
-Mistral checkpoints): its tokenizer loads, and a tiny Llama with it generates transformers' tokens."""
+Mistral checkpoints): its tokenizer loads, and a tiny Llama with it generates transformers'
+tokens."""
+
 import json
 import tomllib
 from pathlib import Path
@@ -15,9 +17,17 @@ from tests.test_equivalence import PROMPTS, reference_tokens
 
 VOCAB = 256
 NEW_TOKENS = 20
-# What Llama 2's checkpoints ship beside their tokenizer.model: the class, and bos before each prompt.
-LLAMA2_TOKENIZER_CONFIG = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
-                           "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "legacy": False}
+# What Llama 2's checkpoints ship beside their tokenizer.model: the class, and bos before each
+# prompt.
+LLAMA2_TOKENIZER_CONFIG = {
+    "tokenizer_class": "LlamaTokenizer",
+    "add_bos_token": True,
+    "add_eos_token": False,
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "unk_token": "<unk>",
+    "legacy": False,
+}
 
 
 def train_tokenizer(out: Path) -> Path:
@@ -26,9 +36,17 @@ def train_tokenizer(out: Path) -> Path:
     corpus = out / "corpus.txt"
     corpus.write_text("\n".join(PROMPTS * 4) + "\n")
     sentencepiece.SentencePieceTrainer.train(
-        input=str(corpus), model_prefix=str(out / "tokenizer"), vocab_size=VOCAB, model_type="bpe",
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, hard_vocab_limit=False,
-        minloglevel=2)
+        input=str(corpus),
+        model_prefix=str(out / "tokenizer"),
+        vocab_size=VOCAB,
+        model_type="bpe",
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
     corpus.unlink()
     (out / "tokenizer.vocab").unlink()
     return out / "tokenizer.model"
@@ -36,7 +54,8 @@ def train_tokenizer(out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def sentencepiece_model_dirs(tmp_path_factory):
-    """"alone": config.json, weights and tokenizer.model; "llama2": with Llama 2's tokenizer_config.json."""
+    """alone: config.json, weights and tokenizer.model; llama2: with Llama 2's
+    tokenizer_config.json too."""
     root = tmp_path_factory.mktemp("sentencepiece")
     no_tokenizer = root / "none"
     no_tokenizer.mkdir()
@@ -50,8 +69,10 @@ def sentencepiece_model_dirs(tmp_path_factory):
 
 def test_the_package_declares_sentencepiece():
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    assert any(dep.split(">")[0].split("=")[0].strip() == "sentencepiece"
-               for dep in pyproject["project"]["dependencies"])
+    assert any(
+        dep.split(">")[0].split("=")[0].strip() == "sentencepiece"
+        for dep in pyproject["project"]["dependencies"]
+    )
 
 
 @pytest.mark.parametrize("name", ["alone", "llama2"])
@@ -60,7 +81,10 @@ def test_a_sentencepiece_tokenizer_model_serves(sentencepiece_model_dirs, name):
     assert not (model_dir / "tokenizer.json").exists() and (model_dir / "tokenizer.model").is_file()
     shard = Shard(tiny_config(model_dir), show_progress=False)
     ids = shard.tokenizer("Hi there")["input_ids"]
-    assert shard.tokenizer.convert_ids_to_tokens(ids)[-2:] == ["▁Hi", "▁there"]  # sentencepiece's pieces
+    assert shard.tokenizer.convert_ids_to_tokens(ids)[-2:] == [
+        "▁Hi",
+        "▁there",
+    ]  # sentencepiece's pieces
     assert (ids[0] == 1) == (name == "llama2")  # bos where the tokenizer config asks for it
     ours = generate(shard, PROMPTS, NEW_TOKENS, ignore_eos=True)
     assert [c.token_ids for c in ours] == reference_tokens(model_dir, PROMPTS, NEW_TOKENS)

@@ -59,8 +59,9 @@ class _Probe:
         self.calls: list[AttentionCall] = []
 
     def attend(self, module, query, key, value):
-        self.calls.append(AttentionCall(getattr(module, "layer_idx", None), query.shape[1], key.shape[1],
-                                        key.shape[-1], value.shape[-1]))
+        layer = getattr(module, "layer_idx", None)
+        self.calls.append(AttentionCall(layer, query.shape[1], key.shape[1], key.shape[-1],
+                                        value.shape[-1]))
         batch, heads, seq = query.shape[:3]
         return query.new_zeros(batch, seq, heads, value.shape[-1]), None
 

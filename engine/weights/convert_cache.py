@@ -1,11 +1,12 @@
-"""The conversion cache: each GGUF file is converted to safetensors once, under a key of its content
-(its size, and a hash of its header, its tensor index and a sample of its data), so that copies of one
-model at other paths, checkouts or virtual environments share one entry. Reading the key costs the
-header's few megabytes, never the whole file.
+"""The conversion cache: each GGUF file is converted to safetensors once, under a key of its
+content (its size, and a hash of its header, its tensor index and a sample of its data), so that
+copies of one model at other paths, checkouts or virtual environments share one entry.
+Reading the key costs the header's few megabytes, never the whole file.
 
 An entry is a directory `CACHE/models/STEM-KEY` holding the converted model and SOURCES_FILE, the
 GGUF paths it was converted from or reused for (what `bucketserve cache list` shows).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,7 +29,7 @@ SCRATCH_PREFIX = ".convert-"
 class CacheEntry:
     path: Path
     sources: tuple[str, ...]  # empty for an entry written before sources were recorded
-    size: int                 # bytes on disk
+    size: int  # bytes on disk
 
     @property
     def name(self) -> str:
@@ -62,7 +63,8 @@ def entry_path(cache_dir: Path, gguf: Path, key: str) -> Path:
 
 
 def record_source(entry: Path, gguf: Path) -> None:
-    """Add `gguf`'s absolute path to the entry's sources (atomically; a read-only cache is left as is)."""
+    """Add `gguf`'s absolute path to the entry's sources (atomically; a read-only cache is left
+    as it is)."""
     sources = _sources(entry)
     source = str(Path(gguf).resolve())
     if source in sources:
@@ -92,8 +94,11 @@ def list_entries(cache_dir: Path) -> list[CacheEntry]:
     root = models_dir(cache_dir)
     if not root.is_dir():
         return []
-    return [CacheEntry(path, tuple(_sources(path)), _disk_size(path))
-            for path in sorted(root.iterdir()) if path.is_dir()]
+    return [
+        CacheEntry(path, tuple(_sources(path)), _disk_size(path))
+        for path in sorted(root.iterdir())
+        if path.is_dir()
+    ]
 
 
 def matching(entries: list[CacheEntry], which: str) -> list[CacheEntry]:

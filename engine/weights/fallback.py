@@ -17,8 +17,8 @@ import torch
 from engine.distributed import Parallel
 from engine.errors import ModelLoadError
 from engine.models.config import FULL, ModelConfig
-from engine.models.fallback import (ATTENTION_NAME, AttentionCall, TransformersCausalLM, probe_attention,
-                                    register_attention)
+from engine.models.fallback import (ATTENTION_NAME, AttentionCall, TransformersCausalLM,
+                                    probe_attention, register_attention)
 
 log = logging.getLogger(__name__)
 
@@ -65,41 +65,48 @@ def load_transformers_model(model_dir: Path, dtype: torch.dtype, device: torch.d
         raise ModelLoadError(f"transformers cannot load {cls.__name__} from {model_dir}: {_one_line(err)}") from None
     hf_model = hf_model.to(device).eval()
     config = fallback_config(hf_config, cls.__name__)
-    layers, kv_heads, head_dim = observed_geometry(hf_model, device, cls.__name__, config.num_layers)
-    sharded = local_kv_heads(hf_config, config.num_kv_heads, parallel.world_size) != config.num_kv_heads
+    name = cls.__name__
+    layers, kv_heads, head_dim = observed_geometry(hf_model, device, name, config.num_layers)
+    world = parallel.world_size
+    sharded = local_kv_heads(hf_config, config.num_kv_heads, world) != config.num_kv_heads
     config = replace(config, num_layers=layers, head_dim=head_dim,
-                     num_kv_heads=kv_heads * parallel.world_size if sharded else kv_heads)
+                     num_kv_heads=kv_heads * world if sharded else kv_heads)
     log.info("%s runs through the transformers fallback (attention: bucketserve paged)", cls.__name__)
     return TransformersCausalLM(hf_model, config, kv_heads), config
 
 
-def observed_geometry(hf_model, device: torch.device, name: str, num_layers: int) -> tuple[int, int, int]:
+def observed_geometry(hf_model, device: torch.device, name: str,
+                      num_layers: int) -> tuple[int, int, int]:
     """(layers, this rank's kv heads, head size) as a probe forward sees the attention modules
     call ours, or a ModelLoadError when any layer attends outside transformers' interface."""
     try:
         calls = probe_attention(hf_model, device)
     except Exception as err:  # the model's own code failed on a two-token forward
-        raise ModelLoadError(f"{name}: the probe forward through transformers failed: {_one_line(err)}") from None
+        raise ModelLoadError(f"{name}: the probe forward through transformers failed: "
+                             f"{_one_line(err)}") from None
     return attention_geometry(calls, name, num_layers)
 
 
-def attention_geometry(calls: list[AttentionCall], name: str, num_layers: int) -> tuple[int, int, int]:
+def attention_geometry(calls: list[AttentionCall], name: str,
+                       num_layers: int) -> tuple[int, int, int]:
     if not calls:
-        raise ModelLoadError(f"{name} does not run its attention through transformers' attention interface "
-                             "(a probe forward made no call into it), so it cannot use the paged KV cache")
+        raise ModelLoadError(f"{name} does not run its attention through transformers' attention "
+                             "interface (a probe forward made no call into it), so it cannot use "
+                             "the paged KV cache")
     layers = sorted(call.layer for call in calls if call.layer is not None)
     if len(layers) != len(calls) or layers != list(range(num_layers)):
         seen = ", ".join(str(call.layer) for call in calls)
-        raise ModelLoadError(f"{name} calls transformers' attention interface from layers [{seen}], not once from "
-                             f"each of its {num_layers} layers: the others would attend outside the paged KV cache")
+        raise ModelLoadError(f"{name} calls transformers' attention interface from layers "
+                             f"[{seen}], not once from each of its {num_layers} layers: the others "
+                             "would attend outside the paged KV cache")
     shapes = {(call.kv_heads, call.head_dim, call.value_dim) for call in calls}
     if len(shapes) > 1:
-        raise ModelLoadError(f"{name}'s attention layers differ in kv heads or head size {sorted(shapes)}: "
-                             "the paged KV cache holds one geometry for all layers")
+        raise ModelLoadError(f"{name}'s attention layers differ in kv heads or head size "
+                             f"{sorted(shapes)}: the paged KV cache holds one geometry")
     kv_heads, head_dim, value_dim = shapes.pop()
     if head_dim != value_dim:
-        raise ModelLoadError(f"{name}'s keys and values differ in head size ({head_dim} vs {value_dim}): "
-                             "the paged KV cache holds one head size")
+        raise ModelLoadError(f"{name}'s keys and values differ in head size ({head_dim} vs "
+                             f"{value_dim}): the paged KV cache holds one head size")
     return num_layers, kv_heads, head_dim
 
 

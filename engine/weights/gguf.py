@@ -112,11 +112,13 @@ def read_weights(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, Ggu
 
 
 # The GGUF header (version 2 and 3): magic, version, tensor count, metadata count, then the metadata
-# (key, type, value) and one index entry per tensor (name, dims, type, offset into the data section).
+# (key, type, value) and one index entry per tensor (name, dims, type, offset into the data
+# section).
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
 ALIGNMENT_KEY = "general.alignment"
-SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+                  12: "d"}
 STRING, ARRAY = 8, 9
 
 
@@ -125,7 +127,7 @@ class GgufIndex:
     """Where a GGUF file's parts lie, read from its header and tensor index without its data."""
     path: Path
     size: int         # bytes in the file
-    data_offset: int  # the tensor data starts here: the bytes before are the header and tensor index
+    data_offset: int  # the tensor data starts here; before it: the header and the tensor index
     data_end: int     # the last byte the tensor index places, plus one
     tensors: int
 
@@ -139,7 +141,8 @@ class _HeaderReader:
     def corrupt(self, why: str) -> ModelLoadError:
         from engine.errors import CorruptFileError
 
-        return CorruptFileError(f"cannot read GGUF file {self.path}: it is truncated or corrupt ({why})")
+        return CorruptFileError(f"cannot read GGUF file {self.path}: it is truncated or corrupt "
+                                f"({why})")
 
     def take(self, size: int, what: str) -> bytes:
         if size < 0 or self.pos + size > len(self.data):
@@ -179,21 +182,23 @@ class _HeaderReader:
 
 
 def read_index(path: Path) -> GgufIndex:
-    """The layout of GGUF file `path`; a CorruptFileError naming it when the header does not parse or
-    the index places tensor data past the end of the file (a truncated copy)."""
+    """The layout of GGUF file `path`; a CorruptFileError naming it when the header does not
+    parse or the index places tensor data past the end of the file (a truncated copy)."""
     import mmap
 
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     with open(path, "rb") as file:
         size = Path(path).stat().st_size
-        with (mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if size else memoryview(b"")) as data:
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if size else memoryview(b"")
+        with mapped as data:
             header = _HeaderReader(data, Path(path))
             if header.take(4, "magic") != GGUF_MAGIC:
                 raise header.corrupt("it does not start with the GGUF magic bytes")
             if (version := header.scalar("I", "version")) not in GGUF_VERSIONS:
                 raise header.corrupt(f"unknown GGUF version {version}")
-            tensors, entries = header.scalar("Q", "tensor count"), header.scalar("Q", "metadata count")
+            tensors = header.scalar("Q", "tensor count")
+            entries = header.scalar("Q", "metadata count")
             alignment = 32
             for _ in range(entries):
                 key = header.string("a metadata key")

@@ -80,22 +80,29 @@ def check_safetensors(file: Path) -> None:
     """A CorruptFileError naming `file` when it is not a safetensors file or is shorter than its
     header says (a truncated copy); reads only the header."""
     size = file.stat().st_size
-    corrupt = lambda why: CorruptFileError(f"weight file {file} is corrupt or unreadable: {why}")  # noqa: E731
     with open(file, "rb") as reader:
         prefix = reader.read(8)
         length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
         if not 0 < length <= SAFETENSORS_HEADER_LIMIT:
-            raise corrupt(f"not a safetensors file (its {size} bytes do not start with a header length)")
+            raise _corrupt(file, f"not a safetensors file (its {size} bytes do not start with a "
+                                 "header length)")
         if length > size - 8:
-            raise corrupt(f"truncated: its header alone is {8 + length} bytes, but the file has {size}")
+            raise _corrupt(file, f"truncated: its header alone is {8 + length} bytes, but the file "
+                                 f"has {size}")
         try:
             header = json.loads(reader.read(length))
-            end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+            ends = (int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__")
+            end = 8 + length + max(ends, default=0)
         except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            raise corrupt("not a safetensors file (its header is not a safetensors JSON index)") from None
-    if 8 + length + end > size:
-        raise corrupt(f"truncated: its header places tensor data up to byte {8 + length + end}, "
-                      f"but the file has {size} bytes")
+            raise _corrupt(file, "not a safetensors file (its header is not a safetensors JSON "
+                                 "index)") from None
+    if end > size:
+        raise _corrupt(file, f"truncated: its header places tensor data up to byte {end}, but the "
+                             f"file has {size} bytes")
+
+
+def _corrupt(file: Path, why: str) -> CorruptFileError:
+    return CorruptFileError(f"weight file {file} is corrupt or unreadable: {why}")
 
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
