@@ -16,8 +16,10 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from engine.weights.gguf import GgufIndex
+if TYPE_CHECKING:  # `bucketserve cache` imports this module, and should not wait for torch
+    from engine.weights.integrity import GgufIndex
 
 MODELS_DIR = "models"
 SOURCES_FILE = "bucketserve_sources.json"

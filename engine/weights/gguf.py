@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from engine.errors import ModelLoadError
+from engine.weights.integrity import read_gguf_index
 
 BLOCK = 32
 LLAMA_LAYER_NAMES = {
@@ -87,7 +88,7 @@ def read_weights(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, Ggu
     from gguf import GGMLQuantizationType as Q, GGUFReader
     from gguf.quants import dequantize
 
-    read_index(path)  # a truncated or corrupt file gets its one clear error, not the reader's
+    read_gguf_index(path)  # a truncated or corrupt file gets its one clear error, not the reader's
     try:
         reader = GGUFReader(path)
     except Exception as err:  # the reader raises many types for a bad file
@@ -110,116 +111,3 @@ def read_weights(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, Ggu
         weights[name] = value
     return weights
 
-
-# The GGUF header (version 2 and 3): magic, version, tensor count, metadata count, then the metadata
-# (key, type, value) and one index entry per tensor (name, dims, type, offset into the data
-# section).
-GGUF_MAGIC = b"GGUF"
-GGUF_VERSIONS = (2, 3)
-ALIGNMENT_KEY = "general.alignment"
-SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
-                  12: "d"}
-STRING, ARRAY = 8, 9
-
-
-@dataclass(frozen=True)
-class GgufIndex:
-    """Where a GGUF file's parts lie, read from its header and tensor index without its data."""
-    path: Path
-    size: int         # bytes in the file
-    data_offset: int  # the tensor data starts here; before it: the header and the tensor index
-    data_end: int     # the last byte the tensor index places, plus one
-    tensors: int
-
-
-class _HeaderReader:
-    """Reads the header of `data` (the mapped file) and names the file when it ends too soon."""
-
-    def __init__(self, data, path: Path):
-        self.data, self.path, self.pos = data, path, 0
-
-    def corrupt(self, why: str) -> ModelLoadError:
-        from engine.errors import CorruptFileError
-
-        return CorruptFileError(f"cannot read GGUF file {self.path}: it is truncated or corrupt "
-                                f"({why})")
-
-    def take(self, size: int, what: str) -> bytes:
-        if size < 0 or self.pos + size > len(self.data):
-            raise self.corrupt(f"it ends at byte {len(self.data)} inside its header ({what})")
-        chunk = self.data[self.pos:self.pos + size]
-        self.pos += size
-        return chunk
-
-    def scalar(self, fmt: str, what: str):
-        import struct
-
-        return struct.unpack("<" + fmt, self.take(struct.calcsize(fmt), what))[0]
-
-    def string(self, what: str) -> str:
-        raw = self.take(self.scalar("Q", what), what)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise self.corrupt(f"{what} is not UTF-8 text") from None
-
-    def value(self, kind: int, what: str):
-        import struct
-
-        if kind in SCALAR_FORMATS:
-            return self.scalar(SCALAR_FORMATS[kind], what)
-        if kind == STRING:
-            return self.string(what)
-        if kind != ARRAY:
-            raise self.corrupt(f"{what} has an unknown value type {kind}")
-        item, count = self.scalar("I", what), self.scalar("Q", what)
-        if item in SCALAR_FORMATS:  # a fixed-size array: skipped, not unpacked
-            self.take(count * struct.calcsize(SCALAR_FORMATS[item]), what)
-            return None
-        for _ in range(count):
-            self.value(item, what)
-        return None
-
-
-def read_index(path: Path) -> GgufIndex:
-    """The layout of GGUF file `path`; a CorruptFileError naming it when the header does not
-    parse or the index places tensor data past the end of the file (a truncated copy)."""
-    import mmap
-
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    with open(path, "rb") as file:
-        size = Path(path).stat().st_size
-        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if size else memoryview(b"")
-        with mapped as data:
-            header = _HeaderReader(data, Path(path))
-            if header.take(4, "magic") != GGUF_MAGIC:
-                raise header.corrupt("it does not start with the GGUF magic bytes")
-            if (version := header.scalar("I", "version")) not in GGUF_VERSIONS:
-                raise header.corrupt(f"unknown GGUF version {version}")
-            tensors = header.scalar("Q", "tensor count")
-            entries = header.scalar("Q", "metadata count")
-            alignment = 32
-            for _ in range(entries):
-                key = header.string("a metadata key")
-                value = header.value(header.scalar("I", key), key)
-                if key == ALIGNMENT_KEY:
-                    alignment = value
-            data_end = 0
-            for _ in range(tensors):
-                name = header.string("a tensor name")
-                dims = [header.scalar("Q", name) for _ in range(header.scalar("I", name))]
-                kind, offset = header.scalar("I", name), header.scalar("Q", name)
-                try:
-                    block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
-                except (ValueError, KeyError):
-                    raise header.corrupt(f"tensor {name!r} has an unknown type {kind}") from None
-                count = int(np.prod(dims, dtype=np.float64))
-                data_end = max(data_end, offset + count // block * block_bytes)
-    if not isinstance(alignment, int) or alignment <= 0:
-        raise header.corrupt(f"{ALIGNMENT_KEY} is {alignment!r}")
-    data_offset = -(-header.pos // alignment) * alignment
-    if data_offset + data_end > size:
-        raise header.corrupt(f"its tensor index places data up to byte {data_offset + data_end}, "
-                             f"but the file has {size} bytes")
-    return GgufIndex(Path(path), size, data_offset, data_offset + data_end, tensors)

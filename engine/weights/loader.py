@@ -13,11 +13,12 @@ import torch
 from safetensors import safe_open
 
 from engine.distributed import SINGLE, Parallel
-from engine.errors import CorruptFileError, ModelLoadError
+from engine.errors import ModelLoadError
 from engine.layers.linear import STACKED, copy_checked
 from engine.layers.moe import MOE_IMPLS
 from engine.models import has_native, model_class
 from engine.weights.fallback import load_transformers_model
+from engine.weights.integrity import check_safetensors, read_gguf_index
 from engine.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -73,45 +74,12 @@ def resolve_model_dir(model_id: str | None, cache_dir: Path) -> Path:
     )
 
 
-SAFETENSORS_HEADER_LIMIT = 100_000_000  # the safetensors format's own bound on the JSON header
-
-
-def check_safetensors(file: Path) -> None:
-    """A CorruptFileError naming `file` when it is not a safetensors file or is shorter than its
-    header says (a truncated copy); reads only the header."""
-    size = file.stat().st_size
-    with open(file, "rb") as reader:
-        prefix = reader.read(8)
-        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-        if not 0 < length <= SAFETENSORS_HEADER_LIMIT:
-            raise _corrupt(file, f"not a safetensors file (its {size} bytes do not start with a "
-                                 "header length)")
-        if length > size - 8:
-            raise _corrupt(file, f"truncated: its header alone is {8 + length} bytes, but the file "
-                                 f"has {size}")
-        try:
-            header = json.loads(reader.read(length))
-            ends = (int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__")
-            end = 8 + length + max(ends, default=0)
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            raise _corrupt(file, "not a safetensors file (its header is not a safetensors JSON "
-                                 "index)") from None
-    if end > size:
-        raise _corrupt(file, f"truncated: its header places tensor data up to byte {end}, but the "
-                             f"file has {size} bytes")
-
-
-def _corrupt(file: Path, why: str) -> CorruptFileError:
-    return CorruptFileError(f"weight file {file} is corrupt or unreadable: {why}")
-
-
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     """Dequantize a GGUF file once through transformers and cache it as safetensors, keyed by the
     file's content (engine/weights/convert_cache.py): one copy per model, wherever the file lies."""
     from engine.weights import convert_cache
-    from engine.weights.gguf import read_index
 
-    key = convert_cache.content_key(read_index(gguf))  # a truncated or corrupt file stops here
+    key = convert_cache.content_key(read_gguf_index(gguf))  # a truncated or corrupt file stops here
     if (found := convert_cache.find_entry(cache_dir, key)) is not None:
         convert_cache.record_source(found, gguf)
         return found
