@@ -13,6 +13,14 @@ from launcher.cli import bucketserve
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True)
+def remove_model_copies(tmp_path):
+    """The copies of the 98 MB embedded GGUF go when each test ends (pytest keeps its tmp_paths)."""
+    yield
+    for copy in tmp_path.rglob("*.gguf"):
+        copy.unlink()
+
+
 @pytest.fixture
 def fake_conversion(monkeypatch):
     """Conversions without transformers (seconds each): a config.json; the GGUF files converted."""
