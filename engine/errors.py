@@ -19,3 +19,7 @@ class UnwarmedShapeError(BucketserveError):
 
 class CapacityError(BucketserveError):
     """The KV cache has no room for what was asked."""
+
+
+class CorruptFileError(ModelLoadError):
+    """A model file (GGUF, safetensors) is truncated or is not what its name says."""

@@ -97,12 +97,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def bucketserve(argv: list[str] | None = None) -> int:
     """The `bucketserve` command: the launcher; with a first word of generate / bench / serve /
-    buckets / warmup-profile, that command of the engine; with `loadtest`, the load generator."""
+    buckets / warmup-profile, that command of the engine; with `loadtest`, the load generator; with
+    `cache`, the conversion cache's list and clear."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "loadtest":
         from launcher.loadtest import main as loadtest_main
 
         return loadtest_main(argv[1:])
+    if argv and argv[0] == "cache":
+        from launcher.cache_cli import main as cache_main
+
+        return cache_main(argv[1:])
     if argv and argv[0] in ENGINE_COMMANDS:
         from engine.cli.main import main as engine_main
         from launcher.offline_cli import add_offline_commands

@@ -17,13 +17,19 @@ from tests.test_equivalence import NEW_TOKENS, PROMPTS, reference_tokens
 
 # Not natively implemented; each with something of its own: Olmo2's norms after the projections,
 # Starcoder2's LayerNorm, biases and a sliding window shorter than the test sequences, Granite's
-# multipliers, GPT-NeoX's fused qkv, partial rotary and parallel residual.
+# multipliers, GPT-NeoX's fused qkv, partial rotary and parallel residual. The second GPT-NeoX
+# keeps the shared shape's num_key_value_heads and head_dim, fields its config stores but its
+# modules never read: the cache geometry must be what the modules compute. StableLM's class lacks
+# transformers' attention-backend flag, yet its modules call the interface (partial rotary, q/k/v
+# biases).
 FALLBACKS = {
     "olmo2": ("Olmo2Config", dict(tie_word_embeddings=False)),
     "starcoder2": ("Starcoder2Config", dict(head_dim=None, sliding_window=24)),
     "granite": ("GraniteConfig", dict(embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0,
                                       attention_multiplier=0.2)),
     "gpt_neox": ("GPTNeoXConfig", dict(head_dim=None, num_key_value_heads=None, rotary_pct=0.5)),
+    "gpt_neox_stray_fields": ("GPTNeoXConfig", dict(rotary_pct=0.5)),
+    "stablelm": ("StableLmConfig", dict(partial_rotary_factor=0.5, use_qkv_bias=True)),
 }
 
 
@@ -65,8 +71,6 @@ def refused_model_dirs(tmp_path) -> list[tuple[str, str]]:
         "encoder-decoder": (transformers.T5Config(d_model=32, num_layers=1, num_heads=2), "is an encoder-decoder model"),
         "vision": (transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2),
                    "has no causal language model in transformers"),
-        "no interface": (transformers.StableLmConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2),
-                         "StableLmForCausalLM does not run its attention through transformers' attention interface"),
     }
     dirs = [(write_config(tmp_path / name.replace(" ", "_"), config), message) for name, (config, message) in cases.items()]
     unknown = tmp_path / "unknown"
@@ -96,3 +100,50 @@ def test_lora_adapters_on_the_fallback_are_refused(tiny_model_dirs):
     config = tiny_config(tiny_model_dirs["qwen2"], implementation="transformers", lora_adapters=(("a", "/a"),))
     with pytest.raises(ModelLoadError, match="LoRA adapters are served with native implementations only"):
         Shard(config, show_progress=False)
+
+
+def attend_by_itself(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+    """LlamaAttention.forward computing its attention itself, as a model outside transformers'
+    attention interface does (and as the probe must notice)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
+    shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+    projections = (self.q_proj, self.k_proj, self.v_proj)
+    q, k, v = (proj(hidden_states).view(shape).transpose(1, 2) for proj in projections)
+    q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+    k, v = repeat_kv(k, self.num_key_value_groups), repeat_kv(v, self.num_key_value_groups)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return self.o_proj(out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)), None
+
+
+def load_through_the_fallback(model_dir, tmp_path):
+    return load(str(model_dir), tmp_path, torch.float32, torch.device("cpu"),
+                implementation="transformers")
+
+
+def test_a_model_attending_outside_the_interface_is_refused(tiny_model_dirs, tmp_path,
+                                                            monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", attend_by_itself)
+    refusal = ("LlamaForCausalLM does not run its attention through transformers' attention "
+               r"interface \(a probe forward made no call into it\)")
+    with pytest.raises(ModelLoadError, match=refusal):
+        load_through_the_fallback(tiny_model_dirs["llama"], tmp_path)
+
+
+def test_a_model_attending_outside_the_interface_in_some_layers_is_refused(tiny_model_dirs,
+                                                                           tmp_path, monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    interface_forward = modeling_llama.LlamaAttention.forward
+
+    def first_layer_by_itself(self, *args, **kwargs):
+        forward = attend_by_itself if self.layer_idx == 0 else interface_forward
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", first_layer_by_itself)
+    refusal = (r"calls transformers' attention interface from layers \[1\], not once from each "
+               "of its 2 layers")
+    with pytest.raises(ModelLoadError, match=refusal):
+        load_through_the_fallback(tiny_model_dirs["llama"], tmp_path)

@@ -7,6 +7,11 @@ our paged cache by slot and attend with the same kernels as the native models (p
 prefill, flat paged attention in decode). The model is called with position ids and no attention
 mask or cache of its own; the step's slots and block tables reach the attention function as tensors
 through the step context below (forwards are serialized by the shard's device lock).
+
+Whether a model really attends through that interface is observed, not read from a class flag: a
+probe forward at load records every call into our function (probe_attention), and the calls give
+the cache's geometry as the modules really compute it (a config may carry stray fields, such as a
+num_key_value_heads that GPT-NeoX never reads).
 """
 from __future__ import annotations
 
@@ -37,11 +42,35 @@ class _Step:
         return self.windowed[window]
 
 
-_current: _Step | None = None
+@dataclass(frozen=True)
+class AttentionCall:
+    """One call into our attention function, as the probe saw it."""
+    layer: int | None  # the calling module's layer_idx: its KV cache
+    heads: int
+    kv_heads: int
+    head_dim: int
+    value_dim: int
+
+
+class _Probe:
+    """Stands in for a step during the probe forward: records each call and attends nothing."""
+
+    def __init__(self):
+        self.calls: list[AttentionCall] = []
+
+    def attend(self, module, query, key, value):
+        layer = getattr(module, "layer_idx", None)
+        self.calls.append(AttentionCall(layer, query.shape[1], key.shape[1], key.shape[-1],
+                                        value.shape[-1]))
+        batch, heads, seq = query.shape[:3]
+        return query.new_zeros(batch, seq, heads, value.shape[-1]), None
+
+
+_current: _Step | _Probe | None = None
 
 
 @contextmanager
-def _step(step: _Step):
+def _step(step: _Step | _Probe):
     global _current
     previous, _current = _current, step
     try:
@@ -57,6 +86,8 @@ def bucketserve_attention(module, query, key, value, attention_mask, scaling=Non
     step = _current
     if step is None:
         raise RuntimeError("the bucketserve attention runs only inside a bucketserve forward")
+    if isinstance(step, _Probe):
+        return step.attend(module, query, key, value)
     cache = step.caches[module.layer_idx]
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
@@ -71,6 +102,17 @@ def register_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, bucketserve_attention)
+
+
+def probe_attention(hf_model, device: torch.device, tokens: int = 2) -> list[AttentionCall]:
+    """The calls a `tokens`-long forward of `hf_model` makes into our attention function; none
+    when its attention bypasses transformers' interface (a model that attends by itself)."""
+    probe = _Probe()
+    ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
+    positions = torch.arange(tokens, device=device).view(1, -1)
+    with torch.inference_mode(), _step(probe):
+        hf_model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1)
+    return probe.calls
 
 
 class TransformersCausalLM(nn.Module):

@@ -1,12 +1,15 @@
 """Build the transformers fallback for a model directory, or refuse it with the reason.
 
 Refused: encoder-decoder and vision models, configs transformers cannot build, and causal LMs
-whose attention does not go through transformers' attention interface (their class says so with
-`_supports_attention_backend = False`): those would keep their own cache and never see ours.
+whose attention does not go through transformers' attention interface in every layer: those would
+keep their own cache and never see ours. That is observed with a probe forward at load (whatever a
+class's `_supports_attention_backend` flag says: StableLM's lacks it, yet its modules call the
+interface), and the probe's calls give the cache geometry the modules really use.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -14,7 +17,8 @@ import torch
 from engine.distributed import Parallel
 from engine.errors import ModelLoadError
 from engine.models.config import FULL, ModelConfig
-from engine.models.fallback import ATTENTION_NAME, TransformersCausalLM, register_attention
+from engine.models.fallback import (ATTENTION_NAME, AttentionCall, TransformersCausalLM,
+                                    probe_attention, register_attention)
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +43,6 @@ def causal_lm_class(model_dir: Path):
     except KeyError:
         raise ModelLoadError(f"model type {kind!r} has no causal language model in transformers "
                              "(an encoder, vision or audio model?)") from None
-    if not cls._supports_attention_backend:
-        raise ModelLoadError(f"{cls.__name__} does not run its attention through transformers' attention interface "
-                             "(_supports_attention_backend is False), so it cannot use the paged KV cache")
     return hf_config, cls
 
 
@@ -62,10 +63,51 @@ def load_transformers_model(model_dir: Path, dtype: torch.dtype, device: torch.d
         hf_model = cls.from_pretrained(model_dir, **options)
     except Exception as err:
         raise ModelLoadError(f"transformers cannot load {cls.__name__} from {model_dir}: {_one_line(err)}") from None
+    hf_model = hf_model.to(device).eval()
     config = fallback_config(hf_config, cls.__name__)
-    kv_heads = local_kv_heads(hf_config, config.num_kv_heads, parallel.world_size)
+    name = cls.__name__
+    layers, kv_heads, head_dim = observed_geometry(hf_model, device, name, config.num_layers)
+    world = parallel.world_size
+    sharded = local_kv_heads(hf_config, config.num_kv_heads, world) != config.num_kv_heads
+    config = replace(config, num_layers=layers, head_dim=head_dim,
+                     num_kv_heads=kv_heads * world if sharded else kv_heads)
     log.info("%s runs through the transformers fallback (attention: bucketserve paged)", cls.__name__)
-    return TransformersCausalLM(hf_model.to(device).eval(), config, kv_heads), config
+    return TransformersCausalLM(hf_model, config, kv_heads), config
+
+
+def observed_geometry(hf_model, device: torch.device, name: str,
+                      num_layers: int) -> tuple[int, int, int]:
+    """(layers, this rank's kv heads, head size) as a probe forward sees the attention modules
+    call ours, or a ModelLoadError when any layer attends outside transformers' interface."""
+    try:
+        calls = probe_attention(hf_model, device)
+    except Exception as err:  # the model's own code failed on a two-token forward
+        raise ModelLoadError(f"{name}: the probe forward through transformers failed: "
+                             f"{_one_line(err)}") from None
+    return attention_geometry(calls, name, num_layers)
+
+
+def attention_geometry(calls: list[AttentionCall], name: str,
+                       num_layers: int) -> tuple[int, int, int]:
+    if not calls:
+        raise ModelLoadError(f"{name} does not run its attention through transformers' attention "
+                             "interface (a probe forward made no call into it), so it cannot use "
+                             "the paged KV cache")
+    layers = sorted(call.layer for call in calls if call.layer is not None)
+    if len(layers) != len(calls) or layers != list(range(num_layers)):
+        seen = ", ".join(str(call.layer) for call in calls)
+        raise ModelLoadError(f"{name} calls transformers' attention interface from layers "
+                             f"[{seen}], not once from each of its {num_layers} layers: the others "
+                             "would attend outside the paged KV cache")
+    shapes = {(call.kv_heads, call.head_dim, call.value_dim) for call in calls}
+    if len(shapes) > 1:
+        raise ModelLoadError(f"{name}'s attention layers differ in kv heads or head size "
+                             f"{sorted(shapes)}: the paged KV cache holds one geometry")
+    kv_heads, head_dim, value_dim = shapes.pop()
+    if head_dim != value_dim:
+        raise ModelLoadError(f"{name}'s keys and values differ in head size ({head_dim} vs "
+                             f"{value_dim}): the paged KV cache holds one head size")
+    return num_layers, kv_heads, head_dim
 
 
 def _one_line(err: Exception) -> str:

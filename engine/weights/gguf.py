@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from engine.errors import ModelLoadError
+from engine.weights.integrity import read_gguf_index
 
 BLOCK = 32
 LLAMA_LAYER_NAMES = {
@@ -87,6 +88,7 @@ def read_weights(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, Ggu
     from gguf import GGMLQuantizationType as Q, GGUFReader
     from gguf.quants import dequantize
 
+    read_gguf_index(path)  # a truncated or corrupt file gets its one clear error, not the reader's
     try:
         reader = GGUFReader(path)
     except Exception as err:  # the reader raises many types for a bad file
@@ -108,3 +110,4 @@ def read_weights(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, Ggu
             value = value.rows(order) if isinstance(value, GgufInt4) else value[order]
         weights[name] = value
     return weights
+

@@ -1,7 +1,6 @@
 """Find a model, convert it when it is a GGUF file, and load its weights into our modules."""
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -19,6 +18,7 @@ from engine.layers.linear import STACKED, copy_checked
 from engine.layers.moe import MOE_IMPLS
 from engine.models import has_native, model_class
 from engine.weights.fallback import load_transformers_model
+from engine.weights.integrity import check_safetensors, read_gguf_index
 from engine.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,8 @@ def resolve_model_dir(model_id: str | None, cache_dir: Path) -> Path:
         return convert_gguf(gguf, cache_dir)
     path = Path(model_id)
     if path.is_dir() and (path / "config.json").is_file():
+        for file in sorted(path.glob("*.safetensors")):
+            check_safetensors(file)
         return path
     raise ModelLoadError(
         f"model {model_id!r} not found: expected a directory with config.json and *.safetensors, "
@@ -73,15 +75,18 @@ def resolve_model_dir(model_id: str | None, cache_dir: Path) -> Path:
 
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
-    """Dequantize a GGUF file once through transformers and cache it as safetensors."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = cache_dir / "models" / f"{gguf.stem}-{key}"
-    if (target / "config.json").is_file():
-        return target
+    """Dequantize a GGUF file once through transformers and cache it as safetensors, keyed by the
+    file's content (engine/weights/convert_cache.py): one copy per model, wherever the file lies."""
+    from engine.weights import convert_cache
+
+    key = convert_cache.content_key(read_gguf_index(gguf))  # a truncated or corrupt file stops here
+    if (found := convert_cache.find_entry(cache_dir, key)) is not None:
+        convert_cache.record_source(found, gguf)
+        return found
+    target = convert_cache.entry_path(cache_dir, gguf, key)
     log.info("converting %s to safetensors in %s (once)", gguf.name, target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=convert_cache.SCRATCH_PREFIX))
     try:
         _write_hf_dir(gguf, scratch)
         scratch.rename(target)  # atomic: a concurrent converter either wins or finds it done
@@ -90,6 +95,7 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
             raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    convert_cache.record_source(target, gguf)
     return target
 
 
