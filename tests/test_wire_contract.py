@@ -92,7 +92,7 @@ def contract() -> Contract:
     return parse_contract(CONTRACT.read_text())
 
 
-# bucketserve's own fields (README "Protocol extensions"): numbered from 1000 so they never meet a TGI field;
+# bucketserve's own fields (proto/CONTRACT.md, docs/api.md): numbered from 1000 so they never meet a TGI field;
 # a TGI shard skips them as unknown fields, and a TGI router leaves them at defaults that change nothing.
 EXTENSION_FROM = 1000
 BUCKETSERVE_EXTENSIONS = {

@@ -52,7 +52,7 @@ class Parameters(BaseModel):
     best_of: int | None = None
     grammar: Grammar | None = None
     adapter_id: str | None = None
-    # vLLM's and OpenAI's extras (bucketserve protocol extensions, see README "Protocol extensions")
+    # vLLM's and OpenAI's extras (bucketserve protocol extensions, listed in proto/CONTRACT.md)
     presence_penalty: float | None = None
     logit_bias: dict[int, float] | None = None
     min_new_tokens: int | None = None
