@@ -26,7 +26,8 @@ from engine.wire.contract import MAX_MESSAGE_BYTES, TRACEPARENT_METADATA_KEY, st
 StepResult = tuple[list[Generation], CachedBatch | None]
 # The traced requests of the current step: request id -> the W3C traceparent of its open phase span
 # (set by router/http/trace_steps.py around each step; empty when nothing is traced).
-STEP_TRACES: contextvars.ContextVar[dict[int, str]] = contextvars.ContextVar("step_traces", default={})
+STEP_TRACES: contextvars.ContextVar[dict[int, str]] = contextvars.ContextVar("step_traces",
+                                                                            default={})
 
 
 class ShardError(Exception):
@@ -96,7 +97,7 @@ class GrpcShardClient:
         self.channels = [grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS) for url in self.urls]
         self.stubs = [pb_grpc.TextGenerationServiceStub(channel) for channel in self.channels]
         self._stats: dict[str, int] | None = None
-        # Our shards answer every step with its stats field and read resumed tokens; TGI's do neither.
+        # Our shards answer each step with stats and read resumed tokens; TGI's do neither.
         self.resumes = False
 
     @classmethod
@@ -173,7 +174,8 @@ class GrpcShardClient:
 
 def traceparent_metadata(traces: dict[int, str]) -> tuple[tuple[str, str], ...] | None:
     """The first traced request's context as the standard W3C header, for shards that read only
-    that (TGI's, through OpenTelemetry's gRPC instrumentation); ours read the `traceparents` field."""
+    that (TGI's, through OpenTelemetry's gRPC instrumentation); ours read the `traceparents`
+    field."""
     first = next(iter(traces.values()), None)
     return None if first is None else ((TRACEPARENT_METADATA_KEY, first),)
 

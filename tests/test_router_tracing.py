@@ -88,7 +88,7 @@ class TracedShardServer(BackgroundServer):
 
 
 def spy_on_steps(grpc_client, seen: list) -> None:
-    """Append (RPC, its metadata, its traceparents field) of every Prefill and Decode the client sends."""
+    """Append (RPC, its metadata, its traceparents field) of each Prefill and Decode it sends."""
     original = grpc_client._all
 
     async def spy(method, request, metadata=None):
@@ -99,7 +99,8 @@ def spy_on_steps(grpc_client, seen: list) -> None:
     grpc_client._all = spy
 
 
-def test_shard_step_spans_nest_under_the_router_phases_through_the_step_requests(shard, tiny_model_dirs):
+def test_shard_step_spans_nest_under_the_router_phases_through_the_step_requests(shard,
+                                                                                  tiny_model_dirs):
     exporter = InMemorySpanExporter()
     traces = tracing.Tracing.with_processor(SimpleSpanProcessor(exporter))
     config = ServerConfig(uds_path=str(short_socket_dir() / "tr"))
@@ -122,8 +123,8 @@ def test_shard_step_spans_nest_under_the_router_phases_through_the_step_requests
         asyncio.run(over_grpc())
     finally:
         server.close()
-    # Each traced step names its requests' contexts in the field (ours read it), and the first of them
-    # in the standard `traceparent` header (TGI's shards read that).
+    # Each traced step names its requests' contexts in the field (ours read it), and the first of
+    # them in the standard `traceparent` header (TGI's shards read that).
     assert {"Prefill", "Decode"} <= {method for method, _, _ in seen}
     for method, metadata, traceparents in seen:
         assert traceparents and metadata == (("traceparent", next(iter(traceparents.values()))),)

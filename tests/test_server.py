@@ -261,7 +261,8 @@ def test_resumed_tokens_in_the_request_continue_its_generation(served, shard, ex
     stub, tokens, done = served.stub, {}, 5
     warm(stub)
     resumed = prompt_request(0, resume_tokens=expected[0][:done])
-    cached = collect(tokens, stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=20, requests=[resumed]))))
+    prefilled = stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=20, requests=[resumed])))
+    cached = collect(tokens, prefilled)
     drain(stub, cached, tokens)
     assert tokens == {0: expected[0][done:]}  # the next token first, none repeated, none lost
     beyond = prompt_request(1, resume_tokens=[shard.model_config.vocab_size])
@@ -275,9 +276,11 @@ def test_every_step_answers_with_the_shards_serving_stats(served, shard):
     stub = served.stub
     warm(stub)
     prefilled = stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=22, requests=[prompt_request(1)])))
-    assert prefilled.HasField("stats") and convert.stats_from_pb(prefilled.stats) == shard.serving_stats()
+    assert prefilled.HasField("stats")
+    assert convert.stats_from_pb(prefilled.stats) == shard.serving_stats()
     decoded = stub.Decode(pb.DecodeRequest(batches=[prefilled.batch]))
-    assert decoded.HasField("stats") and convert.stats_from_pb(decoded.stats) == shard.serving_stats()
+    assert decoded.HasField("stats")
+    assert convert.stats_from_pb(decoded.stats) == shard.serving_stats()
     assert decoded.stats.decode_real == prefilled.stats.decode_real + 1
     stub.ClearCache(pb.ClearCacheRequest())
 
@@ -285,13 +288,14 @@ def test_every_step_answers_with_the_shards_serving_stats(served, shard):
 def test_look_ahead_runs_the_next_forward_only_when_asked(served, shard, expected):
     stub, tokens = served.stub, {}
     warm(stub)
-    cached = collect(tokens, stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=23, requests=[prompt_request(2)]))))
+    batch = pb.Batch(id=23, requests=[prompt_request(2)])
+    cached = collect(tokens, stub.Prefill(pb.PrefillRequest(batch=batch)))
     used = []
     for look_ahead in (False, True, False, True, False):
         response = stub.Decode(pb.DecodeRequest(batches=[cached], look_ahead=look_ahead))
         used.append(response.stats.lookahead_steps)
         cached = collect(tokens, response)
-    assert [b - a for a, b in zip(used, used[1:])] == [0, 1, 0, 1]  # a step after each one asked for
+    assert [b - a for a, b in zip(used, used[1:])] == [0, 1, 0, 1]  # the step after each asking
     drain(stub, cached, tokens)
     assert tokens == {2: expected[2]}  # a lookahead changes no token
 

@@ -1,7 +1,8 @@
 """The wire format is exactly the contract of proto/CONTRACT.md.
 
-TGI's message table (its section 3) is parsed out of that file; our compiled descriptors must match it
-field by field, and a client generated from nothing but that table must drive `python -m engine serve`.
+TGI's message table (its section 3) is parsed out of that file; our compiled descriptors must match
+it field by field, and a client generated from nothing but that table must drive
+`python -m engine serve`.
 Every extension of ours (section 4), the status codes (5) and the limits (6) must be listed there as
 the proto and engine/wire/contract.py have them, so that the page cannot drift from the code.
 """
@@ -95,9 +96,9 @@ def contract() -> Contract:
     return parse_contract(CONTRACT.read_text())
 
 
-# bucketserve's own fields (proto/CONTRACT.md section 4): numbered from 1000 so they never meet a TGI
-# field; a TGI shard skips them as unknown fields, and a TGI router leaves them at defaults that change
-# nothing. They are the only mechanism of our extensions: none travels as gRPC metadata.
+# bucketserve's own fields (proto/CONTRACT.md section 4): numbered from 1000 so they never meet a
+# TGI field; a TGI shard skips them as unknown fields, and a TGI router leaves them at defaults that
+# change nothing. They are the only mechanism of our extensions: none travels as gRPC metadata.
 EXTENSION_FROM = 1000
 TRACEPARENTS = "map<uint64, string>"
 BUCKETSERVE_EXTENSIONS = {
@@ -121,12 +122,14 @@ BUCKETSERVE_EXTENSIONS = {
     ("PrefillResponse", Field("stats", 1000, "", "ServingStats")),
     ("DecodeResponse", Field("stats", 1000, "", "ServingStats")),
 }
-# Messages of our own: not TGI's, so numbered from 1. The counters are what Shard.serving_stats returns
-# (tests/test_server.py checks that a step's stats field equals it).
-STATS_COUNTERS = ("prefill_real", "prefill_padded", "decode_real", "decode_padded", "unwarmed_shapes",
-                  "prefill_forwards", "decode_forwards", "copied_prompts", "chunked_prompts",
-                  "prefill_chunks", "lookahead_runs", "lookahead_steps")
-EXTENSION_MESSAGES = {"ServingStats": [Field(n, i, "", "uint64") for i, n in enumerate(STATS_COUNTERS, 1)]}
+# Messages of our own: not TGI's, so numbered from 1. The counters are what Shard.serving_stats
+# returns (tests/test_server.py checks that a step's stats field equals it).
+STATS_COUNTERS = ("prefill_real", "prefill_padded", "decode_real", "decode_padded",
+                  "unwarmed_shapes", "prefill_forwards", "decode_forwards", "copied_prompts",
+                  "chunked_prompts", "prefill_chunks", "lookahead_runs", "lookahead_steps")
+EXTENSION_MESSAGES = {
+    "ServingStats": [Field(n, i, "", "uint64") for i, n in enumerate(STATS_COUNTERS, 1)],
+}
 
 
 def test_the_table_was_read_whole(contract):
@@ -151,8 +154,8 @@ def scalar_name(f: FieldProto) -> str:
 
 
 def described_field(message: descriptor_pb2.DescriptorProto, f: FieldProto, package: str) -> Field:
-    entry = next((n for n in message.nested_type if f.type_name.endswith(f".{message.name}.{n.name}")
-                  and n.options.map_entry), None)
+    entry = next((n for n in message.nested_type if n.options.map_entry
+                  and f.type_name.endswith(f".{message.name}.{n.name}")), None)
     if entry is not None:  # a map is a repeated field of a nested entry message: "map<key, value>"
         key, value = (scalar_name(e) for e in entry.field)
         return Field(f.name, f.number, "", f"map<{key}, {value}>")
@@ -184,7 +187,8 @@ def test_compiled_messages_match_the_table(contract):
 
 
 def compiled_messages(package: str) -> dict[str, list[Field]]:
-    return {m.name: [described_field(m, f, package) for f in m.field] for m in compiled_file().message_type}
+    return {m.name: [described_field(m, f, package) for f in m.field]
+            for m in compiled_file().message_type}
 
 
 def test_compiled_service_matches_the_table(contract):
@@ -205,7 +209,7 @@ def test_committed_stubs_are_not_stale(tmp_path):
             f"{committed} is stale against proto/generate.proto: run python scripts/gen_proto.py")
 
 
-# --- the page lists every extension, status code and limit as the code has them ----------------------
+# --- the page lists every extension, status code and limit as the code has them -------------------
 
 
 def section_rows(text: str, section: str, cells: int) -> list[list[str]]:
@@ -215,7 +219,7 @@ def section_rows(text: str, section: str, cells: int) -> list[list[str]]:
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in body.splitlines()
             if line.startswith("|")]
     rows = [r for r in rows if not set("".join(r)) <= {"-"}]
-    assert all(len(r) == cells for r in rows), f"{CONTRACT.name} section {section}: not {cells} cells a row"
+    assert all(len(r) == cells for r in rows), f"{CONTRACT.name} {section}: not {cells} cells a row"
     return rows[1:]  # the header
 
 
@@ -225,8 +229,8 @@ def type_text(f: Field) -> str:
 
 def test_the_page_lists_every_extension_field_with_its_number_and_type(contract):
     compiled = compiled_messages(contract.package)
-    ours = sorted((name, f.number, f.name, type_text(f)) for name, fields in compiled.items() for f in fields
-                  if f.number >= EXTENSION_FROM or name not in contract.messages)
+    ours = sorted((name, f.number, f.name, type_text(f)) for name, fields in compiled.items()
+                  for f in fields if f.number >= EXTENSION_FROM or name not in contract.messages)
     rows = section_rows(CONTRACT.read_text(), "4", 5)
     listed = sorted((message, int(number), name, kind) for message, number, name, kind, _ in rows)
     assert listed == ours  # each field once, none missing, none that the proto does not have
@@ -236,7 +240,8 @@ def test_the_page_lists_every_extension_field_with_its_number_and_type(contract)
 def test_the_page_lists_the_status_codes_in_the_order_they_are_checked():
     rows = section_rows(CONTRACT.read_text(), "5", 2)
     mapping = [(kind.__name__, code.name) for kind, code in wire_contract.ERROR_STATUS]
-    assert [tuple(r) for r in rows] == mapping + [("any other error", wire_contract.UNEXPECTED_STATUS.name)]
+    other = ("any other error", wire_contract.UNEXPECTED_STATUS.name)
+    assert [tuple(r) for r in rows] == mapping + [other]
 
 
 def test_the_page_lists_the_limits_and_the_only_metadata_key():
@@ -245,7 +250,7 @@ def test_the_page_lists_the_limits_and_the_only_metadata_key():
     assert limits["MAX_MESSAGE_BYTES"].split()[0] == str(wire_contract.MAX_MESSAGE_BYTES)
     assert limits["RESERVED_BLOCK"] == str(wire_contract.RESERVED_BLOCK)
     keys = {n: getattr(wire_contract, n) for n in dir(wire_contract) if n.endswith("_METADATA_KEY")}
-    assert keys == {"TRACEPARENT_METADATA_KEY": "traceparent"}  # extensions are fields, not metadata
+    assert keys == {"TRACEPARENT_METADATA_KEY": "traceparent"}  # extensions are fields instead
     assert re.search(r"`traceparent`\s+\(`TRACEPARENT_METADATA_KEY`\)", text)
 
 

@@ -99,7 +99,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
 
     async def step(self, fn, *args, request, batch_id: int = 0):
         """A prefill or decode on the shard's worker, with the timings the shard recorded for it
-        and its serving stats after it; a span per traced request of `request` when tracing is on."""
+        and its serving stats after it; a span per traced request of `request` if tracing is on."""
         def run():
             return fn(*args), self.shard.last_timings, self.shard.serving_stats()
 
@@ -149,16 +149,18 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         cached = convert.cached_batch_from_pb(request.cached_batch) if request.HasField("cached_batch") else None
         resume = convert.resume_from_pb(request)
         extra = (resume,) if resume else ()  # only resumes need the shard to know of them
-        result, timings, stats = await self.step(self.shard.prefill, batch, cached, *extra, request=request,
-                                                 batch_id=batch.id)
+        result, timings, stats = await self.step(self.shard.prefill, batch, cached, *extra,
+                                                 request=request, batch_id=batch.id)
         return step_response(pb.PrefillResponse, result, timings, stats)
 
     @rpc
     async def Decode(self, request, context):
         batches = [convert.cached_batch_from_pb(b) for b in request.batches]
         grown = convert.grown_from_pb(request)
-        result, timings, stats = await self.step(self.shard.decode, batches, *((grown,) if grown else ()),
-                                                 request=request, batch_id=batches[0].id if batches else 0)
+        extra = (grown,) if grown else ()
+        result, timings, stats = await self.step(self.shard.decode, batches, *extra,
+                                                 request=request,
+                                                 batch_id=batches[0].id if batches else 0)
         cached = result[1]
         if cached is not None and request.look_ahead:
             self.executor.submit(self.shard.look_ahead, cached.id)  # queued before the answer leaves

@@ -1,10 +1,11 @@
 """The shard's own step spans, on only with `--otlp-endpoint` (TGI's shards trace their steps the same way).
 
-A router that traces sends, with each Prefill or Decode, the span context of every traced request in the
-step (the step request's `traceparents` field: request id -> W3C traceparent, router/http/trace_steps.py).
-The shard records one `prefill_step` or `decode_step` span per such request, a child of that request's
-phase span, covering the step as the shard ran it (attributes: batch id and size, forward time). Off,
-nothing of OpenTelemetry is imported and the field is not read.
+A router that traces sends, with each Prefill or Decode, the span context of every traced request
+in the step (the step request's `traceparents` field: request id -> W3C traceparent,
+router/http/trace_steps.py). The shard records one `prefill_step` or `decode_step` span per such
+request, a child of that request's phase span, covering the step as the shard ran it (attributes:
+batch id and size, forward time). Off, nothing of OpenTelemetry is imported and the field is not
+read.
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ the one gRPC metadata key that remains (W3C `traceparent`, a standard, not our e
 extension of ours is a proto field numbered from 1000), the error -> status code mapping, the
 message limits, the reserved KV block, and the hash chain that keys a KV block by its tokens.
 """
+
 from __future__ import annotations
 
 import grpc
@@ -44,7 +45,9 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
     return UNEXPECTED_STATUS, f"{type(error).__name__}: {error}"
 
 
-def chain_hashes(token_ids: list[int], block_size: int, adapter: str | None, count: int) -> list[int]:
+def chain_hashes(
+    token_ids: list[int], block_size: int, adapter: str | None, count: int
+) -> list[int]:
     """Hash of each of the first `count` full blocks, each covering every token before it too.
 
     What a KV block's contents depend on: its tokens, every token before them, and the LoRA adapter.

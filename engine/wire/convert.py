@@ -114,8 +114,9 @@ def decode_request_to_pb(batches: list[eb.CachedBatch], grown: dict[int, list[in
                          traceparents: dict[int, str] | None = None) -> pb.DecodeRequest:
     pairs = [(i, b) for i, blocks in (grown or {}).items() for b in blocks]
     return pb.DecodeRequest(batches=[cached_batch_to_pb(b) for b in batches],
-                            grown_request_ids=[i for i, _ in pairs], grown_blocks=[b for _, b in pairs],
-                            look_ahead=look_ahead, traceparents=traceparents)
+                            grown_request_ids=[i for i, _ in pairs],
+                            grown_blocks=[b for _, b in pairs], look_ahead=look_ahead,
+                            traceparents=traceparents)
 
 
 # --- outbound -------------------------------------------------------------------------------
@@ -194,7 +195,8 @@ def request_to_pb(request: eb.Request, resume_tokens: list[int] | None = None) -
         stopping_parameters=stopping_to_pb(request.stopping_parameters), prefill_logprobs=request.prefill_logprobs,
         top_n_tokens=request.top_n_tokens, blocks=request.blocks, slots=request.slots,
         adapter_id=request.adapter_id, cache_len=request.cache_len, add_special_tokens=request.add_special_tokens,
-        chunk_len=request.chunk_len, prefill_source=request.prefill_source, resume_tokens=resume_tokens,
+        chunk_len=request.chunk_len, prefill_source=request.prefill_source,
+        resume_tokens=resume_tokens,
     )
 
 

@@ -1,12 +1,13 @@
 """A traced request's `prefill` and `decode` spans, opened and closed by the shard steps themselves,
-and their context sent to the shards with each step so that the shards' own step spans nest under them.
+and their context sent to the shards with each step so that the shards' own step spans nest under
+them.
 
-Installed only with `--otlp-endpoint` (router/http/tracing.py wraps the scheduler's client in `TracedClient`).
-A step names, for each traced request it carries, that request's open phase span: the step request's
-`traceparents` field holds `{request_id: W3C traceparent}`, and the gRPC metadata `traceparent` (the
-standard header, what TGI's shards' OpenTelemetry interceptor reads) the first of them (router/client.py
-sends both). A request's `prefill` span runs from the Prefill that admits it to the step that answers its
-first token, its `decode` span from there to its last.
+Installed only with `--otlp-endpoint` (router/http/tracing.py wraps the scheduler's client in
+`TracedClient`). A step names, for each traced request it carries, that request's open phase span:
+the step request's `traceparents` field holds `{request_id: W3C traceparent}`, and the gRPC metadata
+`traceparent` (the standard header, what TGI's shards' OpenTelemetry interceptor reads) the first of
+them (router/client.py sends both). A request's `prefill` span runs from the Prefill that admits it
+to the step that answers its first token, its `decode` span from there to its last.
 """
 from __future__ import annotations
 
