@@ -10,12 +10,14 @@ import heapq
 import torch
 
 from engine.errors import CapacityError
+from engine.wire.contract import RESERVED_BLOCK
 
-RESERVED_BLOCK = 0
 
-
-class BlockAllocator:
-    """Hands out KV blocks, lowest free id first, for requests that arrive without blocks."""
+class ShardBlockPool:
+    """The shard's own KV blocks, lowest free id first, for requests that arrive without
+    router-assigned blocks: the warmup batches (TGI's router sends its own without blocks too) and
+    any request whose `blocks` are empty. A v3 router assigns blocks itself with its BlockAllocator
+    (router/sched/allocator.py)."""
 
     def __init__(self, num_blocks: int):
         self._free = list(range(RESERVED_BLOCK + 1, num_blocks))

@@ -2,7 +2,8 @@
 
 Both return the engine's dataclasses (engine/batch.py), so the router's scheduler never sees
 protobuf and can be tested without processes. Errors from either become a `ShardError` that carries
-a gRPC status code, so the router handles a remote and a local failure the same way.
+a gRPC status code, so the router handles a remote and a local failure the same way. What the two
+sides agree on beyond the messages (status codes, limits) is engine/wire/contract.py.
 """
 from __future__ import annotations
 
@@ -10,23 +11,23 @@ import asyncio
 import contextvars
 import copy
 import functools
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import grpc
 
-from engine.wire import convert
 from engine.batch import Batch, CachedBatch, Generation, InfoResponse, WarmupResult
+from engine.wire import convert
 from engine.wire import generate_pb2 as pb
 from engine.wire import generate_pb2_grpc as pb_grpc
-from engine.serving.server import (LOOKAHEAD_METADATA, MAX_MESSAGE_BYTES, STATS_METADATA_KEY, resume_metadata,
-                                   status_for)
+from engine.wire.contract import MAX_MESSAGE_BYTES, TRACEPARENT_METADATA_KEY, status_for
 
 StepResult = tuple[list[Generation], CachedBatch | None]
-# Metadata the current step sends besides its own (the traced requests' span contexts, router/http/trace_steps.py).
-STEP_METADATA: contextvars.ContextVar[tuple] = contextvars.ContextVar("step_metadata", default=())
+# The traced requests of the current step: request id -> the W3C traceparent of its open phase span
+# (set by router/http/trace_steps.py around each step; empty when nothing is traced).
+STEP_TRACES: contextvars.ContextVar[dict[int, str]] = contextvars.ContextVar("step_traces",
+                                                                            default={})
 
 
 class ShardError(Exception):
@@ -96,7 +97,7 @@ class GrpcShardClient:
         self.channels = [grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS) for url in self.urls]
         self.stubs = [pb_grpc.TextGenerationServiceStub(channel) for channel in self.channels]
         self._stats: dict[str, int] | None = None
-        # Our shards send stats with every step and read resumed tokens; TGI's shards do neither.
+        # Our shards answer each step with stats and read resumed tokens; TGI's do neither.
         self.resumes = False
 
     @classmethod
@@ -116,7 +117,6 @@ class GrpcShardClient:
         """The responses of every shard, in rank order; the first shard's error if any failed.
 
         All calls run to their end before an error is raised, so no RPC is left in flight."""
-        metadata = tuple(metadata or ()) + STEP_METADATA.get() or None
         calls = [getattr(stub, method)(request, timeout=self.timeout, metadata=metadata) for stub in self.stubs]
         responses = await asyncio.gather(*calls, return_exceptions=True)
         # A dead rank first: the others then fail in their collectives, which says less.
@@ -127,14 +127,13 @@ class GrpcShardClient:
             if isinstance(response, BaseException):
                 raise response
         if method in ("Prefill", "Decode"):
-            await self._read_stats(calls[0])
+            self._read_stats(responses[0])
         return responses
 
-    async def _read_stats(self, call) -> None:
-        # Our shards send their stats as trailing metadata; other v3 shards (TGI's) send none.
-        for key, value in await call.trailing_metadata() or ():
-            if key == STATS_METADATA_KEY:
-                self._stats, self.resumes = json.loads(value), True
+    def _read_stats(self, response) -> None:
+        # Our shards fill the stats extension field; other v3 shards (TGI's) leave it unset.
+        if response.HasField("stats"):
+            self._stats, self.resumes = convert.stats_from_pb(response.stats), True
 
     def serving_stats(self) -> dict[str, int] | None:
         return self._stats
@@ -149,14 +148,15 @@ class GrpcShardClient:
 
     async def prefill(self, batch: Batch, cached: CachedBatch | None = None,
                       resume: dict[int, list[int]] | None = None) -> StepResult:
-        request = pb.PrefillRequest(batch=convert.batch_to_pb(batch),
-                                    cached_batch=convert.cached_batch_to_pb(cached) if cached else None)
-        return step_result(await self._all("Prefill", request, resume_metadata(resume) if resume else None))
+        traces = STEP_TRACES.get()
+        request = convert.prefill_request_to_pb(batch, cached, resume, traces)
+        return step_result(await self._all("Prefill", request, traceparent_metadata(traces)))
 
     async def decode(self, batches: list[CachedBatch], grown: dict[int, list[int]] | None = None,
                      look_ahead: bool = False) -> StepResult:
-        request = convert.decode_request_to_pb(batches, grown)
-        return step_result(await self._all("Decode", request, LOOKAHEAD_METADATA if look_ahead else None))
+        traces = STEP_TRACES.get()
+        request = convert.decode_request_to_pb(batches, grown, look_ahead, traces)
+        return step_result(await self._all("Decode", request, traceparent_metadata(traces)))
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
         request = pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids)
@@ -170,6 +170,14 @@ class GrpcShardClient:
 
     async def close(self) -> None:
         await asyncio.gather(*(channel.close() for channel in self.channels))
+
+
+def traceparent_metadata(traces: dict[int, str]) -> tuple[tuple[str, str], ...] | None:
+    """The first traced request's context as the standard W3C header, for shards that read only
+    that (TGI's, through OpenTelemetry's gRPC instrumentation); ours read the `traceparents`
+    field."""
+    first = next(iter(traces.values()), None)
+    return None if first is None else ((TRACEPARENT_METADATA_KEY, first),)
 
 
 def is_unavailable(response) -> bool:

@@ -2,11 +2,11 @@ import pytest
 import torch
 
 from engine.errors import CapacityError
-from engine.kv_cache import RESERVED_BLOCK, BlockAllocator, KVCache, blocks_needed, slots_for
+from engine.kv_cache import RESERVED_BLOCK, KVCache, ShardBlockPool, blocks_needed, slots_for
 
 
 def test_allocator_never_hands_out_the_reserved_block_and_prefers_low_ids():
-    allocator = BlockAllocator(6)
+    allocator = ShardBlockPool(6)
     assert allocator.num_free == 5
     first = allocator.allocate(3)
     assert first == [1, 2, 3] and RESERVED_BLOCK not in first
@@ -15,7 +15,7 @@ def test_allocator_never_hands_out_the_reserved_block_and_prefers_low_ids():
 
 
 def test_allocator_refuses_what_it_cannot_hold():
-    allocator = BlockAllocator(4)
+    allocator = ShardBlockPool(4)
     assert allocator.can_allocate(3) and not allocator.can_allocate(4)
     with pytest.raises(CapacityError, match="4 blocks needed, 3 free"):
         allocator.allocate(4)

@@ -171,3 +171,62 @@ def test_grpc_warmup_is_the_minimum_and_errors_name_the_shard():
 
 def test_minimum_warmup_without_any_capacity():
     assert minimum_warmup([WarmupResult(None, 5, 9), WarmupResult(None, 7, 8)]) == WarmupResult(None, 5, 8)
+
+
+class RecordingShard(pb_grpc.TextGenerationServiceServicer):
+    """A v3 shard that records each step request and its metadata; with `stats`, it answers like
+    ours (the ServingStats extension field), without, like TGI's."""
+
+    def __init__(self, stats: pb.ServingStats | None):
+        self.stats, self.seen = stats, []
+
+    async def Prefill(self, request, context):
+        self.seen.append((request, tuple(context.invocation_metadata())))
+        return pb.PrefillResponse(stats=self.stats)
+
+    async def Decode(self, request, context):
+        self.seen.append((request, tuple(context.invocation_metadata())))
+        return pb.DecodeResponse(stats=self.stats)
+
+
+def steps_against(shard: RecordingShard, steps) -> GrpcShardClient:
+    folder = short_socket_dir()
+
+    async def main():
+        server = grpc.aio.server()
+        pb_grpc.add_TextGenerationServiceServicer_to_server(shard, server)
+        server.add_insecure_port(f"unix://{folder}/rec-0")
+        await server.start()
+        client = GrpcShardClient([f"unix://{folder}/rec-0"], timeout=10)
+        try:
+            await steps(client)
+            return client
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    try:
+        return asyncio.run(main())
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_router_sends_its_extensions_as_fields_and_reads_stats_from_a_field():
+    async def steps(client):
+        batch = Batch(3, [Request(7, "a"), Request(8, "b")], size=2)
+        await client.prefill(batch, resume={7: [11, 12]})
+        await client.decode([CachedBatch(3, [7, 8], 2, 10, 5)], look_ahead=True)
+        await client.decode([CachedBatch(3, [7, 8], 2, 10, 6)])
+
+    ours = RecordingShard(pb.ServingStats(prefill_real=5, lookahead_steps=2))
+    client = steps_against(ours, steps)
+    (prefill, _), (ahead, _), (plain, _) = ours.seen
+    assert [list(r.resume_tokens) for r in prefill.batch.requests] == [[11, 12], []]
+    assert (ahead.look_ahead, plain.look_ahead) == (True, False)
+    assert all(not [k for k, _ in metadata if k.startswith("bucketserve")] for _, metadata in ours.seen)
+    assert client.resumes and client.serving_stats()["prefill_real"] == 5
+    assert client.serving_stats()["lookahead_steps"] == 2
+
+    tgi = RecordingShard(None)  # answers without the stats field: no resume, no stats
+    client = steps_against(tgi, steps)
+    assert not client.resumes and client.serving_stats() is None

@@ -13,7 +13,7 @@ from router.http.access import AccessConfig
 from router.app import RouterConfig, build_state, create_app
 from engine.serving.server import ServerConfig, ShardServer
 from engine.serving.tracing import StepTracer
-from router.client import STEP_METADATA, GrpcShardClient, InProcessClient
+from router.client import GrpcShardClient, InProcessClient
 from tests.conftest import warmed_llama_shard
 from tests.test_server import BackgroundServer, short_socket_dir
 from tests.helpers import shard_fixture
@@ -86,7 +86,20 @@ class TracedShardServer(BackgroundServer):
         return create()
 
 
-def test_shard_step_spans_nest_under_the_router_phases_through_grpc_metadata(shard, tiny_model_dirs):
+def spy_on_steps(grpc_client, seen: list) -> None:
+    """Append (RPC, its metadata, its traceparents field) of each Prefill and Decode it sends."""
+    original = grpc_client._all
+
+    async def spy(method, request, metadata=None):
+        if method in ("Prefill", "Decode"):
+            seen.append((method, metadata, dict(request.traceparents)))
+        return await original(method, request, metadata)
+
+    grpc_client._all = spy
+
+
+def test_shard_step_spans_nest_under_the_router_phases_through_the_step_requests(shard,
+                                                                                  tiny_model_dirs):
     exporter = InMemorySpanExporter()
     traces = tracing.Tracing.with_processor(SimpleSpanProcessor(exporter))
     config = ServerConfig(uds_path=str(short_socket_dir() / "tr"))
@@ -98,15 +111,22 @@ def test_shard_step_spans_nest_under_the_router_phases_through_grpc_metadata(sha
 
     async def over_grpc():
         grpc_client = GrpcShardClient(config.urls())
+        spy_on_steps(grpc_client, seen)
         try:
             return await serve_and_call(shard, tiny_model_dirs["llama"], traces, calls, grpc_client)
         finally:
             await grpc_client.close()
 
+    seen = []
     try:
         asyncio.run(over_grpc())
     finally:
         server.close()
+    # Each traced step names its requests' contexts in the field (ours read it), and the first of
+    # them in the standard `traceparent` header (TGI's shards read that).
+    assert {"Prefill", "Decode"} <= {method for method, _, _ in seen}
+    for method, metadata, traceparents in seen:
+        assert traceparents and metadata == (("traceparent", next(iter(traceparents.values()))),)
     spans = exporter.get_finished_spans()
     by_id = {s.context.span_id: s for s in spans}
     roots = [s for s in spans if s.parent is None]
@@ -123,20 +143,14 @@ def test_shard_step_spans_nest_under_the_router_phases_through_grpc_metadata(sha
                    for name in under for s in under[name])
 
 
-def test_off_sends_no_trace_metadata_and_the_shard_records_nothing(shard, tiny_model_dirs):
+def test_off_sends_no_trace_context_and_the_shard_records_nothing(shard, tiny_model_dirs):
     config = ServerConfig(uds_path=str(short_socket_dir() / "off"))
     server = BackgroundServer(shard, config)
     assert server.server.servicer.tracer is None
     seen = []
 
     async def calls(client, app):
-        original = grpc_client._all
-
-        async def spy(method, request, metadata=None):
-            seen.append((method, STEP_METADATA.get()))
-            return await original(method, request, metadata)
-
-        grpc_client._all = spy
+        spy_on_steps(grpc_client, seen)
         return await client.completions.create(model="tiny", prompt="Hi", max_tokens=3)
 
     async def over_grpc():
@@ -152,4 +166,5 @@ def test_off_sends_no_trace_metadata_and_the_shard_records_nothing(shard, tiny_m
         asyncio.run(over_grpc())
     finally:
         server.close()
-    assert {"Prefill", "Decode"} <= {m for m, _ in seen} and all(extra == () for _, extra in seen)
+    assert {"Prefill", "Decode"} <= {m for m, _, _ in seen}
+    assert all(metadata is None and traceparents == {} for _, metadata, traceparents in seen)

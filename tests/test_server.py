@@ -15,9 +15,10 @@ import grpc
 import pytest
 
 from engine.cli.main import build_parser, server_config
+from engine.errors import BucketserveError
+from engine.wire import convert
 from engine.wire import generate_pb2 as pb
 from engine.wire import generate_pb2_grpc as pb_grpc
-from engine.errors import BucketserveError
 from engine.serving.server import ServerConfig, ShardServer, remove_stale_socket
 from engine.serving.shard import Shard
 from tests.conftest import tiny_config
@@ -248,6 +249,52 @@ def test_router_assigned_blocks_give_the_same_tokens(served, shard, expected):
     assert shard.allocator.num_free == free  # the shard allocated nothing: it used the router's blocks
     drain(stub, cached, tokens)
     assert tokens == {2: expected[2], 4: expected[4]}
+
+
+# --- bucketserve's extensions: proto fields numbered from 1000 (proto/CONTRACT.md) ----------------
+
+
+def test_resumed_tokens_in_the_request_continue_its_generation(served, shard, expected):
+    stub, tokens, done = served.stub, {}, 5
+    warm(stub)
+    resumed = prompt_request(0, resume_tokens=expected[0][:done])
+    prefilled = stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=20, requests=[resumed])))
+    cached = collect(tokens, prefilled)
+    drain(stub, cached, tokens)
+    assert tokens == {0: expected[0][done:]}  # the next token first, none repeated, none lost
+    beyond = prompt_request(1, resume_tokens=[shard.model_config.vocab_size])
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=21, requests=[beyond])))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request 1: resumed tokens: token id" in refused.value.details()
+
+
+def test_every_step_answers_with_the_shards_serving_stats(served, shard):
+    stub = served.stub
+    warm(stub)
+    prefilled = stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=22, requests=[prompt_request(1)])))
+    assert prefilled.HasField("stats")
+    assert convert.stats_from_pb(prefilled.stats) == shard.serving_stats()
+    decoded = stub.Decode(pb.DecodeRequest(batches=[prefilled.batch]))
+    assert decoded.HasField("stats")
+    assert convert.stats_from_pb(decoded.stats) == shard.serving_stats()
+    assert decoded.stats.decode_real == prefilled.stats.decode_real + 1
+    stub.ClearCache(pb.ClearCacheRequest())
+
+
+def test_look_ahead_runs_the_next_forward_only_when_asked(served, shard, expected):
+    stub, tokens = served.stub, {}
+    warm(stub)
+    batch = pb.Batch(id=23, requests=[prompt_request(2)])
+    cached = collect(tokens, stub.Prefill(pb.PrefillRequest(batch=batch)))
+    used = []
+    for look_ahead in (False, True, False, True, False):
+        response = stub.Decode(pb.DecodeRequest(batches=[cached], look_ahead=look_ahead))
+        used.append(response.stats.lookahead_steps)
+        cached = collect(tokens, response)
+    assert [b - a for a, b in zip(used, used[1:])] == [0, 1, 0, 1]  # the step after each asking
+    drain(stub, cached, tokens)
+    assert tokens == {2: expected[2]}  # a lookahead changes no token
 
 
 # --- bad input never kills the shard -----------------------------------------------------------

@@ -1,7 +1,10 @@
-"""The wire format is exactly proto/CONTRACT.md's contract (docs/architecture.md#wire-protocol).
+"""The wire format is exactly the contract of proto/CONTRACT.md (docs/architecture.md#wire-protocol).
 
-The message table is parsed out of that file; our compiled descriptors must match it field by field,
-and a client generated from nothing but that table must drive `python -m engine serve`.
+TGI's message table (its section 3) is parsed out of that file; our compiled descriptors must match
+it field by field, and a client generated from nothing but that table must drive
+`python -m engine serve`.
+Every extension of ours (section 4), the status codes (5) and the limits (6) must be listed there as
+the proto and engine/wire/contract.py have them, so that the page cannot drift from the code.
 """
 import json
 import re
@@ -20,6 +23,7 @@ from google.protobuf import descriptor_pb2
 from engine import batch as eb
 from engine.wire import convert
 from engine.errors import CapacityError, InvalidRequestError, UnwarmedShapeError
+from engine.wire import contract as wire_contract
 from engine.wire import generate_pb2 as pb
 from engine.serving.server import ServerConfig
 from tests.test_equivalence import PROMPTS, reference_tokens
@@ -92,9 +96,11 @@ def contract() -> Contract:
     return parse_contract(CONTRACT.read_text())
 
 
-# bucketserve's own fields (proto/CONTRACT.md, docs/api.md): numbered from 1000 so they never meet a TGI field;
-# a TGI shard skips them as unknown fields, and a TGI router leaves them at defaults that change nothing.
+# bucketserve's own fields (proto/CONTRACT.md section 4): numbered from 1000 so they never meet a
+# TGI field; a TGI shard skips them as unknown fields, and a TGI router leaves them at defaults that
+# change nothing. They are the only mechanism of our extensions: none travels as gRPC metadata.
 EXTENSION_FROM = 1000
+TRACEPARENTS = "map<uint64, string>"
 BUCKETSERVE_EXTENSIONS = {
     ("NextTokenChooserParameters", Field("presence_penalty", 1000, "", "float")),
     ("NextTokenChooserParameters", Field("logit_bias_ids", 1001, "repeated", "uint32")),
@@ -102,9 +108,27 @@ BUCKETSERVE_EXTENSIONS = {
     ("StoppingCriteriaParameters", Field("min_new_tokens", 1000, "", "uint32")),
     # `n` / `best_of` siblings share one prefill; a shard that skips it computes each prompt itself.
     ("Request", Field("prefill_source", 1000, "optional", "uint64")),
-    # KV blocks allocated on demand (issue 15): the blocks a running request gets before a Decode
+    # resume after a shard restart: the tokens a request generated before it
+    ("Request", Field("resume_tokens", 1001, "repeated", "uint32")),
+    # tracing: request id -> W3C traceparent of its phase span, for the shard's step spans
+    ("PrefillRequest", Field("traceparents", 1000, "", TRACEPARENTS)),
+    ("DecodeRequest", Field("traceparents", 1003, "", TRACEPARENTS)),
+    # KV blocks allocated on demand: the blocks a running request gets before a Decode
     ("DecodeRequest", Field("grown_request_ids", 1000, "repeated", "uint64")),
     ("DecodeRequest", Field("grown_blocks", 1001, "repeated", "uint32")),
+    # decode lookahead: the router decodes the answered batch again next
+    ("DecodeRequest", Field("look_ahead", 1002, "", "bool")),
+    # the shard's serving counters after each step, for the router's /metrics
+    ("PrefillResponse", Field("stats", 1000, "", "ServingStats")),
+    ("DecodeResponse", Field("stats", 1000, "", "ServingStats")),
+}
+# Messages of our own: not TGI's, so numbered from 1. The counters are what Shard.serving_stats
+# returns (tests/test_server.py checks that a step's stats field equals it).
+STATS_COUNTERS = ("prefill_real", "prefill_padded", "decode_real", "decode_padded",
+                  "unwarmed_shapes", "prefill_forwards", "decode_forwards", "copied_prompts",
+                  "chunked_prompts", "prefill_chunks", "lookahead_runs", "lookahead_steps")
+EXTENSION_MESSAGES = {
+    "ServingStats": [Field(n, i, "", "uint64") for i, n in enumerate(STATS_COUNTERS, 1)],
 }
 
 
@@ -125,12 +149,21 @@ def compiled_file() -> descriptor_pb2.FileDescriptorProto:
     return proto
 
 
+def scalar_name(f: FieldProto) -> str:
+    return FieldProto.Type.Name(f.type).removeprefix("TYPE_").lower()
+
+
 def described_field(message: descriptor_pb2.DescriptorProto, f: FieldProto, package: str) -> Field:
+    entry = next((n for n in message.nested_type if n.options.map_entry
+                  and f.type_name.endswith(f".{message.name}.{n.name}")), None)
+    if entry is not None:  # a map is a repeated field of a nested entry message: "map<key, value>"
+        key, value = (scalar_name(e) for e in entry.field)
+        return Field(f.name, f.number, "", f"map<{key}, {value}>")
     if f.type in (FieldProto.TYPE_MESSAGE, FieldProto.TYPE_ENUM):
         assert f.type_name.startswith(f".{package}."), f.type_name
         type_name = f.type_name.rsplit(".", 1)[1]
     else:
-        type_name = FieldProto.Type.Name(f.type).removeprefix("TYPE_").lower()
+        type_name = scalar_name(f)
     label = "repeated" if f.label == FieldProto.LABEL_REPEATED else "optional" if f.proto3_optional else ""
     # proto3 `optional` lives in a synthetic oneof of its own: not a oneof of the contract.
     oneof = message.oneof_decl[f.oneof_index].name if f.HasField("oneof_index") and not f.proto3_optional else None
@@ -140,8 +173,10 @@ def described_field(message: descriptor_pb2.DescriptorProto, f: FieldProto, pack
 def test_compiled_messages_match_the_table(contract):
     compiled = compiled_file()
     assert compiled.package == contract.package and compiled.syntax == "proto3"
-    messages = {m.name: [described_field(m, f, contract.package) for f in m.field] for m in compiled.message_type}
-    assert set(messages) == set(contract.messages)
+    messages = compiled_messages(contract.package)
+    assert set(messages) == set(contract.messages) | set(EXTENSION_MESSAGES)
+    for name, fields in EXTENSION_MESSAGES.items():
+        assert messages.pop(name) == fields, name
     extensions = {(name, f) for name, fields in messages.items() for f in fields if f.number >= EXTENSION_FROM}
     assert extensions == BUCKETSERVE_EXTENSIONS
     for name, fields in contract.messages.items():
@@ -149,6 +184,11 @@ def test_compiled_messages_match_the_table(contract):
         assert sorted(ours, key=lambda f: f.number) == sorted(fields, key=lambda f: f.number), name
     enums = {e.name: [(v.name, v.number) for v in e.value] for e in compiled.enum_type}
     assert enums == contract.enums
+
+
+def compiled_messages(package: str) -> dict[str, list[Field]]:
+    return {m.name: [described_field(m, f, package) for f in m.field]
+            for m in compiled_file().message_type}
 
 
 def test_compiled_service_matches_the_table(contract):
@@ -167,6 +207,51 @@ def test_committed_stubs_are_not_stale(tmp_path):
         assert committed.is_file(), f"{committed} is missing: run python scripts/gen_proto.py"
         assert without_version_stamps(committed.read_text()) == without_version_stamps(fresh.read_text()), (
             f"{committed} is stale against proto/generate.proto: run python scripts/gen_proto.py")
+
+
+# --- the page lists every extension, status code and limit as the code has them -------------------
+
+
+def section_rows(text: str, section: str, cells: int) -> list[list[str]]:
+    """The rows of the tables in `## {section}.` (up to the next section), less header and rule."""
+    start = text.index(f"## {section}.")
+    body = text[start : text.index("\n## ", start + 1)]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in body.splitlines()
+            if line.startswith("|")]
+    rows = [r for r in rows if not set("".join(r)) <= {"-"}]
+    assert all(len(r) == cells for r in rows), f"{CONTRACT.name} {section}: not {cells} cells a row"
+    return rows[1:]  # the header
+
+
+def type_text(f: Field) -> str:
+    return f"{f.label} {f.type}".strip()
+
+
+def test_the_page_lists_every_extension_field_with_its_number_and_type(contract):
+    compiled = compiled_messages(contract.package)
+    ours = sorted((name, f.number, f.name, type_text(f)) for name, fields in compiled.items()
+                  for f in fields if f.number >= EXTENSION_FROM or name not in contract.messages)
+    rows = section_rows(CONTRACT.read_text(), "4", 5)
+    listed = sorted((message, int(number), name, kind) for message, number, name, kind, _ in rows)
+    assert listed == ours  # each field once, none missing, none that the proto does not have
+    assert all(meaning for *_, meaning in rows)
+
+
+def test_the_page_lists_the_status_codes_in_the_order_they_are_checked():
+    rows = section_rows(CONTRACT.read_text(), "5", 2)
+    mapping = [(kind.__name__, code.name) for kind, code in wire_contract.ERROR_STATUS]
+    other = ("any other error", wire_contract.UNEXPECTED_STATUS.name)
+    assert [tuple(r) for r in rows] == mapping + [other]
+
+
+def test_the_page_lists_the_limits_and_the_only_metadata_key():
+    text = CONTRACT.read_text()
+    limits = {name: value for name, value, _ in section_rows(text, "6", 3)}
+    assert limits["MAX_MESSAGE_BYTES"].split()[0] == str(wire_contract.MAX_MESSAGE_BYTES)
+    assert limits["RESERVED_BLOCK"] == str(wire_contract.RESERVED_BLOCK)
+    keys = {n: getattr(wire_contract, n) for n in dir(wire_contract) if n.endswith("_METADATA_KEY")}
+    assert keys == {"TRACEPARENT_METADATA_KEY": "traceparent"}  # extensions are fields instead
+    assert re.search(r"`traceparent`\s+\(`TRACEPARENT_METADATA_KEY`\)", text)
 
 
 def without_version_stamps(source: str) -> str:

@@ -3,10 +3,10 @@ with the step before.
 
 A decode answer travels to the router, which hands each token to its stream and only then sends
 the next Decode; the shard waits meanwhile. When the router says it will decode the same batch
-again (gRPC metadata, router/sched/scheduler.py), the shard runs that next forward at once, right after
-answering, and keeps the logits here. The next step takes the rows it finds (same sequence, same
-length), runs only the rest, and samples as usual: sampling, stopping and seeded generators all
-move at the step itself, so a lookahead changes no token and no random draw.
+again (DecodeRequest.look_ahead, router/sched/scheduler.py), the shard runs that next forward at
+once, right after answering, and keeps the logits here. The next step takes the rows it finds
+(same sequence, same length), runs only the rest, and samples as usual: sampling, stopping and
+seeded generators all move at the step itself, so a lookahead changes no token and no random draw.
 
 A lookahead writes one KV slot per row, in a block the row already holds: the keys and values of
 its latest token, the very values its step would write. So nothing is undone when a row leaves

@@ -4,22 +4,15 @@ A v3 router owns the blocks and tells the shard, with `cache_len`, that the firs
 request already hold its first tokens' keys and values. The shard cannot take that on trust: a
 block that holds other tokens (another prompt, another LoRA adapter, a block since reused) would
 silently give wrong tokens. So the shard records, for every block a sequence has filled, a hash
-chain over the tokens through that block and the adapter, and refuses (INVALID_ARGUMENT) a prefix
+chain over the tokens through that block and the adapter (engine.wire.contract.chain_hashes, the
+router's prefix cache keys its blocks with it too), and refuses (INVALID_ARGUMENT) a prefix
 block whose record differs from the request's own tokens.
 """
 from __future__ import annotations
 
 from engine.batch import Request
 from engine.errors import InvalidRequestError
-
-
-def chain_hashes(token_ids: list[int], block_size: int, adapter: str | None, count: int) -> list[int]:
-    """Hash of each of the first `count` full blocks, each covering every token before it too."""
-    hashes, previous = [], hash(("bucketserve-kv", adapter or ""))
-    for block in range(count):
-        previous = hash((previous, tuple(token_ids[block * block_size : (block + 1) * block_size])))
-        hashes.append(previous)
-    return hashes
+from engine.wire.contract import chain_hashes
 
 
 class BlockContents:

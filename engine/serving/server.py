@@ -3,13 +3,14 @@
 Every RPC translates protobuf to the engine's dataclasses (engine/wire/convert.py), runs the shard
 method in a single-worker executor (the shard is synchronous and not thread-safe, and the event
 loop must stay free to answer other RPCs meanwhile) and maps the shard's errors to gRPC status
-codes. An error never stops the server: the next RPC is served as usual.
+codes (engine/wire/contract.py). An error never stops the server: the next RPC is served as usual.
+Our extensions of generate.v3 are proto fields (proto/CONTRACT.md): resumed tokens on a Prefill's
+requests, lookahead and trace contexts on the step requests, serving stats on the step responses.
 """
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import os
 import signal
@@ -20,23 +21,15 @@ from dataclasses import dataclass
 
 import grpc
 
+from engine.errors import BucketserveError
 from engine.wire import convert
-from engine.errors import BucketserveError, CapacityError, InvalidRequestError, UnwarmedShapeError
 from engine.wire import generate_pb2 as pb
 from engine.wire import generate_pb2_grpc as pb_grpc
+from engine.wire.contract import MAX_MESSAGE_BYTES, status_for
 
 log = logging.getLogger(__name__)
 
 DEFAULT_UDS_PATH = "/tmp/text-generation-server"
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # a Prefill of a large batch with prompt logprobs is big
-STATS_METADATA_KEY = "bucketserve-stats"
-# A Prefill's resumed requests: JSON {request id: [token ids generated before a shard restart]}. Like the
-# stats, outside the generate.v3 messages: TGI's shards ignore it, and its router never sends it.
-RESUME_METADATA_KEY = "bucketserve-resume"
-# On a Decode: "1" when the router will decode the same batch next (nothing waits to be admitted),
-# so the shard may run that next forward as soon as it has answered (engine/serving/lookahead.py).
-LOOKAHEAD_METADATA_KEY = "bucketserve-lookahead"
-MAX_METADATA_BYTES = 64 * 1024 * 1024  # gRPC's default (8 KiB) holds a few hundred resumed tokens only
 PARENT_POLL_S = 0.5
 
 
@@ -62,24 +55,6 @@ class ServerConfig:
 
     def urls(self) -> list[str]:
         return [f"unix://{self.socket_path(r)}" for r in range(self.world_size)]
-
-
-# Checked in order: InvalidRequestError is a ValueError, and a subclass must win over its base.
-ERROR_STATUS = (
-    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (KeyError, grpc.StatusCode.NOT_FOUND),  # the shard's "batch N not found"
-    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (UnwarmedShapeError, grpc.StatusCode.FAILED_PRECONDITION),
-)
-
-
-def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
-    for kind, code in ERROR_STATUS:
-        if isinstance(error, kind):
-            # str(KeyError("x")) is "'x'": take the message itself.
-            message = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
-            return code, message
-    return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
 
 
 def rpc(handler):
@@ -122,17 +97,18 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
 
-    async def step(self, fn, *args, context=None, batch_id: int = 0):
+    async def step(self, fn, *args, request, batch_id: int = 0):
         """A prefill or decode on the shard's worker, with the timings the shard recorded for it
-        and its serving stats after it; a span per traced request when tracing is on."""
+        and its serving stats after it; a span per traced request of `request` if tracing is on."""
         def run():
             return fn(*args), self.shard.last_timings, self.shard.serving_stats()
 
         start = time.time_ns()
         result = await self.call(run)
-        if self.tracer is not None and context is not None:
+        if self.tracer is not None:
             size = len(result[0][0])
-            self.tracer.record(f"{fn.__name__}_step", context.invocation_metadata(), start, time.time_ns(),
+            self.tracer.record(f"{fn.__name__}_step", convert.traceparents_from_pb(request), start,
+                               time.time_ns(),
                                {"batch_id": batch_id, "generations": size, "forward_ns": result[1].forward_ns})
         return result
 
@@ -171,24 +147,24 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     async def Prefill(self, request, context):
         batch = convert.batch_from_pb(request.batch)
         cached = convert.cached_batch_from_pb(request.cached_batch) if request.HasField("cached_batch") else None
-        resume = resume_from_metadata(context.invocation_metadata())
+        resume = convert.resume_from_pb(request)
         extra = (resume,) if resume else ()  # only resumes need the shard to know of them
-        result, timings, stats = await self.step(self.shard.prefill, batch, cached, *extra, context=context,
-                                                 batch_id=batch.id)
-        context.set_trailing_metadata(stats_metadata(stats))
-        return step_response(pb.PrefillResponse, result, timings)
+        result, timings, stats = await self.step(self.shard.prefill, batch, cached, *extra,
+                                                 request=request, batch_id=batch.id)
+        return step_response(pb.PrefillResponse, result, timings, stats)
 
     @rpc
     async def Decode(self, request, context):
         batches = [convert.cached_batch_from_pb(b) for b in request.batches]
         grown = convert.grown_from_pb(request)
-        result, timings, stats = await self.step(self.shard.decode, batches, *((grown,) if grown else ()),
-                                                 context=context, batch_id=batches[0].id if batches else 0)
+        extra = (grown,) if grown else ()
+        result, timings, stats = await self.step(self.shard.decode, batches, *extra,
+                                                 request=request,
+                                                 batch_id=batches[0].id if batches else 0)
         cached = result[1]
-        if cached is not None and wants_lookahead(context.invocation_metadata()):
+        if cached is not None and request.look_ahead:
             self.executor.submit(self.shard.look_ahead, cached.id)  # queued before the answer leaves
-        context.set_trailing_metadata(stats_metadata(stats))
-        return step_response(pb.DecodeResponse, result, timings)
+        return step_response(pb.DecodeResponse, result, timings, stats)
 
     @rpc
     async def Health(self, request, context):
@@ -196,46 +172,15 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         return pb.HealthResponse()
 
 
-LOOKAHEAD_METADATA = ((LOOKAHEAD_METADATA_KEY, "1"),)  # what a router sends to ask for it
-
-
-def wants_lookahead(metadata) -> bool:
-    return any(k == LOOKAHEAD_METADATA_KEY and v == "1" for k, v in metadata or ())
-
-
-def resume_metadata(resume: dict[int, list[int]]) -> tuple[tuple[str, str], ...]:
-    return ((RESUME_METADATA_KEY, json.dumps({str(i): list(ids) for i, ids in resume.items()})),)
-
-
-def resume_from_metadata(metadata) -> dict[int, list[int]] | None:
-    """The resumed requests a router sent with a Prefill, checked: a bad value is the caller's mistake."""
-    value = next((v for k, v in metadata or () if k == RESUME_METADATA_KEY), None)
-    if value is None:
-        return None
-    try:
-        resume = {int(i): ids for i, ids in json.loads(value).items()}
-    except (ValueError, TypeError, AttributeError) as error:
-        raise InvalidRequestError(f"metadata {RESUME_METADATA_KEY}: not a JSON object of request ids: {error}") from None
-    for i, ids in resume.items():
-        if not (isinstance(ids, list) and all(type(t) is int and t >= 0 for t in ids)):
-            raise InvalidRequestError(f"metadata {RESUME_METADATA_KEY}: request {i}: not a list of token ids")
-    return resume
-
-
-def stats_metadata(stats: dict[str, int]) -> tuple[tuple[str, str], ...]:
-    """Padding and unwarmed-shape counts as trailing metadata: outside the generate.v3 messages, so
-    TGI's router ignores them and ours reports them as metrics."""
-    return ((STATS_METADATA_KEY, json.dumps(stats)),)
-
-
-def step_response(kind, result, timings):
-    """A Prefill/DecodeResponse with the shard's own step timings."""
+def step_response(kind, result, timings, stats: dict[str, int]):
+    """A Prefill/DecodeResponse with the shard's own step timings, and its serving stats in the
+    `stats` extension field (TGI's router skips it; ours reports it as metrics)."""
     generations, cached = result
     return kind(
         generations=[convert.generation_to_pb(g) for g in generations],
         batch=convert.cached_batch_to_pb(cached) if cached is not None else None,
         forward_ns=timings.forward_ns, decode_ns=timings.decode_ns, total_ns=timings.total_ns,
-        concat_ns=timings.concat_ns,
+        concat_ns=timings.concat_ns, stats=convert.stats_to_pb(stats),
     )
 
 
@@ -251,8 +196,7 @@ class ShardServer:
         self.servicer = ShardServicer(shard, config, tracer)
         limit = config.max_message_bytes
         self.server = grpc.aio.server(options=[("grpc.max_send_message_length", limit),
-                                               ("grpc.max_receive_message_length", limit),
-                                               ("grpc.max_metadata_size", MAX_METADATA_BYTES)])
+                                               ("grpc.max_receive_message_length", limit)])
         pb_grpc.add_TextGenerationServiceServicer_to_server(self.servicer, self.server)
 
     async def start(self) -> None:

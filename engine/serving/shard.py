@@ -16,7 +16,7 @@ from engine.distributed import Parallel, broadcast_int, init_distributed, min_ac
 from engine.buckets.grid import PaddingStats
 from engine.devices import get_adapter
 from engine.errors import InvalidRequestError, ModelLoadError
-from engine.kv_cache import BlockAllocator, KVCache
+from engine.kv_cache import ShardBlockPool, KVCache
 from engine.weights.lora import load_adapters
 from engine.runner import ModelRunner
 from engine.serving.recompute import check_recompute_fits, recompute_position
@@ -71,7 +71,7 @@ class Shard:
         self.special_token_ids = frozenset(self.tokenizer.all_special_ids)
         self.limits: ServingLimits | None = None
         self.runner: ModelRunner | None = None
-        self.allocator: BlockAllocator | None = None
+        self.allocator: ShardBlockPool | None = None
         self.contents: BlockContents | None = None  # what each filled KV block holds (prefix caching)
         self.chunk_stats = {"chunked_prompts": 0, "prefill_chunks": 0}  # chunked prefill, since warmup
         self.batches: dict[int, list[Sequence]] = {}
@@ -149,7 +149,7 @@ class Shard:
         self.background = run_warmup(self.runner, plan, self.config.warmup_mode, planned, self.config.warmup_prompt_logprobs,
                                      self.show_progress, self.device_lock, phases)
         self.warmup_log = phases  # per-phase and per-bucket times and memory (warmup-profile reads them)
-        self.allocator, self.limits = BlockAllocator(num_blocks), limits
+        self.allocator, self.limits = ShardBlockPool(num_blocks), limits
         self.contents = BlockContents(self.block_size) if self.config.prefix_caching else None
         if batch is not None and batch.requests and self.adapter.warm_runs_forward:
             self.prefill(batch)

@@ -9,7 +9,7 @@ import torch
 from engine.batch import FinishReason, GeneratedText, Generation, GrammarType, Request, Tokens
 from engine.serving.detokenize import decode_next
 from engine.errors import InvalidRequestError
-from engine.kv_cache import BlockAllocator, blocks_needed
+from engine.kv_cache import ShardBlockPool, blocks_needed
 from engine.layers.lora import NO_ADAPTER, LoraSet
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
 from engine.serving.sampling import choose, is_sampling, new_sampling_state, validate_parameters
@@ -26,7 +26,7 @@ from engine.config import ServingLimits
 class StepContext:
     runner: ModelRunner
     tokenizer: object
-    allocator: BlockAllocator
+    allocator: ShardBlockPool
     limits: ServingLimits
     eos_token_ids: frozenset[int]
     special_token_ids: frozenset[int]

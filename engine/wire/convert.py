@@ -1,8 +1,9 @@
 """Translation between generate.v3 protobuf messages and the engine's plain dataclasses.
 
-Inbound: Request, Batch, CachedBatch. Outbound: Generation (with Tokens and GeneratedText),
-CachedBatch, InfoResponse, WarmupResult. proto3 `optional` fields that are unset become None,
-and None becomes an unset field.
+Inbound: Request, Batch, CachedBatch, and the extensions of the step requests (resumed tokens,
+lookahead, trace contexts). Outbound: Generation (with Tokens and GeneratedText), CachedBatch,
+InfoResponse, WarmupResult, ServingStats. proto3 `optional` fields that are unset become None,
+and None becomes an unset field. The router's side of each is at the end.
 """
 from __future__ import annotations
 
@@ -98,10 +99,24 @@ def grown_from_pb(message: pb.DecodeRequest) -> dict[int, list[int]]:
     return grown
 
 
-def decode_request_to_pb(batches: list[eb.CachedBatch], grown: dict[int, list[int]] | None) -> pb.DecodeRequest:
+def resume_from_pb(message: pb.PrefillRequest) -> dict[int, list[int]]:
+    """The Request extension: request id -> the tokens it generated before a shard restart."""
+    return {r.id: list(r.resume_tokens) for r in message.batch.requests if r.resume_tokens}
+
+
+def traceparents_from_pb(message: pb.PrefillRequest | pb.DecodeRequest) -> dict[int, str]:
+    """The step requests' extension: request id -> the W3C traceparent of its open phase span."""
+    return dict(message.traceparents)
+
+
+def decode_request_to_pb(batches: list[eb.CachedBatch], grown: dict[int, list[int]] | None,
+                         look_ahead: bool = False,
+                         traceparents: dict[int, str] | None = None) -> pb.DecodeRequest:
     pairs = [(i, b) for i, blocks in (grown or {}).items() for b in blocks]
-    return pb.DecodeRequest(batches=[cached_batch_to_pb(b) for b in batches], grown_request_ids=[i for i, _ in pairs],
-                            grown_blocks=[b for _, b in pairs])
+    return pb.DecodeRequest(batches=[cached_batch_to_pb(b) for b in batches],
+                            grown_request_ids=[i for i, _ in pairs],
+                            grown_blocks=[b for _, b in pairs], look_ahead=look_ahead,
+                            traceparents=traceparents)
 
 
 # --- outbound -------------------------------------------------------------------------------
@@ -144,6 +159,11 @@ def warmup_to_pb(result: eb.WarmupResult) -> pb.WarmupResponse:
                              max_input_tokens=result.max_input_tokens, max_total_tokens=result.max_total_tokens)
 
 
+def stats_to_pb(stats: dict[str, int]) -> pb.ServingStats:
+    """A counter the message lacks raises ValueError: a new counter needs its field in the proto."""
+    return pb.ServingStats(**stats)
+
+
 # --- router side: what a router sends and what it reads back ----------------------------------
 
 
@@ -165,7 +185,8 @@ def stopping_to_pb(stopping: eb.StoppingCriteriaParameters) -> pb.StoppingCriter
                                          min_new_tokens=stopping.min_new_tokens)
 
 
-def request_to_pb(request: eb.Request) -> pb.Request:
+def request_to_pb(request: eb.Request, resume_tokens: list[int] | None = None) -> pb.Request:
+    """`resume_tokens`: what the request generated before the shards restarted (none: a new one)."""
     # The text goes both as `inputs` and as one text chunk, as TGI's router sends it: v3 shards
     # differ in which of the two they read.
     return pb.Request(
@@ -175,12 +196,23 @@ def request_to_pb(request: eb.Request) -> pb.Request:
         top_n_tokens=request.top_n_tokens, blocks=request.blocks, slots=request.slots,
         adapter_id=request.adapter_id, cache_len=request.cache_len, add_special_tokens=request.add_special_tokens,
         chunk_len=request.chunk_len, prefill_source=request.prefill_source,
+        resume_tokens=resume_tokens,
     )
 
 
-def batch_to_pb(batch: eb.Batch) -> pb.Batch:
-    return pb.Batch(id=batch.id, requests=[request_to_pb(r) for r in batch.requests], size=batch.size,
-                    max_tokens=batch.max_tokens, max_blocks=batch.max_blocks)
+def batch_to_pb(batch: eb.Batch, resume: dict[int, list[int]] | None = None) -> pb.Batch:
+    """`resume`: request id -> its tokens generated before a restart, for the resumed requests."""
+    requests = [request_to_pb(r, (resume or {}).get(r.id)) for r in batch.requests]
+    return pb.Batch(id=batch.id, requests=requests, size=batch.size, max_tokens=batch.max_tokens,
+                    max_blocks=batch.max_blocks)
+
+
+def prefill_request_to_pb(batch: eb.Batch, cached: eb.CachedBatch | None = None,
+                          resume: dict[int, list[int]] | None = None,
+                          traceparents: dict[int, str] | None = None) -> pb.PrefillRequest:
+    return pb.PrefillRequest(batch=batch_to_pb(batch, resume),
+                             cached_batch=cached_batch_to_pb(cached) if cached else None,
+                             traceparents=traceparents)
 
 
 def tokens_from_pb(message: pb.Tokens) -> eb.Tokens:
@@ -214,6 +246,10 @@ def warmup_from_pb(message: pb.WarmupResponse) -> eb.WarmupResult:
     # leaves it unset, and the router then gets None there.
     return eb.WarmupResult(max_supported_total_tokens=optional_field(message, "max_supported_total_tokens"),
                            max_input_tokens=message.max_input_tokens, max_total_tokens=message.max_total_tokens)
+
+
+def stats_from_pb(message: pb.ServingStats) -> dict[str, int]:
+    return {field.name: getattr(message, field.name) for field in message.DESCRIPTOR.fields}
 
 
 def warmup_request_to_pb(batch: eb.Batch | None, max_input_tokens: int | None, max_prefill_tokens: int,

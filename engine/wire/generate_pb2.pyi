@@ -146,7 +146,7 @@ class StoppingCriteriaParameters(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., ignore_eos_token: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "inputs", "truncate", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "input_chunks", "blocks", "slots", "adapter_id", "cache_len", "add_special_tokens", "chunk_len", "prefill_source")
+    __slots__ = ("id", "inputs", "truncate", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "input_chunks", "blocks", "slots", "adapter_id", "cache_len", "add_special_tokens", "chunk_len", "prefill_source", "resume_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,7 @@ class Request(_message.Message):
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_LEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: int
     inputs: str
     truncate: int
@@ -177,7 +178,8 @@ class Request(_message.Message):
     add_special_tokens: bool
     chunk_len: int
     prefill_source: int
-    def __init__(self, id: _Optional[int] = ..., inputs: _Optional[str] = ..., truncate: _Optional[int] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., input_chunks: _Optional[_Union[Input, _Mapping]] = ..., blocks: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., adapter_id: _Optional[str] = ..., cache_len: _Optional[int] = ..., add_special_tokens: _Optional[bool] = ..., chunk_len: _Optional[int] = ..., prefill_source: _Optional[int] = ...) -> None: ...
+    resume_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[int] = ..., inputs: _Optional[str] = ..., truncate: _Optional[int] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., input_chunks: _Optional[_Union[Input, _Mapping]] = ..., blocks: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., adapter_id: _Optional[str] = ..., cache_len: _Optional[int] = ..., add_special_tokens: _Optional[bool] = ..., chunk_len: _Optional[int] = ..., prefill_source: _Optional[int] = ..., resume_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("id", "requests", "size", "max_tokens", "max_blocks")
@@ -260,54 +262,106 @@ class FilterBatchResponse(_message.Message):
     def __init__(self, batch: _Optional[_Union[CachedBatch, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("batch", "cached_batch")
+    __slots__ = ("batch", "cached_batch", "traceparents")
+    class TraceparentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
     BATCH_FIELD_NUMBER: _ClassVar[int]
     CACHED_BATCH_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
     cached_batch: CachedBatch
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., cached_batch: _Optional[_Union[CachedBatch, _Mapping]] = ...) -> None: ...
+    traceparents: _containers.ScalarMap[int, str]
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., cached_batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., traceparents: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns", "concat_ns")
+    __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns", "concat_ns", "stats")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     DECODE_NS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
     CONCAT_NS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
     batch: CachedBatch
     forward_ns: int
     decode_ns: int
     total_ns: int
     concat_ns: int
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., concat_ns: _Optional[int] = ...) -> None: ...
+    stats: ServingStats
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., concat_ns: _Optional[int] = ..., stats: _Optional[_Union[ServingStats, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("batches", "grown_request_ids", "grown_blocks")
+    __slots__ = ("batches", "grown_request_ids", "grown_blocks", "look_ahead", "traceparents")
+    class TraceparentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     GROWN_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     GROWN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOOK_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
     batches: _containers.RepeatedCompositeFieldContainer[CachedBatch]
     grown_request_ids: _containers.RepeatedScalarFieldContainer[int]
     grown_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., grown_request_ids: _Optional[_Iterable[int]] = ..., grown_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    look_ahead: bool
+    traceparents: _containers.ScalarMap[int, str]
+    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., grown_request_ids: _Optional[_Iterable[int]] = ..., grown_blocks: _Optional[_Iterable[int]] = ..., look_ahead: _Optional[bool] = ..., traceparents: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns", "concat_ns")
+    __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns", "concat_ns", "stats")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     DECODE_NS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
     CONCAT_NS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
     batch: CachedBatch
     forward_ns: int
     decode_ns: int
     total_ns: int
     concat_ns: int
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., concat_ns: _Optional[int] = ...) -> None: ...
+    stats: ServingStats
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., concat_ns: _Optional[int] = ..., stats: _Optional[_Union[ServingStats, _Mapping]] = ...) -> None: ...
+
+class ServingStats(_message.Message):
+    __slots__ = ("prefill_real", "prefill_padded", "decode_real", "decode_padded", "unwarmed_shapes", "prefill_forwards", "decode_forwards", "copied_prompts", "chunked_prompts", "prefill_chunks", "lookahead_runs", "lookahead_steps")
+    PREFILL_REAL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_PADDED_FIELD_NUMBER: _ClassVar[int]
+    DECODE_REAL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_PADDED_FIELD_NUMBER: _ClassVar[int]
+    UNWARMED_SHAPES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    COPIED_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKED_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_RUNS_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_STEPS_FIELD_NUMBER: _ClassVar[int]
+    prefill_real: int
+    prefill_padded: int
+    decode_real: int
+    decode_padded: int
+    unwarmed_shapes: int
+    prefill_forwards: int
+    decode_forwards: int
+    copied_prompts: int
+    chunked_prompts: int
+    prefill_chunks: int
+    lookahead_runs: int
+    lookahead_steps: int
+    def __init__(self, prefill_real: _Optional[int] = ..., prefill_padded: _Optional[int] = ..., decode_real: _Optional[int] = ..., decode_padded: _Optional[int] = ..., unwarmed_shapes: _Optional[int] = ..., prefill_forwards: _Optional[int] = ..., decode_forwards: _Optional[int] = ..., copied_prompts: _Optional[int] = ..., chunked_prompts: _Optional[int] = ..., prefill_chunks: _Optional[int] = ..., lookahead_runs: _Optional[int] = ..., lookahead_steps: _Optional[int] = ...) -> None: ...
 
 class WarmupRequest(_message.Message):
     __slots__ = ("batch", "max_input_tokens", "max_prefill_tokens", "max_total_tokens")

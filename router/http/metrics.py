@@ -1,5 +1,5 @@
 """Prometheus metrics of the router: requests, queue, batches, latencies, KV blocks, and the shards'
-padding waste and unwarmed shapes (sent by our shards as trailing metadata of every step).
+padding waste and unwarmed shapes (sent by our shards in the `stats` field of every step's answer).
 
 Each router gets its own registry, so several routers in one process (tests) never share counters.
 """

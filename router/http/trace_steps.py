@@ -1,25 +1,24 @@
 """A traced request's `prefill` and `decode` spans, opened and closed by the shard steps themselves,
-and their context sent to the shards as gRPC metadata so that the shards' own step spans nest under them.
+and their context sent to the shards with each step so that the shards' own step spans nest under
+them.
 
-Installed only with `--otlp-endpoint` (router/http/tracing.py wraps the scheduler's client in `TracedClient`).
-A step names, for each traced request it carries, that request's open phase span: the metadata key
-`bucketserve-traces` holds `{request_id: traceparent}`, and `traceparent` (W3C, what TGI's shards'
-OpenTelemetry interceptor reads) the first of them. A request's `prefill` span runs from the Prefill
-that admits it to the step that answers its first token, its `decode` span from there to its last.
+Installed only with `--otlp-endpoint` (router/http/tracing.py wraps the scheduler's client in
+`TracedClient`). A step names, for each traced request it carries, that request's open phase span:
+the step request's `traceparents` field holds `{request_id: W3C traceparent}`, and the gRPC metadata
+`traceparent` (the standard header, what TGI's shards' OpenTelemetry interceptor reads) the first of
+them (router/client.py sends both). A request's `prefill` span runs from the Prefill that admits it
+to the step that answers its first token, its `decode` span from there to its last.
 """
 from __future__ import annotations
 
 import functools
-
-import json
 from dataclasses import dataclass, field
 
 from engine.batch import Batch, CachedBatch
-from engine.serving.tracing import TRACES_METADATA_KEY
-from router.client import STEP_METADATA
+from router.client import STEP_TRACES
 
-# Requests named per step: ~75 bytes each keeps the metadata under the 8 KiB that gRPC servers accept by
-# default (TGI's shards); ours accept more, but the rest of a larger batch goes without shard spans.
+# Requests named per step: the shard records a span for each one in every step, so a large traced
+# batch is capped; the rest of it goes without shard spans.
 MAX_TRACED_PER_STEP = 64
 
 
@@ -63,11 +62,11 @@ class TracedClient:
         return result
 
     async def _call(self, method, spans: dict, *args):
-        token = STEP_METADATA.set(step_metadata(spans))
+        token = STEP_TRACES.set(step_traceparents(spans))
         try:
             return await method(*args)
         finally:
-            STEP_METADATA.reset(token)
+            STEP_TRACES.reset(token)
 
     def _advance(self, traced: dict[int, RequestTrace], generations) -> None:
         """The first token ends `prefill` and opens `decode`; the last ends `decode`."""
@@ -98,10 +97,10 @@ def end(trace: RequestTrace, phase: str) -> None:
         trace.ended.add(phase)
 
 
-def step_metadata(spans: dict) -> tuple[tuple[str, str], ...]:
+def step_traceparents(spans: dict) -> dict[int, str]:
     """The W3C traceparent of each request's open phase span, for the shards."""
     if not spans:
-        return ()
+        return {}
     from opentelemetry import trace
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -109,5 +108,5 @@ def step_metadata(spans: dict) -> tuple[tuple[str, str], ...]:
     for request_id, span in list(spans.items())[:MAX_TRACED_PER_STEP]:
         carrier: dict[str, str] = {}
         TraceContextTextMapPropagator().inject(carrier, context=trace.set_span_in_context(span))
-        parents[str(request_id)] = carrier["traceparent"]
-    return (("traceparent", next(iter(parents.values()))), (TRACES_METADATA_KEY, json.dumps(parents)))
+        parents[request_id] = carrier["traceparent"]
+    return parents

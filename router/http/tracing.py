@@ -3,8 +3,8 @@
 One span per HTTP request (named like the route, with the request id), and under it one span each for
 the time it waited in the queue, its prefill (the Prefill step that admits it to its first token) and its
 decode (first token to the last). The phase spans are opened and closed by the shard steps themselves
-(router/http/trace_steps.py), whose gRPC metadata carries their context: the shards' own step spans nest
-under them, as TGI's do.
+(router/http/trace_steps.py), whose step requests carry their context: the shards' own step spans
+nest under them, as TGI's do.
 
 Off, it costs nothing: opentelemetry is not imported, no middleware is installed, the scheduler's client
 is not wrapped, and `traced` hands the stream back untouched after one context-variable read.

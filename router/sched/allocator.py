@@ -1,4 +1,4 @@
-"""KV blocks and slots the router gives each request (docs/architecture.md#kv-blocks-and-slots).
+"""KV blocks and slots that the router assigns to each request (docs/architecture.md#kv-blocks-and-slots).
 
 A v3 router owns the shards' KV cache layout: every request carries its `blocks` and its `slots`
 (slot = block * block_size + offset), one slot per token. Block 0 is never handed out: the shards
@@ -10,8 +10,7 @@ import heapq
 from dataclasses import dataclass
 
 from engine.errors import CapacityError
-
-RESERVED_BLOCK = 0
+from engine.wire.contract import RESERVED_BLOCK
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """KV blocks found again by the tokens they hold (docs/architecture.md#prefix-caching).
 
 Each full block of a computed sequence is keyed by a hash chain over its tokens and every token
-before it, and the LoRA adapter (engine.serving.prefix.chain_hashes), so equal keys mean equal KV.
+before it, and the LoRA adapter (engine.wire.contract.chain_hashes), so equal keys mean equal KV.
 A request whose prompt starts with cached blocks shares them (reference counts) and is sent with
 cache_len = their tokens: the shard computes only the rest. A block whose last user is gone stays
 cached, and is evicted least recently used only when a new block is needed. Same public face as
@@ -14,8 +14,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.errors import CapacityError
-from engine.serving.prefix import chain_hashes
-from router.sched.allocator import RESERVED_BLOCK, Allocation
+from engine.wire.contract import RESERVED_BLOCK, chain_hashes
+from router.sched.allocator import Allocation
 
 
 @dataclass
