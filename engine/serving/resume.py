@@ -1,8 +1,8 @@
 """A request resumed after a shard restart: its prompt and the tokens it had generated are
 prefilled together, and its state is put back where it was after those tokens, so the next token
-is the one the shard would have chosen without the restart (preemption resumes the same
-way: docs/architecture.md#resuming). The router sends the generated tokens in the Prefill request (`Request.resume_tokens`,
-proto/CONTRACT.md).
+is the one the shard would have chosen without the restart (preemption resumes the same way:
+docs/architecture.md#resuming). The router sends the generated tokens in the Prefill request
+(`Request.resume_tokens`, proto/CONTRACT.md).
 """
 from __future__ import annotations
 
