@@ -143,6 +143,21 @@ def test_required_gives_valid_calls_even_when_the_token_limit_cuts_the_list(clie
         assert len(choice.message.tool_calls) <= 8
 
 
+def test_a_cut_list_returns_the_calls_complete_before_the_cut(client):
+    whole = {seed: choice for seed, choice in enumerate(replies_at_temperature_1(client, "required"))}
+    seed = next(s for s, choice in whole.items() if len(choice.message.tool_calls) >= 2)
+    full = client.chat.completions.create(model="m", messages=ASK, tools=TWO_TOOLS, tool_choice="required",
+                                          temperature=1.0, seed=seed, max_tokens=120)
+    cut = client.chat.completions.create(model="m", messages=ASK, tools=TWO_TOOLS, tool_choice="required",
+                                         temperature=1.0, seed=seed, max_tokens=full.usage.completion_tokens - 2)
+    choice = cut.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls, choice
+    validate_calls(choice.message.tool_calls, TWO_TOOLS, {"get_weather", "add_numbers"})
+    expected = [(c.function.name, c.function.arguments) for c in full.choices[0].message.tool_calls]
+    got = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert got == expected[:len(got)]
+
+
 def test_a_named_choice_gives_exactly_one_call_at_temperature_1(client):
     named = {"type": "function", "function": {"name": "add_numbers"}}
     for choice in replies_at_temperature_1(client, named):

@@ -135,13 +135,14 @@ def test_sampled_replies_always_validate(compiler, tokenizer, declared, choice, 
 
 
 @SAMPLED
-@given(schema=schema_tree())
-@example(schema=BOUNDED_STRINGS[0]["function"]["parameters"])
-def test_sampled_json_schema_replies_always_validate(compiler, tokenizer, schema):
+@given(schema=schema_tree(), seed=st.integers(0, 2**16))
+@example(schema=BOUNDED_STRINGS[0]["function"]["parameters"], seed=3)   # once a raw \x11 in "zone"
+@example(schema=BOUNDED_STRINGS[0]["function"]["parameters"], seed=47)  # once a raw \x08 in "note"
+def test_sampled_json_schema_replies_always_validate(compiler, tokenizer, schema, seed):
     """`response_format: json_schema` (and TGI's JSON grammar): every finished reply validates."""
     response_grammar({"type": "json_schema", "json_schema": {"schema": schema}})   # accepted by the router
-    for seed in range(RUNS_PER_SCHEMA):
-        text, finished = sample_reply(compiler, tokenizer, schema, seed, stop_at_text=False)
+    for run in range(seed, seed + RUNS_PER_SCHEMA):
+        text, finished = sample_reply(compiler, tokenizer, schema, run, stop_at_text=False)
         assert finished, text
         jsonschema.validate(json.loads(text), schema, format_checker=FORMAT_CHECKER)
 
