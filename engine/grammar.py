@@ -13,7 +13,9 @@ only adapts that to the shard:
 
 Semantics (as TGI with outlines): the whole generated text must match the grammar. A JSON schema is compiled in
 strict mode (no properties beyond those listed) with compact separators, ", " and ": ", so that a sampler cannot
-spend its tokens on whitespace. Once the text matches completely the EOS tokens become allowed, and when nothing
+spend its tokens on whitespace; a schema keyword that the grammar cannot enforce is refused
+(engine/grammar_schema.py lists the supported ones), and no JSON string can hold a raw control
+character (json_schema_ebnf). Once the text matches completely the EOS tokens become allowed, and when nothing
 else can follow they are the only allowed tokens. Token ids past the tokenizer's vocabulary (padding of the logits)
 and special tokens other than EOS are never allowed.
 """
@@ -284,8 +286,9 @@ def _batch_matcher() -> xgrammar.BatchGrammarMatcher:
 
 
 # xgrammar 0.2.9 writes a string bounded by minLength / maxLength as repeats of this class, which
-# lets raw control characters (U+0000-U+001F) into the JSON string (mlc-ai/xgrammar#800). The rule is
-# matched as a whole line, so no string literal of the grammar (always quoted) can be rewritten.
+# lets raw control characters (U+0000-U+001F) into the JSON string (mlc-ai/xgrammar#800). The
+# rule is matched as a whole line, so no string literal of the grammar (always quoted) can be
+# rewritten.
 _BOUNDED_CHARACTERS = re.compile(r'^(\S+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
 _JSON_STRING_CHARACTER = r'\1 ::= (([^\\0-\\x1f\\"\\\\]))'
 
@@ -294,7 +297,8 @@ def json_schema_ebnf(schema: dict | bool) -> str:
     """The grammar of a JSON schema, in xgrammar's EBNF: xgrammar's conversion (strict, compact
     separators), with every string character class excluding what JSON must escape.
 
-    Raises UnsupportedSchema for a keyword the grammar would not enforce (engine/grammar_schema.py)."""
+    Raises UnsupportedSchema for a keyword that the grammar would not enforce
+    (engine/grammar_schema.py)."""
     check_schema(schema)
     for pattern in patterns(schema):
         _check_pattern_path(pattern)

@@ -20,28 +20,61 @@ Refused: every other keyword, among them `allOf`, `oneOf`, `not`, `if` / `then` 
 `uniqueItems`, `contains`, `minProperties`, `maxProperties`, `patternProperties`, `propertyNames`,
 `dependentRequired`, `dependentSchemas`, `multipleOf` and the `unevaluated*` keywords.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
-ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment",
-                         "deprecated", "readOnly", "writeOnly"})
-ENFORCED = frozenset({
-    "type", "enum", "const", "anyOf", "$ref", "$defs", "definitions",
-    "properties", "required", "additionalProperties",
-    "items", "prefixItems", "minItems", "maxItems",
-    "minLength", "maxLength", "pattern", "format",
-    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-})
+ANNOTATIONS = frozenset(
+    {
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$schema",
+        "$id",
+        "$comment",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+    }
+)
+ENFORCED = frozenset(
+    {
+        "type",
+        "enum",
+        "const",
+        "anyOf",
+        "$ref",
+        "$defs",
+        "definitions",
+        "properties",
+        "required",
+        "additionalProperties",
+        "items",
+        "prefixItems",
+        "minItems",
+        "maxItems",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "format",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+    }
+)
 SUPPORTED = ENFORCED | ANNOTATIONS
-# The formats that xgrammar's grammar enforces exactly. Others are refused: its `date` and `date-time`
-# check the shape but not the calendar (June 31), `ipv4` allows leading zeros, `hostname` has no label
-# length limit, and `email` can write an escape that JSON does not have (`\q`). A `pattern` can stand in.
+# The formats that xgrammar's grammar enforces exactly. Others are refused: its `date` and
+# `date-time` check the shape but not the calendar (June 31), `ipv4` allows leading zeros,
+# `hostname` has no label length limit, and `email` can write an escape that JSON does not have
+# (`\q`). A `pattern` can stand in.
 FORMATS = frozenset({"uuid"})
 LOCAL_REFS = ("#/$defs/", "#/definitions/")
-_SCHEMA_MAPS = ("properties", "$defs", "definitions")    # name -> schema
-_SCHEMA_LISTS = ("anyOf", "prefixItems")                 # [schema, ...]
-_SCHEMA_VALUES = ("items", "additionalProperties")      # one schema (or a boolean)
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")  # name -> schema
+_SCHEMA_LISTS = ("anyOf", "prefixItems")  # [schema, ...]
+_SCHEMA_VALUES = ("items", "additionalProperties")  # one schema (or a boolean)
 
 
 class UnsupportedSchema(ValueError):
@@ -49,15 +82,17 @@ class UnsupportedSchema(ValueError):
 
 
 def check_schema(schema: Any, where: str = "") -> None:
-    """Raise UnsupportedSchema naming the first keyword in `schema` that the grammar cannot enforce."""
+    """Raise UnsupportedSchema naming the first keyword of `schema` the grammar cannot enforce."""
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
         raise UnsupportedSchema(f"the schema at {where or '/'} must be an object or a boolean")
     for keyword, value in schema.items():
         if keyword not in SUPPORTED:
-            raise UnsupportedSchema(f"JSON schema keyword `{keyword}` (at {where or '/'}) is not supported: "
-                                    f"the grammar cannot enforce it. Supported: {', '.join(sorted(ENFORCED))}")
+            raise UnsupportedSchema(
+                f"JSON schema keyword `{keyword}` (at {where or '/'}) is not supported: "
+                f"the grammar cannot enforce it. Supported: {', '.join(sorted(ENFORCED))}"
+            )
         _check_value(keyword, value, f"{where}/{keyword}")
 
 
@@ -73,12 +108,18 @@ def patterns(schema: Any):
 
 
 def has_refs(schema: Any) -> bool:
-    return isinstance(schema, dict) and ("$ref" in schema or any(
-        has_refs(child) for keyword, value in schema.items() for child in _subschemas(keyword, value)))
+    return isinstance(schema, dict) and (
+        "$ref" in schema
+        or any(
+            has_refs(child)
+            for keyword, value in schema.items()
+            for child in _subschemas(keyword, value)
+        )
+    )
 
 
 def rebased(schema: Any, base: str) -> Any:
-    """`schema` moved to the JSON pointer `base` of a larger schema: each of its references to itself
+    """`schema` moved to the JSON pointer `base` of a larger schema: each reference to itself
     (`#`, `#/$defs/...`) then points into `base`. Only schema positions are rewritten, never the
     data of an `enum` or `const`."""
     if not isinstance(schema, dict):
@@ -118,24 +159,40 @@ def _check_value(keyword: str, value: Any, where: str) -> None:
     elif keyword == "$ref":
         _check_ref(value, where)
     elif keyword == "format" and value not in FORMATS:
-        raise UnsupportedSchema(f"JSON schema `format` {value!r} (at {where}) is not supported; "
-                                f"supported formats: {', '.join(sorted(FORMATS))}")
+        raise UnsupportedSchema(
+            f"JSON schema `format` {value!r} (at {where}) is not supported; "
+            f"supported formats: {', '.join(sorted(FORMATS))}"
+        )
     elif keyword == "pattern":
         _check_pattern(value, where)
 
 
 def _check_ref(value: Any, where: str) -> None:
     if not isinstance(value, str) or not (value == "#" or value.startswith(LOCAL_REFS)):
-        raise UnsupportedSchema(f"JSON schema `$ref` {value!r} (at {where}) is not supported: only references "
-                                "into the same schema (#, #/$defs/..., #/definitions/...)")
+        raise UnsupportedSchema(
+            f"JSON schema `$ref` {value!r} (at {where}) is not supported: only references "
+            "into the same schema (#, #/$defs/..., #/definitions/...)"
+        )
 
 
 def _check_pattern(value: Any, where: str) -> None:
     # Outside printable ASCII, xgrammar compiles a pattern without excluding the characters that a
     # JSON string must escape, so the reply could break its string.
     if not isinstance(value, str) or not all(" " <= c <= "~" for c in value):
-        raise UnsupportedSchema(f"JSON schema `pattern` (at {where}) must be printable ASCII; "
-                                r"write other characters as \uXXXX escapes")
+        raise UnsupportedSchema(
+            f"JSON schema `pattern` (at {where}) must be printable ASCII; "
+            r"write other characters as \uXXXX escapes"
+        )
 
 
-__all__ = ["ANNOTATIONS", "ENFORCED", "FORMATS", "SUPPORTED", "UnsupportedSchema", "check_schema", "has_refs", "patterns", "rebased"]
+__all__ = [
+    "ANNOTATIONS",
+    "ENFORCED",
+    "FORMATS",
+    "SUPPORTED",
+    "UnsupportedSchema",
+    "check_schema",
+    "has_refs",
+    "patterns",
+    "rebased",
+]

@@ -296,7 +296,7 @@ def test_fill_masks_rows(compiler, tokenizer):
     ({"type": "string"}, '"'),
 ])
 def test_no_string_admits_a_raw_control_character(compiler, tokenizer, schema, prefix):
-    """JSON forbids U+0000-U+001F inside a string; a string bounded in length once let 26 such tokens through."""
+    """JSON forbids U+0000-U+001F inside a string; a bounded string once let 26 such tokens in."""
     control = [i for i in range(TOKENIZER_VOCAB) if any(ord(c) < 0x20 for c in tokenizer.decode([i]))]
     assert len(control) > 100
     state = compiler.new_state(compiler.compile(GrammarType.JSON, json.dumps(schema)))

@@ -136,7 +136,7 @@ def replies_at_temperature_1(client, tool_choice, seeds=range(12)) -> list:
 
 
 def test_required_gives_valid_calls_even_when_the_token_limit_cuts_the_list(client):
-    # Parallel calls are on (OpenAI's default): a list that the limit cuts keeps the calls complete before the cut.
+    # Parallel calls are on (OpenAI's default): a list that the limit cuts keeps its complete calls.
     for choice in replies_at_temperature_1(client, "required"):
         assert choice.finish_reason in ("tool_calls", "length"), choice
         validate_calls(choice.message.tool_calls, TWO_TOOLS, {"get_weather", "add_numbers"})

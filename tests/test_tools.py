@@ -1,10 +1,11 @@
-"""Tool calling's grammar (router/http/tools.py) and JSON-schema replies on the shard's grammar compiler and the
-embedded tokenizer.
+"""Tool calling's grammar (router/http/tools.py) and JSON-schema replies on the shard's grammar
+compiler and the embedded tokenizer.
 
-The "model" draws each token at temperature 1 from random logits over the tokens the grammar allows, many
-times over hypothesis-generated tool schemas: every reply must parse into calls of declared functions whose
-arguments validate against the function's schema (jsonschema), or, under `auto`, into text. Under CI=true the
-examples are derandomized, so every run samples the same 200 replies of each kind.
+The "model" draws each token at temperature 1 from random logits over the tokens the grammar
+allows, many times over hypothesis-generated tool schemas: every reply must parse into calls of
+declared functions whose arguments validate against the function's schema (jsonschema), or, under
+`auto`, into text. Under CI=true the examples are derandomized, so every run samples the same 200
+replies of each kind.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ SAMPLED = settings(max_examples=SCHEMAS, deadline=None, derandomize=CI,
                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
                    phases=[Phase.explicit, Phase.reuse, Phase.generate])  # shrinking a sampled run takes minutes
 FORMAT_CHECKER = jsonschema.FormatChecker()
-# The replies that failed before strings bounded in length excluded control characters (a raw \x11 in a
+# The replies that failed before bounded strings excluded control characters (a raw \x11 in a
 # JSON string), as tools.
 BOUNDED_STRINGS = [{"type": "function", "function": {"name": "clock", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string", "maxLength": 6},
@@ -190,7 +191,7 @@ def test_every_keyword_case_validates(compiler, tokenizer, name):
     schema, finished_runs = KEYWORD_CASES[name], 0
     for seed in range(6):
         text, finished = sample_reply(compiler, tokenizer, schema, seed, stop_at_text=False)
-        # A string without maxLength may run past the token limit: what came holds no raw control character.
+        # A string without maxLength may run past the token limit: what came has no control character.
         assert not any(ord(c) < 0x20 for c in text), repr(text)
         if finished:
             jsonschema.validate(json.loads(text), schema, format_checker=FORMAT_CHECKER)

@@ -4,19 +4,20 @@ The reply the model writes is JSON, constrained by xgrammar on the shard (TGI's 
 always parses, always names a declared function and always carries arguments that match that function's
 schema. What the model writes:
 
-- a named `tool_choice`: one call of that function, `{"name": N, "arguments": {...}}` (one object: once
-  it closes, only the end of the reply can follow);
-- `required`, or a call under `auto`: `{"calls": [{"name": N, "arguments": {...}}, ...]}`, a list that
-  may close after every call and holds at most MAX_PARALLEL_CALLS calls, or exactly one when the
-  request sends `parallel_tool_calls: false`;
+- a named `tool_choice`: one call of that function, `{"name": N, "arguments": {...}}` (one
+  object: once it closes, only the end of the reply can follow);
+- `required`, or a call under `auto`: `{"calls": [{"name": N, "arguments": {...}}, ...]}`, a
+  list that may close after every call and holds at most MAX_PARALLEL_CALLS calls, or exactly
+  one when the request sends `parallel_tool_calls: false`;
 - a text answer, which only `auto` allows: `{"content": "..."}`.
 
 `none` sends no grammar and no tools. The router then turns the JSON into OpenAI's `tool_calls` (or
-`content`). The schemas are checked here (jsonschema's metaschema, and engine/grammar_schema.py for the
-keywords that the grammar enforces) so that a wrong or unenforceable one is a 422 naming the tool.
-A finished reply is validated again against the tools' schemas: a call that does not validate is not
-returned as a call (its text comes back as content, and a warning is logged). A reply cut by the token
-limit returns the calls that were complete before the cut, with `finish_reason: "length"`.
+`content`). The schemas are checked here (jsonschema's metaschema, and engine/grammar_schema.py
+for the keywords that the grammar enforces) so that a wrong or unenforceable one is a 422 naming
+the tool. A finished reply is validated again against the tools' schemas: a call that does not
+validate is not returned as a call (its text comes back as content, and a warning is logged). A
+reply cut by the token limit returns the calls that were complete before the cut, with
+`finish_reason: "length"`.
 """
 from __future__ import annotations
 
