@@ -13,7 +13,9 @@ only adapts that to the shard:
 
 Semantics (as TGI with outlines): the whole generated text must match the grammar. A JSON schema is compiled in
 strict mode (no properties beyond those listed) with compact separators, ", " and ": ", so that a sampler cannot
-spend its tokens on whitespace. Once the text matches completely the EOS tokens become allowed, and when nothing
+spend its tokens on whitespace; a schema keyword that the grammar cannot enforce is refused
+(engine/grammar_schema.py lists the supported ones), and no JSON string can hold a raw control
+character (json_schema_ebnf). Once the text matches completely the EOS tokens become allowed, and when nothing
 else can follow they are the only allowed tokens. Token ids past the tokenizer's vocabulary (padding of the logits)
 and special tokens other than EOS are never allowed.
 """
@@ -36,6 +38,7 @@ import xgrammar
 
 from engine.batch import GrammarType
 from engine.errors import InvalidRequestError
+from engine.grammar_schema import UnsupportedSchema, check_schema, patterns
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +119,9 @@ class GrammarCompiler:
                 raise InvalidRequestError(f"{FIELD}: invalid JSON schema: must be an object or a boolean, "
                                           f"got {type(schema).__name__}")
             try:
-                return self._xgr.compile_json_schema(grammar, any_whitespace=False, strict_mode=True)
+                return self._xgr.compile_grammar(json_schema_ebnf(schema))
+            except UnsupportedSchema as e:
+                raise InvalidRequestError(f"{FIELD}: {e}") from None
             except (RuntimeError, ValueError, TypeError) as e:
                 raise InvalidRequestError(f"{FIELD}: invalid JSON schema: {_clean(e)}") from None
         try:
@@ -278,6 +283,43 @@ def _batch_matcher() -> xgrammar.BatchGrammarMatcher:
     # "auto" sizes xgrammar's pool from the cores; a fixed count above what is free (2 threads on a busy 2-core
     # machine) made an 8-row fill take milliseconds instead of ~50 us.
     return xgrammar.BatchGrammarMatcher(max_threads="auto")
+
+
+# xgrammar 0.2.9 writes a string bounded by minLength / maxLength as repeats of this class, which
+# lets raw control characters (U+0000-U+001F) into the JSON string (mlc-ai/xgrammar#800). The
+# rule is matched as a whole line, so no string literal of the grammar (always quoted) can be
+# rewritten.
+_BOUNDED_CHARACTERS = re.compile(r'^(\S+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
+_JSON_STRING_CHARACTER = r'\1 ::= (([^\\0-\\x1f\\"\\\\]))'
+
+
+def json_schema_ebnf(schema: dict | bool) -> str:
+    """The grammar of a JSON schema, in xgrammar's EBNF: xgrammar's conversion (strict, compact
+    separators), with every string character class excluding what JSON must escape.
+
+    Raises UnsupportedSchema for a keyword that the grammar would not enforce
+    (engine/grammar_schema.py)."""
+    check_schema(schema)
+    for pattern in patterns(schema):
+        _check_pattern_path(pattern)
+    text = json.dumps(schema)
+    converted = str(xgrammar.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True))
+    return _BOUNDED_CHARACTERS.sub(_JSON_STRING_CHARACTER, converted)
+
+
+@lru_cache(maxsize=1024)
+def _check_pattern_path(pattern: str) -> None:
+    # xgrammar compiles a pattern with JSON's string characters excluded; when that leaves nothing
+    # to match (a pattern that needs a control character or a quote) it falls back to the pattern
+    # as written, which can break the JSON string: refuse those.
+    schema = json.dumps({"type": "string", "pattern": pattern})
+    try:
+        converted = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
+    except (RuntimeError, ValueError, TypeError):
+        return   # the whole schema's conversion reports it
+    if "json_string=true" not in converted:
+        raise UnsupportedSchema(f"JSON schema `pattern` {pattern!r} cannot match inside a JSON string "
+                                "without characters that JSON must escape")
 
 
 def _clean(error: Exception) -> str:

@@ -285,3 +285,23 @@ def test_fill_masks_rows(compiler, tokenizer):
         fill_masks([state], torch.empty(1, VOCAB - 1, dtype=torch.bool))
     with pytest.raises(ValueError):
         fill_masks([state], torch.empty(1, VOCAB))
+
+
+@pytest.mark.parametrize("schema, prefix", [
+    ({"type": "string", "maxLength": 6}, '"'),
+    ({"type": "string", "minLength": 2}, '"a'),
+    ({"type": "string", "minLength": 1, "maxLength": 4}, '"'),
+    ({"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}, "required": ["a"]}, '{"a": "'),
+    ({"type": "array", "items": {"type": "string", "minLength": 3}}, '["x'),
+    ({"type": "string"}, '"'),
+])
+def test_no_string_admits_a_raw_control_character(compiler, tokenizer, schema, prefix):
+    """JSON forbids U+0000-U+001F inside a string; a bounded string once let 26 such tokens in."""
+    control = [i for i in range(TOKENIZER_VOCAB) if any(ord(c) < 0x20 for c in tokenizer.decode([i]))]
+    assert len(control) > 100
+    state = compiler.new_state(compiler.compile(GrammarType.JSON, json.dumps(schema)))
+    for token in tokenizer.encode(prefix, add_special_tokens=False):
+        state.advance(token)
+    mask = state.allowed_mask()
+    assert not state.failed and mask.sum() > 100
+    assert [tokenizer.decode([i]) for i in control if mask[i]] == []

@@ -119,6 +119,67 @@ def test_named_tool_choice_is_respected(client):
         validate_calls(calls, [WEATHER, CLOCK], {"clock"})
 
 
+GET_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}}
+ADD_NUMBERS = {"type": "function", "function": {"name": "add_numbers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+TWO_TOOLS = [GET_WEATHER, ADD_NUMBERS]
+
+
+def replies_at_temperature_1(client, tool_choice, seeds=range(12)) -> list:
+    """Twelve seeded replies of at most 120 tokens, four at a time (the router batches them)."""
+    def one(seed):
+        return client.chat.completions.create(model="m", messages=ASK, tools=TWO_TOOLS, tool_choice=tool_choice,
+                                              temperature=1.0, seed=seed, max_tokens=120).choices[0]
+
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(one, seeds))
+
+
+def test_required_gives_valid_calls_even_when_the_token_limit_cuts_the_list(client):
+    # Parallel calls are on (OpenAI's default): a list that the limit cuts keeps its complete calls.
+    for choice in replies_at_temperature_1(client, "required"):
+        assert choice.finish_reason in ("tool_calls", "length"), choice
+        validate_calls(choice.message.tool_calls, TWO_TOOLS, {"get_weather", "add_numbers"})
+        assert len(choice.message.tool_calls) <= 8
+
+
+def test_a_cut_list_returns_the_calls_complete_before_the_cut(client):
+    whole = {seed: choice for seed, choice in enumerate(replies_at_temperature_1(client, "required"))}
+    seed = next(s for s, choice in whole.items() if len(choice.message.tool_calls) >= 2)
+    full = client.chat.completions.create(model="m", messages=ASK, tools=TWO_TOOLS, tool_choice="required",
+                                          temperature=1.0, seed=seed, max_tokens=120)
+    cut = client.chat.completions.create(model="m", messages=ASK, tools=TWO_TOOLS, tool_choice="required",
+                                         temperature=1.0, seed=seed, max_tokens=full.usage.completion_tokens - 2)
+    choice = cut.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls, choice
+    validate_calls(choice.message.tool_calls, TWO_TOOLS, {"get_weather", "add_numbers"})
+    expected = [(c.function.name, c.function.arguments) for c in full.choices[0].message.tool_calls]
+    got = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert got == expected[:len(got)]
+
+
+def test_a_named_choice_gives_exactly_one_call_at_temperature_1(client):
+    named = {"type": "function", "function": {"name": "add_numbers"}}
+    for choice in replies_at_temperature_1(client, named):
+        assert choice.finish_reason == "tool_calls", choice
+        assert len(choice.message.tool_calls) == 1
+        validate_calls(choice.message.tool_calls, TWO_TOOLS, {"add_numbers"})
+
+
+def test_a_schema_keyword_the_grammar_cannot_enforce_is_a_422_naming_it(client):
+    unique = {"type": "function", "function": {"name": "tags", "parameters": {
+        "type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}}}
+    with pytest.raises(openai.UnprocessableEntityError) as raised:
+        client.chat.completions.create(model="m", messages=ASK, tools=[unique], max_tokens=8)
+    assert "`uniqueItems`" in raised.value.response.json()["error"]["message"]
+    with pytest.raises(openai.UnprocessableEntityError) as raised:
+        client.chat.completions.create(model="m", messages=ASK, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer", "multipleOf": 2}}})
+    assert "`multipleOf`" in raised.value.response.json()["error"]["message"]
+
+
 def test_tool_choice_none_answers_in_text(client):
     response = client.chat.completions.create(model="tgi", messages=ASK, tools=[WEATHER], tool_choice="none",
                                               temperature=0, max_tokens=8)

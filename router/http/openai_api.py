@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from engine.batch import Generation
+from engine.grammar_schema import UnsupportedSchema, check_schema
 from router.config import TGI_MODEL_ALIAS
 from router.http import chat, tools
 from router.sched import fanout
@@ -122,6 +123,10 @@ def response_grammar(response_format: dict | None) -> Grammar | None:
     if kind == "json_schema":
         schema = (response_format.get("json_schema") or {}).get("schema")
         check(isinstance(schema, dict), "`response_format.json_schema.schema` must be a JSON schema object")
+        try:
+            check_schema(schema)
+        except UnsupportedSchema as error:
+            raise ValidationError(f"`response_format.json_schema.schema`: {error}") from None
         return Grammar(type="json", value=schema)
     if kind in ("json", "regex"):
         return Grammar(type=kind, value=response_format.get("value"))
@@ -204,7 +209,7 @@ def chat_choice(body: ChatRequest, index: int, generations: list[Generation]) ->
         logprobs = {"content": [e for g in generations for e in chat_logprobs(g, bool(body.top_logprobs))]}
     message, reason = {"role": "assistant", "content": last.generated_text.text}, finish_reason(last)
     if body.tool_plan().active:
-        message, reason = tools.reply_message(last.generated_text.text, reason)
+        message, reason = tools.reply_message(last.generated_text.text, reason, body.tool_plan())
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 

@@ -103,7 +103,7 @@ class ChatChunks:
         last = generation.generated_text
         if last is None:
             return []
-        deltas, reason = tools.reply_deltas(last.text, finish_reason(generation))
+        deltas, reason = tools.reply_deltas(last.text, finish_reason(generation), self.body.tool_plan())
         return [self.chunk(delta) for delta in deltas] + [self.chunk({}, reason=reason)]
 
 
