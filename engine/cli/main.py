@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
 from engine.cli.flags import add_knob_flags, config_from_args
 from engine.config import EngineConfig, env_int
