@@ -161,7 +161,7 @@ def config_from_args(cls, args: argparse.Namespace, defaults: Any = None):
     own = {path[0]: flag for path, flag in knob_flags(cls) if len(path) == 1}
     values = {}
     for f in dataclasses.fields(cls):
-        inner = getattr(defaults, f.name) if defaults is not None else None
+        inner = getattr(defaults, f.name)
         if "nested" in f.metadata:
             values[f.name] = config_from_args(f.metadata["nested"], args, inner)
         elif f.name in own and hasattr(args, f.name):

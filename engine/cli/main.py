@@ -13,14 +13,14 @@ from engine.config import EngineConfig, env_int
 from engine.errors import BucketserveError
 
 
+EXIT_USAGE = 2
+
+
 class OneLineParser(argparse.ArgumentParser):
     """A command-line mistake is one `error:` line (exit 2): argparse's usage block would bury it."""
 
     def error(self, message):
         self.exit(EXIT_USAGE, f"error: {message} (see --help)\n")
-
-
-EXIT_USAGE = 2
 
 
 def add_engine_args(parser: argparse.ArgumentParser, exclude=()) -> None:
