@@ -4,6 +4,7 @@ and help (`knob`); engine/cli/flags.py builds the command lines from them.
 Environment variables are read here (and, for the knobs that name one, in engine/cli/flags.py)
 and nowhere else.
 """
+
 from __future__ import annotations
 
 import os
@@ -54,11 +55,21 @@ def format_lora_adapters(pairs: tuple[tuple[str, str], ...]) -> str:
 # --- knobs: one dataclass field each --------------------------------------------------------------
 
 
-def knob(default: Any = MISSING, help: str = "", *, flags: tuple[str, ...] = (),
-         choices: tuple | Callable[[], tuple] | None = None, env: str | None = None,
-         parse: Callable[[str], Any] | None = None, text: Callable[[Any], str] | None = None,
-         switch: bool = False, repeat: bool = False, secret: bool = False, required: bool = False,
-         metavar: str | None = None):
+def knob(
+    default: Any = MISSING,
+    help: str = "",
+    *,
+    flags: tuple[str, ...] = (),
+    choices: tuple | Callable[[], tuple] | None = None,
+    env: str | None = None,
+    parse: Callable[[str], Any] | None = None,
+    text: Callable[[Any], str] | None = None,
+    switch: bool = False,
+    repeat: bool = False,
+    secret: bool = False,
+    required: bool = False,
+    metavar: str | None = None,
+):
     """A configuration field that carries its own command-line flag (engine/cli/flags.py builds the
     parsers of the engine, the router and the launcher from these, and passes them on).
 
@@ -68,9 +79,19 @@ def knob(default: Any = MISSING, help: str = "", *, flags: tuple[str, ...] = (),
     `on|off`, or with `switch` a flag without a value); repeat: the flag may be given several times
     (each may hold a comma-separated list) into a tuple; secret: never passed on a command line,
     only in `env`; required: the command line must give it."""
-    meta = {"help": help, "flags": tuple(flags), "choices": choices, "env": env, "parse": parse,
-            "text": text, "switch": switch, "repeat": repeat, "secret": secret, "required": required,
-            "metavar": metavar}
+    meta = {
+        "help": help,
+        "flags": tuple(flags),
+        "choices": choices,
+        "env": env,
+        "parse": parse,
+        "text": text,
+        "switch": switch,
+        "repeat": repeat,
+        "secret": secret,
+        "required": required,
+        "metavar": metavar,
+    }
     return field(default=default, metadata={"knob": meta})
 
 
@@ -95,11 +116,13 @@ QUANTIZE_MODES = ("none", "int8", "int4", "fp8")
 class ServingLimits:
     """What a batch may hold: the shard plans and warms its buckets for these, and the router's
     scheduler admits requests under the same ones."""
+
     max_batch_size: int
     max_prefill_tokens: int
     max_input_tokens: int
     max_total_tokens: int
-    max_concurrent_requests: int = 128  # router only: queued + running; beyond it a submit is refused (HTTP 429)
+    # router only: queued + running; beyond it a submit is refused (HTTP 429)
+    max_concurrent_requests: int = 128
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,82 +130,155 @@ class SharedKnobs:
     """The knobs that the shards and the router both read: one field each, so `engine serve`,
     `python -m router` and the launcher (which passes it to both) have one flag, one default and
     one help for it."""
-    model_id: str | None = knob(None, "HF model directory or .gguf file (default: the embedded "
-                                      "SmolLM2-135M-Instruct)")
-    cache_dir: Path | None = knob(None, "where converted models are cached (default: "
-                                        "$BUCKETSERVE_CACHE, else ~/.cache/bucketserve)", parse=Path)
-    max_batch_size: int = knob(32, "the most requests in one batch (default: $MAX_BATCH_SIZE, as "
-                                   "TGI's launcher sets it, else 32)", env="MAX_BATCH_SIZE")
+
+    model_id: str | None = knob(
+        None, "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    cache_dir: Path | None = knob(
+        None,
+        "where converted models are cached (default: "
+        "$BUCKETSERVE_CACHE, else ~/.cache/bucketserve)",
+        parse=Path,
+    )
+    max_batch_size: int = knob(
+        32,
+        "the most requests in one batch (default: $MAX_BATCH_SIZE, as "
+        "TGI's launcher sets it, else 32)",
+        env="MAX_BATCH_SIZE",
+    )
     max_input_tokens: int = knob(1024, "the longest prompt in tokens")
     max_total_tokens: int = knob(2048, "the longest prompt plus generation in tokens")
-    max_prefill_tokens: int = knob(4096, "the most prompt tokens one prefill batch holds",
-                                   flags=("--max-batch-prefill-tokens", "--max-prefill-tokens"))
-    prefix_caching: bool = knob(True, "on (default): prefills may continue KV already in the cache "
-                                      "(prefix-cache hits, later chunks of a long prompt): the shards "
-                                      "warm context buckets for them and the router reuses the KV "
-                                      "blocks of cached prompt prefixes")
+    max_prefill_tokens: int = knob(
+        4096,
+        "the most prompt tokens one prefill batch holds",
+        flags=("--max-batch-prefill-tokens", "--max-prefill-tokens"),
+    )
+    prefix_caching: bool = knob(
+        True,
+        "on (default): prefills may continue KV already in the cache "
+        "(prefix-cache hits, later chunks of a long prompt): the shards "
+        "warm context buckets for them and the router reuses the KV "
+        "blocks of cached prompt prefixes",
+    )
     lora_adapters: tuple[tuple[str, str], ...] = knob(
-        (), "PEFT LoRA adapters to serve, name=dir[,name=dir...]; a request picks one by "
-            "adapter_id or OpenAI `model` (default: $LORA_ADAPTERS)",
-        env="LORA_ADAPTERS", parse=parse_lora_adapters, text=format_lora_adapters)
-    otlp_endpoint: str | None = knob(None, "send OpenTelemetry spans to this OTLP gRPC collector, "
-                                           "e.g. http://localhost:4317: the router's request spans "
-                                           "and, nested under them, the shards' step spans (default: "
-                                           "no tracing)")
+        (),
+        "PEFT LoRA adapters to serve, name=dir[,name=dir...]; a request picks one by "
+        "adapter_id or OpenAI `model` (default: $LORA_ADAPTERS)",
+        env="LORA_ADAPTERS",
+        parse=parse_lora_adapters,
+        text=format_lora_adapters,
+    )
+    otlp_endpoint: str | None = knob(
+        None,
+        "send OpenTelemetry spans to this OTLP gRPC collector, "
+        "e.g. http://localhost:4317: the router's request spans "
+        "and, nested under them, the shards' step spans (default: "
+        "no tracing)",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig(SharedKnobs):
     """One shard's configuration (`engine serve`, and the offline `generate` / `bench`)."""
-    device: str = knob("auto", "auto (default): hpu, else cuda/rocm, else xpu, whichever is present "
-                               "and supported; else cpu; or cpu, cuda, hpu, xpu", metavar="DEVICE")
-    dtype: str = knob("auto", "auto (default: cpu: bfloat16 where it has AVX512-BF16 or AMX, else "
-                              "float32; accelerators: their default), float32, bfloat16 or float16")
-    quantize: str = knob("none", "weight-only int8 (per channel) or int4 (group 32; GGUF Q4_0/Q4_1 as "
-                                 "stored) on CPU; fp8: a pre-quantized FP8 checkpoint (engine/weights/"
-                                 "quantize.py)", choices=QUANTIZE_MODES)
+
+    device: str = knob(
+        "auto",
+        "auto (default): hpu, else cuda/rocm, else xpu, whichever is present "
+        "and supported; else cpu; or cpu, cuda, hpu, xpu",
+        metavar="DEVICE",
+    )
+    dtype: str = knob(
+        "auto",
+        "auto (default: cpu: bfloat16 where it has AVX512-BF16 or AMX, else "
+        "float32; accelerators: their default), float32, bfloat16 or float16",
+    )
+    quantize: str = knob(
+        "none",
+        "weight-only int8 (per channel) or int4 (group 32; GGUF Q4_0/Q4_1 as "
+        "stored) on CPU; fp8: a pre-quantized FP8 checkpoint (engine/weights/"
+        "quantize.py)",
+        choices=QUANTIZE_MODES,
+    )
     block_size: int | None = knob(None, "KV cache block size in tokens (default: the device's)")
-    bucket_strategy: str = knob("exponential", "how buckets are planned (engine/buckets/plan.py)",
-                                choices=_strategies)
-    bucket_shapes: str | None = knob(None, "fitted: JSONL trace of batch shapes to fit (from "
-                                           "--record-shapes)")
-    bucket_file: str | None = knob(None, 'file: JSON {"prefill_buckets": [[bs, seq], ...], '
-                                         '"decode_buckets": [...]}')
-    max_graphs: int | None = knob(None, "fitted: graph budget (default: the exponential plan's count)")
-    warmup_mode: str = knob("full", "full (default); progressive: healthy after a covering set, the "
-                                    "rest in the background; none: no warmup, every shape eager "
-                                    "(debugging only)", flags=("--warmup",), choices=WARMUP_MODES)
-    warmup_profile: str | None = knob(None, "profile.json of `warmup-profile`: warm exactly its "
-                                            "buckets and choose buckets by its measured latencies")
-    record_shapes: str | None = knob(None, "append the batch shapes served to this JSONL file "
-                                           "(rank 0)")
-    graph_mode: str | None = knob(None, "default: the device's (hpu: graphs or lazy or compile; cuda: "
-                                        "graphs or eager or compile; xpu, cpu: eager or compile)",
-                                  choices=("eager", "graphs", "lazy", "compile"))
+    bucket_strategy: str = knob(
+        "exponential", "how buckets are planned (engine/buckets/plan.py)", choices=_strategies
+    )
+    bucket_shapes: str | None = knob(
+        None, "fitted: JSONL trace of batch shapes to fit (from --record-shapes)"
+    )
+    bucket_file: str | None = knob(
+        None, 'file: JSON {"prefill_buckets": [[bs, seq], ...], "decode_buckets": [...]}'
+    )
+    max_graphs: int | None = knob(
+        None, "fitted: graph budget (default: the exponential plan's count)"
+    )
+    warmup_mode: str = knob(
+        "full",
+        "full (default); progressive: healthy after a covering set, the "
+        "rest in the background; none: no warmup, every shape eager "
+        "(debugging only)",
+        flags=("--warmup",),
+        choices=WARMUP_MODES,
+    )
+    warmup_profile: str | None = knob(
+        None,
+        "profile.json of `warmup-profile`: warm exactly its "
+        "buckets and choose buckets by its measured latencies",
+    )
+    record_shapes: str | None = knob(
+        None, "append the batch shapes served to this JSONL file (rank 0)"
+    )
+    graph_mode: str | None = knob(
+        None,
+        "default: the device's (hpu: graphs or lazy or compile; cuda: "
+        "graphs or eager or compile; xpu, cpu: eager or compile)",
+        choices=("eager", "graphs", "lazy", "compile"),
+    )
     strict_shapes: bool = knob(True, "on (default): a forward at an unwarmed shape raises")
-    warmup_prompt_logprobs: bool = knob(True, "on (default): also warm the prefill variant behind "
-                                              "prefill_logprobs")
-    kv_cache_memory_fraction: float = knob(0.9, "the share of free device memory the KV cache takes")
-    graph_memory_fraction: float = knob(0.1, "of that, the share kept for device graphs where they "
-                                             "are captured")
-    lora_impl: str | None = knob(None, "LoRA operations (default: the device's: dense on CPU and HPU, "
-                                       "static shapes; gather on CUDA)", choices=("dense", "gather"))
+    warmup_prompt_logprobs: bool = knob(
+        True, "on (default): also warm the prefill variant behind prefill_logprobs"
+    )
+    kv_cache_memory_fraction: float = knob(
+        0.9, "the share of free device memory the KV cache takes"
+    )
+    graph_memory_fraction: float = knob(
+        0.1, "of that, the share kept for device graphs where they are captured"
+    )
+    lora_impl: str | None = knob(
+        None,
+        "LoRA operations (default: the device's: dense on CPU and HPU, "
+        "static shapes; gather on CUDA)",
+        choices=("dense", "gather"),
+    )
     max_lora_rank: int = knob(64, "adapters of a higher rank are refused at start")
-    implementation: str = knob("auto", "auto (default): our native model when the architecture has "
-                                       "one, else the transformers fallback on the paged KV cache; "
-                                       "native or transformers: that one only (engine/models/"
-                                       "fallback.py)", choices=("auto", "native", "transformers"))
-    moe_impl: str | None = knob(None, "MoE experts (default: the device's: dense, every expert over "
-                                      "every token, on CPU and HPU; gather on CUDA)",
-                                choices=("dense", "gather"))
+    implementation: str = knob(
+        "auto",
+        "auto (default): our native model when the architecture has "
+        "one, else the transformers fallback on the paged KV cache; "
+        "native or transformers: that one only (engine/models/"
+        "fallback.py)",
+        choices=("auto", "native", "transformers"),
+    )
+    moe_impl: str | None = knob(
+        None,
+        "MoE experts (default: the device's: dense, every expert over "
+        "every token, on CPU and HPU; gather on CUDA)",
+        choices=("dense", "gather"),
+    )
 
     @property
     def resolved_cache_dir(self) -> Path:
         return self.cache_dir or default_cache_dir()
 
 
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-          "float16": "float16", "fp16": "float16"}
+DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
 
 
 def torch_dtype(name: str | None, default):

@@ -39,10 +39,11 @@ def config_from_args(args: argparse.Namespace) -> LauncherConfig:
 def resolve(config: LauncherConfig, console: Console) -> tuple[LauncherConfig, DevicePlan]:
     """Check everything that can be checked before a shard starts; the concrete config and device."""
     engine, router = config.engine, config.router
-    check_limits(engine.max_input_tokens, engine.max_total_tokens, engine.max_prefill_tokens, config.num_shard,
-                 chunked=engine.prefix_caching)
+    check_limits(engine.max_input_tokens, engine.max_total_tokens, engine.max_prefill_tokens,
+                 config.num_shard, chunked=engine.prefix_caching)
     if router.max_concurrent_requests < 1:
-        raise ConfigError(f"--max-concurrent-requests must be at least 1, not {router.max_concurrent_requests}")
+        raise ConfigError("--max-concurrent-requests must be at least 1, "
+                          f"not {router.max_concurrent_requests}")
     check_port("--port", router.port)
     if config.master_port is not None:
         if config.master_port == router.port:

@@ -1,5 +1,6 @@
 """The launcher's configuration: a knob dataclass that holds the shards' and the router's, filled
 from the command line (engine/cli/flags.py) and passed on to them field by field."""
+
 from __future__ import annotations
 
 import os
@@ -9,7 +10,8 @@ from engine.cli.flags import changed_flags, knob_environment_names, secret_envir
 from engine.config import EngineConfig, SharedKnobs, knob, nested
 from router.config import RouterConfig
 
-DEFAULT_PORT = 3000  # TGI's router port: a `docker run -p 8080:3000` written for TGI works unchanged
+# TGI's router port: a `docker run -p 8080:3000` written for TGI works unchanged
+DEFAULT_PORT = 3000
 # The router's knobs that differ under the launcher, as TGI's launcher: reachable from outside a
 # container on TGI's port. Every other knob has one default, the field's.
 ROUTER_DEFAULTS = {"port": DEFAULT_PORT, "hostname": "0.0.0.0"}
@@ -23,22 +25,28 @@ class LauncherConfig:
     """`python -m launcher`: the launcher's own knobs, and the configuration of every shard
     (`engine`) and of the router (`router`), which it passes on field by field: a knob the shards
     and the router share (engine/config.py SharedKnobs) is one flag that sets both."""
+
     engine: EngineConfig = nested(EngineConfig)
     router: RouterConfig = nested(RouterConfig, **ROUTER_DEFAULTS)
     num_shard: int = knob(1, "tensor-parallel ranks, one process each")
-    uds_path: str | None = knob(None, "socket base: rank r listens on BASE-r (default: a unique "
-                                      "path per launch)")
+    uds_path: str | None = knob(
+        None, "socket base: rank r listens on BASE-r (default: a unique path per launch)"
+    )
     master_port: int | None = knob(None, "torch.distributed rendezvous port (default: a free one)")
     no_router: bool = knob(False, "start the shards only and print the master socket", switch=True)
-    restart_on_failure: bool = knob(False, "restart the whole group when a shard dies (at most "
-                                           "--max-restarts times within --restart-window seconds)",
-                                    switch=True)
+    restart_on_failure: bool = knob(
+        False,
+        "restart the whole group when a shard dies (at most "
+        "--max-restarts times within --restart-window seconds)",
+        switch=True,
+    )
     max_restarts: int = knob(3, "restarts allowed within --restart-window seconds, then give up")
     restart_window: float = knob(300.0, "seconds over which --max-restarts counts")
     # loading a large model from a slow disk takes many minutes
     startup_timeout: float = knob(1800.0, "seconds until every shard answers Health")
-    shutdown_timeout: float = knob(10.0, "seconds a shard may take to stop gracefully before it "
-                                         "is killed")
+    shutdown_timeout: float = knob(
+        10.0, "seconds a shard may take to stop gracefully before it is killed"
+    )
 
     def socket_path(self, rank: int) -> str:
         return f"{self.uds_path}-{rank}"
@@ -46,7 +54,8 @@ class LauncherConfig:
     def shard_args(self) -> list[str]:
         """The `engine serve` arguments every rank gets (its rank comes from the environment): the
         socket base and every engine knob that differs from its default."""
-        # --verbose: the launcher shows each shard's latest log line while it loads, so it should say something.
+        # --verbose: the launcher shows each shard's latest log line while it loads, so it should
+        # say something.
         return ["--verbose", "--uds-path", str(self.uds_path), *changed_flags(self.engine)]
 
     def router_config(self) -> RouterConfig:
@@ -54,8 +63,12 @@ class LauncherConfig:
         and a start-up wait as long as the shards' (the router starts with the shards: its imports
         overlap their model load)."""
         shared = {f.name: getattr(self.engine, f.name) for f in fields(SharedKnobs)}
-        return replace(self.router, **shared, master_url=f"unix://{self.socket_path(0)}",
-                       wait_for_shards=self.startup_timeout)
+        return replace(
+            self.router,
+            **shared,
+            master_url=f"unix://{self.socket_path(0)}",
+            wait_for_shards=self.startup_timeout,
+        )
 
     def router_args(self) -> list[str]:
         """`python -m router` arguments: every router knob that differs from its default (the API

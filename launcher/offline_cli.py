@@ -68,7 +68,8 @@ def add_offline_commands(commands) -> None:
     gen.add_argument("--prompts-file", help='JSON lines of {"prompt": "..."}')
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
-                     help=f"the most tokens each prompt may generate (default: {DEFAULT_MAX_NEW_TOKENS})")
+                     help="the most tokens each prompt may generate "
+                          f"(default: {DEFAULT_MAX_NEW_TOKENS})")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=cmd_generate)
     ben = commands.add_parser("bench", help="throughput benchmark, optionally against transformers")

@@ -19,7 +19,8 @@ from engine.cli.flags import add_knob_flags, config_from_args as knobs_from_args
 from engine.config import ServingLimits, default_cache_dir
 from engine.weights.loader import resolve_model_dir
 from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCriteriaParameters
-from router.config import EMBEDDED_MODEL_NAME, AccessConfig, RouterConfig  # noqa: F401 - re-exported
+# re-exported: the router's configuration, as before it had a module of its own
+from router.config import EMBEDDED_MODEL_NAME, AccessConfig, RouterConfig  # noqa: F401
 from router.http.access import install
 from router.http import tracing
 from router.sched.allocator import BlockAllocator

@@ -1,6 +1,7 @@
 """The router's configuration: knob dataclasses (engine/config.py `knob`), one field per flag of
 `python -m router`. Light to import (no web framework, no torch): the launcher builds its own
 command line from these fields before any shard starts."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,43 +24,72 @@ def shard_url(text: str) -> str:
 @dataclass(frozen=True, kw_only=True)
 class AccessConfig:
     """Who may call the router (router/http/access.py)."""
-    api_key: str | None = knob(None, "require `Authorization: Bearer KEY` on every route but /health "
-                                     "and /metrics (default: $BUCKETSERVE_API_KEY; unset: no key "
-                                     "needed); a launcher passes it in the environment, never on a "
-                                     "command line", env="BUCKETSERVE_API_KEY", secret=True)
-    cors_allow_origins: tuple[str, ...] = knob((), "an origin browsers may call from (repeat, or "
-                                                   "`*`); default: none",
-                                               flags=("--cors-allow-origin",), repeat=True)
+
+    api_key: str | None = knob(
+        None,
+        "require `Authorization: Bearer KEY` on every route but /health "
+        "and /metrics (default: $BUCKETSERVE_API_KEY; unset: no key "
+        "needed); a launcher passes it in the environment, never on a "
+        "command line",
+        env="BUCKETSERVE_API_KEY",
+        secret=True,
+    )
+    cors_allow_origins: tuple[str, ...] = knob(
+        (),
+        "an origin browsers may call from (repeat, or `*`); default: none",
+        flags=("--cors-allow-origin",),
+        repeat=True,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
 class RouterConfig(SharedKnobs):
     """`python -m router`: the shards to drive, the HTTP side, and the limits it schedules under
     (the shared ones, SharedKnobs, are the shards' own flags too)."""
-    master_url: str = knob("", "the rank-0 shard, e.g. unix:///tmp/x-0",
-                           flags=("--master-shard-uds-path",), parse=shard_url, required=True)
-    tokenizer: str | None = knob(None, "a directory with the model's tokenizer (default: "
-                                       "--model-id's)")
+
+    master_url: str = knob(
+        "",
+        "the rank-0 shard, e.g. unix:///tmp/x-0",
+        flags=("--master-shard-uds-path",),
+        parse=shard_url,
+        required=True,
+    )
+    tokenizer: str | None = knob(
+        None, "a directory with the model's tokenizer (default: --model-id's)"
+    )
     served_model_name: str | None = knob(
-        None, "the model's name in the OpenAI API: /v1/models lists it (and the LoRA adapters), "
-              "a request that names another model gets 404; `tgi` is always accepted (default: the "
-              "model directory's name)")
+        None,
+        "the model's name in the OpenAI API: /v1/models lists it (and the LoRA adapters), "
+        "a request that names another model gets 404; `tgi` is always accepted (default: the "
+        "model directory's name)",
+    )
     hostname: str = knob("127.0.0.1", "the HTTP address")
     port: int = knob(8080, "the HTTP port")
-    max_concurrent_requests: int = knob(128, "queued + running requests; beyond it a request gets "
-                                             "HTTP 429")
+    max_concurrent_requests: int = knob(
+        128, "queued + running requests; beyond it a request gets HTTP 429"
+    )
     access: AccessConfig = nested(AccessConfig)
-    payload_limit: int = knob(DEFAULT_PAYLOAD_LIMIT, "largest request body in bytes; a larger one "
-                                                     "gets HTTP 413 (TGI's flag and default)")
-    lookahead: str = knob("auto", "on: while nothing waits to be admitted, the shards run a batch's "
-                                  "next forward as soon as they answer a step, overlapping the "
-                                  "router's round trip; auto (default): on unless the shards run "
-                                  "on CPU", choices=("auto", "on", "off"))
-    wait_for_shards: float = knob(0.0, "wait up to this many seconds for the shards to answer (the "
-                                       "launcher starts the router while the shards load); default "
-                                       "0: fail at once if they do not")
-    parent_pid: int | None = knob(None, "stop when this process is gone (the launcher sets it)",
-                                  env="BUCKETSERVE_PARENT_PID")
+    payload_limit: int = knob(
+        DEFAULT_PAYLOAD_LIMIT,
+        "largest request body in bytes; a larger one gets HTTP 413 (TGI's flag and default)",
+    )
+    lookahead: str = knob(
+        "auto",
+        "on: while nothing waits to be admitted, the shards run a batch's "
+        "next forward as soon as they answer a step, overlapping the "
+        "router's round trip; auto (default): on unless the shards run "
+        "on CPU",
+        choices=("auto", "on", "off"),
+    )
+    wait_for_shards: float = knob(
+        0.0,
+        "wait up to this many seconds for the shards to answer (the "
+        "launcher starts the router while the shards load); default "
+        "0: fail at once if they do not",
+    )
+    parent_pid: int | None = knob(
+        None, "stop when this process is gone (the launcher sets it)", env="BUCKETSERVE_PARENT_PID"
+    )
 
     @property
     def adapter_names(self) -> tuple[str, ...]:

@@ -1,14 +1,20 @@
 """One declaration per knob: the engine's, the router's and the launcher's command lines are built
 from the configuration dataclasses' fields, agree on every knob they share, and a new field reaches
 the shards and the router through the launcher with no code of its own."""
+
 import argparse
 import dataclasses
 from pathlib import Path
 
 import pytest
 
-from engine.cli.flags import (add_knob_flags, changed_flags, config_from_args, knob_flags,
-                              unique_flags)
+from engine.cli.flags import (
+    add_knob_flags,
+    changed_flags,
+    config_from_args,
+    knob_flags,
+    unique_flags,
+)
 from engine.cli.main import build_parser as engine_parser
 from engine.cli.main import engine_config
 from engine.config import EngineConfig, SharedKnobs, knob, nested
@@ -18,7 +24,12 @@ from router.app import build_parser as router_parser
 from router.app import config_from_args as router_config
 from router.config import RouterConfig
 
-KNOB_VARIABLES = ("MAX_BATCH_SIZE", "LORA_ADAPTERS", "BUCKETSERVE_API_KEY", "BUCKETSERVE_PARENT_PID")
+KNOB_VARIABLES = (
+    "MAX_BATCH_SIZE",
+    "LORA_ADAPTERS",
+    "BUCKETSERVE_API_KEY",
+    "BUCKETSERVE_PARENT_PID",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -39,8 +50,11 @@ def options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 
 
 def parsers() -> dict[str, dict[str, argparse.Action]]:
-    return {"engine": options(subcommand(engine_parser(), "serve")),
-            "router": options(router_parser()), "launcher": options(launcher_parser())}
+    return {
+        "engine": options(subcommand(engine_parser(), "serve")),
+        "router": options(router_parser()),
+        "launcher": options(launcher_parser()),
+    }
 
 
 def described(action: argparse.Action) -> tuple:
@@ -68,10 +82,13 @@ def test_every_shared_knob_has_one_flag_default_and_help_in_all_three_parsers():
 
 
 def test_every_parser_shows_each_field_as_the_field_declares_it():
-    """A flag declared by hand (another default, other help) beside or instead of the field's fails here."""
+    """A flag declared by hand (another default, other help) beside or instead of the field's
+    fails here."""
     built = parsers()
-    for name, cls, actions in (("engine", EngineConfig, built["engine"]),
-                               ("router", RouterConfig, built["router"])):
+    for name, cls, actions in (
+        ("engine", EngineConfig, built["engine"]),
+        ("router", RouterConfig, built["router"]),
+    ):
         for dest, flag in unique_flags(cls).items():
             assert described(actions[dest]) == expected(flag), (name, dest)
     launcher = LauncherConfig()
@@ -80,7 +97,9 @@ def test_every_parser_shows_each_field_as_the_field_declares_it():
         class_default = unique_flags(RouterConfig).get(dest) or unique_flags(EngineConfig).get(dest)
         if class_default is not None and dest not in ROUTER_DEFAULTS:  # one default per knob
             assert flag.default == class_default.default, dest
-    assert launcher.router.port == ROUTER_DEFAULTS["port"] != RouterConfig().port  # TGI's, documented
+    assert (
+        launcher.router.port == ROUTER_DEFAULTS["port"] != RouterConfig().port
+    )  # TGI's, documented
 
 
 def test_the_launcher_parser_has_every_shard_and_router_knob_once():
@@ -97,15 +116,22 @@ def test_the_old_flag_spellings_still_parse():
     assert (parsed.max_prefill_tokens, parsed.warmup_mode) == (99, "none")
     parsed = engine_parser().parse_args(["serve", "--max-batch-prefill-tokens", "98"])
     assert parsed.max_prefill_tokens == 98
-    routed = router_config(router_parser().parse_args(["--master-shard-uds-path", "/tmp/x-0",
-                                                       "--max-batch-prefill-tokens", "97"]))
+    routed = router_config(
+        router_parser().parse_args(
+            ["--master-shard-uds-path", "/tmp/x-0", "--max-batch-prefill-tokens", "97"]
+        )
+    )
     assert (routed.max_prefill_tokens, routed.master_url) == (97, "unix:///tmp/x-0")
 
 
 def test_one_default_for_the_batch_size_and_the_device():
     assert EngineConfig().max_batch_size == RouterConfig().max_batch_size == 32
     assert LauncherConfig().engine.max_batch_size == LauncherConfig().router.max_batch_size == 32
-    assert EngineConfig().device == engine_config(engine_parser().parse_args(["serve"])).device == "auto"
+    assert (
+        EngineConfig().device
+        == engine_config(engine_parser().parse_args(["serve"])).device
+        == "auto"
+    )
 
 
 # --- every field reaches the shard and the router -------------------------------------------------
@@ -156,7 +182,10 @@ def test_every_router_field_round_trips_through_the_launcher_to_the_router():
     launched = LauncherConfig(engine=engine, router=router, uds_path="/tmp/s", startup_timeout=12.5)
     expected_router = launched.router_config()
     assert expected_router.max_batch_size == engine.max_batch_size  # shared: the shards' value
-    assert expected_router.access.api_key and expected_router.access.api_key not in launched.router_args()
+    assert (
+        expected_router.access.api_key
+        and expected_router.access.api_key not in launched.router_args()
+    )
     environment = launched.router_environment({"MAX_BATCH_SIZE": "3", "PATH": "/bin"})
     assert environment["BUCKETSERVE_API_KEY"] == expected_router.access.api_key
     assert "MAX_BATCH_SIZE" not in environment  # no variable beside a flag
@@ -166,8 +195,12 @@ def test_every_router_field_round_trips_through_the_launcher_to_the_router():
 
 
 def test_the_launcher_parser_fills_both_configs_from_one_shared_flag():
-    config = config_from_args(LauncherConfig, launcher_parser().parse_args(
-        ["--max-batch-size", "5", "--port", "3100", "--dtype", "float32"]))
+    config = config_from_args(
+        LauncherConfig,
+        launcher_parser().parse_args(
+            ["--max-batch-size", "5", "--port", "3100", "--dtype", "float32"]
+        ),
+    )
     assert config.engine.max_batch_size == config.router.max_batch_size == 5
     assert (config.router.port, config.engine.dtype) == (3100, "float32")
 
@@ -179,7 +212,9 @@ def test_no_environment_variable_beside_the_batch_size_flag(monkeypatch):
 
     monkeypatch.setenv("MAX_BATCH_SIZE", "6")  # the user's: the launcher reads it as the default
     monkeypatch.setenv("LORA_ADAPTERS", "x=/x")
-    config = config_from_args(LauncherConfig, launcher_parser().parse_args(["--uds-path", "/tmp/s"]))
+    config = config_from_args(
+        LauncherConfig, launcher_parser().parse_args(["--uds-path", "/tmp/s"])
+    )
     group = ShardGroup(config, cpu_plan(1, {}), Console())
     group.master_port = 29999
     environment = group._env(0)
@@ -191,7 +226,10 @@ def test_no_environment_variable_beside_the_batch_size_flag(monkeypatch):
 def test_the_engine_honours_tgis_batch_size_variable_when_no_flag_is_given(monkeypatch):
     monkeypatch.setenv("MAX_BATCH_SIZE", "6")
     assert engine_config(engine_parser().parse_args(["serve"])).max_batch_size == 6
-    assert engine_config(engine_parser().parse_args(["serve", "--max-batch-size", "3"])).max_batch_size == 3
+    assert (
+        engine_config(engine_parser().parse_args(["serve", "--max-batch-size", "3"])).max_batch_size
+        == 3
+    )
 
 
 # --- a new knob is one field ----------------------------------------------------------------------
@@ -230,8 +268,12 @@ def test_adding_one_field_gives_a_flag_everywhere_and_it_reaches_shard_and_route
         action = options(parser)["spill_watermark"]
         assert (action.option_strings, action.default) == (["--spill-watermark"], 5)
     assert "shard_only" in options(launcher) and "shard_only" not in options(parser_of(WiderRouter))
-    config = config_from_args(WiderLauncher, launcher.parse_args(
-        ["--spill-watermark", "9", "--shard-only", "y", "--uds-path", "/tmp/s"]))
+    config = config_from_args(
+        WiderLauncher,
+        launcher.parse_args(
+            ["--spill-watermark", "9", "--shard-only", "y", "--uds-path", "/tmp/s"]
+        ),
+    )
     shard_argv = ["--verbose", "--uds-path", "/tmp/s", *changed_flags(config.engine)]
     assert config.shard_args() == shard_argv
     shard = config_from_args(WiderEngine, parser_of(WiderEngine).parse_args(shard_argv[3:]))

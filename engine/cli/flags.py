@@ -6,6 +6,7 @@ The launcher passes its configuration on with `changed_flags`: each field that d
 class default becomes that field's flag, so a new field reaches the shards and the router without
 code of its own. Standard library only (the launcher imports it before any shard starts).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,11 +23,12 @@ ON_OFF = ("on", "off")
 @dataclasses.dataclass(frozen=True)
 class Flag:
     """One knob, as a command line sees it."""
-    dest: str                  # the field's name: the argparse destination
-    flags: tuple[str, ...]     # spellings, the canonical one first
+
+    dest: str  # the field's name: the argparse destination
+    flags: tuple[str, ...]  # spellings, the canonical one first
     help: str
-    default: Any               # the field's default (a value, not its text)
-    kind: type                 # the field's type, None removed
+    default: Any  # the field's default (a value, not its text)
+    kind: type  # the field's type, None removed
     meta: dict
 
     @property
@@ -69,8 +71,11 @@ class Flag:
 
     def same_as(self, other: "Flag") -> bool:
         keys = ("help", "choices", "env", "switch", "repeat", "secret", "required")
-        return (self.flags == other.flags and self.default == other.default
-                and all(self.meta[k] == other.meta[k] for k in keys))
+        return (
+            self.flags == other.flags
+            and self.default == other.default
+            and all(self.meta[k] == other.meta[k] for k in keys)
+        )
 
 
 def _bare_type(hint) -> type:
@@ -114,8 +119,9 @@ def unique_flags(cls, defaults: Any = None, only=None, exclude=()) -> dict[str, 
     return out
 
 
-def add_knob_flags(parser: argparse.ArgumentParser, cls, defaults: Any = None, only=None,
-                   exclude=()) -> None:
+def add_knob_flags(
+    parser: argparse.ArgumentParser, cls, defaults: Any = None, only=None, exclude=()
+) -> None:
     """One flag per knob of `cls` (or of those named in `only`)."""
     for flag in unique_flags(cls, defaults, only, exclude).values():
         add_flag(parser, flag)
@@ -155,7 +161,7 @@ def config_from_args(cls, args: argparse.Namespace, defaults: Any = None):
     own = {path[0]: flag for path, flag in knob_flags(cls) if len(path) == 1}
     values = {}
     for f in dataclasses.fields(cls):
-        inner = getattr(defaults, f.name) if defaults is not None else None
+        inner = getattr(defaults, f.name)
         if "nested" in f.metadata:
             values[f.name] = config_from_args(f.metadata["nested"], args, inner)
         elif f.name in own and hasattr(args, f.name):

@@ -7,11 +7,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
 from engine.cli.flags import add_knob_flags, config_from_args
 from engine.config import EngineConfig, env_int
 from engine.errors import BucketserveError
+
+
+EXIT_USAGE = 2
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -19,9 +21,6 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(EXIT_USAGE, f"error: {message} (see --help)\n")
-
-
-EXIT_USAGE = 2
 
 
 def add_engine_args(parser: argparse.ArgumentParser, exclude=()) -> None:
