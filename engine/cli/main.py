@@ -9,6 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
+from engine.cli.logs import configure_logging
 from engine.config import EngineConfig, env_int, env_lora_adapters, parse_lora_adapters
 from engine.errors import BucketserveError
 
@@ -144,7 +145,7 @@ def build_parser(prog: str = "python -m engine", extra_commands=()) -> argparse.
 
 def main(argv: list[str] | None = None, prog: str = "python -m engine", extra_commands=()) -> int:
     args = build_parser(prog, extra_commands).parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.INFO if args.verbose else logging.WARNING)
     try:
         args.func(args)
     except (BucketserveError, ValueError, OSError) as err:
