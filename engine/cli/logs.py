@@ -5,6 +5,7 @@ they share this format, and the launcher gives its own lines (and a child's line
 records, such as a traceback) the same shape with `line()`. A router record about an HTTP request
 names it: `NAME [REQUEST_ID]: MESSAGE`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,7 +26,9 @@ class LineFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         request_id = getattr(record, "request_id", None)
-        record.source = record.name if request_id in (None, "-") else f"{record.name} [{request_id}]"
+        record.source = (
+            record.name if request_id in (None, "-") else f"{record.name} [{request_id}]"
+        )
         return super().format(record)
 
 
