@@ -67,7 +67,7 @@ class ModelRunner:
             group = [plain[i] for i in split]
             members = [seqs[i] for i in group]
             bucket = self.plan.prefill_bucket(len(members), max(len(s.token_ids) for s in members))
-            self.padding.record("prefill", sum(len(s.token_ids) for s in members), bucket.tokens)
+            self.padding.record("prefill", sum(len(s.token_ids) for s in members), bucket.tokens, bucket)
             if any(s.prompt_logprobs for s in members):
                 self._prefill_scoring_prompts(bucket, group, members, output)
                 continue
@@ -89,7 +89,7 @@ class ModelRunner:
             members = [seqs[i] for i in group]
             bucket = self.plan.prefill_bucket(len(members), max(len(s.token_ids) for s in members),
                                               max(self._context_blocks(s) for s in members))
-            self.padding.record("prefill", sum(len(s.token_ids) for s in members), bucket.tokens)
+            self.padding.record("prefill", sum(len(s.token_ids) for s in members), bucket.tokens, bucket)
             logits = self._run(("prefill", bucket), *self._prefill_tensors(bucket, members))
             for row, index in enumerate(group):
                 output.logits[index] = logits[row]
@@ -115,7 +115,7 @@ class ModelRunner:
         for group in self.plan.split_decode([len(s.blocks) for s in seqs]):
             members = [seqs[i] for i in group]
             bucket = self.plan.decode_bucket(len(members), sum(len(s.blocks) for s in members))
-            self.padding.record("decode", len(members), bucket.batch_size)
+            self.padding.record("decode", len(members), bucket.batch_size, bucket)
             out = self._run(("decode", bucket), *self._decode_tensors(bucket, members))
             for row, index in enumerate(group):
                 logits[index] = out[row]

@@ -1,4 +1,9 @@
-"""The launcher's output: shard logs read from their pipes, and one progress line."""
+"""The launcher's output: shard logs read from their pipes, and one progress line.
+
+Every line is in the log format the router and the shards use too (engine/cli/logs.py): the
+launcher's own lines are named `launcher`, and a child's line gets the child's tag (`[shard 0]`,
+`[router]`) before its logger name, or as its name where the child printed it outside `logging`
+(a warmup summary, a traceback)."""
 from __future__ import annotations
 
 import re
@@ -9,17 +14,31 @@ import time
 from collections import deque
 from typing import Callable
 
+from engine.cli.logs import line as log_line, tagged
+
 LINE_END = re.compile(rb"\r\n|\r|\n")
 STATUS_EVERY_S = 5.0    # progress as plain log lines (not a terminal): one every few seconds
 REDRAW_EVERY_S = 0.5    # progress on a terminal: one line, redrawn in place
+CHILD_TAG = re.compile(r"(\[(?:shard \d+|router)\]) (.*)", re.DOTALL)  # how the launcher forwards a child's line
+LEVELS = {"error: ": "ERROR", "warning: ": "WARNING"}  # the launcher's lines that say how serious they are
+
+
+def formatted(text: str) -> str:
+    """`text` as a log line: the launcher's own, or a child's (its tag, then the child's line)."""
+    child = CHILD_TAG.fullmatch(text)
+    if child is None:
+        level = next((lvl for prefix, lvl in LEVELS.items() if text.startswith(prefix)), "INFO")
+        return log_line("launcher", text, level)
+    return tagged(*child.groups())
 
 
 class Console:
     """stderr, shared by the launcher and the shard readers: a lock keeps lines whole, and on a
     terminal the progress line is wiped before a log line and redrawn after it."""
 
-    def __init__(self, stream=None):
+    def __init__(self, stream=None, format_lines: bool = True):
         self.stream = stream or sys.stderr
+        self.format_lines = format_lines  # False: lines as given (tests of the progress line)
         self.tty = self.stream.isatty()
         self.lock = threading.Lock()
         self.status_text = ""
@@ -28,7 +47,7 @@ class Console:
     def line(self, text: str) -> None:
         with self.lock:
             self._wipe()
-            self.stream.write(text + "\n")
+            self.stream.write((formatted(text) if self.format_lines else text) + "\n")
             self._draw()
             self.stream.flush()
 
@@ -39,7 +58,7 @@ class Console:
                 return
             self.status_at = now
             if not self.tty:
-                self.stream.write(text + "\n")
+                self.stream.write((formatted(text) if self.format_lines else text) + "\n")
             else:
                 self._wipe()
                 self.status_text = text[: shutil.get_terminal_size().columns - 1]

@@ -26,6 +26,12 @@ class RouterFailure(Exception):
         self.lines = list(lines)
 
 
+def warming_status(seconds: float, latest: str) -> str:
+    """The progress line while the router warms the shards up; its last log line, once it has one."""
+    latest = latest[-100:].strip()
+    return f"router: warming up the shards, {seconds:.0f}s" + (f"; {latest}" if latest else "")
+
+
 class RouterProcess:
     def __init__(self, config: LauncherConfig, console: Console):
         self.config, self.console = config, console
@@ -53,8 +59,7 @@ class RouterProcess:
                 return True
             if time.monotonic() - start > timeout:
                 raise self.failure(f"did not answer /health within --startup-timeout {timeout:g}s")
-            self.console.status(f"router: warming up the shards, {time.monotonic() - start:.0f}s; "
-                                f"{self.log.latest[-100:]}")
+            self.console.status(warming_status(time.monotonic() - start, self.log.latest))
             stop.wait(POLL_S)
         return False
 

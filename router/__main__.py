@@ -3,14 +3,13 @@ import asyncio
 import logging
 import sys
 
+from engine.cli.logs import configure_logging
 from router.http.access import log_request_ids
 from router.app import build_parser, config_from_args, serve
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s")
-    for handler in logging.getLogger().handlers:  # the request id of the request a line is about
-        log_request_ids(handler)
+    log_request_ids(configure_logging(logging.INFO))  # a request's lines name its request id
     config = config_from_args(build_parser().parse_args(argv))
     try:
         asyncio.run(serve(config))

@@ -28,6 +28,7 @@ from router.sched.prefix_cache import PrefixCache
 from router.client import GrpcShardClient, ShardClient
 from router.config import DEFAULT_PAYLOAD_LIMIT
 from router.http.errors import BodyLimit, install_error_handlers
+from router.http.front_page import front_page_routes
 from router.http.metrics import RouterMetrics
 from router.http.openai_api import openai_routes
 from router.sched.scheduler import Scheduler, lookahead_for
@@ -93,7 +94,7 @@ def create_app(state: RouterState, access: AccessConfig = AccessConfig(), traces
                payload_limit: int = DEFAULT_PAYLOAD_LIMIT) -> FastAPI:
     """The HTTP app: TGI's routes, OpenAI's, and the service routes, over one state; every error
     in the route's shape (router/http/errors.py)."""
-    app = FastAPI(title="bucketserve router")
+    app = FastAPI(title="bucketserve router", docs_url=None, redoc_url=None)  # their assets come from a CDN
     app.add_middleware(BodyLimit, limit=payload_limit, metrics=state.metrics)
     tracing.install(app, traces, state.scheduler)   # inside the access middleware, which names the request first
     install(app, access)
@@ -101,6 +102,7 @@ def create_app(state: RouterState, access: AccessConfig = AccessConfig(), traces
     tgi_routes(app, state)
     openai_routes(app, state)
     service_routes(app, state)
+    front_page_routes(app, state)
     return app
 
 

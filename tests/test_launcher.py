@@ -393,7 +393,7 @@ class FakeTerminal(io.StringIO):
 
 def test_progress_is_one_terminal_line_that_log_lines_push_down():
     terminal = FakeTerminal()
-    console = Console(terminal)
+    console = Console(terminal, format_lines=False)  # the redrawing, not the line format
     console.status("waiting for shards: 0/2 ready")
     console.line("[shard 0] loaded")
     console.clear_status()

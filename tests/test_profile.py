@@ -70,3 +70,15 @@ def test_a_profile_whose_buckets_exceed_the_limits_is_refused(tiny_model_dirs, p
     shard = Shard(config(tiny_model_dirs, profile, max_batch_size=1), show_progress=False)
     with pytest.raises(ValueError, match="limits differ from the profile's.*beyond the limits"):
         shard.warmup()
+
+
+def test_the_summary_table_names_each_prefill_buckets_context():
+    from engine.warmup.profile import summary_table
+
+    figures = {"warm_s": 0.5, "latency_s": 0.002, "memory_bytes": 0}
+    entries = [{"phase": "prefill", "batch_size": 1, "seq_len": 48, "context_blocks": ctx, **figures}
+               for ctx in (0, 2, 4)] + [{"phase": "decode", "batch_size": 2, "num_blocks": 8, **figures}]
+    header, *rows, _ = summary_table(entries).splitlines()
+    assert header.split()[3:5] == ["ctx", "blocks"]
+    assert len(set(rows)) == len(rows)  # no two buckets print the same line
+    assert [row.split()[3] for row in rows] == ["0", "2", "4", "-"]

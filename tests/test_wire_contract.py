@@ -127,8 +127,16 @@ BUCKETSERVE_EXTENSIONS = {
 STATS_COUNTERS = ("prefill_real", "prefill_padded", "decode_real", "decode_padded",
                   "unwarmed_shapes", "prefill_forwards", "decode_forwards", "copied_prompts",
                   "chunked_prompts", "prefill_chunks", "lookahead_runs", "lookahead_steps")
+PLAN_FIELDS = ("plan_prefill_buckets", "plan_decode_buckets", "warmed_buckets", "warmup_buckets",
+               "buckets_used")
 EXTENSION_MESSAGES = {
-    "ServingStats": [Field(n, i, "", "uint64") for i, n in enumerate(STATS_COUNTERS, 1)],
+    "ServingStats": [Field(n, i, "", "uint64") for i, n in enumerate(STATS_COUNTERS, 1)]
+    + [Field(n, i, "", "uint32") for i, n in enumerate(PLAN_FIELDS, len(STATS_COUNTERS) + 1)]
+    + [Field("buckets", 18, "repeated", "BucketUse")],
+    "BucketUse": [Field("phase", 1, "", "string"), Field("batch_size", 2, "", "uint32"),
+                  Field("length", 3, "", "uint32"), Field("context_blocks", 4, "", "uint32"),
+                  Field("forwards", 5, "", "uint64"), Field("real", 6, "", "uint64"),
+                  Field("padded", 7, "", "uint64")],
 }
 
 

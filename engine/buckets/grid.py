@@ -363,19 +363,28 @@ class PaddingStats:
         self._real = dict.fromkeys(PHASES, 0)
         self._padded = dict.fromkeys(PHASES, 0)
         self._forwards = dict.fromkeys(PHASES, 0)  # bucket runs: n > 1 siblings must cost one prefill
+        self.by_bucket: dict = {}  # bucket -> [forwards, real, padded]: which buckets the traffic used
 
     def _check_phase(self, phase: str) -> None:
         # A typo'd phase would silently start a third, never-reported account.
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}; known: {', '.join(PHASES)}")
 
-    def record(self, phase: str, real_tokens: int, padded_tokens: int) -> None:
+    def record(self, phase: str, real_tokens: int, padded_tokens: int, bucket=None) -> None:
         self._check_phase(phase)
         if not 0 <= real_tokens <= padded_tokens:
             raise ValueError(f"need 0 <= real ({real_tokens}) <= padded ({padded_tokens}) for {phase}")
         self._real[phase] += real_tokens
         self._padded[phase] += padded_tokens
         self._forwards[phase] += 1
+        if bucket is not None:
+            counts = self.by_bucket.setdefault(bucket, [0, 0, 0])
+            counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + real_tokens, counts[2] + padded_tokens
+
+    def busiest(self, count: int) -> list[tuple]:
+        """The `count` buckets run most often: (bucket, forwards, real, padded), most used first."""
+        ranked = sorted(self.by_bucket.items(), key=lambda item: -item[1][0])[:count]
+        return [(bucket, *counts) for bucket, counts in ranked]
 
     def forwards(self, phase: str) -> int:
         self._check_phase(phase)

@@ -9,6 +9,7 @@ import logging
 import sys
 
 from engine.cli.flags import add_knob_flags, config_from_args
+from engine.cli.logs import configure_logging
 from engine.config import EngineConfig, env_int
 from engine.errors import BucketserveError
 
@@ -95,7 +96,7 @@ def build_parser(prog: str = "python -m engine", extra_commands=()) -> argparse.
 
 def main(argv: list[str] | None = None, prog: str = "python -m engine", extra_commands=()) -> int:
     args = build_parser(prog, extra_commands).parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.INFO if args.verbose else logging.WARNING)
     try:
         args.func(args)
     except (BucketserveError, ValueError, OSError) as err:

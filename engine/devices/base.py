@@ -53,6 +53,7 @@ class DeviceAdapter(ABC):
     step_marker: Callable[[], None] | None = None        # installed around forwards (HPU lazy mode)
     attention_backend: AttentionBackend | None = None    # None: pure torch attention
     graph_budget = None  # engine.warmup.budget.GraphBudget, set by the shard when graphs are captured
+    own_memory: bool = True  # memory_info() is this device's, so warmup's memory figures are this shard's
 
     def __init__(self, graph_mode: str | None = None, strict_shapes: bool = True, *, rank: int = 0,
                  world_size: int = 1, cache_dir: Path | None = None):

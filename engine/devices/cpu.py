@@ -28,6 +28,7 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
     dist_backend = "gloo"
     default_dtype = torch.float32
     default_block_size = 16
+    own_memory = False  # system memory: what other processes do moves it more than this shard does
     graph_modes = ("eager", "compile")
     default_lora_impl = "dense"  # one GEMM per projection for all adapters beats per-token gathers on CPU
     # int8/int4: PyTorch's packed CPU kernels; fp8: loading and the dequantizing reference (tests)

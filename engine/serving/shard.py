@@ -13,7 +13,7 @@ from engine.weights import loader
 from engine.batch import Batch, CachedBatch, Generation, InfoResponse, StepTimings, WarmupResult
 from engine.config import EngineConfig, ServingLimits, distributed_address, torch_dtype
 from engine.distributed import Parallel, broadcast_int, init_distributed, min_across_ranks
-from engine.buckets.grid import PaddingStats
+from engine.buckets.grid import PaddingStats, PrefillBucket
 from engine.devices import get_adapter
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.kv_cache import ShardBlockPool, KVCache
@@ -196,10 +196,15 @@ class Shard:
             self.recorder = self.recorder or ShapeRecorder(self.config.record_shapes)
             self.runner.recorder = self.recorder
 
-    def serving_stats(self) -> dict[str, int]:
-        """Padding and unwarmed-shape counts since warmup, for the router's metrics."""
+    def serving_stats(self) -> dict:
+        """Padding and unwarmed-shape counts since warmup, for the router's metrics; and for its front
+        page the plan's size, warmup progress, and the busiest buckets (bucket_counts)."""
         padding, unwarmed = self.runner.padding, sum(self.adapter.shapes.unwarmed.values())
-        return {"prefill_real": padding.real("prefill"), "prefill_padded": padding.padded("prefill"),
+        progress, plan = self.warmup_progress(), self.runner.plan
+        return {"plan_buckets": [len(plan.prefill), len(plan.decode)], "warmup": [progress["warmed"], progress["total"]],
+                "buckets": [bucket_counts(*entry) for entry in padding.busiest(REPORTED_BUCKETS)],
+                "buckets_used": len(padding.by_bucket),
+                "prefill_real": padding.real("prefill"), "prefill_padded": padding.padded("prefill"),
                 "decode_real": padding.real("decode"), "decode_padded": padding.padded("decode"),
                 "unwarmed_shapes": unwarmed, "prefill_forwards": padding.forwards("prefill"),
                 "decode_forwards": padding.forwards("decode"), "copied_prompts": self.runner.kv_cache.copied_prompts,
@@ -376,3 +381,15 @@ class Shard:
         if limits.max_total_tokens > positions:
             raise InvalidRequestError(f"max_total_tokens={limits.max_total_tokens} exceeds the model's {positions} positions")
         return limits
+
+
+# Buckets in the stats each step carries (gRPC trailing metadata, which a client caps at a few KiB).
+REPORTED_BUCKETS = 32
+
+
+def bucket_counts(bucket, forwards: int, real: int, padded: int) -> list:
+    """One bucket's use, compact: ["prefill", batch, seq_len, context_blocks, forwards, real tokens,
+    padded tokens] or ["decode", batch, num_blocks, forwards, real rows, padded rows]."""
+    if isinstance(bucket, PrefillBucket):
+        return ["prefill", bucket.batch_size, bucket.seq_len, bucket.context_blocks, forwards, real, padded]
+    return ["decode", bucket.batch_size, bucket.num_blocks, forwards, real, padded]

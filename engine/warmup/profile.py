@@ -125,10 +125,14 @@ def write_profile(out_dir: Path, shard, entries: list[dict], strategy: str, extr
 
 
 def summary_table(entries: list[dict]) -> str:
-    lines = [f"{'phase':8} {'bs':>4} {'seq/blocks':>10} {'warm s':>8} {'median ms':>10} {'memory MiB':>11}"]
+    """One line per bucket. `ctx blocks`: a prefill bucket's context blocks (a prefill that continues
+    cached context); without it, buckets that differ only there would look like duplicates."""
+    lines = [f"{'phase':8} {'bs':>4} {'seq/blocks':>10} {'ctx blocks':>10} {'warm s':>8} {'median ms':>10} "
+             f"{'memory MiB':>11}"]
     for e in entries:
         size = e.get("seq_len", e.get("num_blocks"))
-        lines.append(f"{e['phase']:8} {e['batch_size']:>4} {size:>10} {e['warm_s']:>8.2f} "
+        context = e.get("context_blocks", 0) if e["phase"] == "prefill" else "-"
+        lines.append(f"{e['phase']:8} {e['batch_size']:>4} {size:>10} {context:>10} {e['warm_s']:>8.2f} "
                      f"{e['latency_s'] * 1e3:>10.2f} {e['memory_bytes'] / 2**20:>11.1f}")
     total_warm = sum(e["warm_s"] for e in entries)
     lines.append(f"{len(entries)} buckets, {total_warm:.1f}s warming in all")

@@ -34,13 +34,17 @@ class PhaseLog:
         self._last = now
 
     def summary(self) -> str:
-        """Total time and memory, then per phase, e.g. '3.2s, free memory -1.10 GiB: largest prefill 0.4s ...'."""
+        """Total time and memory, then per phase, e.g. '3.2s, free memory -1.10 GiB: largest prefill 0.4s ...'.
+        Memory only where the adapter's memory is its own device's (not the CPU's system memory)."""
+        memory = getattr(self.adapter, "own_memory", True)
         parts, free = [], self.free_at_start
         for name, seconds, after in self.phases:
-            parts.append(f"{name} {seconds:.1f}s {_gib(after - free)}")
+            parts.append(f"{name} {seconds:.1f}s" + (f" {_gib(after - free)}" if memory else ""))
             free = after
-        total = time.perf_counter() - self.start
-        return f"{total:.1f}s, free memory {_gib(free - self.free_at_start)}: " + ", ".join(parts)
+        total = f"{time.perf_counter() - self.start:.1f}s"
+        if memory:
+            total += f", free memory {_gib(free - self.free_at_start)}"
+        return f"{total}: " + ", ".join(parts)
 
 
 def _gib(delta: int) -> str:

@@ -159,9 +159,24 @@ def warmup_to_pb(result: eb.WarmupResult) -> pb.WarmupResponse:
                              max_input_tokens=result.max_input_tokens, max_total_tokens=result.max_total_tokens)
 
 
-def stats_to_pb(stats: dict[str, int]) -> pb.ServingStats:
-    """A counter the message lacks raises ValueError: a new counter needs its field in the proto."""
-    return pb.ServingStats(**stats)
+def stats_to_pb(stats: dict) -> pb.ServingStats:
+    """A counter the message lacks raises ValueError: a new counter needs its field in the proto.
+    The plan, warmup and bucket figures (Shard.serving_stats) travel in their own fields."""
+    counters = dict(stats)
+    plan, warmup = counters.pop("plan_buckets", (0, 0)), counters.pop("warmup", (0, 0))
+    buckets = [bucket_use_to_pb(entry) for entry in counters.pop("buckets", ())]
+    return pb.ServingStats(**counters, plan_prefill_buckets=plan[0], plan_decode_buckets=plan[1],
+                           warmed_buckets=warmup[0], warmup_buckets=warmup[1], buckets=buckets)
+
+
+def bucket_use_to_pb(entry: list) -> pb.BucketUse:
+    """Shard.bucket_counts' compact row: a prefill row names its context blocks, a decode row not."""
+    if entry[0] == "prefill":
+        phase, batch, length, context, forwards, real, padded = entry
+    else:
+        (phase, batch, length, forwards, real, padded), context = entry, 0
+    return pb.BucketUse(phase=phase, batch_size=batch, length=length, context_blocks=context,
+                        forwards=forwards, real=real, padded=padded)
 
 
 # --- router side: what a router sends and what it reads back ----------------------------------
@@ -248,8 +263,26 @@ def warmup_from_pb(message: pb.WarmupResponse) -> eb.WarmupResult:
                            max_input_tokens=message.max_input_tokens, max_total_tokens=message.max_total_tokens)
 
 
-def stats_from_pb(message: pb.ServingStats) -> dict[str, int]:
-    return {field.name: getattr(message, field.name) for field in message.DESCRIPTOR.fields}
+PLAN_FIELDS = ("plan_prefill_buckets", "plan_decode_buckets", "warmed_buckets", "warmup_buckets",
+               "buckets")
+
+
+def stats_from_pb(message: pb.ServingStats) -> dict:
+    """The same dict as Shard.serving_stats returns, so an in-process shard and a gRPC one read
+    alike."""
+    stats = {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields
+             if f.name not in PLAN_FIELDS}
+    stats["plan_buckets"] = [message.plan_prefill_buckets, message.plan_decode_buckets]
+    stats["warmup"] = [message.warmed_buckets, message.warmup_buckets]
+    stats["buckets"] = [bucket_use_from_pb(b) for b in message.buckets]
+    return stats
+
+
+def bucket_use_from_pb(use: pb.BucketUse) -> list:
+    head = [use.phase, use.batch_size, use.length]
+    if use.phase == "prefill":
+        head.append(use.context_blocks)
+    return [*head, use.forwards, use.real, use.padded]
 
 
 def warmup_request_to_pb(batch: eb.Batch | None, max_input_tokens: int | None, max_prefill_tokens: int,

@@ -336,7 +336,7 @@ class DecodeResponse(_message.Message):
     def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., concat_ns: _Optional[int] = ..., stats: _Optional[_Union[ServingStats, _Mapping]] = ...) -> None: ...
 
 class ServingStats(_message.Message):
-    __slots__ = ("prefill_real", "prefill_padded", "decode_real", "decode_padded", "unwarmed_shapes", "prefill_forwards", "decode_forwards", "copied_prompts", "chunked_prompts", "prefill_chunks", "lookahead_runs", "lookahead_steps")
+    __slots__ = ("prefill_real", "prefill_padded", "decode_real", "decode_padded", "unwarmed_shapes", "prefill_forwards", "decode_forwards", "copied_prompts", "chunked_prompts", "prefill_chunks", "lookahead_runs", "lookahead_steps", "plan_prefill_buckets", "plan_decode_buckets", "warmed_buckets", "warmup_buckets", "buckets_used", "buckets")
     PREFILL_REAL_FIELD_NUMBER: _ClassVar[int]
     PREFILL_PADDED_FIELD_NUMBER: _ClassVar[int]
     DECODE_REAL_FIELD_NUMBER: _ClassVar[int]
@@ -349,6 +349,12 @@ class ServingStats(_message.Message):
     PREFILL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_RUNS_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_PREFILL_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DECODE_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    WARMED_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_USED_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
     prefill_real: int
     prefill_padded: int
     decode_real: int
@@ -361,7 +367,31 @@ class ServingStats(_message.Message):
     prefill_chunks: int
     lookahead_runs: int
     lookahead_steps: int
-    def __init__(self, prefill_real: _Optional[int] = ..., prefill_padded: _Optional[int] = ..., decode_real: _Optional[int] = ..., decode_padded: _Optional[int] = ..., unwarmed_shapes: _Optional[int] = ..., prefill_forwards: _Optional[int] = ..., decode_forwards: _Optional[int] = ..., copied_prompts: _Optional[int] = ..., chunked_prompts: _Optional[int] = ..., prefill_chunks: _Optional[int] = ..., lookahead_runs: _Optional[int] = ..., lookahead_steps: _Optional[int] = ...) -> None: ...
+    plan_prefill_buckets: int
+    plan_decode_buckets: int
+    warmed_buckets: int
+    warmup_buckets: int
+    buckets_used: int
+    buckets: _containers.RepeatedCompositeFieldContainer[BucketUse]
+    def __init__(self, prefill_real: _Optional[int] = ..., prefill_padded: _Optional[int] = ..., decode_real: _Optional[int] = ..., decode_padded: _Optional[int] = ..., unwarmed_shapes: _Optional[int] = ..., prefill_forwards: _Optional[int] = ..., decode_forwards: _Optional[int] = ..., copied_prompts: _Optional[int] = ..., chunked_prompts: _Optional[int] = ..., prefill_chunks: _Optional[int] = ..., lookahead_runs: _Optional[int] = ..., lookahead_steps: _Optional[int] = ..., plan_prefill_buckets: _Optional[int] = ..., plan_decode_buckets: _Optional[int] = ..., warmed_buckets: _Optional[int] = ..., warmup_buckets: _Optional[int] = ..., buckets_used: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[BucketUse, _Mapping]]] = ...) -> None: ...
+
+class BucketUse(_message.Message):
+    __slots__ = ("phase", "batch_size", "length", "context_blocks", "forwards", "real", "padded")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    REAL_FIELD_NUMBER: _ClassVar[int]
+    PADDED_FIELD_NUMBER: _ClassVar[int]
+    phase: str
+    batch_size: int
+    length: int
+    context_blocks: int
+    forwards: int
+    real: int
+    padded: int
+    def __init__(self, phase: _Optional[str] = ..., batch_size: _Optional[int] = ..., length: _Optional[int] = ..., context_blocks: _Optional[int] = ..., forwards: _Optional[int] = ..., real: _Optional[int] = ..., padded: _Optional[int] = ...) -> None: ...
 
 class WarmupRequest(_message.Message):
     __slots__ = ("batch", "max_input_tokens", "max_prefill_tokens", "max_total_tokens")

@@ -18,9 +18,9 @@ from pydantic import BaseModel, ConfigDict
 from engine.batch import FinishReason, Generation
 from router.http.metrics import CONTENT_TYPE
 from router.sched import fanout
-from router.http.state import (RouterState, collect, collect_all, error_body, error_payload, error_response, events, finite,
-                          submit, submit_many)
-from router.http.validation import GenerateRequest, Parameters, check, check_text
+from router.http.state import (VALIDATION_WORKERS, RouterState, collect, collect_all, error_body, error_payload,
+                               error_response, events, finite, submit, submit_many)
+from router.http.validation import MAX_STOP_SEQUENCES, GenerateRequest, Parameters, check, check_text
 
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "eos_token",
                   FinishReason.STOP_SEQUENCE: "stop_sequence"}
@@ -69,6 +69,21 @@ def generate_response(body: GenerateRequest, generations: list[Generation], othe
                 {"generated_text": full_text(body, g[-1].generated_text.text), **sequence_details(body, g)}
                 for g in others]
     return response
+
+
+def max_best_of(state: RouterState) -> int:
+    """The largest `best_of` check_best_of accepts (fanout.check_count's bound)."""
+    return min(fanout.MAX_SIBLINGS, state.scheduler.limits.max_batch_size)
+
+
+def info(state: RouterState) -> dict:
+    """TGI's /info: what the wiring found (router/app.py), with the limits as the routes enforce
+    them, so that a client reading them meets no other limit. `max_input_length` is the name
+    TGI's routers before 2.0 gave `max_input_tokens`."""
+    return {**state.info, "max_best_of": max_best_of(state), "max_stop_sequences": MAX_STOP_SEQUENCES,
+            "max_input_length": state.info["max_input_tokens"], "max_batch_size": state.scheduler.limits.max_batch_size,
+            "validation_workers": VALIDATION_WORKERS,
+            "max_client_batch_size": 1}  # `inputs` is one string: TGI's batched inputs are not accepted
 
 
 def check_best_of(state: RouterState, p: Parameters, stream: bool) -> int:
@@ -201,7 +216,7 @@ def service_routes(app: FastAPI, state: RouterState) -> None:
 
     @app.get("/info")
     async def info_route():
-        return state.info
+        return info(state)
 
     @app.get("/metrics")
     async def metrics_route():
