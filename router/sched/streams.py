@@ -78,7 +78,7 @@ class RequestStream:
         # By entry, not by id: the caller may already have reused the id for a new request.
         if not self._done:
             self._done = True
-            self._scheduler._cancel_entry(self._entry)
+            self._scheduler.cancel_entry(self._entry)
 
     def __del__(self) -> None:
         # A consumer that went away without closing (an HTTP client disconnect) still frees its blocks.
