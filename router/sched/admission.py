@@ -8,7 +8,7 @@ import dataclasses
 import enum
 import math
 
-from engine.batch import Request
+from engine.batch import Request, kv_tokens
 from engine.config import ServingLimits
 from engine.wire import generate_pb2 as pb
 from engine.wire import convert
@@ -42,7 +42,7 @@ def check_request(request: Request, input_length: int, limits: ServingLimits, al
     if input_length + max_new > limits.max_total_tokens:
         raise ValueError(f"request {request.id}: {input_length} + {max_new} tokens exceed "
                          f"max_total_tokens={limits.max_total_tokens}")
-    needed, usable = allocator.blocks_for(input_length + max_new), allocator.num_blocks - 1
+    needed, usable = allocator.blocks_for(kv_tokens(input_length, max_new)), allocator.num_blocks - 1
     if needed > usable:  # block 0 is reserved
         raise ValueError(f"request {request.id} needs {needed} KV blocks, the cache has {usable}")
     check_wire(request)
