@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from transformers import AutoTokenizer
 
 from engine.config import ServingLimits, default_cache_dir, parse_lora_adapters
-from engine.weights.loader import resolve_model_dir
+from engine.weights.paths import resolve_model_dir
 from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCriteriaParameters
 from router.http.access import AccessConfig, access_from_args, add_access_args, install
 from router.http import tracing
