@@ -1,5 +1,5 @@
-"""One KV-token rule for both sides (engine/batch.py kv_tokens): a request fills its prompt and every
-generated token but the last. Each case sits at a block boundary, so that counting one token more
+"""One KV-token rule for both sides (engine/batch.py kv_tokens): a request fills its prompt and
+every generated token but the last. Each case sits at a block boundary, so that counting one token more
 refuses a request that fits, and one token less hands out a block too few for the last decode."""
 import asyncio
 

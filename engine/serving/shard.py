@@ -116,8 +116,8 @@ class Shard:
     def warmup(self, max_input_tokens: int | None = None, max_prefill_tokens: int | None = None,
                max_total_tokens: int | None = None, max_batch_size: int | None = None,
                batch: Batch | None = None) -> WarmupResult:
-        """Size the KV cache, plan buckets and run every one of them (engine/warmup/run.py start_up).
-        Limits left None take the config's.
+        """Size the KV cache, plan buckets and run every one of them (engine/warmup/run.py's
+        start_up). Limits left None take the config's.
 
         A router's warmup `batch` (TGI sends one whose parameters exercise every logits processor)
         is then prefilled once and dropped, so the sampling paths have run before serving too; not
@@ -133,7 +133,7 @@ class Shard:
         warmed = start_up(parts, self.config, limits, self.fingerprint(), self.show_progress,
                           self.device_lock)
         self.runner, self.background = warmed.runner, warmed.background
-        self.warmup_log = warmed.phases  # per-phase and per-bucket times and memory (warmup-profile reads them)
+        self.warmup_log = warmed.phases  # per-phase and per-bucket times and memory
         self.allocator, self.limits = BlockAllocator(warmed.num_blocks), limits
         self.contents = BlockContents(self.block_size) if self.config.prefix_caching else None
         if batch is not None and batch.requests and self.adapter.warm_runs_forward:

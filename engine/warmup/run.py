@@ -61,11 +61,12 @@ def start_up(shard: ShardModel, config: EngineConfig, limits: ServingLimits, fin
     cache, graph_bytes = _kv_cache(shard, config, limits, free)
     adapter.graph_budget = GraphBudget(adapter, graph_bytes) if graph_bytes else None
     phases.mark("kv cache")
-    planned = bucket_limits(limits, shard.block_size, cache.num_blocks, chunked=config.prefix_caching)
+    planned = bucket_limits(limits, shard.block_size, cache.num_blocks,
+                            chunked=config.prefix_caching)
     plan = plan_for(config, planned, fingerprint, graphless=not adapter.warm_runs_forward)
     runner = ModelRunner(shard.model, adapter, cache, plan, shard.dtype)
-    background = run_warmup(runner, plan, config.warmup_mode, planned, config.warmup_prompt_logprobs,
-                            show_progress, lock, phases)
+    background = run_warmup(runner, plan, config.warmup_mode, planned,
+                            config.warmup_prompt_logprobs, show_progress, lock, phases)
     return Warmed(runner, background, phases, cache.num_blocks)
 
 

@@ -42,7 +42,8 @@ def check_request(request: Request, input_length: int, limits: ServingLimits, al
     if input_length + max_new > limits.max_total_tokens:
         raise ValueError(f"request {request.id}: {input_length} + {max_new} tokens exceed "
                          f"max_total_tokens={limits.max_total_tokens}")
-    needed, usable = allocator.blocks_for(kv_tokens(input_length, max_new)), allocator.num_blocks - 1
+    needed = allocator.blocks_for(kv_tokens(input_length, max_new))
+    usable = allocator.num_blocks - 1
     if needed > usable:  # block 0 is reserved
         raise ValueError(f"request {request.id} needs {needed} KV blocks, the cache has {usable}")
     check_wire(request)
@@ -111,7 +112,8 @@ def _unfit(descriptor, value) -> str:
 def _logit_bias_problem(logit_bias: dict) -> str:
     for token, bias in logit_bias.items():
         if not (isinstance(token, int) and 0 <= token < 2**32):
-            return f"parameters.logit_bias does not fit the wire (token id {token!r} is not a uint32)"
-        if not (isinstance(bias, (int, float)) and math.isfinite(bias) and abs(bias) <= FLOAT32_MAX):
-            return f"parameters.logit_bias does not fit the wire (bias {bias!r} is not a finite float32)"
+            return f"parameters.logit_bias does not fit the wire (token id {token!r}: not a uint32)"
+        finite = isinstance(bias, (int, float)) and math.isfinite(bias) and abs(bias) <= FLOAT32_MAX
+        if not finite:
+            return f"parameters.logit_bias does not fit the wire ({bias!r}: not a finite float32)"
     return ""

@@ -26,7 +26,7 @@ def needs_block(entry: Entry, block_size: int) -> bool:
     return held is not None and held < entry.input_length + len(entry.generated)
 
 
-def grow(allocator: BlockAllocator, entries: list[Entry], grown: dict[int, list[int]]) -> Entry | None:
+def grow(allocator: BlockAllocator, entries: list[Entry], grown: dict) -> Entry | None:
     """Give every entry of the step the blocks its next token needs, adding each to `grown`
     (request id -> blocks gained). Returns the entry to preempt when the allocator runs out (the
     caller drops it and asks again), or None when every entry has its block."""
@@ -51,7 +51,8 @@ def park(allocator: BlockAllocator, victim: Entry, stats: SchedulerStats) -> boo
     should wait at the head of the queue, False when it is done with (cancelled or finished)."""
     if not (victim.live and victim.allocation is not None):
         return False
-    log.info("KV cache full: preempting request %d after %d tokens", victim.id, len(victim.generated))
+    log.info("KV cache full: preempting request %d after %d tokens", victim.id,
+             len(victim.generated))
     stats.preemptions += 1
     kv_blocks.finished(allocator, victim)  # its prefix stays cached for its return
     allocator.free(victim.allocation)

@@ -291,10 +291,11 @@ class Scheduler:
         self._ahead_pending = look_ahead and cached is not None
         return await self._settle(generations, cached, entries)
 
-    async def _grow(self, batches: list[CachedBatch]) -> tuple[list[CachedBatch], dict[int, list[int]]]:
-        """The batches to decode (preemption may drop requests) and the blocks each request gained."""
+    async def _grow(self, batches: list[CachedBatch]) -> tuple[list[CachedBatch], dict]:
+        """The batches to decode (preemption may drop requests) and the blocks each request
+        gained (request id -> blocks)."""
         grown: dict[int, list[int]] = {}
-        while (victim := preemption.grow(self.allocator, self._entries_of(batches), grown)) is not None:
+        while (victim := preemption.grow(self.allocator, self._entries_of(batches), grown)):
             batches = await self._drop(victim, batches)
             grown.pop(victim.id, None)
             if preemption.park(self.allocator, victim, self.stats):
