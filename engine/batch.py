@@ -46,6 +46,13 @@ class StoppingCriteriaParameters:
     min_new_tokens: int = 0      # bucketserve extension: no EOS before this many tokens
 
 
+def kv_tokens(prompt_len: int, max_new_tokens: int) -> int:
+    """The KV-cache tokens a request can fill: its prompt and every generated token but the last,
+    which ends the sequence without being fed back (the router's block budget and the shard's
+    allocation both count this)."""
+    return prompt_len + max_new_tokens - 1
+
+
 @dataclass
 class Request:
     id: int

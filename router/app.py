@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from engine.cli.flags import add_knob_flags, config_from_args as knobs_from_args
 from engine.config import ServingLimits, default_cache_dir
-from engine.weights.loader import resolve_model_dir
+from engine.weights.paths import resolve_model_dir
 from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCriteriaParameters
 # re-exported: the router's configuration, as before it had a module of its own
 from router.config import EMBEDDED_MODEL_NAME, AccessConfig, RouterConfig  # noqa: F401

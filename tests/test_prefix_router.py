@@ -1,7 +1,6 @@
 """The router's prefix cache: hash chain, reference counts, LRU eviction, and exact tokens through
 the scheduler on an in-process shard (caching on equals caching off equals transformers)."""
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 
@@ -125,8 +124,7 @@ def test_a_group_that_does_not_fit_waits_without_allocating_or_counting_lookups(
     blocker = cache.allocate(16)  # 4 of the 6 uncached blocks: 2 left for 3 members
     lookups, free = cache.stats.requests, cache.num_free
     assert not kv_blocks.group_fits(cache, group, longest_prefill=64)
-    scheduler = SimpleNamespace(allocator=cache, _longest_resume=lambda: 64)
-    assert not batching._allocate(scheduler, group)  # what each scheduler pass asks
+    assert not batching._allocate(cache, group, 64)  # what each scheduler pass asks
     assert (cache.stats.requests, cache.num_free) == (lookups, free)
     cache.free(blocker)
     assert kv_blocks.group_fits(cache, group, longest_prefill=64)

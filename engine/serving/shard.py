@@ -12,11 +12,11 @@ import torch
 from engine.weights import loader
 from engine.batch import Batch, CachedBatch, Generation, InfoResponse, StepTimings, WarmupResult
 from engine.config import EngineConfig, ServingLimits, distributed_address, torch_dtype
-from engine.distributed import Parallel, broadcast_int, init_distributed, min_across_ranks
+from engine.distributed import Parallel, broadcast_int, init_distributed
 from engine.buckets.grid import PaddingStats, PrefillBucket
 from engine.devices import get_adapter
 from engine.errors import InvalidRequestError, ModelLoadError
-from engine.kv_cache import ShardBlockPool, KVCache
+from engine.kv_cache import ShardBlockPool
 from engine.weights.lora import load_adapters
 from engine.runner import ModelRunner
 from engine.serving.recompute import check_recompute_fits, recompute_position
@@ -25,11 +25,9 @@ from engine.serving.sequence import Sequence
 from engine.serving.checks import check_decode, check_grown, check_prefill
 from engine.serving.lookahead import Ahead
 from engine.serving.steps import StepContext, admit_requests, decode_step, look_ahead_step, prefill_step
-from engine.warmup.budget import GraphBudget, split_free_memory
-from engine.warmup.memory import profile_free_memory, size_kv_cache
 from engine.warmup.progressive import DeviceLock
-from engine.warmup.run import bucket_limits, plan_for, run_warmup
-from engine.warmup.warm import PhaseLog, report
+from engine.warmup.run import ShardModel, start_up
+from engine.warmup.warm import report
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +116,8 @@ class Shard:
     def warmup(self, max_input_tokens: int | None = None, max_prefill_tokens: int | None = None,
                max_total_tokens: int | None = None, max_batch_size: int | None = None,
                batch: Batch | None = None) -> WarmupResult:
-        """Size the KV cache, plan buckets and run every one of them. Limits left None take the config's.
+        """Size the KV cache, plan buckets and run every one of them (engine/warmup/run.py's
+        start_up). Limits left None take the config's.
 
         A router's warmup `batch` (TGI sends one whose parameters exercise every logits processor)
         is then prefilled once and dropped, so the sampling paths have run before serving too; not
@@ -129,27 +128,13 @@ class Shard:
         self._stop_background_warmup()
         self.runner = None  # drop the previous cache before measuring free memory
         self.adapter.shapes.clear()  # new limits, new cache: only what this warmup runs counts as warm
-        phases = PhaseLog(self.adapter)
-        free = profile_free_memory(self.model, self.adapter, self.dtype, self.block_size, limits)
-        phases.mark("largest prefill")
-        # Every rank sizes the same cache: the one that fits on the rank with the least memory.
-        free = min_across_ranks(free, self.parallel)
-        layers, kv_heads, head_dim = self.model_config.num_layers, self.model.local_kv_heads, self.model_config.head_dim
-        per_block = KVCache.bytes_per_block(layers, self.block_size, kv_heads, head_dim, self.dtype)
-        kv_bytes, graph_bytes = split_free_memory(free, self.config.kv_cache_memory_fraction,
-                                                  self.config.graph_memory_fraction, self.adapter.captures_graphs)
-        num_blocks = size_kv_cache(kv_bytes, 1.0, per_block, self.block_size, limits)
-        cache = KVCache(layers, num_blocks, self.block_size, kv_heads, head_dim, self.dtype, self.adapter.torch_device,
-                        self.adapter.zeros)
-        self.adapter.graph_budget = GraphBudget(self.adapter, graph_bytes) if graph_bytes else None
-        phases.mark("kv cache")
-        planned = bucket_limits(limits, self.block_size, num_blocks, chunked=self.config.prefix_caching)
-        plan = plan_for(self.config, planned, self.fingerprint(), graphless=not self.adapter.warm_runs_forward)
-        self.runner = ModelRunner(self.model, self.adapter, cache, plan, self.dtype)
-        self.background = run_warmup(self.runner, plan, self.config.warmup_mode, planned, self.config.warmup_prompt_logprobs,
-                                     self.show_progress, self.device_lock, phases)
-        self.warmup_log = phases  # per-phase and per-bucket times and memory (warmup-profile reads them)
-        self.allocator, self.limits = ShardBlockPool(num_blocks), limits
+        parts = ShardModel(self.model, self.model_config, self.adapter, self.dtype, self.block_size,
+                           self.parallel)
+        warmed = start_up(parts, self.config, limits, self.fingerprint(), self.show_progress,
+                          self.device_lock)
+        self.runner, self.background = warmed.runner, warmed.background
+        self.warmup_log = warmed.phases  # per-phase and per-bucket times and memory
+        self.allocator, self.limits = ShardBlockPool(warmed.num_blocks), limits
         self.contents = BlockContents(self.block_size) if self.config.prefix_caching else None
         if batch is not None and batch.requests and self.adapter.warm_runs_forward:
             self.prefill(batch)
@@ -158,7 +143,8 @@ class Shard:
         self.runner.padding = PaddingStats()  # serving_stats counts served traffic, not warmup
         self.chunk_stats.update(chunked_prompts=0, prefill_chunks=0)
         self.lookahead_stats.update(lookahead_runs=0, lookahead_steps=0)
-        return WarmupResult(cache.capacity_tokens, limits.max_input_tokens, limits.max_total_tokens)
+        return WarmupResult(self.runner.kv_cache.capacity_tokens, limits.max_input_tokens,
+                            limits.max_total_tokens)
 
     def fingerprint(self) -> dict:
         """What a warmup profile's latencies depend on (engine/warmup/profile.py)."""

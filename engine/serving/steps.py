@@ -6,7 +6,8 @@ from typing import Callable
 
 import torch
 
-from engine.batch import FinishReason, GeneratedText, Generation, GrammarType, Request, Tokens
+from engine.batch import (FinishReason, GeneratedText, Generation, GrammarType, Request, Tokens,
+                          kv_tokens)
 from engine.serving.detokenize import decode_next
 from engine.errors import InvalidRequestError
 from engine.kv_cache import ShardBlockPool, blocks_needed
@@ -114,11 +115,6 @@ def _tokenize(ctx: StepContext, request: Request) -> list[int]:
     if request.slots and len(request.slots) < len(ids):
         raise InvalidRequestError(f"request {request.id}: {len(request.slots)} slots for {len(ids)} prompt tokens")
     return ids
-
-
-def kv_tokens(prompt_len: int, max_new_tokens: int) -> int:
-    """Tokens a request writes to the KV cache: the last generated token is never fed back."""
-    return prompt_len + max_new_tokens - 1
 
 
 def _new_sequence(ctx: StepContext, request: Request, ids: list[int], grammar) -> Sequence:

@@ -1,4 +1,5 @@
-"""Warmup: run the largest prefill, size the KV cache from free memory, plan the buckets, warm them.
+"""Warmup: run the largest prefill, size the KV cache from free memory, plan the buckets, warm them
+(`start_up`, which Shard.warmup calls with its model and limits).
 
 Modes: `full` warms every bucket before the shard answers Warmup; `progressive` warms a small
 covering set first (any batch within the limits can run, split into those buckets), answers, then
@@ -10,14 +11,78 @@ warming in progressive.py.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from engine.buckets.grid import BucketLimits, BucketPlan
-from engine.config import WARMUP_MODES, ServingLimits
+from engine.config import WARMUP_MODES, EngineConfig, ServingLimits
+from engine.distributed import Parallel, min_across_ranks
+from engine.kv_cache import KVCache
 from engine.runner import ModelRunner
-from engine.warmup.progressive import start_progressive
+from engine.warmup.budget import GraphBudget, split_free_memory
+from engine.warmup.memory import profile_free_memory, size_kv_cache
+from engine.warmup.progressive import BackgroundWarmup, DeviceLock, start_progressive
 from engine.warmup.warm import PhaseLog, report, warm_buckets, warmup_order
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShardModel:
+    """What a shard brings to its warmup: the loaded model and where it runs."""
+    model: object          # its local_kv_heads: this rank's share of the KV heads
+    model_config: object   # engine.models.config.ModelConfig
+    adapter: object        # engine.devices: the device adapter
+    dtype: object          # torch.dtype
+    block_size: int
+    parallel: Parallel
+
+
+@dataclass
+class Warmed:
+    """A warmed shard's device state."""
+    runner: ModelRunner                   # the model, its KV cache and its bucket plan
+    background: BackgroundWarmup | None   # progressive warmup still warming buckets
+    phases: PhaseLog                      # per-phase and per-bucket times and memory
+    num_blocks: int                       # KV blocks, block 0 (reserved) included
+
+
+def start_up(shard: ShardModel, config: EngineConfig, limits: ServingLimits, fingerprint: dict,
+             show_progress: bool, lock: DeviceLock) -> Warmed:
+    """The start-up sequence: the largest prefill measures free memory (the least of all ranks),
+    which sizes the KV cache and the graphs' reserve; then the buckets are planned for that cache
+    and warmed per --warmup-mode. The caller has dropped its previous runner, so that its cache is
+    not counted as used memory."""
+    adapter = shard.adapter
+    phases = PhaseLog(adapter)
+    free = profile_free_memory(shard.model, adapter, shard.dtype, shard.block_size, limits)
+    phases.mark("largest prefill")
+    # Every rank sizes the same cache: the one that fits on the rank with the least memory.
+    free = min_across_ranks(free, shard.parallel)
+    cache, graph_bytes = _kv_cache(shard, config, limits, free)
+    adapter.graph_budget = GraphBudget(adapter, graph_bytes) if graph_bytes else None
+    phases.mark("kv cache")
+    planned = bucket_limits(limits, shard.block_size, cache.num_blocks,
+                            chunked=config.prefix_caching)
+    plan = plan_for(config, planned, fingerprint, graphless=not adapter.warm_runs_forward)
+    runner = ModelRunner(shard.model, adapter, cache, plan, shard.dtype)
+    background = run_warmup(runner, plan, config.warmup_mode, planned,
+                            config.warmup_prompt_logprobs, show_progress, lock, phases)
+    return Warmed(runner, background, phases, cache.num_blocks)
+
+
+def _kv_cache(shard: ShardModel, config: EngineConfig, limits: ServingLimits,
+              free: int) -> tuple[KVCache, int]:
+    """The KV cache that `free` bytes hold, and the bytes left for graphs."""
+    layers, head_dim = shard.model_config.num_layers, shard.model_config.head_dim
+    kv_heads = shard.model.local_kv_heads
+    per_block = KVCache.bytes_per_block(layers, shard.block_size, kv_heads, head_dim, shard.dtype)
+    kv_bytes, graph_bytes = split_free_memory(free, config.kv_cache_memory_fraction,
+                                              config.graph_memory_fraction,
+                                              shard.adapter.captures_graphs)
+    num_blocks = size_kv_cache(kv_bytes, 1.0, per_block, shard.block_size, limits)
+    cache = KVCache(layers, num_blocks, shard.block_size, kv_heads, head_dim, shard.dtype,
+                    shard.adapter.torch_device, shard.adapter.zeros)
+    return cache, graph_bytes
 
 
 def bucket_limits(limits: ServingLimits, block_size: int, kv_blocks: int, chunked: bool = False) -> BucketLimits:

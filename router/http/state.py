@@ -70,16 +70,14 @@ async def submit(state: RouterState, inputs: str, parameters: Parameters, add_sp
     """Validate and queue; the stream of generations (timed for metrics), the prompt length, and the
     scheduler's stream (to close on a disconnect). An overloaded router refuses before tokenizing."""
     state.scheduler.check_admission()
-    request, length = await state.offload(build_request, next(state.ids), state.tokenizer, state.limits, inputs,
-                                          parameters, add_special_tokens, state.grammar_check)
-    ids = await state.offload(prompt_ids, state.tokenizer, request) if state.info.get("prefix_caching") else None
-    return queue(state, request, length, ids)
+    request, ids = await state.offload(build_request, next(state.ids), state.tokenizer, state.limits, inputs,
+                                       parameters, add_special_tokens, state.grammar_check)
+    return queue(state, request, len(ids), lookup_ids(state, ids))
 
 
-def prompt_ids(tokenizer, request: Request) -> list[int]:
-    """The prompt's token ids as the shard computes them (truncation included), for prefix lookups."""
-    ids = tokenizer(request.inputs, add_special_tokens=request.add_special_tokens)["input_ids"]
-    return ids[-request.truncate:] if request.truncate else ids
+def lookup_ids(state: RouterState, ids: list[int]) -> list[int] | None:
+    """The prompt's ids for prefix-cache lookups, where the shards cache prefixes (else None)."""
+    return ids if state.info.get("prefix_caching") else None
 
 
 def queue(state: RouterState, request: Request, length: int, token_ids: list[int] | None = None):
@@ -99,13 +97,13 @@ async def submit_many(state: RouterState, inputs: str, parameters: Parameters, c
     if problem:
         raise ValidationError(problem)
     state.scheduler.check_admission(count)
-    request, length = await state.offload(build_request, next(state.ids), state.tokenizer, state.limits, inputs,
-                                          parameters, add_special_tokens, state.grammar_check)
-    ids = await state.offload(prompt_ids, state.tokenizer, request) if state.info.get("prefix_caching") else None
+    request, ids = await state.offload(build_request, next(state.ids), state.tokenizer, state.limits, inputs,
+                                       parameters, add_special_tokens, state.grammar_check)
+    length = len(ids)
     group = fanout.siblings(request, count, lambda: next(state.ids))
     arrival = time.perf_counter()
     try:
-        streams = state.scheduler.submit_group(group, length, ids)
+        streams = state.scheduler.submit_group(group, length, lookup_ids(state, ids))
     except ValueError as error:
         raise ValidationError(str(error)) from None
     timed = [traced(state.metrics.timed(stream, arrival), stream, arrival) for stream in streams]

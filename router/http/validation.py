@@ -162,7 +162,10 @@ def longest_token_chars(tokenizer) -> int | None:
         return None
 
 
-def input_length(tokenizer, limits: Limits, inputs: str, truncate: int | None, add_special_tokens: bool) -> int:
+def prompt_ids(tokenizer, limits: Limits, inputs: str, truncate: int | None,
+               add_special_tokens: bool) -> list[int]:
+    """The prompt's token ids as the shard computes them (truncation keeps the last `truncate`),
+    checked against max_input_tokens: the one tokenization a request gets in the router."""
     max_input = limits.max_input_tokens
     check(inputs != "", "`inputs` cannot be empty")
     check_text("inputs", inputs)
@@ -171,11 +174,11 @@ def input_length(tokenizer, limits: Limits, inputs: str, truncate: int | None, a
     if truncate is None and limits.token_chars:  # cheap: refuse a surely too long prompt before tokenizing it
         check(len(inputs) <= max_input * limits.token_chars,
               f"`inputs` must have at most {max_input} tokens. Given: {len(inputs)} characters, more tokens than that")
-    length = len(tokenizer(inputs, add_special_tokens=add_special_tokens)["input_ids"])
+    ids = tokenizer(inputs, add_special_tokens=add_special_tokens)["input_ids"]
     if truncate is not None:
-        length = min(length, truncate)
-    check(length <= max_input, f"`inputs` tokens must be <= {max_input}. Given: {length}")
-    return length
+        ids = ids[-truncate:]
+    check(len(ids) <= max_input, f"`inputs` tokens must be <= {max_input}. Given: {len(ids)}")
+    return ids
 
 
 def new_tokens(limits: Limits, p: Parameters, length: int) -> int:
@@ -188,8 +191,8 @@ def new_tokens(limits: Limits, p: Parameters, length: int) -> int:
 
 
 def build_request(request_id: int, tokenizer, limits: Limits, inputs: str, p: Parameters,
-                  add_special_tokens: bool = True, grammar_check=None) -> tuple[Request, int]:
-    """The protocol request for `inputs` with TGI parameters `p`, and its prompt length in tokens.
+                  add_special_tokens: bool = True, grammar_check=None) -> tuple[Request, list[int]]:
+    """The protocol request for `inputs` with TGI parameters `p`, and its prompt's token ids.
     `grammar_check(text, type)` compiles a grammar as the shard will (router/http/grammar_check.py)."""
     check_sampling(p)
     check_adapter(p.adapter_id, limits)
@@ -197,8 +200,8 @@ def build_request(request_id: int, tokenizer, limits: Limits, inputs: str, p: Pa
     check_text("grammar", grammar)
     if grammar_check is not None:
         grammar_check(grammar, grammar_type)
-    length = input_length(tokenizer, limits, inputs, p.truncate, add_special_tokens)
-    new = new_tokens(limits, p, length)
+    ids = prompt_ids(tokenizer, limits, inputs, p.truncate, add_special_tokens)
+    new = new_tokens(limits, p, len(ids))
     vocab = len(tokenizer)
     bad = sorted(t for t in (p.logit_bias or {}) if not 0 <= t < vocab)
     check(not bad, f"`logit_bias` token ids must be in [0, {vocab}). Given: {bad[:5]}")
@@ -214,4 +217,4 @@ def build_request(request_id: int, tokenizer, limits: Limits, inputs: str, p: Pa
                                                                      p.min_new_tokens or 0),
                       prefill_logprobs=p.decoder_input_details, top_n_tokens=p.top_n_tokens or 0,
                       adapter_id=p.adapter_id or None, add_special_tokens=add_special_tokens)
-    return request, length
+    return request, ids

@@ -5,13 +5,13 @@ that fails to serialize inside a Prefill would otherwise fail every request of t
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 
-from engine.batch import Request
+from google.protobuf.descriptor import FieldDescriptor as F
+
+from engine.batch import Request, kv_tokens
 from engine.config import ServingLimits
 from engine.wire import generate_pb2 as pb
-from engine.wire import convert
 from router.sched.allocator import BlockAllocator
 
 
@@ -42,40 +42,78 @@ def check_request(request: Request, input_length: int, limits: ServingLimits, al
     if input_length + max_new > limits.max_total_tokens:
         raise ValueError(f"request {request.id}: {input_length} + {max_new} tokens exceed "
                          f"max_total_tokens={limits.max_total_tokens}")
-    needed, usable = allocator.blocks_for(input_length + max_new), allocator.num_blocks - 1
+    needed = allocator.blocks_for(kv_tokens(input_length, max_new))
+    usable = allocator.num_blocks - 1
     if needed > usable:  # block 0 is reserved
         raise ValueError(f"request {request.id} needs {needed} KV blocks, the cache has {usable}")
     check_wire(request)
 
 
 def check_wire(request: Request) -> None:
-    """Serialize the request as a Prefill will: integers past their wire type and text that is not
-    valid Unicode raise here; float fields must be finite float32 (protobuf would quietly send
-    1e300 as inf)."""
+    """Refuse what a Prefill could not serialize, field by field against the protocol's types:
+    integers past their wire type and text that is not valid Unicode; float fields must be finite
+    float32 (protobuf would quietly send 1e300 as inf). Nothing is serialized here: the client
+    does that once, for the batch it sends."""
     for name in FLOAT_FIELDS:
         value = getattr(request.parameters, name)
         if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
             raise ValueError(f"request {request.id}: parameters.{name} must be a finite float32, got {value}")
-    try:
-        convert.request_to_pb(request)
-    except (ValueError, TypeError) as error:  # UnicodeEncodeError is a ValueError
-        raise ValueError(f"request {request.id} cannot be sent to the shards: "
-                         f"{wire_field(request) or 'a field'} does not fit the wire ({error})") from None
+    problem = wire_problem(request) or _logit_bias_problem(request.parameters.logit_bias)
+    if problem:
+        raise ValueError(f"request {request.id} cannot be sent to the shards: {problem}")
 
 
-def wire_field(message, kind=pb.Request, prefix: str = "") -> str:
-    """The first field of `message` (a Request or one of its parts) that does not serialize."""
+INT_RANGES = {F.TYPE_UINT32: (0, 2**32), F.TYPE_UINT64: (0, 2**64), F.TYPE_INT32: (-2**31, 2**31),
+              F.TYPE_INT64: (-2**63, 2**63)}
+
+
+def wire_problem(message, kind=pb.Request, prefix: str = "") -> str:
+    """Why the first field of `message` (a Request or one of its parts) that its wire type cannot
+    hold does not fit ("" when every field fits)."""
     for item in dataclasses.fields(message):
-        if item.name not in kind.DESCRIPTOR.fields_by_name:
-            continue  # carried in other wire fields (logit_bias: ids and values), checked at validation
+        descriptor = kind.DESCRIPTOR.fields_by_name.get(item.name)
+        if descriptor is None:
+            continue  # carried in other wire fields (logit_bias: ids and values), checked apart
         value = getattr(message, item.name)
         if dataclasses.is_dataclass(value):
-            nested = wire_field(value, getattr(pb, type(value).__name__), f"{prefix}{item.name}.")
+            nested = wire_problem(value, getattr(pb, type(value).__name__), f"{prefix}{item.name}.")
             if nested:
                 return nested
             continue
+        for one in value if isinstance(value, (list, tuple)) else [value]:
+            why = _unfit(descriptor, one)
+            if why:
+                return f"{prefix}{item.name} does not fit the wire ({why})"
+    return ""
+
+
+def _unfit(descriptor, value) -> str:
+    if value is None:
+        return ""  # an unset optional field
+    if descriptor.type in INT_RANGES:
+        low, high = INT_RANGES[descriptor.type]
+        if not isinstance(value, int) or not low <= value < high:
+            return f"{value!r} is not an integer in [{low}, {high})"
+    elif descriptor.type == F.TYPE_ENUM:
+        if int(value) not in descriptor.enum_type.values_by_number:
+            return f"{value!r} is not one of {descriptor.enum_type.name}"
+    elif descriptor.type == F.TYPE_STRING:
+        if not isinstance(value, str):
+            return f"{value!r} is not text"
         try:
-            kind(**{item.name: int(value) if isinstance(value, enum.IntEnum) else value})
-        except (ValueError, TypeError):
-            return prefix + item.name
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return "the text is not valid Unicode (an unpaired surrogate)"
+    elif descriptor.type in (F.TYPE_FLOAT, F.TYPE_DOUBLE) and not isinstance(value, (int, float)):
+        return f"{value!r} is not a number"
+    return ""
+
+
+def _logit_bias_problem(logit_bias: dict) -> str:
+    for token, bias in logit_bias.items():
+        if not (isinstance(token, int) and 0 <= token < 2**32):
+            return f"parameters.logit_bias does not fit the wire (token id {token!r}: not a uint32)"
+        finite = isinstance(bias, (int, float)) and math.isfinite(bias) and abs(bias) <= FLOAT32_MAX
+        if not finite:
+            return f"parameters.logit_bias does not fit the wire ({bias!r}: not a finite float32)"
     return ""

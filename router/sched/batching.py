@@ -10,60 +10,75 @@ prefill, when their prompt fits the budget; a longer one splits them into lone r
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from collections import deque
+from dataclasses import dataclass, replace
 
 from engine.batch import Batch
+from engine.config import ServingLimits
 from router.sched import fanout, kv_blocks
+from router.sched.allocator import BlockAllocator
+from router.sched.scheduler_stats import SchedulerStats
 from router.sched.streams import Entry
 
 
-def next_batch(scheduler) -> list[Entry]:
-    limits, taken, tokens = scheduler.limits, [], 0
-    while scheduler._queue:
-        group = fanout.leading_group(scheduler._queue)
+@dataclass(frozen=True)
+class Room:
+    """What the next Prefill may hold, as the scheduler sees it at this step."""
+    limits: ServingLimits
+    running: int                # rows the running batch already takes
+    chunking: bool              # the shards compute a long prompt in chunks (Info.support_chunking)
+    longest_resume: int | None  # the longest prefill the shards resume (None: they resume nothing)
+
+
+def next_batch(queue: deque[Entry], allocator: BlockAllocator, room: Room,
+               stats: SchedulerStats) -> list[Entry]:
+    """The entries admitted now, taken off the head of `queue`, each holding its blocks."""
+    limits, taken, tokens = room.limits, [], 0
+    while queue:
+        group = fanout.leading_group(queue)
         if len(group) > 1 and fanout.prefill_tokens(group) > limits.max_prefill_tokens:
             fanout.split(group)
             group = group[:1]
-        room = limits.max_prefill_tokens - tokens
-        if scheduler.running_count + len(taken) + len(group) > limits.max_batch_size or room <= 0:
+        budget = limits.max_prefill_tokens - tokens
+        if room.running + len(taken) + len(group) > limits.max_batch_size or budget <= 0:
             break
-        if fanout.prefill_tokens(group) > room and (len(group) > 1 or not scheduler.chunking):
+        if fanout.prefill_tokens(group) > budget and (len(group) > 1 or not room.chunking):
             break
-        if not _allocate(scheduler, group):
-            scheduler.stats.kv_waits += 1
+        if not _allocate(allocator, group, room.longest_resume):
+            stats.kv_waits += 1
             break
         fanout.share_prompt(group)
         for head in group:
-            scheduler._queue.popleft()
+            queue.popleft()
             head.admitted = time.perf_counter()
-        tokens += _chunk(scheduler, group[0], room) if len(group) == 1 else fanout.prefill_tokens(group)
+        tokens += (_chunk(group[0], budget, stats) if len(group) == 1
+                   else fanout.prefill_tokens(group))
         taken += group
     return taken
 
 
-def _allocate(scheduler, group: list[Entry]) -> bool:
+def _allocate(allocator: BlockAllocator, group: list[Entry], longest: int | None) -> bool:
     """Blocks for every member, or for none (the group waits)."""
-    longest = scheduler._longest_resume()
-    if len(group) > 1 and not kv_blocks.group_fits(scheduler.allocator, group, longest):
+    if len(group) > 1 and not kv_blocks.group_fits(allocator, group, longest):
         return False
     for entry in group:
-        entry.allocation = kv_blocks.admit(scheduler.allocator, entry, longest)
+        entry.allocation = kv_blocks.admit(allocator, entry, longest)
         if entry.allocation is None:
             for earlier in group:
                 if earlier.allocation is not None:
-                    scheduler.allocator.free(earlier.allocation)
+                    allocator.free(earlier.allocation)
                     earlier.allocation = None
             return False
     return True
 
 
-def _chunk(scheduler, head: Entry, room: int) -> int:
+def _chunk(head: Entry, budget: int, stats: SchedulerStats) -> int:
     """A lone request's chunk_len (None: its whole prompt fits); returns the tokens it computes now."""
     computed = head.prefill_length - head.allocation.cache_len
-    head.chunk_len = room if computed > room else None
+    head.chunk_len = budget if computed > budget else None
     if head.chunk_len is not None:
-        scheduler.stats.chunked_prompts += 1
-    return min(computed, room)
+        stats.chunked_prompts += 1
+    return min(computed, budget)
 
 
 def make_batch(batch_id: int, entries: list[Entry]) -> Batch:

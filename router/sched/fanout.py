@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import replace
 
-from engine.batch import Request
+from engine.batch import Request, kv_tokens
 from engine.config import ServingLimits
 from router.sched.admission import check_request
 from router.sched.allocator import BlockAllocator
@@ -40,7 +40,8 @@ def check_group(requests: list[Request], input_length: int, limits: ServingLimit
         if request.id in in_use:
             raise ValueError(f"request id {request.id} is already in use")
         check_request(request, input_length, limits, allocator, chunking)
-    needed = sum(allocator.blocks_for(input_length + r.stopping_parameters.max_new_tokens) for r in requests)
+    needed = sum(allocator.blocks_for(kv_tokens(input_length, r.stopping_parameters.max_new_tokens))
+                 for r in requests)
     if needed > allocator.num_blocks - 1:  # block 0 is reserved
         raise ValueError(f"{len(requests)} sequences of {input_length} prompt tokens need {needed} KV blocks, "
                          f"the cache has {allocator.num_blocks - 1}")

@@ -37,9 +37,9 @@ def group_fits(allocator, group: list[Entry], longest_prefill: int | None) -> bo
 
 
 def _tokens_now(entry: Entry, longest_prefill: int | None) -> int:
-    if longest_prefill is not None and entry.tokens - 1 <= longest_prefill:
+    if longest_prefill is not None and entry.kv_tokens <= longest_prefill:
         return entry.prefill_length
-    return entry.tokens
+    return entry.kv_tokens
 
 
 def prefilled(allocator, entries: list[Entry]) -> None:

@@ -116,9 +116,10 @@ class Scheduler:
     def cancel(self, request_id: int) -> None:
         entry = self._entries.get(request_id)
         if entry is not None:
-            self._cancel_entry(entry)
+            self.cancel_entry(entry)
 
-    def _cancel_entry(self, entry: Entry) -> None:
+    def cancel_entry(self, entry: Entry) -> None:
+        """Cancel by entry, not by id: a stream's caller may already have reused the id."""
         if not entry.live:
             return
         entry.cancelled = True
@@ -160,7 +161,7 @@ class Scheduler:
         else:
             await self._idle()
             return
-        batches, grown = await preemption.grow(self, batches)
+        batches, grown = await self._grow(batches)
         self._running = await self._decode(batches, grown) if batches else None
 
     async def _recover(self) -> None:
@@ -193,7 +194,8 @@ class Scheduler:
         await self._wake.wait()
 
     def _next_batch(self) -> tuple[Batch, list[Entry]] | None:
-        taken = batching.next_batch(self)
+        room = batching.Room(self.limits, self.running_count, self.chunking, self._longest_resume())
+        taken = batching.next_batch(self._queue, self.allocator, room, self.stats)
         return (self._batch(taken), taken) if taken else None
 
     def _batch(self, entries: list[Entry]) -> Batch:
@@ -288,6 +290,36 @@ class Scheduler:
             return None
         self._ahead_pending = look_ahead and cached is not None
         return await self._settle(generations, cached, entries)
+
+    async def _grow(self, batches: list[CachedBatch]) -> tuple[list[CachedBatch], dict]:
+        """The batches to decode (preemption may drop requests) and the blocks each request
+        gained (request id -> blocks)."""
+        grown: dict[int, list[int]] = {}
+        while (victim := preemption.grow(self.allocator, self._entries_of(batches), grown)):
+            batches = await self._drop(victim, batches)
+            grown.pop(victim.id, None)
+            if preemption.park(self.allocator, victim, self.stats):
+                self._queue.appendleft(victim)
+            else:
+                self._release(victim)
+        return batches, grown
+
+    async def _drop(self, victim: Entry, batches: list[CachedBatch]) -> list[CachedBatch]:
+        """The batches without `victim`, which the shards drop (FilterBatch, or ClearCache)."""
+        kept = []
+        for cached in batches:
+            if victim.id not in cached.request_ids:
+                kept.append(cached)
+                continue
+            rest = [i for i in cached.request_ids if i != victim.id]
+            try:
+                if rest:
+                    kept.append(await self.client.filter_batch(cached.id, rest))
+                else:
+                    await self.client.clear_cache(cached.id)
+            except ShardError as error:
+                await self._fail([cached.id], self._entries_of([cached]), error)
+        return kept
 
     def _notify(self, phase: str, size: int) -> None:
         if self.on_step is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from engine.batch import Generation, Request
+from engine.batch import Generation, Request, kv_tokens
 from router.sched.allocator import Allocation
 
 
@@ -33,7 +33,13 @@ class Entry:
 
     @property
     def tokens(self) -> int:
+        """Its prompt and every token it may generate (a Batch's max_tokens counts these)."""
         return self.input_length + self.request.stopping_parameters.max_new_tokens
+
+    @property
+    def kv_tokens(self) -> int:
+        """The KV-cache tokens it can fill, as the shard counts them (engine/batch.py)."""
+        return kv_tokens(self.input_length, self.request.stopping_parameters.max_new_tokens)
 
     @property
     def prefill_length(self) -> int:
@@ -78,7 +84,7 @@ class RequestStream:
         # By entry, not by id: the caller may already have reused the id for a new request.
         if not self._done:
             self._done = True
-            self._scheduler._cancel_entry(self._entry)
+            self._scheduler.cancel_entry(self._entry)
 
     def __del__(self) -> None:
         # A consumer that went away without closing (an HTTP client disconnect) still frees its blocks.
