@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.errors import CorruptFileError
-from engine.weights import loader
+from engine.weights import loader, paths
 from launcher.cli import bucketserve
 
 CPU = torch.device("cpu")
@@ -30,7 +30,7 @@ def fake_conversion(monkeypatch):
         converted.append(gguf)
         (out / "config.json").write_text("{}")
 
-    monkeypatch.setattr(loader, "_write_hf_dir", write)
+    monkeypatch.setattr(paths, "_write_hf_dir", write)
     return converted
 
 
