@@ -2,6 +2,7 @@
 
 The shard works on these; the gRPC server only translates them to and from protobuf.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,7 +28,9 @@ class NextTokenChooserParameters:
     top_p: float = 1.0
     typical_p: float = 1.0
     do_sample: bool = False
-    seed: int | None = None  # None: unset (a direct caller's); on the wire every value is a seed, 0 too
+    seed: int | None = (
+        None  # None: unset (a direct caller's); on the wire every value is a seed, 0 too
+    )
     repetition_penalty: float = 1.0
     watermark: bool = False
     frequency_penalty: float = 0.0
@@ -35,7 +38,9 @@ class NextTokenChooserParameters:
     grammar_type: GrammarType = GrammarType.NONE
     # bucketserve extensions of the protocol (proto field numbers >= 1000)
     presence_penalty: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> bias added to its logit
+    logit_bias: dict[int, float] = field(
+        default_factory=dict
+    )  # token id -> bias added to its logit
 
 
 @dataclass
@@ -43,7 +48,7 @@ class StoppingCriteriaParameters:
     max_new_tokens: int = 20
     stop_sequences: list[str] = field(default_factory=list)
     ignore_eos_token: bool = False
-    min_new_tokens: int = 0      # bucketserve extension: no EOS before this many tokens
+    min_new_tokens: int = 0  # bucketserve extension: no EOS before this many tokens
 
 
 def kv_tokens(prompt_len: int, max_new_tokens: int) -> int:
@@ -59,16 +64,22 @@ class Request:
     inputs: str
     truncate: int = 0  # 0: keep the whole prompt; else keep its last `truncate` tokens
     parameters: NextTokenChooserParameters = field(default_factory=NextTokenChooserParameters)
-    stopping_parameters: StoppingCriteriaParameters = field(default_factory=StoppingCriteriaParameters)
+    stopping_parameters: StoppingCriteriaParameters = field(
+        default_factory=StoppingCriteriaParameters
+    )
     prefill_logprobs: bool = False
     top_n_tokens: int = 0
-    blocks: list[int] = field(default_factory=list)  # router-assigned KV blocks; empty: shard allocates
+    blocks: list[int] = field(
+        default_factory=list
+    )  # router-assigned KV blocks; empty: shard allocates
     slots: list[int] = field(default_factory=list)
     adapter_id: str | None = None
     cache_len: int = 0
     add_special_tokens: bool = True
     chunk_len: int | None = None
-    prefill_source: int | None = None  # a request of the same Prefill whose prompt KV this one copies
+    prefill_source: int | None = (
+        None  # a request of the same Prefill whose prompt KV this one copies
+    )
 
 
 @dataclass
@@ -137,7 +148,8 @@ class WarmupResult:
 @dataclass
 class StepTimings:
     """Where the time of a Prefill or Decode went (the v3 responses carry these)."""
-    forward_ns: int            # device forwards
-    decode_ns: int             # everything else: token choice, detokenization, stopping
+
+    forward_ns: int  # device forwards
+    decode_ns: int  # everything else: token choice, detokenization, stopping
     total_ns: int
     concat_ns: int | None = None  # joining cached batches, when there were several

@@ -8,9 +8,10 @@ and nowhere else.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 def default_cache_dir() -> Path:

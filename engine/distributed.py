@@ -2,6 +2,7 @@
 
 With one rank every collective is the identity, so single-device code pays nothing.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,8 +36,12 @@ def init_distributed(parallel: Parallel, backend: str, master_addr: str, master_
     if parallel.world_size == 1 or dist.is_initialized():
         return
     global _host_group
-    dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
-                            rank=parallel.rank, world_size=parallel.world_size)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=parallel.rank,
+        world_size=parallel.world_size,
+    )
     if backend != "gloo":
         _host_group = dist.new_group(backend="gloo")  # every rank creates it, in the same order
 

@@ -19,6 +19,7 @@ character (json_schema_ebnf). Once the text matches completely the EOS tokens be
 else can follow they are the only allowed tokens. Token ids past the tokenizer's vocabulary (padding of the logits)
 and special tokens other than EOS are never allowed.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,16 +44,19 @@ from engine.grammar_schema import UnsupportedSchema, check_schema, patterns
 log = logging.getLogger(__name__)
 
 FIELD = "parameters.grammar"
-DEFAULT_CACHE_SIZE = 256          # compiled grammars kept per shard (least recently used dropped first)
+DEFAULT_CACHE_SIZE = 256  # compiled grammars kept per shard (least recently used dropped first)
 
 # xgrammar's C++ errors read "[03:34:49] /project/cpp/regex_converter.cc:94: Regex parsing error ...":
 # the user gets the part after the source location.
-_CPP_PREFIX = re.compile(r"^(\[[0-9:]+\]\s*)?\S+\.(cc|h|cpp):\d+:\s*(Check failed: .*? is false: )?")
+_CPP_PREFIX = re.compile(
+    r"^(\[[0-9:]+\]\s*)?\S+\.(cc|h|cpp):\d+:\s*(Check failed: .*? is false: )?"
+)
 
 
 @dataclass(frozen=True, eq=False)
 class CompiledGrammar:
     """A grammar compiled for one GrammarCompiler's vocabulary. Immutable and shared by all requests using it."""
+
     grammar_type: GrammarType
     grammar: str
     _compiled: xgrammar.CompiledGrammar = field(repr=False)
@@ -66,16 +70,27 @@ class CompiledGrammar:
 class GrammarCompiler:
     """Compiles grammars for one tokenizer and one logits vocabulary size; one per shard."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], *,
-                 cache_size: int = DEFAULT_CACHE_SIZE, max_threads: int | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        *,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        max_threads: int | None = None,
+    ):
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         stop = sorted(i for i in eos_token_ids if 0 <= i < vocab_size)
         if not stop:
-            raise ValueError(f"no EOS token id among {sorted(eos_token_ids)} is below vocab_size {vocab_size}")
+            raise ValueError(
+                f"no EOS token id among {sorted(eos_token_ids)} is below vocab_size {vocab_size}"
+            )
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(stop)
-        self._info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
+        self._info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop
+        )
         threads = max_threads or min(8, os.cpu_count() or 1)
         # xgrammar's own cache is keyed the same way; ours returns the very same object and bounds the count.
         self._xgr = xgrammar.GrammarCompiler(self._info, max_threads=threads, cache_enabled=False)
@@ -83,7 +98,7 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self.bitmask_words = (vocab_size + 31) // 32
-        self._eos_only_bits = _pack([*stop], self.bitmask_words)      # int32 [words]
+        self._eos_only_bits = _pack([*stop], self.bitmask_words)  # int32 [words]
         self._eos_only_mask = torch.zeros(vocab_size, dtype=torch.bool)
         self._eos_only_mask[stop] = True
 
@@ -92,9 +107,13 @@ class GrammarCompiler:
         try:
             grammar_type = GrammarType(grammar_type)
         except ValueError:
-            raise InvalidRequestError(f"parameters.grammar_type: unknown grammar type {grammar_type!r}") from None
+            raise InvalidRequestError(
+                f"parameters.grammar_type: unknown grammar type {grammar_type!r}"
+            ) from None
         if grammar_type == GrammarType.NONE:
-            raise InvalidRequestError("parameters.grammar_type: GRAMMAR_TYPE_NONE has no grammar to compile")
+            raise InvalidRequestError(
+                "parameters.grammar_type: GRAMMAR_TYPE_NONE has no grammar to compile"
+            )
         if not isinstance(grammar, str):
             raise InvalidRequestError(f"{FIELD}: must be a string, got {type(grammar).__name__}")
         key = (grammar_type, grammar)
@@ -103,7 +122,9 @@ class GrammarCompiler:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-            compiled = CompiledGrammar(grammar_type, grammar, self._compile(grammar_type, grammar), self)
+            compiled = CompiledGrammar(
+                grammar_type, grammar, self._compile(grammar_type, grammar), self
+            )
             self._cache[key] = compiled
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
@@ -116,8 +137,10 @@ class GrammarCompiler:
             except ValueError as e:
                 raise InvalidRequestError(f"{FIELD}: invalid JSON schema: not JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
-                raise InvalidRequestError(f"{FIELD}: invalid JSON schema: must be an object or a boolean, "
-                                          f"got {type(schema).__name__}")
+                raise InvalidRequestError(
+                    f"{FIELD}: invalid JSON schema: must be an object or a boolean, "
+                    f"got {type(schema).__name__}"
+                )
             try:
                 return self._xgr.compile_grammar(json_schema_ebnf(schema))
             except UnsupportedSchema as e:
@@ -146,14 +169,18 @@ class GrammarState:
 
     __slots__ = ("_compiler", "compiled", "_matcher", "_bits", "_finished", "failed", "tokens")
 
-    def __init__(self, compiler: GrammarCompiler, compiled: CompiledGrammar, matcher: xgrammar.GrammarMatcher):
+    def __init__(
+        self, compiler: GrammarCompiler, compiled: CompiledGrammar, matcher: xgrammar.GrammarMatcher
+    ):
         self._compiler = compiler
         self.compiled = compiled
         self._matcher = matcher
         self._bits = torch.empty(1, compiler.bitmask_words, dtype=torch.int32)
-        self._finished: bool | None = None      # cached is_finished, None: not computed since the last advance
-        self.failed = False                     # advance() got a token the grammar forbids
-        self.tokens = 0                         # tokens consumed
+        self._finished: bool | None = (
+            None  # cached is_finished, None: not computed since the last advance
+        )
+        self.failed = False  # advance() got a token the grammar forbids
+        self.tokens = 0  # tokens consumed
 
     @property
     def vocab_size(self) -> int:
@@ -191,8 +218,12 @@ class GrammarState:
 
     def _fail(self, token_id: int, where: str) -> None:
         self.failed = True
-        log.warning("grammar %s: token %d is not allowed %s; the request can only end now",
-                    self.compiled.grammar_type.name, token_id, where)
+        log.warning(
+            "grammar %s: token %d is not allowed %s; the request can only end now",
+            self.compiled.grammar_type.name,
+            token_id,
+            where,
+        )
 
     @property
     def is_complete(self) -> bool:
@@ -225,8 +256,10 @@ class GrammarState:
         return self.fork()
 
     def __repr__(self) -> str:
-        return (f"GrammarState({self.compiled.grammar_type.name}, tokens={self.tokens}, "
-                f"finished={self.is_finished}, failed={self.failed})")
+        return (
+            f"GrammarState({self.compiled.grammar_type.name}, tokens={self.tokens}, "
+            f"finished={self.is_finished}, failed={self.failed})"
+        )
 
 
 def fill_masks(states: Sequence[GrammarState | None], out: torch.Tensor) -> torch.Tensor:
@@ -248,7 +281,9 @@ def fill_masks(states: Sequence[GrammarState | None], out: torch.Tensor) -> torc
     if any(s._compiler is not compiler for s in live):
         raise ValueError("fill_masks: states from different GrammarCompilers")
     if out.shape[1] != compiler.vocab_size:
-        raise ValueError(f"out has {out.shape[1]} columns, the grammars' vocab_size is {compiler.vocab_size}")
+        raise ValueError(
+            f"out has {out.shape[1]} columns, the grammars' vocab_size is {compiler.vocab_size}"
+        )
     bits = torch.empty(n, compiler.bitmask_words, dtype=torch.int32)
     matchers, rows = [], []
     for i, s in enumerate(states):
@@ -265,7 +300,9 @@ def fill_masks(states: Sequence[GrammarState | None], out: torch.Tensor) -> torc
         _batch_matcher().batch_fill_next_token_bitmask(matchers, bits, rows)
     mask = _unpack(bits, compiler.vocab_size)
     if out.device.type == "cpu" and out.is_contiguous():
-        np.copyto(out[:n].numpy(), mask.numpy())   # numpy's copy: no torch intra-op threads to wait for
+        np.copyto(
+            out[:n].numpy(), mask.numpy()
+        )  # numpy's copy: no torch intra-op threads to wait for
     else:
         out[:n].copy_(mask)
     return out
@@ -314,12 +351,16 @@ def _check_pattern_path(pattern: str) -> None:
     # as written, which can break the JSON string: refuse those.
     schema = json.dumps({"type": "string", "pattern": pattern})
     try:
-        converted = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
+        converted = str(
+            xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+        )
     except (RuntimeError, ValueError, TypeError):
-        return   # the whole schema's conversion reports it
+        return  # the whole schema's conversion reports it
     if "json_string=true" not in converted:
-        raise UnsupportedSchema(f"JSON schema `pattern` {pattern!r} cannot match inside a JSON string "
-                                "without characters that JSON must escape")
+        raise UnsupportedSchema(
+            f"JSON schema `pattern` {pattern!r} cannot match inside a JSON string "
+            "without characters that JSON must escape"
+        )
 
 
 def _clean(error: Exception) -> str:
@@ -336,6 +377,7 @@ def _pack(token_ids: list[int], words: int) -> torch.Tensor:
 
 
 if sys.byteorder == "little":
+
     def _unpack(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """bool [n, vocab_size] from an int32 [n, words] bitmask; numpy's unpackbits is ~4x faster than shifts."""
         flags = np.unpackbits(bits.numpy().view(np.uint8), axis=-1, bitorder="little")
@@ -344,7 +386,9 @@ else:  # pragma: no cover - no big-endian machine runs this
     _SHIFTS = torch.arange(32, dtype=torch.int32)
 
     def _unpack(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        return ((bits.unsqueeze(-1) >> _SHIFTS) & 1).bool().reshape(bits.shape[0], -1)[:, :vocab_size]
+        return (
+            ((bits.unsqueeze(-1) >> _SHIFTS) & 1).bool().reshape(bits.shape[0], -1)[:, :vocab_size]
+        )
 
 
 __all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarState", "fill_masks", "allowed_masks"]

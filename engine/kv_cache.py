@@ -3,6 +3,7 @@
 A token's slot is block * block_size + offset. Block 0 is reserved: padding tokens write there and
 padding blocks read from it, so real blocks are never touched by padding.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -33,7 +34,9 @@ class ShardBlockPool:
 
     def allocate(self, count: int) -> list[int]:
         if not self.can_allocate(count):
-            raise CapacityError(f"KV cache full: {count} blocks needed, {len(self._free)} free of {self.num_blocks - 1}")
+            raise CapacityError(
+                f"KV cache full: {count} blocks needed, {len(self._free)} free of {self.num_blocks - 1}"
+            )
         return [heapq.heappop(self._free) for _ in range(count)]
 
     def free(self, blocks: list[int]) -> None:
@@ -51,8 +54,17 @@ def slots_for(blocks: list[int], start: int, end: int, block_size: int) -> list[
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device,
-                 zeros=None):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype,
+        device,
+        zeros=None,
+    ):
         """`zeros(shape, dtype)`: the device adapter's allocator of zero-filled tensors (default torch.zeros)."""
         self.num_blocks, self.block_size = num_blocks, block_size
         self.copied_prompts = 0  # copy_slots calls: prompts shared instead of computed
@@ -70,8 +82,17 @@ class KVCache:
         self.copied_prompts += 1
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype) -> int:
-        return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_block(
+        num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype
+    ) -> int:
+        return (
+            2
+            * num_layers
+            * block_size
+            * kv_heads
+            * head_dim
+            * torch.empty((), dtype=dtype).element_size()
+        )
 
     @property
     def capacity_tokens(self) -> int:

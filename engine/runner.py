@@ -1,5 +1,6 @@
 """Builds bucket-padded tensors for a batch, runs the model through the device adapter, and
 returns logits for the real rows only."""
+
 from __future__ import annotations
 
 import time
@@ -19,7 +20,7 @@ from engine.layers.lora import NO_ADAPTER
 @dataclass
 class PrefillInput:
     token_ids: list[int]
-    slots: list[int]       # one cache slot per token
+    slots: list[int]  # one cache slot per token
     prompt_logprobs: bool = False  # also score every prompt token (TGI's prefill_logprobs)
     adapter: int = NO_ADAPTER  # LoRA adapter slot (engine/layers/lora.py); -1: the base model
     # Prefill with context: token_ids continue `context_slots`, the cache slots of the tokens before
@@ -29,22 +30,32 @@ class PrefillInput:
 
 @dataclass
 class PrefillOutput:
-    logits: torch.Tensor                    # [sequences, vocab] at each sequence's last token
-    prompt_logprobs: dict[int, list[float]]  # sequence index -> logprob of each prompt token (first: nan)
+    logits: torch.Tensor  # [sequences, vocab] at each sequence's last token
+    prompt_logprobs: dict[
+        int, list[float]
+    ]  # sequence index -> logprob of each prompt token (first: nan)
 
 
 @dataclass
 class DecodeInput:
-    token_id: int          # the last generated token, not yet in the cache
-    position: int          # its position in the sequence
-    slot: int              # where its K/V go
-    blocks: list[int]      # the blocks covering positions 0..position
+    token_id: int  # the last generated token, not yet in the cache
+    position: int  # its position in the sequence
+    slot: int  # where its K/V go
+    blocks: list[int]  # the blocks covering positions 0..position
     adapter: int = NO_ADAPTER  # LoRA adapter slot; -1: the base model
 
 
 class ModelRunner:
-    def __init__(self, model, adapter: DeviceAdapter, kv_cache: KVCache, plan: BucketPlan, dtype: torch.dtype):
-        self.model, self.adapter, self.kv_cache, self.plan, self.dtype = model, adapter, kv_cache, plan, dtype
+    def __init__(
+        self, model, adapter: DeviceAdapter, kv_cache: KVCache, plan: BucketPlan, dtype: torch.dtype
+    ):
+        self.model, self.adapter, self.kv_cache, self.plan, self.dtype = (
+            model,
+            adapter,
+            kv_cache,
+            plan,
+            dtype,
+        )
         self.block_size = kv_cache.block_size
         self.padding = PaddingStats()
         self.forward_ns = 0  # device time of the forwards since the caller last reset it
@@ -57,17 +68,24 @@ class ModelRunner:
         """Logits at each sequence's last token, and prompt logprobs for the sequences that ask."""
         output = PrefillOutput([None] * len(seqs), {})
         if self.recorder is not None:
-            self.recorder.prefill(len(seqs), max(len(s.token_ids) for s in seqs),
-                                  max(self._context_blocks(s) for s in seqs))
+            self.recorder.prefill(
+                len(seqs),
+                max(len(s.token_ids) for s in seqs),
+                max(self._context_blocks(s) for s in seqs),
+            )
         with_context = [i for i, s in enumerate(seqs) if s.context_slots]
         if with_context:
             self._prefill_with_context(seqs, with_context, output)
         plain = [i for i, s in enumerate(seqs) if not s.context_slots]
-        for split in self.plan.split_prefill([len(seqs[i].token_ids) for i in plain]) if plain else []:
+        for split in (
+            self.plan.split_prefill([len(seqs[i].token_ids) for i in plain]) if plain else []
+        ):
             group = [plain[i] for i in split]
             members = [seqs[i] for i in group]
             bucket = self.plan.prefill_bucket(len(members), max(len(s.token_ids) for s in members))
-            self.padding.record("prefill", sum(len(s.token_ids) for s in members), bucket.tokens, bucket)
+            self.padding.record(
+                "prefill", sum(len(s.token_ids) for s in members), bucket.tokens, bucket
+            )
             if any(s.prompt_logprobs for s in members):
                 self._prefill_scoring_prompts(bucket, group, members, output)
                 continue
@@ -81,20 +99,29 @@ class ModelRunner:
         """Blocks the context spans: a later chunk may continue a context that ends inside a block."""
         return -(-len(seq.context_slots) // self.block_size)
 
-    def _prefill_with_context(self, seqs: list[PrefillInput], indices: list[int], output: PrefillOutput) -> None:
+    def _prefill_with_context(
+        self, seqs: list[PrefillInput], indices: list[int], output: PrefillOutput
+    ) -> None:
         """Rows that continue cached context run in (batch, new tokens, context blocks) buckets."""
         rows = [(len(seqs[i].token_ids), self._context_blocks(seqs[i])) for i in indices]
         for split in self.plan.split_context(rows):
             group = [indices[i] for i in split]
             members = [seqs[i] for i in group]
-            bucket = self.plan.prefill_bucket(len(members), max(len(s.token_ids) for s in members),
-                                              max(self._context_blocks(s) for s in members))
-            self.padding.record("prefill", sum(len(s.token_ids) for s in members), bucket.tokens, bucket)
+            bucket = self.plan.prefill_bucket(
+                len(members),
+                max(len(s.token_ids) for s in members),
+                max(self._context_blocks(s) for s in members),
+            )
+            self.padding.record(
+                "prefill", sum(len(s.token_ids) for s in members), bucket.tokens, bucket
+            )
             logits = self._run(("prefill", bucket), *self._prefill_tensors(bucket, members))
             for row, index in enumerate(group):
                 output.logits[index] = logits[row]
 
-    def _prefill_scoring_prompts(self, bucket: PrefillBucket, group, members, output: PrefillOutput) -> None:
+    def _prefill_scoring_prompts(
+        self, bucket: PrefillBucket, group, members, output: PrefillOutput
+    ) -> None:
         """The bucket's variant that returns logits at every position (a graph of its own)."""
         ids, positions, meta, _, *lora = self._prefill_tensors(bucket, members)
         everywhere = self._to_device(torch.arange(bucket.tokens))
@@ -104,7 +131,9 @@ class ModelRunner:
             length = len(seq.token_ids)
             output.logits[index] = logits[row, length - 1]
             if seq.prompt_logprobs:
-                output.prompt_logprobs[index] = _prompt_logprobs(logits[row, : length - 1], seq.token_ids)
+                output.prompt_logprobs[index] = _prompt_logprobs(
+                    logits[row, : length - 1], seq.token_ids
+                )
 
     @torch.inference_mode()
     def decode(self, seqs: list[DecodeInput]) -> torch.Tensor:
@@ -130,24 +159,50 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def warm(self, bucket: PrefillBucket | DecodeBucket, prompt_logprobs: bool = False, graph: bool = True) -> None:
+    def warm(
+        self,
+        bucket: PrefillBucket | DecodeBucket,
+        prompt_logprobs: bool = False,
+        graph: bool = True,
+    ) -> None:
         """Run one bucket on dummy rows that read and write only the reserved block (graph=False: warmed
         to run without a device graph, as when the graph memory budget is spent)."""
         if isinstance(bucket, PrefillBucket):
             context = [RESERVED_BLOCK] * (bucket.context_blocks * self.block_size)
-            dummy = [PrefillInput([0] * bucket.seq_len, [RESERVED_BLOCK] * bucket.seq_len, adapter=self._warm_adapter(row),
-                                  context_slots=context) for row in range(bucket.batch_size)]
+            dummy = [
+                PrefillInput(
+                    [0] * bucket.seq_len,
+                    [RESERVED_BLOCK] * bucket.seq_len,
+                    adapter=self._warm_adapter(row),
+                    context_slots=context,
+                )
+                for row in range(bucket.batch_size)
+            ]
             ids, positions, meta, last, *lora = self._prefill_tensors(bucket, dummy)
-            self.adapter.warm(("prefill", bucket), self.model, ids, positions, meta, last, *lora, graph=graph)
-            if prompt_logprobs and not bucket.context_blocks:  # prompt logprobs need the whole prompt computed
+            self.adapter.warm(
+                ("prefill", bucket), self.model, ids, positions, meta, last, *lora, graph=graph
+            )
+            if (
+                prompt_logprobs and not bucket.context_blocks
+            ):  # prompt logprobs need the whole prompt computed
                 everywhere = self._to_device(torch.arange(bucket.tokens))
-                self.adapter.warm(("prefill_logprobs", bucket), self.model, ids, positions, meta, everywhere, *lora,
-                                  graph=graph)
+                self.adapter.warm(
+                    ("prefill_logprobs", bucket),
+                    self.model,
+                    ids,
+                    positions,
+                    meta,
+                    everywhere,
+                    *lora,
+                    graph=graph,
+                )
         else:
             dummy = _dummy_decode_rows(bucket)
             for row, seq in enumerate(dummy):
                 seq.adapter = self._warm_adapter(row)
-            self.adapter.warm(("decode", bucket), self.model, *self._decode_tensors(bucket, dummy), graph=graph)
+            self.adapter.warm(
+                ("decode", bucket), self.model, *self._decode_tensors(bucket, dummy), graph=graph
+            )
 
     def _prefill_tensors(self, bucket: PrefillBucket, seqs: list[PrefillInput]):
         rows, width = bucket.batch_size, bucket.seq_len
@@ -166,18 +221,37 @@ class ModelRunner:
         seq_lens = [len(seq.token_ids) for seq in seqs] + [1] * padding_rows
         meta = PrefillMetadata(slots=self._tensor(slots), seq_lens=self._tensor(seq_lens))
         if bucket.context_blocks:
-            span = bucket.context_blocks * self.block_size  # padding: slots of the reserved block, masked
-            table = [seq.context_slots + [RESERVED_BLOCK] * (span - len(seq.context_slots)) for seq in seqs]
+            span = (
+                bucket.context_blocks * self.block_size
+            )  # padding: slots of the reserved block, masked
+            table = [
+                seq.context_slots + [RESERVED_BLOCK] * (span - len(seq.context_slots))
+                for seq in seqs
+            ]
             table += [[RESERVED_BLOCK] * span] * padding_rows
-            meta = meta._replace(context_slots=self._tensor(table), context_lens=self._tensor(contexts))
+            meta = meta._replace(
+                context_slots=self._tensor(table), context_lens=self._tensor(contexts)
+            )
         lora = self._lora_index([s.adapter for s in seqs], rows, width)
-        return self._tensor(ids).view(rows, width), self._to_device(positions), meta, self._tensor(last), *lora
+        return (
+            self._tensor(ids).view(rows, width),
+            self._to_device(positions),
+            meta,
+            self._tensor(last),
+            *lora,
+        )
 
     def _decode_tensors(self, bucket: DecodeBucket, seqs: list[DecodeInput]):
         padding_rows = bucket.batch_size - len(seqs)
         block_list, groups, usage = flat_block_tensors(
-            [s.blocks for s in seqs], [s.position + 1 for s in seqs], bucket.num_blocks, self.block_size)
-        mapping, owners, bias = flat_mask(groups, usage, bucket.batch_size, self.block_size, self.dtype)
+            [s.blocks for s in seqs],
+            [s.position + 1 for s in seqs],
+            bucket.num_blocks,
+            self.block_size,
+        )
+        mapping, owners, bias = flat_mask(
+            groups, usage, bucket.batch_size, self.block_size, self.dtype
+        )
         meta = DecodeMetadata(
             slots=self._tensor([s.slot for s in seqs] + [RESERVED_BLOCK] * padding_rows),
             block_list=self._to_device(block_list),
@@ -186,14 +260,31 @@ class ModelRunner:
             block_bias=self._to_device(bias),
         )
         # Where nothing is compiled, a step's shapes may follow its rows: padded per-row blocks (rows.py).
-        rows = None if self.adapter.warm_runs_forward else row_block_tensors(
-            [s.blocks for s in seqs], [s.position + 1 for s in seqs], bucket.batch_size, self.block_size, self.dtype)
+        rows = (
+            None
+            if self.adapter.warm_runs_forward
+            else row_block_tensors(
+                [s.blocks for s in seqs],
+                [s.position + 1 for s in seqs],
+                bucket.batch_size,
+                self.block_size,
+                self.dtype,
+            )
+        )
         if rows is not None:
-            meta = meta._replace(row_table=self._to_device(rows[0]), row_bias=self._to_device(rows[1]))
+            meta = meta._replace(
+                row_table=self._to_device(rows[0]), row_bias=self._to_device(rows[1])
+            )
         ids = [s.token_id for s in seqs] + [0] * padding_rows
         positions = [s.position for s in seqs] + [0] * padding_rows
         lora = self._lora_index([s.adapter for s in seqs], bucket.batch_size)
-        return self._tensor(ids), self._tensor(positions), meta, self._tensor(list(range(bucket.batch_size))), *lora
+        return (
+            self._tensor(ids),
+            self._tensor(positions),
+            meta,
+            self._tensor(list(range(bucket.batch_size))),
+            *lora,
+        )
 
     def _lora_index(self, adapters: list[int], rows: int, width: int = 1) -> tuple:
         """The model's last input when LoRA adapters are loaded: every token's adapter slot (padding: none).

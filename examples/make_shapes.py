@@ -11,6 +11,7 @@ A small simulation of a continuous-batching router in front of one shard, seeded
 
     python examples/make_shapes.py --out examples/shapes_chat_mixed.jsonl
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,7 +78,11 @@ def simulate(seed: int, steps: int, limits: Limits):
         for _ in range(arrivals(rng, step)):
             prompt = prompt_length(rng, limits.max_input_tokens)
             waiting.append((prompt, output_length(rng, limits.max_total_tokens - prompt)))
-        new = admit(waiting, running, limits) if worth_prefilling(waiting, running, idle_steps) else []
+        new = (
+            admit(waiting, running, limits)
+            if worth_prefilling(waiting, running, idle_steps)
+            else []
+        )
         idle_steps = 0 if new else idle_steps + 1
         if new:
             yield {"phase": "prefill", "batch_size": len(new), "seq_len": max(p for p, _ in new)}
@@ -92,7 +97,9 @@ def simulate(seed: int, steps: int, limits: Limits):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=8000)
     parser.add_argument("--out", default="examples/shapes_chat_mixed.jsonl")

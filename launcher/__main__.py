@@ -1,4 +1,5 @@
 """`python -m launcher`: the same as the `bucketserve` command."""
+
 import sys
 
 from launcher.cli import bucketserve

@@ -1,5 +1,6 @@
 """`bucketserve bench --compare transformers`: one workload through bucketserve and through
 transformers' batched generate, in the same process, on the same weights."""
+
 from __future__ import annotations
 
 import time
@@ -9,8 +10,8 @@ import torch
 
 from engine.batch import Request, StoppingCriteriaParameters
 from engine.buckets.grid import PaddingStats
-from launcher.generate import run_requests, warm_for
 from engine.serving.shard import Shard
+from launcher.generate import run_requests, warm_for
 
 # Any text works: it is only cut into prompts of the wanted token lengths.
 SOURCE_TEXT = (
@@ -25,8 +26,8 @@ class Workload:
     num_prompts: int = 32
     min_tokens: int = 16
     max_tokens: int = 256
-    new_tokens: int = 128      # the longest output
-    min_new_tokens: int = 16   # the shortest output; outputs spread evenly in between
+    new_tokens: int = 128  # the longest output
+    min_new_tokens: int = 16  # the shortest output; outputs spread evenly in between
 
     def output_lengths(self) -> list[int]:
         """Each request's number of new tokens, spread over [min_new_tokens, new_tokens] and mixed
@@ -38,7 +39,9 @@ class Workload:
 
 def make_prompts(tokenizer, workload: Workload) -> list[str]:
     """Prompts whose lengths are spread evenly over [min_tokens, max_tokens], each cut at its own offset."""
-    ids = tokenizer(SOURCE_TEXT * (workload.max_tokens // 40 + 2), add_special_tokens=False)["input_ids"]
+    ids = tokenizer(SOURCE_TEXT * (workload.max_tokens // 40 + 2), add_special_tokens=False)[
+        "input_ids"
+    ]
     span = workload.max_tokens - workload.min_tokens
     prompts = []
     for i in range(workload.num_prompts):
@@ -56,19 +59,27 @@ def bucketserve_runner(shard: Shard, prompts: list[str], workload: Workload):
     shard.runner.padding = PaddingStats()  # count serving only, not warmup
 
     def run_once() -> dict:
-        requests = [Request(i, p, stopping_parameters=StoppingCriteriaParameters(n, ignore_eos_token=True))
-                    for i, (p, n) in enumerate(zip(prompts, workload.output_lengths()))]
+        requests = [
+            Request(i, p, stopping_parameters=StoppingCriteriaParameters(n, ignore_eos_token=True))
+            for i, (p, n) in enumerate(zip(prompts, workload.output_lengths()))
+        ]
         phases = {"prefill": 0.0, "decode": 0.0}
         began = time.perf_counter()
         done = run_requests(shard, requests, phases)
         seconds = time.perf_counter() - began  # wall time: the scheduler's own work counts too
-        return {"tokens": sum(len(c.token_ids) for c in done.values()), "seconds": seconds, "phases": phases}
+        return {
+            "tokens": sum(len(c.token_ids) for c in done.values()),
+            "seconds": seconds,
+            "phases": phases,
+        }
 
     return run_once, warmup_s
 
 
 def _weights(shard) -> str:
-    return "" if shard.config.quantize == "none" else f" activations, {shard.config.quantize} weights"
+    return (
+        "" if shard.config.quantize == "none" else f" activations, {shard.config.quantize} weights"
+    )
 
 
 def transformers_runner(model_path, prompts: list[str], workload: Workload, dtype):
@@ -82,7 +93,9 @@ def transformers_runner(model_path, prompts: list[str], workload: Workload, dtyp
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     kwargs = dict(do_sample=False, pad_token_id=tokenizer.pad_token_id)
     with torch.inference_mode():  # its first call pays one-time set-up costs
-        model.generate(**tokenizer(prompts[:2], return_tensors="pt", padding=True), max_new_tokens=2, **kwargs)
+        model.generate(
+            **tokenizer(prompts[:2], return_tensors="pt", padding=True), max_new_tokens=2, **kwargs
+        )
 
     @torch.inference_mode()
     def run_once() -> dict:
@@ -105,7 +118,14 @@ def median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
 
 
-def report(shard: Shard, prompts: list[str], workload: Workload, ours: list[dict], peer: list[dict], warmup_s: float) -> str:
+def report(
+    shard: Shard,
+    prompts: list[str],
+    workload: Workload,
+    ours: list[dict],
+    peer: list[dict],
+    warmup_s: float,
+) -> str:
     prompt_tokens = sum(len(shard.tokenizer(p)["input_ids"]) for p in prompts)
     best = median_run(ours)
     ours_tps = best["tokens"] / best["seconds"]
@@ -123,8 +143,10 @@ def report(shard: Shard, prompts: list[str], workload: Workload, ours: list[dict
     if peer:
         other = median_run(peer)
         peer_tps = other["tokens"] / other["seconds"]
-        lines.append(f"transformers: {other['tokens']} tokens in {other['seconds']:.2f}s = {peer_tps:.1f} tok/s "
-                     f"(runs {_seconds(peer)})")
+        lines.append(
+            f"transformers: {other['tokens']} tokens in {other['seconds']:.2f}s = {peer_tps:.1f} tok/s "
+            f"(runs {_seconds(peer)})"
+        )
         lines.append(f"ratio: {ours_tps / peer_tps:.2f}x transformers")
     return "\n".join(lines)
 
@@ -133,7 +155,9 @@ def bench(shard: Shard, workload: Workload, compare: str | None, repeat: int = 3
     """Runs alternate between the engines, so a slow spell of the machine hits both alike."""
     prompts = make_prompts(shard.tokenizer, workload)
     run_ours, warmup_s = bucketserve_runner(shard, prompts, workload)
-    run_peer = transformers_runner(shard.model_path, prompts, workload, shard.dtype) if compare else None
+    run_peer = (
+        transformers_runner(shard.model_path, prompts, workload, shard.dtype) if compare else None
+    )
     ours, peer = [], []
     for _ in range(repeat):
         ours.append(run_ours())

@@ -1,4 +1,5 @@
 """What is checked before any shard starts. Each failure is one line that names the numbers."""
+
 from __future__ import annotations
 
 import errno
@@ -40,19 +41,27 @@ def check_split(model_id: str | None, num_shard: int) -> None:
     config = read_config(model_dir)
     problem = split_problem(config.num_heads, config.num_kv_heads, num_shard)
     if problem:
-        raise ConfigError(f"--num-shard {num_shard} cannot split the model in {model_dir}: {problem}")
+        raise ConfigError(
+            f"--num-shard {num_shard} cannot split the model in {model_dir}: {problem}"
+        )
 
 
-def check_limits(max_input: int, max_total: int, max_prefill: int, num_shard: int, chunked: bool = False) -> None:
+def check_limits(
+    max_input: int, max_total: int, max_prefill: int, num_shard: int, chunked: bool = False
+) -> None:
     """TGI's launcher refuses these too: a shard would otherwise only fail at the router's Warmup.
     `chunked` (prefix caching on): a prompt beyond the prefill budget is computed in chunks."""
     if num_shard < 1:
         raise ConfigError(f"--num-shard must be at least 1, not {num_shard}")
     if max_input >= max_total:
-        raise ConfigError(f"--max-input-tokens ({max_input}) must be below --max-total-tokens ({max_total})")
+        raise ConfigError(
+            f"--max-input-tokens ({max_input}) must be below --max-total-tokens ({max_total})"
+        )
     if max_prefill < max_input and not chunked:
-        raise ConfigError(f"--max-batch-prefill-tokens ({max_prefill}) must be at least "
-                          f"--max-input-tokens ({max_input})")
+        raise ConfigError(
+            f"--max-batch-prefill-tokens ({max_prefill}) must be at least "
+            f"--max-input-tokens ({max_input})"
+        )
 
 
 def port_in_use(port: int) -> bool:
@@ -96,7 +105,9 @@ def unique_socket_base() -> str:
 def check_socket_base(base: str, num_shard: int) -> None:
     last = f"{base}-{num_shard - 1}"
     if len(os.fsencode(last)) > MAX_SOCKET_PATH:
-        raise ConfigError(f"socket path {last} is longer than {MAX_SOCKET_PATH} bytes: choose a shorter --uds-path")
+        raise ConfigError(
+            f"socket path {last} is longer than {MAX_SOCKET_PATH} bytes: choose a shorter --uds-path"
+        )
     folder = os.path.dirname(os.path.abspath(base))
     if not os.path.isdir(folder):
         raise ConfigError(f"--uds-path {base}: folder {folder} does not exist")
@@ -117,4 +128,6 @@ def check_socket_free(path: str) -> None:
             probe.connect(path)
         except OSError:
             return  # nobody listens: left behind by a shard that died
-    raise ConfigError(f"{path} is in use: another server listens on it (another launcher with this --uds-path?)")
+    raise ConfigError(
+        f"{path} is in use: another server listens on it (another launcher with this --uds-path?)"
+    )

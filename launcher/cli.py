@@ -1,4 +1,5 @@
 """Command line: `python -m launcher`, with TGI's launcher's flag names where they exist."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,11 +9,20 @@ import sys
 import threading
 from dataclasses import replace
 
-from engine.cli.flags import add_knob_flags, config_from_args as knobs_from_args
-from engine.cli.main import EXIT_USAGE as EXIT_CONFIG, OneLineParser
-from engine.errors import BucketserveError
-from launcher.checks import ConfigError, check_limits, check_port, check_socket_base, check_split, unique_socket_base
+from engine.cli.flags import add_knob_flags
+from engine.cli.flags import config_from_args as knobs_from_args
+from engine.cli.main import EXIT_USAGE as EXIT_CONFIG
+from engine.cli.main import OneLineParser
 from engine.devices.probe import DeviceError, DevicePlan, resolve_device
+from engine.errors import BucketserveError
+from launcher.checks import (
+    ConfigError,
+    check_limits,
+    check_port,
+    check_socket_base,
+    check_split,
+    unique_socket_base,
+)
 from launcher.config import ROUTER_SET_BY_LAUNCHER, LauncherConfig
 from launcher.logs import Console
 from launcher.supervisor import supervise
@@ -22,11 +32,14 @@ ENGINE_COMMANDS = ("generate", "bench", "serve", "buckets", "warmup-profile")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m launcher", description="Start one `engine serve` shard per rank, wait until "
-                      "all answer Health, start the HTTP router over them, and supervise them all. SIGTERM or "
-                      "SIGINT stops them gracefully.",
-                      epilog="Other commands: `bucketserve generate|bench|serve|buckets|warmup-profile|loadtest ...` "
-                             "(serve, buckets and warmup-profile are also `python -m engine ...`).")
+    p = OneLineParser(
+        prog="python -m launcher",
+        description="Start one `engine serve` shard per rank, wait until "
+        "all answer Health, start the HTTP router over them, and supervise them all. SIGTERM or "
+        "SIGINT stops them gracefully.",
+        epilog="Other commands: `bucketserve generate|bench|serve|buckets|warmup-profile|loadtest ...` "
+        "(serve, buckets and warmup-profile are also `python -m engine ...`).",
+    )
     # every knob of the shards and the router, each shared one once (engine/cli/flags.py)
     add_knob_flags(p, LauncherConfig, exclude=ROUTER_SET_BY_LAUNCHER)
     return p
@@ -39,18 +52,29 @@ def config_from_args(args: argparse.Namespace) -> LauncherConfig:
 def resolve(config: LauncherConfig, console: Console) -> tuple[LauncherConfig, DevicePlan]:
     """Check everything that can be checked before a shard starts; the concrete config and device."""
     engine, router = config.engine, config.router
-    check_limits(engine.max_input_tokens, engine.max_total_tokens, engine.max_prefill_tokens,
-                 config.num_shard, chunked=engine.prefix_caching)
+    check_limits(
+        engine.max_input_tokens,
+        engine.max_total_tokens,
+        engine.max_prefill_tokens,
+        config.num_shard,
+        chunked=engine.prefix_caching,
+    )
     if router.max_concurrent_requests < 1:
-        raise ConfigError("--max-concurrent-requests must be at least 1, "
-                          f"not {router.max_concurrent_requests}")
+        raise ConfigError(
+            f"--max-concurrent-requests must be at least 1, not {router.max_concurrent_requests}"
+        )
     check_port("--port", router.port)
     if config.master_port is not None:
         if config.master_port == router.port:
             raise ConfigError(f"--master-port {config.master_port} is also the --port")
         check_port("--master-port", config.master_port)
-    device = resolve_device(engine.device, config.num_shard, os.environ, list_adapters,
-                            warn=lambda message: console.line(f"warning: {message}"))
+    device = resolve_device(
+        engine.device,
+        config.num_shard,
+        os.environ,
+        list_adapters,
+        warn=lambda message: console.line(f"warning: {message}"),
+    )
     check_split(engine.model_id, config.num_shard)
     base = config.uds_path or unique_socket_base()
     check_socket_base(base, config.num_shard)
@@ -70,7 +94,7 @@ class StopRequest(threading.Event):
         super().__init__()
         self.reason = ""
 
-    def install(self) -> "StopRequest":
+    def install(self) -> StopRequest:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._handle)
         return self

@@ -1,5 +1,6 @@
 """Offline generation through an in-process shard and the router's scheduler: the `generate` and
 `bench` commands use it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,7 +23,9 @@ def chat_prompt(tokenizer, prompt: str) -> str:
     """The prompt as one user turn of the model's chat template, ready for the assistant's answer."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("--chat: this model's tokenizer has no chat template")
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def token_count(shard: Shard, text: str, add_special_tokens: bool) -> int:
@@ -33,14 +36,18 @@ def prompt_lengths(shard: Shard, texts: list[str], add_special_tokens: bool) -> 
     return [token_count(shard, t, add_special_tokens) for t in texts]
 
 
-def warm_for(shard: Shard, texts: list[str], max_new_tokens: int, add_special_tokens: bool) -> WarmupResult:
+def warm_for(
+    shard: Shard, texts: list[str], max_new_tokens: int, add_special_tokens: bool
+) -> WarmupResult:
     """Warm only the buckets this workload can use: generation knows its prompts in advance."""
     if max_new_tokens < 1:
         raise InvalidRequestError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     lengths = prompt_lengths(shard, texts, add_special_tokens)
     limit = shard.config.max_input_tokens
     if max(lengths) > limit:
-        raise InvalidRequestError(f"a prompt of {max(lengths)} tokens exceeds --max-input-tokens {limit}")
+        raise InvalidRequestError(
+            f"a prompt of {max(lengths)} tokens exceeds --max-input-tokens {limit}"
+        )
     # A model that recomputes a sequence's cache at some position (Phi-3 longrope) prefills it whole.
     longest = max(max(lengths), recompute_length(shard.model, max(lengths) + max_new_tokens))
     return shard.warmup(
@@ -51,31 +58,49 @@ def warm_for(shard: Shard, texts: list[str], max_new_tokens: int, add_special_to
     )
 
 
-def run_requests(shard: Shard, requests: list[Request], seconds: dict | None = None) -> dict[int, Completion]:
+def run_requests(
+    shard: Shard, requests: list[Request], seconds: dict | None = None
+) -> dict[int, Completion]:
     """The completion of every request, through the router's continuous-batching scheduler in this
     process (the same batching as serving). `seconds`, when given, accumulates the shard's time in
     "prefill" and "decode"."""
     from router.offline import run_scheduled  # the router builds on the engine: imported on use
 
     lengths = [token_count(shard, r.inputs, r.add_special_tokens) for r in requests]
-    outputs = run_scheduled(shard, requests, lengths, shard.runner.kv_cache.capacity_tokens, seconds)
+    outputs = run_scheduled(
+        shard, requests, lengths, shard.runner.kv_cache.capacity_tokens, seconds
+    )
     done = {}
     for request in requests:
         generations = outputs[request.id]
         last = generations[-1].generated_text
-        done[request.id] = Completion(request.inputs, [t for g in generations for t in g.tokens.ids], last.text,
-                                      last.finish_reason.name.lower())
+        done[request.id] = Completion(
+            request.inputs,
+            [t for g in generations for t in g.tokens.ids],
+            last.text,
+            last.finish_reason.name.lower(),
+        )
     return done
 
 
-def generate(shard: Shard, prompts: list[str], max_new_tokens: int, chat: bool = False,
-             ignore_eos: bool = False) -> list[Completion]:
+def generate(
+    shard: Shard,
+    prompts: list[str],
+    max_new_tokens: int,
+    chat: bool = False,
+    ignore_eos: bool = False,
+) -> list[Completion]:
     texts = [chat_prompt(shard.tokenizer, p) for p in prompts] if chat else list(prompts)
     # A chat template writes its own special tokens; a plain prompt gets the tokenizer's.
     add_special = not chat
     warm_for(shard, texts, max_new_tokens, add_special)
-    stopping = StoppingCriteriaParameters(max_new_tokens=max_new_tokens, ignore_eos_token=ignore_eos)
-    requests = [Request(i, text, stopping_parameters=stopping, add_special_tokens=add_special) for i, text in enumerate(texts)]
+    stopping = StoppingCriteriaParameters(
+        max_new_tokens=max_new_tokens, ignore_eos_token=ignore_eos
+    )
+    requests = [
+        Request(i, text, stopping_parameters=stopping, add_special_tokens=add_special)
+        for i, text in enumerate(texts)
+    ]
     done = run_requests(shard, requests)
     for i, prompt in enumerate(prompts):
         done[i].prompt = prompt

@@ -4,6 +4,7 @@ Open-loop means requests leave at their scheduled arrival times whatever the ser
 overloaded server shows up as growing latencies and 429s instead of a load generator that slows
 down with it (closed-loop clients hide overload: "coordinated omission").
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,6 +38,7 @@ PERCENTILES = (50, 90, 99)
 @dataclass
 class Result:
     """One request. Times are seconds; `sent` counts from the start of the run."""
+
     index: int
     sent: float
     outcome: str = "error"  # "ok" | "429" | "error": every request ends as exactly one of them
@@ -86,7 +88,7 @@ def parse_event(line: str) -> dict | None:
     """One SSE line of TGI's `/generate_stream`: `data:{json}` (the space after the colon is optional)."""
     if not line.startswith("data:"):
         return None  # blank separators, comments (":...") and other fields carry nothing we use
-    payload = line[len("data:"):].strip()
+    payload = line[len("data:") :].strip()
     return json.loads(payload) if payload and payload != "[DONE]" else None
 
 
@@ -100,7 +102,9 @@ async def send_stream(client: httpx.AsyncClient, url: str, body: dict, result: R
     start = time.perf_counter()
     async with client.stream("POST", f"{url}/generate_stream", json=body) as response:
         if response.status_code != 200:
-            return http_failure(result, response.status_code, (await response.aread()).decode(errors="replace"))
+            return http_failure(
+                result, response.status_code, (await response.aread()).decode(errors="replace")
+            )
         events, last = 0, None
         async for line in response.aiter_lines():
             event = parse_event(line)
@@ -118,7 +122,9 @@ async def send_stream(client: httpx.AsyncClient, url: str, body: dict, result: R
         return result
     result.tokens = (last.get("details") or {}).get("generated_tokens") or events
     # the first token's time is TTFT; TPOT is the mean gap between the ones after it
-    result.tpot = (result.latency - result.ttft) / (result.tokens - 1) if result.tokens > 1 else None
+    result.tpot = (
+        (result.latency - result.ttft) / (result.tokens - 1) if result.tokens > 1 else None
+    )
     result.outcome = "ok"
     return result
 
@@ -139,7 +145,9 @@ async def send_generate(client: httpx.AsyncClient, url: str, body: dict, result:
     return result
 
 
-async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, body: dict, result: Result) -> Result:
+async def one_request(
+    client: httpx.AsyncClient, args: argparse.Namespace, body: dict, result: Result
+) -> Result:
     send = send_stream if args.stream else send_generate
     try:
         return await asyncio.wait_for(send(client, args.url, body, result), args.timeout)
@@ -157,7 +165,9 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, body:
 def progress_bar(n: int, enabled: bool):
     from tqdm import tqdm
 
-    return tqdm(total=n, desc="loadtest", unit="req", file=sys.stderr, disable=not enabled, mininterval=0.5)
+    return tqdm(
+        total=n, desc="loadtest", unit="req", file=sys.stderr, disable=not enabled, mininterval=0.5
+    )
 
 
 async def run_load(args: argparse.Namespace, prompts: list[str]) -> tuple[list[Result], float]:
@@ -221,17 +231,28 @@ def summarize(args: argparse.Namespace, results: list[Result], duration: float) 
     errors: dict[str, int] = {}
     for r in results:
         if r.outcome == "error":
-            reason = (r.error or "unknown").split(":")[0]  # "http 503", "timeout after 5s", "ConnectError"
+            reason = (r.error or "unknown").split(":")[
+                0
+            ]  # "http 503", "timeout after 5s", "ConnectError"
             errors[reason] = errors.get(reason, 0) + 1
     return {
-        "url": args.url, "requests": len(results), "rate": args.rate, "arrivals": args.arrivals,
-        "stream": args.stream, "max_new_tokens": args.max_new_tokens,
-        "ok": len(ok), "rejected_429": sum(r.outcome == "429" for r in results),
-        "errors": sum(r.outcome == "error" for r in results), "error_reasons": errors,
-        "duration_s": duration, "sent_rate": sent_rate(results),
+        "url": args.url,
+        "requests": len(results),
+        "rate": args.rate,
+        "arrivals": args.arrivals,
+        "stream": args.stream,
+        "max_new_tokens": args.max_new_tokens,
+        "ok": len(ok),
+        "rejected_429": sum(r.outcome == "429" for r in results),
+        "errors": sum(r.outcome == "error" for r in results),
+        "error_reasons": errors,
+        "duration_s": duration,
+        "sent_rate": sent_rate(results),
         "throughput_rps": len(ok) / duration if duration > 0 else 0.0,
-        "generated_tokens": tokens, "throughput_tokens_s": tokens / duration if duration > 0 else 0.0,
-        "latency_s": distribution([r.latency for r in ok]), "ttft_s": distribution([r.ttft for r in ok]),
+        "generated_tokens": tokens,
+        "throughput_tokens_s": tokens / duration if duration > 0 else 0.0,
+        "latency_s": distribution([r.latency for r in ok]),
+        "ttft_s": distribution([r.ttft for r in ok]),
         "tpot_s": distribution([r.tpot for r in ok]),
     }
 
@@ -257,7 +278,9 @@ def format_report(summary: dict, plot_path: Path | None) -> str:
     ]
     for label, key in (("latency", "latency_s"), ("TTFT", "ttft_s"), ("TPOT", "tpot_s")):
         stats = summary[key]
-        lines.append(f"  {label:12} " + " ".join(f"{ms(stats[k]):>9}" for k in ("p50", "p90", "p99", "mean")))
+        lines.append(
+            f"  {label:12} " + " ".join(f"{ms(stats[k]):>9}" for k in ("p50", "p90", "p99", "mean"))
+        )
     if not summary["stream"]:
         lines.append("  (no stream: TTFT is the whole latency, TPOT is latency / generated tokens)")
     if plot_path is not None:
@@ -279,13 +302,23 @@ def plot(results: list[Result], summary: dict, path: Path) -> None:
     for outcome, marker, color in (("429", "x", "orange"), ("error", "x", "red")):
         failed = [r.sent for r in results if r.outcome == outcome]
         if failed:  # on the x axis: they have no latency worth plotting, only a time
-            top.scatter(failed, [0] * len(failed), marker=marker, color=color, label=f"{outcome} ({len(failed)})")
+            top.scatter(
+                failed,
+                [0] * len(failed),
+                marker=marker,
+                color=color,
+                label=f"{outcome} ({len(failed)})",
+            )
     top.set_ylabel("seconds")
     top.legend(loc="upper left")
-    top.set_title(f"{summary['requests']} requests at {summary['rate']:g} req/s ({summary['arrivals']}) "
-                  f"to {summary['url']}")
+    top.set_title(
+        f"{summary['requests']} requests at {summary['rate']:g} req/s ({summary['arrivals']}) "
+        f"to {summary['url']}"
+    )
     with_tpot = [r for r in ok if r.tpot is not None]
-    bottom.scatter([r.sent for r in with_tpot], [r.tpot * 1000 for r in with_tpot], s=10, color="green")
+    bottom.scatter(
+        [r.sent for r in with_tpot], [r.tpot * 1000 for r in with_tpot], s=10, color="green"
+    )
     bottom.set_ylabel("time per output token (ms)")
     bottom.set_xlabel("send time (s from start)")
     for axis in (top, bottom):
@@ -300,31 +333,58 @@ def plot(results: list[Result], summary: dict, path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bucketserve loadtest", description="Open-loop load test of a running "
-                                "TGI-compatible server (/generate or /generate_stream).")
+    p = argparse.ArgumentParser(
+        prog="bucketserve loadtest",
+        description="Open-loop load test of a running "
+        "TGI-compatible server (/generate or /generate_stream).",
+    )
     p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8080")
-    p.add_argument("--rate", type=float, required=True, help="arrivals per second, whatever the server answers")
+    p.add_argument(
+        "--rate", type=float, required=True, help="arrivals per second, whatever the server answers"
+    )
     p.add_argument("--requests", type=int, required=True, help="how many requests to send")
-    p.add_argument("--stream", action="store_true", help="use /generate_stream (measures TTFT and TPOT)")
-    p.add_argument("--arrivals", choices=("poisson", "uniform"), default="poisson",
-                   help="exponential gaps (default) or a fixed 1/rate interval")
+    p.add_argument(
+        "--stream", action="store_true", help="use /generate_stream (measures TTFT and TPOT)"
+    )
+    p.add_argument(
+        "--arrivals",
+        choices=("poisson", "uniform"),
+        default="poisson",
+        help="exponential gaps (default) or a fixed 1/rate interval",
+    )
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--prompt", action="append", help="a prompt (repeatable; requests cycle through them)")
+    p.add_argument(
+        "--prompt", action="append", help="a prompt (repeatable; requests cycle through them)"
+    )
     p.add_argument("--prompts-file", help='JSON lines of {"prompt": "..."} (or plain text lines)')
     p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per request; a late one is an error")
+    p.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds per request; a late one is an error"
+    )
     p.add_argument("--out", help="directory for latency.png, summary.json and requests.jsonl")
     p.add_argument("--plot", help="the PNG path (default: OUT/latency.png, else ./loadtest.png)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON instead of the report")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
+    p.add_argument(
+        "--json", action="store_true", help="print the summary as JSON instead of the report"
+    )
+    p.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress bar on stderr"
+    )
     return p
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    problems = [f"{flag} must be > 0" for flag, value in (("--rate", args.rate), ("--requests", args.requests),
-                ("--max-new-tokens", args.max_new_tokens), ("--timeout", args.timeout)) if not value > 0]
+    problems = [
+        f"{flag} must be > 0"
+        for flag, value in (
+            ("--rate", args.rate),
+            ("--requests", args.requests),
+            ("--max-new-tokens", args.max_new_tokens),
+            ("--timeout", args.timeout),
+        )
+        if not value > 0
+    ]
     if not args.url.startswith(("http://", "https://")):
         problems.append("--url must start with http:// or https://")
     if problems:

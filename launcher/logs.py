@@ -4,6 +4,7 @@ Every line is in the log format the router and the shards use too (engine/cli/lo
 launcher's own lines are named `launcher`, and a child's line gets the child's tag (`[shard 0]`,
 `[router]`) before its logger name, or as its name where the child printed it outside `logging`
 (a warmup summary, a traceback)."""
+
 from __future__ import annotations
 
 import re
@@ -12,15 +13,21 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
-from engine.cli.logs import line as log_line, tagged
+from engine.cli.logs import line as log_line
+from engine.cli.logs import tagged
 
 LINE_END = re.compile(rb"\r\n|\r|\n")
-STATUS_EVERY_S = 5.0    # progress as plain log lines (not a terminal): one every few seconds
-REDRAW_EVERY_S = 0.5    # progress on a terminal: one line, redrawn in place
-CHILD_TAG = re.compile(r"(\[(?:shard \d+|router)\]) (.*)", re.DOTALL)  # how the launcher forwards a child's line
-LEVELS = {"error: ": "ERROR", "warning: ": "WARNING"}  # the launcher's lines that say how serious they are
+STATUS_EVERY_S = 5.0  # progress as plain log lines (not a terminal): one every few seconds
+REDRAW_EVERY_S = 0.5  # progress on a terminal: one line, redrawn in place
+CHILD_TAG = re.compile(
+    r"(\[(?:shard \d+|router)\]) (.*)", re.DOTALL
+)  # how the launcher forwards a child's line
+LEVELS = {
+    "error: ": "ERROR",
+    "warning: ": "WARNING",
+}  # the launcher's lines that say how serious they are
 
 
 def formatted(text: str) -> str:
@@ -115,7 +122,7 @@ class LogTail:
         for end in LINE_END.finditer(data):
             if end.group() == b"\r" and end.end() == len(data):
                 break  # may be the first half of a \r\n split across two reads
-            piece = data[start:end.start()]
+            piece = data[start : end.start()]
             if end.group() == b"\r":
                 self._progress(piece)
             else:

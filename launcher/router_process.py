@@ -3,6 +3,7 @@
 The router outlives shard restarts: when the shards go away it answers 503 for new requests, holds
 the queued ones, and re-warms the shards once they answer again (router/sched/scheduler.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -36,9 +37,18 @@ class RouterProcess:
     def __init__(self, config: LauncherConfig, console: Console):
         self.config, self.console = config, console
         command = [sys.executable, "-m", "router", *config.router_args()]
-        env = {**config.router_environment(os.environ), "BUCKETSERVE_PARENT_PID": str(os.getpid())}  # it stops without us
-        self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        env = {
+            **config.router_environment(os.environ),
+            "BUCKETSERVE_PARENT_PID": str(os.getpid()),
+        }  # it stops without us
+        self.process = subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.log = LogTail(self.process.stdout, lambda text: console.line(f"[router] {text}"))
 
     @property
@@ -55,7 +65,9 @@ class RouterProcess:
             self.raise_if_exited("during start-up")
             if self._healthy():
                 self.console.clear_status()
-                self.console.line(f"the router answers on {self.url} after {time.monotonic() - start:.1f}s")
+                self.console.line(
+                    f"the router answers on {self.url} after {time.monotonic() - start:.1f}s"
+                )
                 return True
             if time.monotonic() - start > timeout:
                 raise self.failure(f"did not answer /health within --startup-timeout {timeout:g}s")

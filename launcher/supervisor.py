@@ -4,6 +4,7 @@ Each shard runs in its own session (process group): a Ctrl-C on the terminal rea
 launcher, which stops the shards in order, and killing a shard's group also ends any worker
 process the shard started itself (torch.compile's compile workers, for one).
 """
+
 from __future__ import annotations
 
 import os
@@ -21,28 +22,37 @@ import grpc
 
 from engine.cli.flags import knob_environment_names
 from engine.config import EngineConfig
+from engine.devices.probe import DevicePlan
 from engine.wire import generate_pb2 as pb
 from engine.wire import generate_pb2_grpc as pb_grpc
 from launcher.checks import pick_free_port
 from launcher.config import LauncherConfig, child_environment
-from engine.devices.probe import DevicePlan
 from launcher.logs import Console, LogTail
 from launcher.router_process import RouterFailure, RouterProcess
 
-POLL_S = 0.5                # how soon a dead shard is noticed
+POLL_S = 0.5  # how soon a dead shard is noticed
 HEALTH_RPC_TIMEOUT_S = 2.0
-FAILURE_GRACE_S = 3.0       # survivors of a failed group: its requests are lost anyway, and a rank
-                            # blocked in a collective with the dead one would never stop by itself
+FAILURE_GRACE_S = 3.0  # survivors of a failed group: its requests are lost anyway, and a rank
+# blocked in a collective with the dead one would never stop by itself
 REPORT_LINES = 20
-MASTER_ADDR = "127.0.0.1"   # every rank runs on this host
+MASTER_ADDR = "127.0.0.1"  # every rank runs on this host
 # Reconnect quickly: the socket appears the moment a shard has loaded, and gRPC's default backoff
 # would otherwise leave a ready shard unasked for up to two minutes.
-CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 1000)]
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 # The group's own variables, set per rank below, and the knobs' (MAX_BATCH_SIZE, LORA_ADAPTERS):
 # a shard gets its knobs as flags only.
-INHERITED_VARS_DROPPED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                          *sorted(knob_environment_names(EngineConfig)))
+INHERITED_VARS_DROPPED = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    *sorted(knob_environment_names(EngineConfig)),
+)
 
 
 class LaunchFailure(Exception):
@@ -69,7 +79,9 @@ class ShardProcess:
         self.log.finish()
         lines = self.log.tail(REPORT_LINES)
         heading = f"its last {len(lines)} log line(s):" if lines else "it logged nothing"
-        return LaunchFailure(f"shard {self.rank} {self.exit_description()} {when}; {heading}", lines)
+        return LaunchFailure(
+            f"shard {self.rank} {self.exit_description()} {when}; {heading}", lines
+        )
 
 
 class ShardGroup:
@@ -87,22 +99,35 @@ class ShardGroup:
         self.master_port = self.config.master_port or pick_free_port(avoid=self.config.router.port)
         self.shards = [self._start(rank) for rank in range(self.config.num_shard)]
         pids = ", ".join(f"{s.rank}: pid {s.process.pid}" for s in self.shards)
-        self.console.line(f"started {len(self.shards)} shard(s) on {self.device.name} ({pids}), "
-                          f"sockets {self.config.uds_path}-N, master port {self.master_port}")
+        self.console.line(
+            f"started {len(self.shards)} shard(s) on {self.device.name} ({pids}), "
+            f"sockets {self.config.uds_path}-N, master port {self.master_port}"
+        )
 
     def _start(self, rank: int) -> ShardProcess:
         command = [sys.executable, "-m", "engine", "serve", *self.config.shard_args()]
-        process = subprocess.Popen(command, env=self._env(rank), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            command,
+            env=self._env(rank),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         forward = lambda text, rank=rank: self.console.line(f"[shard {rank}] {text}")  # noqa: E731
         return ShardProcess(rank, process, LogTail(process.stdout, forward))
 
     def _env(self, rank: int) -> dict[str, str]:
         env = child_environment(os.environ, drop=INHERITED_VARS_DROPPED)
         # BUCKETSERVE_PARENT_PID: a shard stops by itself once this launcher is gone (even SIGKILLed).
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(self.config.num_shard),
-                   BUCKETSERVE_PARENT_PID=str(os.getpid()),
-                   MASTER_ADDR=MASTER_ADDR, MASTER_PORT=str(self.master_port))
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(self.config.num_shard),
+            BUCKETSERVE_PARENT_PID=str(os.getpid()),
+            MASTER_ADDR=MASTER_ADDR,
+            MASTER_PORT=str(self.master_port),
+        )
         env.update(self.device.env(rank))
         return env
 
@@ -114,7 +139,9 @@ class ShardGroup:
             if stop.is_set():
                 return False
             self._raise_if_exited("during start-up")
-            ready |= {r for r in range(self.config.num_shard) if r not in ready and self._healthy(r)}
+            ready |= {
+                r for r in range(self.config.num_shard) if r not in ready and self._healthy(r)
+            }
             elapsed = time.monotonic() - start
             if len(ready) == self.config.num_shard:
                 self.console.clear_status()
@@ -142,25 +169,39 @@ class ShardGroup:
         """Warm every shard for the launch's limits, all ranks at once (their forwards meet in
         collectives). A router warms shards once, at its start: after a restart the launcher must."""
         limits = self.config.engine
-        request = pb.WarmupRequest(max_input_tokens=limits.max_input_tokens,
-                                   max_prefill_tokens=limits.max_prefill_tokens,
-                                   max_total_tokens=limits.max_total_tokens)
-        stubs = [pb_grpc.TextGenerationServiceStub(self.channels[r]) for r in range(self.config.num_shard)]
+        request = pb.WarmupRequest(
+            max_input_tokens=limits.max_input_tokens,
+            max_prefill_tokens=limits.max_prefill_tokens,
+            max_total_tokens=limits.max_total_tokens,
+        )
+        stubs = [
+            pb_grpc.TextGenerationServiceStub(self.channels[r])
+            for r in range(self.config.num_shard)
+        ]
         with ThreadPoolExecutor(len(stubs)) as pool:
-            list(pool.map(lambda stub: stub.Warmup(request, timeout=self.config.startup_timeout), stubs))
+            list(
+                pool.map(
+                    lambda stub: stub.Warmup(request, timeout=self.config.startup_timeout), stubs
+                )
+            )
         self.console.line(f"all {len(stubs)} shard(s) warmed up again")
 
     def _progress(self, ready: set[int], elapsed: float) -> str:
         waiting = [s for s in self.shards if s.rank not in ready]
-        latest = " | ".join(f"shard {s.rank}: {s.log.latest[-100:] or '(no output yet)'}" for s in waiting)
+        latest = " | ".join(
+            f"shard {s.rank}: {s.log.latest[-100:] or '(no output yet)'}" for s in waiting
+        )
         return f"waiting for shards: {len(ready)}/{len(self.shards)} ready {sorted(ready)}, {elapsed:.0f}s; {latest}"
 
     def _timeout(self, ready: set[int]) -> LaunchFailure:
         waiting = [s for s in self.shards if s.rank not in ready]
         lines = [f"shard {s.rank}: {line}" for s in waiting for line in s.log.tail(5)]
         heading = "their last log lines:" if lines else "they logged nothing"
-        return LaunchFailure(f"shard(s) {[s.rank for s in waiting]} not healthy after "
-                             f"--startup-timeout {self.config.startup_timeout:g}s; {heading}", lines)
+        return LaunchFailure(
+            f"shard(s) {[s.rank for s in waiting]} not healthy after "
+            f"--startup-timeout {self.config.startup_timeout:g}s; {heading}",
+            lines,
+        )
 
     # --- watch ---------------------------------------------------------------------------------
 
@@ -239,16 +280,24 @@ class RestartBudget:
 def announce(config: LauncherConfig, device: DevicePlan, router: RouterProcess | None) -> None:
     """The line a user needs (on stdout: the rest of the launcher's output goes to stderr)."""
     if router is not None:
-        print(f"ready: {config.num_shard} shard(s) on {device.name}; the router serves {router.url} "
-              f"(try: curl {router.url}/generate -X POST -H 'Content-Type: application/json' "
-              """-d '{"inputs": "What is deep learning?", "parameters": {"max_new_tokens": 20}}')""", flush=True)
+        print(
+            f"ready: {config.num_shard} shard(s) on {device.name}; the router serves {router.url} "
+            f"(try: curl {router.url}/generate -X POST -H 'Content-Type: application/json' "
+            """-d '{"inputs": "What is deep learning?", "parameters": {"max_new_tokens": 20}}')""",
+            flush=True,
+        )
         return
     master = config.socket_path(0)
-    print(f"ready: {config.num_shard} shard(s) on {device.name}; master shard socket unix://{master} "
-          f"(for TGI's router: text-generation-router --master-shard-uds-path {master})", flush=True)
+    print(
+        f"ready: {config.num_shard} shard(s) on {device.name}; master shard socket unix://{master} "
+        f"(for TGI's router: text-generation-router --master-shard-uds-path {master})",
+        flush=True,
+    )
 
 
-def supervise(config: LauncherConfig, device: DevicePlan, console: Console, stop: threading.Event) -> int:
+def supervise(
+    config: LauncherConfig, device: DevicePlan, console: Console, stop: threading.Event
+) -> int:
     """Start the group (and the router) and watch them until a stop (0) or a failure that is not
     restarted (1)."""
     group, routers = ShardGroup(config, device, console), []
@@ -256,20 +305,26 @@ def supervise(config: LauncherConfig, device: DevicePlan, console: Console, stop
         return _supervise(group, routers, config, device, console, stop)
     finally:
         if stop.is_set():
-            console.line(f"{getattr(stop, 'reason', '') or 'stop requested'}: stopping the router and the shards "
-                         f"(SIGTERM, SIGKILL after {config.shutdown_timeout:g}s)")
+            console.line(
+                f"{getattr(stop, 'reason', '') or 'stop requested'}: stopping the router and the shards "
+                f"(SIGTERM, SIGKILL after {config.shutdown_timeout:g}s)"
+            )
         for router in routers:
             router.stop(config.shutdown_timeout)
         group.stop(config.shutdown_timeout if stop.is_set() else FAILURE_GRACE_S)
 
 
-def _supervise(group: ShardGroup, routers: list, config, device, console: Console, stop: threading.Event) -> int:
+def _supervise(
+    group: ShardGroup, routers: list, config, device, console: Console, stop: threading.Event
+) -> int:
     budget, served = RestartBudget(config.max_restarts, config.restart_window), False
     while True:
         group.spawn()
         try:
             starting_router = not config.no_router and not routers
-            if starting_router:  # now: its start-up overlaps the shards' (it waits for them to answer)
+            if (
+                starting_router
+            ):  # now: its start-up overlaps the shards' (it waits for them to answer)
                 routers.append(RouterProcess(config, console))
             if not group.wait_healthy(stop):
                 return 0
@@ -290,8 +345,10 @@ def _supervise(group: ShardGroup, routers: list, config, device, console: Consol
             report(console, failure)
             return 1
         group.stop(FAILURE_GRACE_S)
-        console.line(f"restarting all {config.num_shard} shard(s) (restart {len(budget.times)} of at most "
-                     f"{config.max_restarts} within {config.restart_window:g}s)")
+        console.line(
+            f"restarting all {config.num_shard} shard(s) (restart {len(budget.times)} of at most "
+            f"{config.max_restarts} within {config.restart_window:g}s)"
+        )
 
 
 def watch(group: ShardGroup, router: RouterProcess | None, stop: threading.Event) -> None:
@@ -305,12 +362,18 @@ def watch(group: ShardGroup, router: RouterProcess | None, stop: threading.Event
         stop.wait(POLL_S)
 
 
-def may_restart(config: LauncherConfig, served: bool, budget: RestartBudget, console: Console) -> bool:
+def may_restart(
+    config: LauncherConfig, served: bool, budget: RestartBudget, console: Console
+) -> bool:
     if not (config.restart_on_failure and served):
-        return False  # a group that never became healthy is misconfigured: a restart would fail alike
+        return (
+            False  # a group that never became healthy is misconfigured: a restart would fail alike
+        )
     if budget.take():
         return True
-    console.line(f"error: giving up: more than {config.max_restarts} restarts within {config.restart_window:g}s")
+    console.line(
+        f"error: giving up: more than {config.max_restarts} restarts within {config.restart_window:g}s"
+    )
     return False
 
 

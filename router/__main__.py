@@ -1,11 +1,12 @@
 """`python -m router --master-shard-uds-path unix://BASE-0 --tokenizer MODEL_DIR --port 8080 ...`"""
+
 import asyncio
 import logging
 import sys
 
 from engine.cli.logs import configure_logging
-from router.http.access import log_request_ids
 from router.app import build_parser, config_from_args, serve
+from router.http.access import log_request_ids
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ The same sequence as TGI's v3 router: ServiceDiscovery, ClearCache, Info, Warmup
 Warmup answer sizes the router's block allocator (one block more than the answer's tokens fill: block 0
 is reserved for padding).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,26 +16,27 @@ import uvicorn
 from fastapi import FastAPI
 from transformers import AutoTokenizer
 
-from engine.cli.flags import add_knob_flags, config_from_args as knobs_from_args
+from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCriteriaParameters
+from engine.cli.flags import add_knob_flags
+from engine.cli.flags import config_from_args as knobs_from_args
 from engine.config import ServingLimits, default_cache_dir
 from engine.weights.paths import resolve_model_dir
-from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCriteriaParameters
-# re-exported: the router's configuration, as before it had a module of its own
-from router.config import EMBEDDED_MODEL_NAME, AccessConfig, RouterConfig  # noqa: F401
-from router.http.access import install
-from router.http import tracing
-from router.sched.allocator import BlockAllocator
-from router.sched.prefix_cache import PrefixCache
 from router.client import GrpcShardClient, ShardClient
-from router.config import DEFAULT_PAYLOAD_LIMIT
+
+# re-exported: the router's configuration, as before it had a module of its own
+from router.config import DEFAULT_PAYLOAD_LIMIT, EMBEDDED_MODEL_NAME, AccessConfig, RouterConfig  # noqa: F401
+from router.http import tracing
+from router.http.access import install
 from router.http.errors import BodyLimit, install_error_handlers
 from router.http.front_page import front_page_routes
 from router.http.metrics import RouterMetrics
 from router.http.openai_api import openai_routes
-from router.sched.scheduler import Scheduler, lookahead_for
 from router.http.state import RouterState
 from router.http.tgi_api import service_routes, tgi_routes
 from router.http.validation import MAX_TOP_N_TOKENS
+from router.sched.allocator import BlockAllocator
+from router.sched.prefix_cache import PrefixCache
+from router.sched.scheduler import Scheduler, lookahead_for
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -46,57 +48,117 @@ def warmup_batch(max_input: int, max_prefill: int, max_total: int, max_batch: in
     requests, tokens = [], 0
     while tokens < max_prefill and len(requests) < max_batch:
         truncate = min(max_input, max_prefill - tokens)
-        params = NextTokenChooserParameters(temperature=0.9, top_k=10, top_p=0.9, typical_p=0.9, seed=1,
-                                            repetition_penalty=1.2, frequency_penalty=0.1, watermark=True)
-        requests.append(Request(0, "_test " * max_input, truncate=truncate, parameters=params,
-                                stopping_parameters=StoppingCriteriaParameters(max(max_total - truncate, 1), [], True),
-                                prefill_logprobs=True, top_n_tokens=MAX_TOP_N_TOKENS))
+        params = NextTokenChooserParameters(
+            temperature=0.9,
+            top_k=10,
+            top_p=0.9,
+            typical_p=0.9,
+            seed=1,
+            repetition_penalty=1.2,
+            frequency_penalty=0.1,
+            watermark=True,
+        )
+        requests.append(
+            Request(
+                0,
+                "_test " * max_input,
+                truncate=truncate,
+                parameters=params,
+                stopping_parameters=StoppingCriteriaParameters(
+                    max(max_total - truncate, 1), [], True
+                ),
+                prefill_logprobs=True,
+                top_n_tokens=MAX_TOP_N_TOKENS,
+            )
+        )
         tokens += truncate
     return Batch(0, requests, size=len(requests), max_tokens=max_input)
 
 
-async def warm_up(client: ShardClient, config: RouterConfig) -> tuple[ServingLimits, BlockAllocator, dict]:
+async def warm_up(
+    client: ShardClient, config: RouterConfig
+) -> tuple[ServingLimits, BlockAllocator, dict]:
     await client.clear_cache(None)
     info = await client.info()
     result = await rewarm(client, config)
     if result.max_supported_total_tokens is None:
         raise RuntimeError("the shards did not report their KV cache capacity")
     blocks = result.max_supported_total_tokens // info.block_size + 1
-    limits = ServingLimits(config.max_batch_size, config.max_prefill_tokens, result.max_input_tokens,
-                             result.max_total_tokens, config.max_concurrent_requests)
+    limits = ServingLimits(
+        config.max_batch_size,
+        config.max_prefill_tokens,
+        result.max_input_tokens,
+        result.max_total_tokens,
+        config.max_concurrent_requests,
+    )
     caching = config.prefix_caching and info.use_prefix_caching
     allocator = (PrefixCache if caching else BlockAllocator)(blocks, info.block_size)
-    return limits, allocator, {**info_dict(config, info, limits, result), "prefix_caching": caching,
-                               "support_chunking": info.support_chunking}
+    return (
+        limits,
+        allocator,
+        {
+            **info_dict(config, info, limits, result),
+            "prefix_caching": caching,
+            "support_chunking": info.support_chunking,
+        },
+    )
 
 
 async def rewarm(client: ShardClient, config: RouterConfig):
     """Warmup with the router's limits: at start, and again after the shards restarted."""
-    batch = warmup_batch(config.max_input_tokens, config.max_prefill_tokens, config.max_total_tokens,
-                         config.max_batch_size)
-    return await client.warmup(batch, config.max_input_tokens, config.max_prefill_tokens,
-                               config.max_total_tokens)
+    batch = warmup_batch(
+        config.max_input_tokens,
+        config.max_prefill_tokens,
+        config.max_total_tokens,
+        config.max_batch_size,
+    )
+    return await client.warmup(
+        batch, config.max_input_tokens, config.max_prefill_tokens, config.max_total_tokens
+    )
 
 
 def info_dict(config: RouterConfig, info, limits: ServingLimits, result) -> dict:
-    return {"model_id": config.model_name, "model_sha": None, "model_dtype": info.dtype,
-            "model_device_type": info.device_type, "model_pipeline_tag": "text-generation",
-            "max_concurrent_requests": limits.max_concurrent_requests, "max_best_of": 1, "max_stop_sequences": 4,
-            "max_input_tokens": limits.max_input_tokens, "max_total_tokens": limits.max_total_tokens,
-            "max_batch_prefill_tokens": limits.max_prefill_tokens, "max_batch_size": limits.max_batch_size,
-            "max_batch_total_tokens": result.max_supported_total_tokens, "block_size": info.block_size,
-            "attention_impl": info.attention_impl,  # flat_paged (native model) or transformers+flat_paged
-            "validation_workers": 1, "max_client_batch_size": 1, "router": "bucketserve-router",
-            "version": VERSION, "sha": None, "docker_label": None, "lora_adapters": list(config.adapter_names)}
+    return {
+        "model_id": config.model_name,
+        "model_sha": None,
+        "model_dtype": info.dtype,
+        "model_device_type": info.device_type,
+        "model_pipeline_tag": "text-generation",
+        "max_concurrent_requests": limits.max_concurrent_requests,
+        "max_best_of": 1,
+        "max_stop_sequences": 4,
+        "max_input_tokens": limits.max_input_tokens,
+        "max_total_tokens": limits.max_total_tokens,
+        "max_batch_prefill_tokens": limits.max_prefill_tokens,
+        "max_batch_size": limits.max_batch_size,
+        "max_batch_total_tokens": result.max_supported_total_tokens,
+        "block_size": info.block_size,
+        "attention_impl": info.attention_impl,  # flat_paged (native model) or transformers+flat_paged
+        "validation_workers": 1,
+        "max_client_batch_size": 1,
+        "router": "bucketserve-router",
+        "version": VERSION,
+        "sha": None,
+        "docker_label": None,
+        "lora_adapters": list(config.adapter_names),
+    }
 
 
-def create_app(state: RouterState, access: AccessConfig = AccessConfig(), traces: tracing.Tracing | None = None,
-               payload_limit: int = DEFAULT_PAYLOAD_LIMIT) -> FastAPI:
+def create_app(
+    state: RouterState,
+    access: AccessConfig = AccessConfig(),
+    traces: tracing.Tracing | None = None,
+    payload_limit: int = DEFAULT_PAYLOAD_LIMIT,
+) -> FastAPI:
     """The HTTP app: TGI's routes, OpenAI's, and the service routes, over one state; every error
     in the route's shape (router/http/errors.py)."""
-    app = FastAPI(title="bucketserve router", docs_url=None, redoc_url=None)  # their assets come from a CDN
+    app = FastAPI(
+        title="bucketserve router", docs_url=None, redoc_url=None
+    )  # their assets come from a CDN
     app.add_middleware(BodyLimit, limit=payload_limit, metrics=state.metrics)
-    tracing.install(app, traces, state.scheduler)   # inside the access middleware, which names the request first
+    tracing.install(
+        app, traces, state.scheduler
+    )  # inside the access middleware, which names the request first
     install(app, access)
     install_error_handlers(app, state.metrics)
     tgi_routes(app, state)
@@ -109,12 +171,19 @@ def create_app(state: RouterState, access: AccessConfig = AccessConfig(), traces
 async def build_state(config: RouterConfig, client: ShardClient) -> RouterState:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(config))
     limits, allocator, info = await warm_up(client, config)
+
     async def capacity_after_rewarm() -> int | None:
         return (await rewarm(client, config)).max_supported_total_tokens
 
     lookahead = lookahead_for(config.lookahead, info["model_device_type"])
-    scheduler = Scheduler(client, allocator, limits, rewarm=capacity_after_rewarm,
-                          chunking=bool(info.get("support_chunking")), lookahead=lookahead)
+    scheduler = Scheduler(
+        client,
+        allocator,
+        limits,
+        rewarm=capacity_after_rewarm,
+        chunking=bool(info.get("support_chunking")),
+        lookahead=lookahead,
+    )
     metrics = RouterMetrics(scheduler, client)
     scheduler.on_step = metrics.on_step
     await scheduler.start()
@@ -126,9 +195,13 @@ async def serve(config: RouterConfig) -> None:
     state = await build_state(config, client)
     traces = tracing.Tracing.to_otlp(config.otlp_endpoint) if config.otlp_endpoint else None
     app: FastAPI = create_app(state, config.access, traces, config.payload_limit)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.hostname, port=config.port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=config.hostname, port=config.port, log_level="warning")
+    )
     log.info("serving on http://%s:%d", config.hostname, config.port)
-    watcher = asyncio.create_task(watch_parent(config.parent_pid, server)) if config.parent_pid else None
+    watcher = (
+        asyncio.create_task(watch_parent(config.parent_pid, server)) if config.parent_pid else None
+    )
     try:
         await server.serve()
     finally:
@@ -155,8 +228,9 @@ def tokenizer_dir(config: RouterConfig) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m router",
-                                     description="bucketserve HTTP router (TGI's API)")
+    parser = argparse.ArgumentParser(
+        prog="python -m router", description="bucketserve HTTP router (TGI's API)"
+    )
     add_knob_flags(parser, RouterConfig)
     return parser
 

@@ -5,6 +5,7 @@ protobuf and can be tested without processes. Errors from either become a `Shard
 a gRPC status code, so the router handles a remote and a local failure the same way. What the two
 sides agree on beyond the messages (status codes, limits) is engine/wire/contract.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,9 @@ from engine.wire.contract import MAX_MESSAGE_BYTES, TRACEPARENT_METADATA_KEY, st
 StepResult = tuple[list[Generation], CachedBatch | None]
 # The traced requests of the current step: request id -> the W3C traceparent of its open phase span
 # (set by router/http/trace_steps.py around each step; empty when nothing is traced).
-STEP_TRACES: contextvars.ContextVar[dict[int, str]] = contextvars.ContextVar("step_traces",
-                                                                            default={})
+STEP_TRACES: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar(
+    "step_traces", default=None
+)
 
 
 class ShardError(Exception):
@@ -41,16 +43,29 @@ class ShardError(Exception):
 class ShardClient(Protocol):
     async def info(self) -> InfoResponse: ...
 
-    async def warmup(self, batch: Batch | None, max_input_tokens: int | None, max_prefill_tokens: int,
-                     max_total_tokens: int | None) -> WarmupResult: ...
+    async def warmup(
+        self,
+        batch: Batch | None,
+        max_input_tokens: int | None,
+        max_prefill_tokens: int,
+        max_total_tokens: int | None,
+    ) -> WarmupResult: ...
 
-    async def prefill(self, batch: Batch, cached: CachedBatch | None = None,
-                      resume: dict[int, list[int]] | None = None) -> StepResult:
+    async def prefill(
+        self,
+        batch: Batch,
+        cached: CachedBatch | None = None,
+        resume: dict[int, list[int]] | None = None,
+    ) -> StepResult:
         """`resume`: request id -> the tokens it generated before the shards restarted; only
         clients whose `resumes` is true accept it."""
 
-    async def decode(self, batches: list[CachedBatch], grown: dict[int, list[int]] | None = None,
-                     look_ahead: bool = False) -> StepResult:
+    async def decode(
+        self,
+        batches: list[CachedBatch],
+        grown: dict[int, list[int]] | None = None,
+        look_ahead: bool = False,
+    ) -> StepResult:
         """`grown`: request id -> KV blocks added to it before this step (on-demand allocation).
         `look_ahead`: the next call decodes the answered batch again, so the shards may start that
         step's forward at once (our shards do; TGI's ignore it)."""
@@ -69,9 +84,14 @@ class ShardClient(Protocol):
 
 def minimum_warmup(results: list[WarmupResult]) -> WarmupResult:
     """What every shard can do. A shard that left its capacity unset (None) does not limit it."""
-    capacities = [r.max_supported_total_tokens for r in results if r.max_supported_total_tokens is not None]
-    return WarmupResult(min(capacities) if capacities else None, min(r.max_input_tokens for r in results),
-                        min(r.max_total_tokens for r in results))
+    capacities = [
+        r.max_supported_total_tokens for r in results if r.max_supported_total_tokens is not None
+    ]
+    return WarmupResult(
+        min(capacities) if capacities else None,
+        min(r.max_input_tokens for r in results),
+        min(r.max_total_tokens for r in results),
+    )
 
 
 # --- gRPC: every RPC to every shard -----------------------------------------------------------
@@ -79,10 +99,13 @@ def minimum_warmup(results: list[WarmupResult]) -> WarmupResult:
 
 # Reconnect quickly: a restarted shard binds the same socket again, and gRPC's default backoff would
 # leave it unasked for up to two minutes.
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 1000)]
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 class GrpcShardClient:
@@ -94,30 +117,42 @@ class GrpcShardClient:
 
     def __init__(self, urls: list[str], timeout: float | None = None):
         self.urls, self.timeout = list(urls), timeout
-        self.channels = [grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS) for url in self.urls]
+        self.channels = [
+            grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS) for url in self.urls
+        ]
         self.stubs = [pb_grpc.TextGenerationServiceStub(channel) for channel in self.channels]
         self._stats: dict[str, int] | None = None
         # Our shards answer each step with stats and read resumed tokens; TGI's do neither.
         self.resumes = False
 
     @classmethod
-    async def connect(cls, master_url: str, timeout: float | None = None, wait: float | None = None) -> GrpcShardClient:
+    async def connect(
+        cls, master_url: str, timeout: float | None = None, wait: float | None = None
+    ) -> GrpcShardClient:
         """`wait`: seconds to wait for the master shard to come up (gRPC's wait_for_ready retries the
         connection), as when the router starts while the shards are still loading the model."""
         async with grpc.aio.insecure_channel(master_url, options=CHANNEL_OPTIONS) as channel:
             stub = pb_grpc.TextGenerationServiceStub(channel)
             try:
-                response = await stub.ServiceDiscovery(pb.ServiceDiscoveryRequest(), timeout=wait or timeout,
-                                                       wait_for_ready=wait is not None)
+                response = await stub.ServiceDiscovery(
+                    pb.ServiceDiscoveryRequest(),
+                    timeout=wait or timeout,
+                    wait_for_ready=wait is not None,
+                )
             except grpc.aio.AioRpcError as error:
-                raise ShardError(error.code(), f"ServiceDiscovery on {master_url}: {error.details()}") from None
+                raise ShardError(
+                    error.code(), f"ServiceDiscovery on {master_url}: {error.details()}"
+                ) from None
         return cls(list(response.urls), timeout)
 
     async def _all(self, method: str, request, metadata=None) -> list:
         """The responses of every shard, in rank order; the first shard's error if any failed.
 
         All calls run to their end before an error is raised, so no RPC is left in flight."""
-        calls = [getattr(stub, method)(request, timeout=self.timeout, metadata=metadata) for stub in self.stubs]
+        calls = [
+            getattr(stub, method)(request, timeout=self.timeout, metadata=metadata)
+            for stub in self.stubs
+        ]
         responses = await asyncio.gather(*calls, return_exceptions=True)
         # A dead rank first: the others then fail in their collectives, which says less.
         order = sorted(zip(self.urls, responses), key=lambda pair: not is_unavailable(pair[1]))
@@ -141,20 +176,37 @@ class GrpcShardClient:
     async def info(self) -> InfoResponse:
         return convert.info_from_pb((await self._all("Info", pb.InfoRequest()))[0])
 
-    async def warmup(self, batch: Batch | None, max_input_tokens: int | None, max_prefill_tokens: int,
-                     max_total_tokens: int | None) -> WarmupResult:
-        request = convert.warmup_request_to_pb(batch, max_input_tokens, max_prefill_tokens, max_total_tokens)
-        return minimum_warmup([convert.warmup_from_pb(r) for r in await self._all("Warmup", request)])
+    async def warmup(
+        self,
+        batch: Batch | None,
+        max_input_tokens: int | None,
+        max_prefill_tokens: int,
+        max_total_tokens: int | None,
+    ) -> WarmupResult:
+        request = convert.warmup_request_to_pb(
+            batch, max_input_tokens, max_prefill_tokens, max_total_tokens
+        )
+        return minimum_warmup(
+            [convert.warmup_from_pb(r) for r in await self._all("Warmup", request)]
+        )
 
-    async def prefill(self, batch: Batch, cached: CachedBatch | None = None,
-                      resume: dict[int, list[int]] | None = None) -> StepResult:
-        traces = STEP_TRACES.get()
+    async def prefill(
+        self,
+        batch: Batch,
+        cached: CachedBatch | None = None,
+        resume: dict[int, list[int]] | None = None,
+    ) -> StepResult:
+        traces = STEP_TRACES.get() or {}
         request = convert.prefill_request_to_pb(batch, cached, resume, traces)
         return step_result(await self._all("Prefill", request, traceparent_metadata(traces)))
 
-    async def decode(self, batches: list[CachedBatch], grown: dict[int, list[int]] | None = None,
-                     look_ahead: bool = False) -> StepResult:
-        traces = STEP_TRACES.get()
+    async def decode(
+        self,
+        batches: list[CachedBatch],
+        grown: dict[int, list[int]] | None = None,
+        look_ahead: bool = False,
+    ) -> StepResult:
+        traces = STEP_TRACES.get() or {}
         request = convert.decode_request_to_pb(batches, grown, look_ahead, traces)
         return step_result(await self._all("Decode", request, traceparent_metadata(traces)))
 
@@ -181,14 +233,19 @@ def traceparent_metadata(traces: dict[int, str]) -> tuple[tuple[str, str], ...] 
 
 
 def is_unavailable(response) -> bool:
-    return isinstance(response, grpc.aio.AioRpcError) and response.code() == grpc.StatusCode.UNAVAILABLE
+    return (
+        isinstance(response, grpc.aio.AioRpcError)
+        and response.code() == grpc.StatusCode.UNAVAILABLE
+    )
 
 
 def step_result(responses: list) -> StepResult:
     """Prefill/Decode answers of all ranks: their generations, and the batch as the first rank has it."""
     generations = [convert.generation_from_pb(g) for r in responses for g in r.generations]
     first = responses[0]
-    return generations, convert.cached_batch_from_pb(first.batch) if first.HasField("batch") else None
+    return generations, convert.cached_batch_from_pb(first.batch) if first.HasField(
+        "batch"
+    ) else None
 
 
 # --- in process: the same interface over an engine.serving.shard.Shard ---------------------------------
@@ -225,21 +282,46 @@ class InProcessClient:
     async def info(self) -> InfoResponse:
         return await self._call("Info", self.shard.info)
 
-    async def warmup(self, batch: Batch | None, max_input_tokens: int | None, max_prefill_tokens: int,
-                     max_total_tokens: int | None) -> WarmupResult:
+    async def warmup(
+        self,
+        batch: Batch | None,
+        max_input_tokens: int | None,
+        max_prefill_tokens: int,
+        max_total_tokens: int | None,
+    ) -> WarmupResult:
         # 0 means "no limit" on the wire; the shard wants None for that.
-        return await self._call("Warmup", self.shard.warmup, max_input_tokens, max_prefill_tokens or None,
-                                max_total_tokens, self.max_batch_size, copy.deepcopy(batch))
+        return await self._call(
+            "Warmup",
+            self.shard.warmup,
+            max_input_tokens,
+            max_prefill_tokens or None,
+            max_total_tokens,
+            self.max_batch_size,
+            copy.deepcopy(batch),
+        )
 
     # The shard keeps the requests it was given: copies keep the router's later edits away from it,
     # as the wire would.
-    async def prefill(self, batch: Batch, cached: CachedBatch | None = None,
-                      resume: dict[int, list[int]] | None = None) -> StepResult:
-        return await self._call("Prefill", self.shard.prefill, copy.deepcopy(batch), copy.deepcopy(cached),
-                                copy.deepcopy(resume))
+    async def prefill(
+        self,
+        batch: Batch,
+        cached: CachedBatch | None = None,
+        resume: dict[int, list[int]] | None = None,
+    ) -> StepResult:
+        return await self._call(
+            "Prefill",
+            self.shard.prefill,
+            copy.deepcopy(batch),
+            copy.deepcopy(cached),
+            copy.deepcopy(resume),
+        )
 
-    async def decode(self, batches: list[CachedBatch], grown: dict[int, list[int]] | None = None,
-                     look_ahead: bool = False) -> StepResult:
+    async def decode(
+        self,
+        batches: list[CachedBatch],
+        grown: dict[int, list[int]] | None = None,
+        look_ahead: bool = False,
+    ) -> StepResult:
         extra = (copy.deepcopy(grown),) if grown else ()
         result = await self._call("Decode", self.shard.decode, copy.deepcopy(batches), *extra)
         if look_ahead and result[1] is not None:  # the same worker: the next call waits for it

@@ -1,25 +1,36 @@
 """The router's scheduler driving an in-process shard: `generate` and `bench` batch exactly as the
 server does (continuous batching, router-assigned KV blocks), without sockets or HTTP."""
+
 from __future__ import annotations
 
 import asyncio
 
 from engine.batch import Generation, Request
-from router.sched.allocator import BlockAllocator
-from router.client import InProcessClient
 from engine.config import ServingLimits
+from router.client import InProcessClient
+from router.sched.allocator import BlockAllocator
 from router.sched.scheduler import Scheduler, lookahead_for
 
 
 def limits_of(shard, requests: int) -> ServingLimits:
     """What the warmed shard serves; every request of the run may wait in the queue at once."""
     warmed = shard.limits
-    return ServingLimits(warmed.max_batch_size, warmed.max_prefill_tokens, warmed.max_input_tokens,
-                           warmed.max_total_tokens, max_concurrent_requests=max(requests, 1))
+    return ServingLimits(
+        warmed.max_batch_size,
+        warmed.max_prefill_tokens,
+        warmed.max_input_tokens,
+        warmed.max_total_tokens,
+        max_concurrent_requests=max(requests, 1),
+    )
 
 
-def run_scheduled(shard, requests: list[Request], lengths: list[int], capacity_tokens: int,
-                  seconds: dict | None = None) -> dict[int, list[Generation]]:
+def run_scheduled(
+    shard,
+    requests: list[Request],
+    lengths: list[int],
+    capacity_tokens: int,
+    seconds: dict | None = None,
+) -> dict[int, list[Generation]]:
     """Every request's generations. `lengths` are the prompts' token counts; `capacity_tokens` is
     the KV capacity the shard's warmup reported. `seconds`, when given, accumulates the time the
     shard spent in "prefill" and "decode"."""

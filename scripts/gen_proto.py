@@ -7,6 +7,7 @@ protoc writes `import generate_pb2` into the gRPC module, which only works with 
 sys.path; the import is rewritten to the package path so `engine.wire.generate_pb2_grpc` imports
 `engine.wire.generate_pb2`.
 """
+
 from __future__ import annotations
 
 import sys
@@ -25,8 +26,14 @@ def generate(out_dir: Path, proto: Path = PROTO) -> list[Path]:
     from grpc_tools import protoc
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    args = ["protoc", f"-I{proto.parent}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
-            f"--grpc_python_out={out_dir}", str(proto)]
+    args = [
+        "protoc",
+        f"-I{proto.parent}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        str(proto),
+    ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {proto}")
     grpc_module = out_dir / "generate_pb2_grpc.py"

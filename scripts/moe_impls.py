@@ -4,6 +4,7 @@
 
 Prints milliseconds per MoE block forward for a decode-sized and a prefill-sized token count.
 """
+
 import argparse
 import time
 
@@ -40,15 +41,27 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     torch.manual_seed(0)
-    print(f"{args.experts} experts, top-{args.top_k}, hidden {args.hidden}, intermediate {args.intermediate}, "
-          f"{args.device}, {args.dtype}, {torch.get_num_threads()} CPU threads")
+    print(
+        f"{args.experts} experts, top-{args.top_k}, hidden {args.hidden}, intermediate {args.intermediate}, "
+        f"{args.device}, {args.dtype}, {torch.get_num_threads()} CPU threads"
+    )
     for impl in MOE_IMPLS:
-        block = SparseMoeBlock(args.hidden, args.intermediate, args.experts, args.top_k, True, F.silu, SINGLE,
-                               moe_ops(impl)).to(args.device, getattr(torch, args.dtype))
+        block = SparseMoeBlock(
+            args.hidden,
+            args.intermediate,
+            args.experts,
+            args.top_k,
+            True,
+            F.silu,
+            SINGLE,
+            moe_ops(impl),
+        ).to(args.device, getattr(torch, args.dtype))
         with torch.no_grad():
             for param in block.parameters():
                 param.normal_(0, 0.02)
-        times = ", ".join(f"{t} tokens {time_block(block, t, args.repeat):.1f} ms" for t in args.tokens)
+        times = ", ".join(
+            f"{t} tokens {time_block(block, t, args.repeat):.1f} ms" for t in args.tokens
+        )
         print(f"{impl:6s}: {times}")
 
 

@@ -6,6 +6,7 @@ ignored, greedy, all sent at once. Prints one JSON line: tokens/s over the whole
 latency and TTFT, and p50 time per output token after the first (TPOT).
 Standard library only, so it runs with any Python.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,9 +18,11 @@ import threading
 import time
 from urllib.parse import urlparse
 
-SOURCE = ("The river rose slowly through the night, and by morning the low fields near the old mill were "
-          "under water. Farmers moved their animals to the hills, children watched from the bridge, and the "
-          "miller counted sacks of grain that he had carried upstairs before the rain began. ").split()
+SOURCE = (
+    "The river rose slowly through the night, and by morning the low fields near the old mill were "
+    "under water. Farmers moved their animals to the hills, children watched from the bridge, and the "
+    "miller counted sacks of grain that he had carried upstairs before the rain began. "
+).split()
 
 
 FIXED_TOKENS: int | None = None  # --tokens: every request asks for this many
@@ -37,14 +40,23 @@ def prompt(i: int) -> str:
 
 
 def one_request(url: str, i: int, out: list, t0: float) -> None:
-    body = {"model": "bench", "prompt": prompt(i), "max_tokens": budget(i), "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "bench",
+        "prompt": prompt(i),
+        "max_tokens": budget(i),
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     parsed = urlparse(url)
     conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=600)
     start = time.perf_counter()
     ttft, chunks, usage, error = None, 0, None, None
     try:
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
         response = conn.getresponse()
         if response.status != 200:
             error = f"http {response.status}: {response.read()[:200]!r}"
@@ -65,8 +77,14 @@ def one_request(url: str, i: int, out: list, t0: float) -> None:
     tokens = usage["completion_tokens"] if usage else chunks
     latency = time.perf_counter() - start
     tpot = (latency - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None
-    out[i] = {"latency": latency, "ttft": ttft, "tpot": tpot, "tokens": tokens, "error": error,
-              "end": time.perf_counter() - t0}
+    out[i] = {
+        "latency": latency,
+        "ttft": ttft,
+        "tpot": tpot,
+        "tokens": tokens,
+        "error": error,
+        "end": time.perf_counter() - t0,
+    }
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -99,11 +117,20 @@ def run(url: str, n: int) -> dict:
     lat = [r["latency"] for r in results if not r["error"]]
     ttft = [r["ttft"] for r in results if r["ttft"] is not None]
     tpot = [r["tpot"] * 1000 for r in results if r["tpot"] is not None]
-    return {"requests": n, "tokens": tokens, "seconds": round(wall, 3), "tok_s": round(tokens / wall, 2),
-            "p50_latency": rounded(percentile(lat, 50)), "p99_latency": rounded(percentile(lat, 99)),
-            "p50_ttft": rounded(percentile(ttft, 50)), "p99_ttft": rounded(percentile(ttft, 99)),
-            "p50_tpot_ms": rounded(percentile(tpot, 50)), "errors": len(errors), "first_error": errors[0] if errors else None,
-            "wrong_token_counts": short}
+    return {
+        "requests": n,
+        "tokens": tokens,
+        "seconds": round(wall, 3),
+        "tok_s": round(tokens / wall, 2),
+        "p50_latency": rounded(percentile(lat, 50)),
+        "p99_latency": rounded(percentile(lat, 99)),
+        "p50_ttft": rounded(percentile(ttft, 50)),
+        "p99_ttft": rounded(percentile(ttft, 99)),
+        "p50_tpot_ms": rounded(percentile(tpot, 50)),
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "wrong_token_counts": short,
+    }
 
 
 def summarize(lines: list[str]) -> None:
@@ -111,27 +138,39 @@ def summarize(lines: list[str]) -> None:
     runs: dict = {}
     for line in lines:
         record = json.loads(line)
-        if record["p50_latency"] is None:  # not one request answered: the server is broken, not slow
-            print(f"{record['server']} at {record['requests']}: every request failed ({record['first_error']})")
+        if (
+            record["p50_latency"] is None
+        ):  # not one request answered: the server is broken, not slow
+            print(
+                f"{record['server']} at {record['requests']}: every request failed ({record['first_error']})"
+            )
             continue
         runs.setdefault((record["server"], record["requests"]), []).append(record)
     keys = ("tok_s", "p50_latency", "p99_latency", "p50_ttft", "p99_ttft", "p50_tpot_ms")
-    medians = {k: {f: statistics.median(r.get(f) or 0.0 for r in v) for f in keys} for k, v in runs.items()}
-    print(f"{'server':<24}{'conc':>5}{'tok/s':>9}{'p50 lat':>9}{'p99 lat':>9}{'p50 ttft':>10}{'p99 ttft':>10}"
-          f"{'tpot ms':>9}  runs(tok/s)")
+    medians = {
+        k: {f: statistics.median(r.get(f) or 0.0 for r in v) for f in keys} for k, v in runs.items()
+    }
+    print(
+        f"{'server':<24}{'conc':>5}{'tok/s':>9}{'p50 lat':>9}{'p99 lat':>9}{'p50 ttft':>10}{'p99 ttft':>10}"
+        f"{'tpot ms':>9}  runs(tok/s)"
+    )
     for (server, n), m in sorted(medians.items()):
         each = ", ".join(f"{r['tok_s']:.1f}" for r in runs[(server, n)])
-        print(f"{server:<24}{n:>5}{m['tok_s']:>9.1f}{m['p50_latency']:>9.2f}{m['p99_latency']:>9.2f}"
-              f"{m['p50_ttft']:>10.2f}{m['p99_ttft']:>10.2f}{m['p50_tpot_ms']:>9.1f}  {each}")
+        print(
+            f"{server:<24}{n:>5}{m['tok_s']:>9.1f}{m['p50_latency']:>9.2f}{m['p99_latency']:>9.2f}"
+            f"{m['p50_ttft']:>10.2f}{m['p99_ttft']:>10.2f}{m['p50_tpot_ms']:>9.1f}  {each}"
+        )
     for n in sorted({n for _, n in medians}):
         ours = [m for (s, c), m in medians.items() if c == n and s.startswith("bucketserve")]
         peer = [m for (s, c), m in medians.items() if c == n and s.startswith("llama.cpp")]
         if ours and peer:
             o, p = ours[0], peer[0]
-            print(f"ratio bucketserve/llama.cpp at {n}: throughput {o['tok_s'] / p['tok_s']:.2f}x, "
-                  f"p50 latency {o['p50_latency'] / p['p50_latency']:.2f}x, p50 TTFT {o['p50_ttft'] / p['p50_ttft']:.2f}x, "
-                  f"p50 time per output token {o['p50_tpot_ms']:.1f} vs {p['p50_tpot_ms']:.1f} ms "
-                  f"({o['p50_tpot_ms'] / p['p50_tpot_ms']:.2f}x)")
+            print(
+                f"ratio bucketserve/llama.cpp at {n}: throughput {o['tok_s'] / p['tok_s']:.2f}x, "
+                f"p50 latency {o['p50_latency'] / p['p50_latency']:.2f}x, p50 TTFT {o['p50_ttft'] / p['p50_ttft']:.2f}x, "
+                f"p50 time per output token {o['p50_tpot_ms']:.1f} vs {p['p50_tpot_ms']:.1f} ms "
+                f"({o['p50_tpot_ms'] / p['p50_tpot_ms']:.2f}x)"
+            )
 
 
 def main() -> None:
@@ -139,8 +178,14 @@ def main() -> None:
     parser.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8080")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--label", default="server", help="name written into the JSON line")
-    parser.add_argument("--tokens", type=int, help="every request asks for this many tokens (default: 16-128 by index)")
-    parser.add_argument("--summarize", help="a file of JSON lines from earlier runs: print medians and ratios")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        help="every request asks for this many tokens (default: 16-128 by index)",
+    )
+    parser.add_argument(
+        "--summarize", help="a file of JSON lines from earlier runs: print medians and ratios"
+    )
     args = parser.parse_args()
     if args.summarize:
         return summarize(open(args.summarize).read().splitlines())

@@ -7,6 +7,7 @@ Every row sits at about `--context` tokens of KV (rows differ a little, as in se
 the engine's own `ModelRunner.decode` (tensors built, forward, logits of the real rows). Prints the
 median of `--steps` steps per batch; `--profile B` also prints torch.profiler's table for batch B.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,7 +46,8 @@ def time_steps(shard: Shard, rows: list[DecodeInput], steps: int) -> tuple[float
 
 
 def profile(shard: Shard, rows: list[DecodeInput]) -> None:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     shard.runner.decode(rows)
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -55,22 +57,36 @@ def profile(shard: Shard, rows: list[DecodeInput]) -> None:
 
 
 def main() -> None:
-    torch.set_num_threads(int(__import__("os").environ.get("STEP_THREADS", torch.get_num_threads())))
+    torch.set_num_threads(
+        int(__import__("os").environ.get("STEP_THREADS", torch.get_num_threads()))
+    )
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 32, 128])
     parser.add_argument("--context", type=int, default=160)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantize", default="none", choices=["none", "int8", "int4"])
-    parser.add_argument("--profile", type=int, help="also print the profiler's table for this batch size")
+    parser.add_argument(
+        "--profile", type=int, help="also print the profiler's table for this batch size"
+    )
     args = parser.parse_args()
     top = max(args.batches)
-    config = EngineConfig(device="cpu", dtype=args.dtype, max_batch_size=top, max_input_tokens=256,
-                          max_total_tokens=512, max_prefill_tokens=512, warmup_mode="full", quantize=args.quantize)
+    config = EngineConfig(
+        device="cpu",
+        dtype=args.dtype,
+        max_batch_size=top,
+        max_input_tokens=256,
+        max_total_tokens=512,
+        max_prefill_tokens=512,
+        warmup_mode="full",
+        quantize=args.quantize,
+    )
     shard = Shard(config, show_progress=False)
     shard.warmup()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, quantize {args.quantize}, "
-          f"context ~{args.context}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, quantize {args.quantize}, "
+        f"context ~{args.context}"
+    )
     for batch in args.batches:
         rows = decode_rows(shard, batch, args.context)
         wall, cpu = time_steps(shard, rows, args.steps)

@@ -1,4 +1,5 @@
 """Flat paged attention and padded prompt attention against naive attention."""
+
 import math
 
 import torch
@@ -8,8 +9,8 @@ from hypothesis import strategies as st
 from engine.attention import DecodeMetadata, PrefillMetadata, attention, prepare_metadata
 from engine.attention.backend import AttentionBackend, use_backend
 from engine.attention.flat import flat_attention, flat_block_tensors, flat_mask
-from engine.attention.rows import PADDED_MAX_RATIO, row_attention, row_block_tensors
 from engine.attention.prompt import prompt_attention
+from engine.attention.rows import PADDED_MAX_RATIO, row_attention, row_block_tensors
 from engine.kv_cache import blocks_needed, slots_for
 
 
@@ -25,7 +26,11 @@ def naive_attention(q, keys, values, scale):
 @st.composite
 def flat_cases(draw):
     block_size = draw(st.sampled_from([1, 2, 4, 16]))
-    kv_heads, group, dim = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 3])), draw(st.sampled_from([4, 8]))
+    kv_heads, group, dim = (
+        draw(st.sampled_from([1, 2])),
+        draw(st.sampled_from([1, 3])),
+        draw(st.sampled_from([4, 8])),
+    )
     lengths = draw(st.lists(st.integers(1, 40), min_size=1, max_size=5))
     padding_rows, padding_blocks = draw(st.integers(0, 2)), draw(st.integers(0, 3))
     seed = draw(st.integers(0, 2**16))
@@ -41,8 +46,13 @@ def scattered_rows(case):
     total_blocks = sum(needed) + 1 + 3
     order = (torch.randperm(total_blocks - 1, generator=gen) + 1).tolist()
     row_blocks = [order[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(lengths))]
-    caches = [torch.randn(total_blocks * block_size, kv_heads, dim, generator=gen, dtype=torch.float64) for _ in "kv"]
-    q = torch.randn(len(lengths) + padding_rows, kv_heads * group, dim, generator=gen, dtype=torch.float64)
+    caches = [
+        torch.randn(total_blocks * block_size, kv_heads, dim, generator=gen, dtype=torch.float64)
+        for _ in "kv"
+    ]
+    q = torch.randn(
+        len(lengths) + padding_rows, kv_heads * group, dim, generator=gen, dtype=torch.float64
+    )
     return row_blocks, *caches, q
 
 
@@ -101,7 +111,9 @@ def test_row_attention_equals_naive(case):
     row_blocks, key_cache, value_cache, q = scattered_rows(case)
     batch, needed = q.shape[0], [len(blocks) for blocks in row_blocks]
     rows = row_block_tensors(row_blocks, lengths, batch, block_size, torch.float64)
-    if rows is None:  # padding would cost more than flat attention: the runner keeps the flat layout
+    if (
+        rows is None
+    ):  # padding would cost more than flat attention: the runner keeps the flat layout
         assert batch * max(needed) > PADDED_MAX_RATIO * sum(needed)
         return
     table, bias = rows
@@ -110,7 +122,10 @@ def test_row_attention_equals_naive(case):
 
 
 def test_rows_far_apart_in_length_keep_the_flat_layout():
-    assert row_block_tensors([[1] * 40, [2], [3], [4]], [640, 16, 16, 16], 4, 16, torch.float32) is None
+    assert (
+        row_block_tensors([[1] * 40, [2], [3], [4]], [640, 16, 16, 16], 4, 16, torch.float32)
+        is None
+    )
     table, bias = row_block_tensors([[1, 2], [3]], [20, 5], 3, 16, torch.float32)
     assert table.tolist() == [[1, 2], [3, 0], [0, 0]]
     assert (bias[0] == 0).sum() == 20 and (bias[1] == 0).sum() == 5 and (bias[2] < 0).all()
@@ -125,7 +140,9 @@ def _decode_meta(batch: int) -> DecodeMetadata:
 def test_a_batch_one_bucket_on_the_torch_kernels_reads_its_flat_list_as_its_row():
     lone = prepare_metadata(_decode_meta(1), 1)
     assert torch.equal(lone.row_attention[0], lone.block_list.view(1, -1))
-    assert prepare_metadata(_decode_meta(2), 1).row_attention is None  # the runner did not pad these rows
+    assert (
+        prepare_metadata(_decode_meta(2), 1).row_attention is None
+    )  # the runner did not pad these rows
     device_kernels = AttentionBackend("device", prompt_attention, flat_attention)
     with use_backend(device_kernels):  # a device's own decode kernel is never bypassed
         assert prepare_metadata(_decode_meta(1), 1).row_attention is None

@@ -1,10 +1,12 @@
 """Tests of engine.buckets.grid: ranges, plan coverage, bucket choice, splitting, padding stats."""
+
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.buckets.grid import (
     STRATEGIES,
@@ -23,6 +25,7 @@ FAST = settings(max_examples=60, deadline=None)
 
 
 # --------------------------------------------------------------------------- ranges
+
 
 def test_linear_range_examples():
     assert linear_range(1, 32, 128) == [1, 2, 4, 8, 16, 32, 64, 96, 128]
@@ -49,7 +52,8 @@ def test_exponential_range_examples():
 
 
 range_args = st.tuples(st.integers(1, 4096), st.integers(1, 512), st.integers(0, 20000)).map(
-    lambda t: (t[0], t[1], t[0] + t[2]))
+    lambda t: (t[0], t[1], t[0] + t[2])
+)
 
 
 def check_range(values, lo, hi):
@@ -84,8 +88,10 @@ def test_exponential_range_properties(args, count):
 
 def exact_point(lo, step, hi, i, n_minus_1):
     """Smallest multiple of step >= lo * (hi/lo) ** (i/n_minus_1), by integer bisection."""
+
     def covers(c):
-        return c ** n_minus_1 * lo ** i >= hi ** i * lo ** n_minus_1
+        return c**n_minus_1 * lo**i >= hi**i * lo**n_minus_1
+
     k_lo, k_hi = 1, -(-hi // step)  # k_hi * step >= hi >= the point
     while k_lo < k_hi:
         mid = (k_lo + k_hi) // 2
@@ -106,8 +112,9 @@ def test_exponential_range_matches_exact_formula(args, count):
 
 
 @pytest.mark.parametrize("fn", [linear_range, exponential_range])
-@pytest.mark.parametrize("args, word", [((0, 1, 4), "min_value"), ((1, 0, 4), "step"),
-                                        ((5, 1, 4), "max_value")])
+@pytest.mark.parametrize(
+    "args, word", [((0, 1, 4), "min_value"), ((1, 0, 4), "step"), ((5, 1, 4), "max_value")]
+)
 def test_range_rejects_bad_args(fn, args, word):
     with pytest.raises(ValueError, match=word):
         fn(*args)
@@ -120,8 +127,14 @@ def test_exponential_rejects_count_one():
 
 # --------------------------------------------------------------------------- limits
 
-GOOD = dict(max_batch_size=8, max_input_tokens=512, max_total_tokens=1024,
-            max_prefill_tokens=2048, block_size=128, max_kv_blocks=64)
+GOOD = dict(
+    max_batch_size=8,
+    max_input_tokens=512,
+    max_total_tokens=1024,
+    max_prefill_tokens=2048,
+    block_size=128,
+    max_kv_blocks=64,
+)
 
 
 @pytest.mark.parametrize("field", list(GOOD))
@@ -153,6 +166,7 @@ def test_bad_steps_rejected():
 
 
 # --------------------------------------------------------------------------- plans
+
 
 @st.composite
 def limits_st(draw):
@@ -197,7 +211,11 @@ def test_plan_holds_every_batch_within_limits(inputs, data):
         assert plan.prefill_bucket(1, length) is not None, length
     n = data.draw(st.integers(1, limits.max_batch_size))
     length = data.draw(st.integers(1, limits.max_input_tokens))
-    rows = min(b.batch_size for b in plan.prefill if b.batch_size >= n) if n <= plan.max_prefill_batch else None
+    rows = (
+        min(b.batch_size for b in plan.prefill if b.batch_size >= n)
+        if n <= plan.max_prefill_batch
+        else None
+    )
     width = min(b.seq_len for b in plan.prefill if b.seq_len >= length)
     if rows is not None and rows * width <= budget:
         assert plan.prefill_bucket(n, length) is not None, (n, length)
@@ -248,13 +266,17 @@ def test_bucket_choice_is_minimal(inputs, data):
         assert chosen is None
     else:
         assert chosen in holding
-        assert all((chosen.batch_size, chosen.num_blocks) <= (b.batch_size, b.num_blocks)
-                   for b in holding)
+        assert all(
+            (chosen.batch_size, chosen.num_blocks) <= (b.batch_size, b.num_blocks) for b in holding
+        )
 
 
 @FAST
-@given(st.lists(st.builds(DecodeBucket, st.integers(1, 12), st.integers(1, 40)), max_size=30),
-       st.integers(1, 14), st.integers(1, 45))
+@given(
+    st.lists(st.builds(DecodeBucket, st.integers(1, 12), st.integers(1, 40)), max_size=30),
+    st.integers(1, 14),
+    st.integers(1, 45),
+)
 def test_decode_choice_over_any_buckets(buckets, rows, total):
     """The indexed lookup picks what a scan of every bucket would, over any set (gaps, duplicates)."""
     plan = BucketPlan(prefill=(), decode=tuple(buckets))
@@ -269,8 +291,9 @@ def test_prefill_choice_tie_prefers_smaller_batch():
 
 
 def test_plan_properties():
-    plan = BucketPlan(prefill=[PrefillBucket(4, 64), PrefillBucket(2, 128)],
-                      decode=[DecodeBucket(3, 9)])
+    plan = BucketPlan(
+        prefill=[PrefillBucket(4, 64), PrefillBucket(2, 128)], decode=[DecodeBucket(3, 9)]
+    )
     assert isinstance(plan.prefill, tuple)
     assert (plan.max_prefill_batch, plan.max_prefill_seq_len, plan.max_decode_batch) == (4, 128, 3)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -278,6 +301,7 @@ def test_plan_properties():
 
 
 # --------------------------------------------------------------------------- splits
+
 
 @FAST
 @given(plan_inputs, st.data())
@@ -297,10 +321,14 @@ def test_split_prefill_minimizes_padding():
     # Linear seq buckets 16..512 and batch sizes 1,2,4,8: the greedy "fill the longest bucket"
     # would pad four prompts to 512; splitting 2 + 2 pads to 512 and 128 instead.
     limits = BucketLimits(8, 512, 1024, 2048, 16, 100)
-    plan = plan_buckets(limits, "linear", StrategySteps(prefill_batch_step=32, prefill_seq_step=128))
+    plan = plan_buckets(
+        limits, "linear", StrategySteps(prefill_batch_step=32, prefill_seq_step=128)
+    )
     groups = plan.split_prefill([500, 100, 510, 90])
     assert groups == [[0, 2], [1, 3]]
-    padded = sum(plan.prefill_bucket(len(g), max([500, 100, 510, 90][i] for i in g)).tokens for g in groups)
+    padded = sum(
+        plan.prefill_bucket(len(g), max([500, 100, 510, 90][i] for i in g)).tokens for g in groups
+    )
     assert padded == 2 * 512 + 2 * 128
 
 
@@ -325,7 +353,9 @@ def test_split_prefill_is_optimal_against_brute_force(seq_lens):
             for tail in partitions(others):
                 yield [part] + tail
 
-    assert cost(plan.split_prefill(seq_lens)) == min(cost(p) for p in partitions(list(range(len(seq_lens)))))
+    assert cost(plan.split_prefill(seq_lens)) == min(
+        cost(p) for p in partitions(list(range(len(seq_lens))))
+    )
 
 
 def test_split_prefill_groups_similar_lengths():
@@ -369,9 +399,12 @@ def test_split_decode_rejects_oversized_sequence():
 
 # --------------------------------------------------------------------------- padding stats
 
-records_st = st.lists(st.tuples(st.sampled_from(["prefill", "decode"]),
-                                st.integers(0, 10_000), st.integers(0, 10_000))
-                      .map(lambda t: (t[0], min(t[1], t[2]), max(t[1], t[2]))), max_size=30)
+records_st = st.lists(
+    st.tuples(
+        st.sampled_from(["prefill", "decode"]), st.integers(0, 10_000), st.integers(0, 10_000)
+    ).map(lambda t: (t[0], min(t[1], t[2]), max(t[1], t[2]))),
+    max_size=30,
+)
 
 
 @FAST
@@ -386,8 +419,11 @@ def test_padding_stats_add_up(records):
         assert (stats.real(phase), stats.padded(phase)) == (real, padded)
         expected = 1 - real / padded if padded else 0.0
         assert stats.waste(phase) == pytest.approx(expected)
-        assert stats.as_dict()[phase] == {"real": real, "padded": padded,
-                                          "waste": stats.waste(phase)}
+        assert stats.as_dict()[phase] == {
+            "real": real,
+            "padded": padded,
+            "waste": stats.waste(phase),
+        }
     assert set(stats.as_dict()) == {"prefill", "decode"}
 
 
@@ -405,11 +441,20 @@ def test_padding_stats_rejects_bad_records():
 def test_a_device_that_compiles_nothing_gets_a_decode_bucket_for_every_batch_size():
     from engine.buckets.plan import with_every_decode_batch
 
-    plan = BucketPlan((PrefillBucket(1, 16),), (DecodeBucket(1, 4), DecodeBucket(4, 8), DecodeBucket(4, 16),
-                                                DecodeBucket(8, 32)))
+    plan = BucketPlan(
+        (PrefillBucket(1, 16),),
+        (DecodeBucket(1, 4), DecodeBucket(4, 8), DecodeBucket(4, 16), DecodeBucket(8, 32)),
+    )
     every = with_every_decode_batch(plan)
     assert set(plan.decode) <= set(every.decode) and every.prefill == plan.prefill
     assert {(b.batch_size, b.num_blocks) for b in set(every.decode) - set(plan.decode)} == {
-        (2, 8), (2, 16), (3, 8), (3, 16), (5, 32), (6, 32), (7, 32)}
+        (2, 8),
+        (2, 16),
+        (3, 8),
+        (3, 16),
+        (5, 32),
+        (6, 32),
+        (7, 32),
+    }
     assert every.decode_bucket(3, 10) == DecodeBucket(3, 16)  # no padded row
     assert plan.decode_bucket(3, 10) == DecodeBucket(4, 16)

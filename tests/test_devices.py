@@ -4,8 +4,8 @@ import torch
 from engine.devices import available_devices, get_adapter
 from engine.devices.base import ShapeRegistry
 from engine.errors import UnwarmedShapeError
-from launcher.generate import generate
 from engine.serving.shard import Shard
+from launcher.generate import generate
 from tests.conftest import tiny_config
 
 
@@ -42,7 +42,10 @@ def test_compile_mode_gives_the_same_tokens_as_eager(tiny_model_dirs):
     prompts = ["The quick brown fox", "Hi"]
     tokens = {}
     for mode in ("eager", "compile"):
-        shard = Shard(tiny_config(tiny_model_dirs["mistral"], graph_mode=mode, max_batch_size=2), show_progress=False)
+        shard = Shard(
+            tiny_config(tiny_model_dirs["mistral"], graph_mode=mode, max_batch_size=2),
+            show_progress=False,
+        )
         tokens[mode] = [c.token_ids for c in generate(shard, prompts, 6, ignore_eos=True)]
         assert not shard.adapter.shapes.unwarmed
     assert tokens["compile"] == tokens["eager"]

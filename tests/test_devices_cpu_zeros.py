@@ -1,5 +1,6 @@
 """The CPU adapter's KV cache memory: zeros that cost nothing until used (start-up in seconds,
 issue 16), and that are still zeros and writable in every dtype."""
+
 import psutil
 import pytest
 import torch

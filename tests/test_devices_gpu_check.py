@@ -1,4 +1,5 @@
 """scripts/gpu_check.py's logic on CPU with a tiny model (the H200 run uses the same code at full size)."""
+
 import importlib.util
 from pathlib import Path
 
@@ -13,9 +14,13 @@ def load_script():
 
 
 def test_the_cpu_path_matches_transformers_and_prints_one_summary_line(capsys):
-    code = load_script().main(["--device", "cpu", "--tiny", "--prompts", "6", "--new-tokens", "8", "--longest", "32"])
+    code = load_script().main(
+        ["--device", "cpu", "--tiny", "--prompts", "6", "--new-tokens", "8", "--longest", "32"]
+    )
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert code == 0 and last.startswith("GPU_CHECK PASS device=cpu model=tiny fp32_greedy_equal=6/6 "), last
+    assert code == 0 and last.startswith(
+        "GPU_CHECK PASS device=cpu model=tiny fp32_greedy_equal=6/6 "
+    ), last
     assert " unwarmed=0 " in last and "speedup=" in last
 
 

@@ -1,5 +1,6 @@
 """The HPU adapter's own decisions, checked against a strict fake habana_frameworks on CPU
 (tests/fakes/habana.py: graphs keyed by input shapes, static outputs, PT_HPU_LAZY_MODE read at import)."""
+
 import os
 import sys
 
@@ -101,9 +102,15 @@ def test_each_replay_returns_its_own_tensor(habana):
     runner = warmed(adapter)
     runner.prefill(prompts())
     bucket = DecodeBucket(2, 4)
-    first = adapter.run(("decode", bucket), runner.model, *runner._decode_tensors(bucket, next_steps()))
+    first = adapter.run(
+        ("decode", bucket), runner.model, *runner._decode_tensors(bucket, next_steps())
+    )
     kept = first.clone()
-    adapter.run(("decode", bucket), runner.model, *runner._decode_tensors(bucket, next_steps(tokens=(40, 41))))
+    adapter.run(
+        ("decode", bucket),
+        runner.model,
+        *runner._decode_tensors(bucket, next_steps(tokens=(40, 41))),
+    )
     assert torch.equal(first, kept)
 
 
@@ -121,7 +128,9 @@ def test_an_unwarmed_shape_is_bypassed_never_captured(habana):
     runner = warmed(strict, buckets=PLAN.prefill)
     with pytest.raises(UnwarmedShapeError):
         runner.decode(next_steps())
-    assert len(habana.bypasses) == 1 and len(habana.captures) == 3 + 2  # its own two prefill graphs, no more
+    assert (
+        len(habana.bypasses) == 1 and len(habana.captures) == 3 + 2
+    )  # its own two prefill graphs, no more
 
 
 def test_python_scalars_never_reach_a_graph_input(habana):
@@ -130,7 +139,9 @@ def test_python_scalars_never_reach_a_graph_input(habana):
     bucket = PrefillBucket(1, 8)
     ids, positions, meta, last = runner._prefill_tensors(bucket, prompts((5,)))
     for bad in [(ids, positions, meta, 4), (ids, positions, meta._replace(slots=[3, 4]), last)]:
-        with pytest.raises(GraphInputError, match=r"graph input inputs(\[3\]|\[2\]\.slots\[0\]) is a Python int"):
+        with pytest.raises(
+            GraphInputError, match=r"graph input inputs(\[3\]|\[2\]\.slots\[0\]) is a Python int"
+        ):
             adapter.warm(("prefill", bucket), runner.model, *bad)
     assert not habana.captures and not habana.bypasses  # rejected before the graph cache hashed it
     adapter.warm(("prefill", bucket), runner.model, ids, positions, meta, last)
@@ -145,9 +156,14 @@ def traced_forward(habana, monkeypatch, adapter, parallel):
         layer.register_forward_hook(lambda *_: habana.trace.append("layer"))
     import engine.distributed as distributed
 
-    monkeypatch.setattr(distributed.dist, "all_reduce", lambda x, *a, **k: habana.trace.append("all_reduce"))
-    monkeypatch.setattr(distributed.dist, "all_gather",
-                        lambda parts, x, *a, **k: [p.copy_(x) for p in parts] and habana.trace.append("all_gather"))
+    monkeypatch.setattr(
+        distributed.dist, "all_reduce", lambda x, *a, **k: habana.trace.append("all_reduce")
+    )
+    monkeypatch.setattr(
+        distributed.dist,
+        "all_gather",
+        lambda parts, x, *a, **k: [p.copy_(x) for p in parts] and habana.trace.append("all_gather"),
+    )
     runner = runner_for(model, adapter)
     habana.trace.clear()
     runner.warm(DecodeBucket(2, 4))
@@ -166,15 +182,22 @@ def test_collectives_stay_inside_the_layer_graph(habana, monkeypatch, mode):
     # mark_step before each one cut every layer's graph three times.
     trace = traced_forward(habana, monkeypatch, hpu(graph_mode=mode, world_size=2), Parallel(0, 2))
     assert trace.count("layer") == 3 and "all_reduce" in trace and "all_gather" in trace
-    assert [e for e in trace if e in ("layer", "mark_step")] == ["mark_step"] + ["layer", "mark_step"] * 3 + ["mark_step"]
+    assert [e for e in trace if e in ("layer", "mark_step")] == ["mark_step"] + [
+        "layer",
+        "mark_step",
+    ] * 3 + ["mark_step"]
 
 
 def test_no_step_markers_in_compile_mode_or_on_other_devices(habana, monkeypatch):
-    monkeypatch.setattr(CPUAdapter, "warm_runs_forward", True)  # an eager CPU's warmup runs no forward
+    monkeypatch.setattr(
+        CPUAdapter, "warm_runs_forward", True
+    )  # an eager CPU's warmup runs no forward
     trace = traced_forward(habana, monkeypatch, get_adapter("cpu"), Parallel(0, 2))
     assert "layer" in trace and "mark_step" not in trace
     habana = start_bridge(monkeypatch, lazy_mode="0")
-    monkeypatch.setattr("engine.devices.hpu.adapter.compile_static", lambda fn, backend: fn)  # no hpu_backend here
+    monkeypatch.setattr(
+        "engine.devices.hpu.adapter.compile_static", lambda fn, backend: fn
+    )  # no hpu_backend here
     compiled = hpu(graph_mode="compile", world_size=2)
     assert compiled.step_marker is None
     trace = traced_forward(habana, monkeypatch, compiled, Parallel(0, 2))
@@ -214,8 +237,11 @@ def test_a_bridge_started_in_eager_mode_is_refused_for_graphs(monkeypatch, haban
     # Finding 6: the bridge reads PT_HPU_LAZY_MODE when torch is imported (unset: eager); setting it
     # afterwards, as the adapter used to, changes nothing.
     start_bridge(monkeypatch, lazy_mode=None)
-    with pytest.raises(DeviceError, match=r"--graph-mode graphs needs the Habana bridge in lazy mode, but the "
-                                          r"Habana bridge started in eager mode: set PT_HPU_LAZY_MODE=1"):
+    with pytest.raises(
+        DeviceError,
+        match=r"--graph-mode graphs needs the Habana bridge in lazy mode, but the "
+        r"Habana bridge started in eager mode: set PT_HPU_LAZY_MODE=1",
+    ):
         hpu()
 
 
@@ -228,13 +254,25 @@ def test_the_launcher_gives_every_hpu_shard_the_same_module_list_and_the_bridge_
     plan = resolve_device("hpu", 4, {}, lambda: ["hpu"], probe=gaudi)
     envs = [plan.env(rank) for rank in range(4)]
     assert {env["HABANA_VISIBLE_MODULES"] for env in envs} == {"0,1,2,3"}
-    assert all(env["PT_HPU_LAZY_MODE"] == "1" and env["PT_HPU_ENABLE_LAZY_COLLECTIVES"] == "1" for env in envs)
-    narrowed = resolve_device("hpu", 2, {"HABANA_VISIBLE_MODULES": "4,6", "PT_HPU_LAZY_MODE": "1"},
-                              lambda: ["hpu"], probe=gaudi)
-    assert narrowed.env(1)["HABANA_VISIBLE_MODULES"] == "4,6" and "PT_HPU_LAZY_MODE" not in narrowed.env(1)
+    assert all(
+        env["PT_HPU_LAZY_MODE"] == "1" and env["PT_HPU_ENABLE_LAZY_COLLECTIVES"] == "1"
+        for env in envs
+    )
+    narrowed = resolve_device(
+        "hpu",
+        2,
+        {"HABANA_VISIBLE_MODULES": "4,6", "PT_HPU_LAZY_MODE": "1"},
+        lambda: ["hpu"],
+        probe=gaudi,
+    )
+    assert narrowed.env(1)[
+        "HABANA_VISIBLE_MODULES"
+    ] == "4,6" and "PT_HPU_LAZY_MODE" not in narrowed.env(1)
 
 
 def test_missing_device_names_what_is_missing(habana):
     habana.devices = 0
-    with pytest.raises(DeviceError, match=r"--device hpu is not usable here: no Gaudi device is visible"):
+    with pytest.raises(
+        DeviceError, match=r"--device hpu is not usable here: no Gaudi device is visible"
+    ):
         hpu()

@@ -1,6 +1,7 @@
 """Gaudi attention kernels (finding 1): every supported vllm-hpu-extension release is called with
 its own signature and layout, prefill goes to FusedSDPA, and a fallback to pure torch is a WARNING
 that says why. The fakes (tests/fakes/vllm_hpu_extension.py) mirror each release's ops.py."""
+
 import inspect
 
 import pytest
@@ -13,7 +14,9 @@ from tests.fakes.tiny import CONFIG, PLAN, next_steps, prompts, runner_for, tiny
 from tests.fakes.vllm_hpu_extension import FakeExtension
 from tests.test_devices_hpu import habana, reference_logits, warmed  # noqa: F401 - the fixture
 
-PADDED = BucketPlan(prefill=PLAN.prefill, decode=(DecodeBucket(4, 8),))  # 2 padding rows, 4 padding blocks
+PADDED = BucketPlan(
+    prefill=PLAN.prefill, decode=(DecodeBucket(4, 8),)
+)  # 2 padding rows, 4 padding blocks
 
 
 @pytest.fixture(autouse=True)
@@ -33,9 +36,13 @@ def serve(extension, monkeypatch, habana, graph_mode="lazy"):
     return adapter, runner.prefill(prompts()).logits, runner.decode(next_steps())
 
 
-@pytest.mark.parametrize("version, with_vllm", [("v1.21.0", True), ("v1.21.3", False), ("v1.22.0", False),
-                                                ("vllm-gaudi", True)])
-def test_each_supported_release_serves_decode_and_fused_sdpa_serves_prefill(habana, monkeypatch, version, with_vllm):
+@pytest.mark.parametrize(
+    "version, with_vllm",
+    [("v1.21.0", True), ("v1.21.3", False), ("v1.22.0", False), ("vllm-gaudi", True)],
+)
+def test_each_supported_release_serves_decode_and_fused_sdpa_serves_prefill(
+    habana, monkeypatch, version, with_vllm
+):
     extension = FakeExtension(version, with_vllm=with_vllm)
     adapter, prefill, decode = serve(extension, monkeypatch, habana)
     layers = CONFIG.num_layers
@@ -47,7 +54,9 @@ def test_each_supported_release_serves_decode_and_fused_sdpa_serves_prefill(haba
     torch.testing.assert_close(prefill, expected_prefill)
     torch.testing.assert_close(decode, expected_decode)
     if version in ("v1.22.0", "vllm-gaudi"):
-        assert extension.model_type == "llama" and extension.config_read  # set before the first read
+        assert (
+            extension.model_type == "llama" and extension.config_read
+        )  # set before the first read
     assert "flat_pa" in adapter.attention_backend.name
 
 
@@ -60,13 +69,17 @@ def test_the_kernels_replay_correctly_in_hpu_graphs(habana, monkeypatch):
     torch.testing.assert_close(decode, expected_decode)
 
 
-def test_v1_21_0_without_vllm_falls_back_with_a_warning_naming_the_reason(habana, monkeypatch, caplog):
+def test_v1_21_0_without_vllm_falls_back_with_a_warning_naming_the_reason(
+    habana, monkeypatch, caplog
+):
     extension = FakeExtension("v1.21.0", with_vllm=False)
     with caplog.at_level("WARNING", logger="engine.devices.hpu.attention"):
         adapter, prefill, decode = serve(extension, monkeypatch, habana)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warnings) == 1 and warnings[0].startswith("decode attention runs in pure torch: no usable "
-                                                         "vllm-hpu-extension (vllm_hpu_extension: No module named 'vllm'")
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "decode attention runs in pure torch: no usable "
+        "vllm-hpu-extension (vllm_hpu_extension: No module named 'vllm'"
+    )
     assert extension.calls["flat_pa"] == 0 and extension.calls["fused_sdpa"] == CONFIG.num_layers
     torch.testing.assert_close(decode, reference_logits()[1])
 
@@ -79,18 +92,38 @@ def test_a_release_with_an_unknown_required_argument_is_refused(habana, monkeypa
         functions = original()
         base = functions["flat_pa"]
 
-        def flat_pa(query, key_cache, value_cache, block_list, block_mapping, block_bias, block_groups, block_size,
-                    scale, matmul_qk_op, matmul_av_op, batch2block_matmul_op, block2batch_matmul_op,
-                    keys_fetch_func, values_fetch_func, window_blocks, **ignored_args):
-            return base(query, key_cache, value_cache, block_list, block_mapping, block_bias, block_groups)
+        def flat_pa(
+            query,
+            key_cache,
+            value_cache,
+            block_list,
+            block_mapping,
+            block_bias,
+            block_groups,
+            block_size,
+            scale,
+            matmul_qk_op,
+            matmul_av_op,
+            batch2block_matmul_op,
+            block2batch_matmul_op,
+            keys_fetch_func,
+            values_fetch_func,
+            window_blocks,
+            **ignored_args,
+        ):
+            return base(
+                query, key_cache, value_cache, block_list, block_mapping, block_bias, block_groups
+            )
 
         return {**functions, "flat_pa": flat_pa}
 
     extension.ops_functions = newer
     with caplog.at_level("WARNING", logger="engine.devices.hpu.attention"):
         serve(extension, monkeypatch, habana)
-    assert any("its flat_pa requires window_blocks, which this engine does not pass" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "its flat_pa requires window_blocks, which this engine does not pass" in r.getMessage()
+        for r in caplog.records
+    )
     assert extension.calls["flat_pa"] == 0
 
 
@@ -100,19 +133,39 @@ def test_without_any_kernel_attention_is_pure_torch_and_said_once(habana, caplog
     assert first.attention_backend is None and second.attention_backend is None
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2 and all(r.levelname == "WARNING" for r in caplog.records)
-    assert messages[0].startswith("prefill attention runs in pure torch: FusedSDPA is not importable")
-    assert messages[1].startswith("decode attention runs in pure torch: no usable vllm-hpu-extension")
+    assert messages[0].startswith(
+        "prefill attention runs in pure torch: FusedSDPA is not importable"
+    )
+    assert messages[1].startswith(
+        "decode attention runs in pure torch: no usable vllm-hpu-extension"
+    )
 
 
 def test_the_fakes_keep_the_pinned_signatures():
     """Guards the fakes themselves: the parameters each release's flat_pa requires, in order."""
-    base = ["query", "key_cache", "value_cache", "block_list", "block_mapping", "block_bias", "block_groups"]
-    tail = ["matmul_av_op", "batch2block_matmul_op", "block2batch_matmul_op", "keys_fetch_func", "values_fetch_func"]
+    base = [
+        "query",
+        "key_cache",
+        "value_cache",
+        "block_list",
+        "block_mapping",
+        "block_bias",
+        "block_groups",
+    ]
+    tail = [
+        "matmul_av_op",
+        "batch2block_matmul_op",
+        "block2batch_matmul_op",
+        "keys_fetch_func",
+        "values_fetch_func",
+    ]
     expected = {
         "v1.21.0": base + ["scale", "matmul_qk_op"] + tail,
         "v1.21.3": base + ["block_size", "scale", "matmul_qk_op"] + tail,
         "v1.22.0": base + ["block_size", "scale", "matmul_qk_op", "position_bias"] + tail,
-        "vllm-gaudi": base + ["block_size", "scale", "matmul_qk_op", "position_bias"] + tail
+        "vllm-gaudi": base
+        + ["block_size", "scale", "matmul_qk_op", "position_bias"]
+        + tail
         + ["sinks", "k_scales", "v_scales"],
     }
     for version, names in expected.items():

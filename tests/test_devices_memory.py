@@ -1,4 +1,5 @@
 """Device memory for graphs (finding 8) and the health probe's place in the device lock (finding 7)."""
+
 import logging
 import threading
 
@@ -34,12 +35,20 @@ def test_graphs_are_captured_within_their_budget_and_the_rest_run_without(habana
     # The largest prefill's graph spends the prefill share (1.25 MiB); the first decode graph leaves
     # 1.5 MiB, and another would go below the 1 MiB that the budget must leave free.
     assert len(habana.captures) == 2 and habana.memory[0] == int(1.5 * MIB)
-    dropped = [("prefill", PLAN.prefill[0]), ("decode", DecodeBucket(2, 8)), ("decode", DecodeBucket(2, 4))]
+    dropped = [
+        ("prefill", PLAN.prefill[0]),
+        ("decode", DecodeBucket(2, 8)),
+        ("decode", DecodeBucket(2, 4)),
+    ]
     assert adapter.shapes.without_graph == set(dropped) and adapter.shapes.warmed >= set(dropped)
     assert caplog.records[-1].getMessage() == (
         "graph memory budget (2.5 MiB) spent: 3 bucket(s) run without a graph: prefill bs=1 seq=8, "
-        "decode bs=2 blocks=8, decode bs=2 blocks=4")
-    prefill, decode = runner.prefill(prompts()).logits, runner.decode(next_steps())  # without a graph
+        "decode bs=2 blocks=8, decode bs=2 blocks=4"
+    )
+    prefill, decode = (
+        runner.prefill(prompts()).logits,
+        runner.decode(next_steps()),
+    )  # without a graph
     assert habana.bypasses and len(habana.captures) == 2
     expected_prefill, expected_decode = reference_logits()
     torch.testing.assert_close(prefill, expected_prefill)

@@ -1,7 +1,9 @@
 """The version floors pyproject.toml states are the real minimums (finding 12)."""
+
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,10 +1,9 @@
 """Greedy tokens equal transformers' own generate on the same weights."""
-import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from launcher.generate import chat_prompt, generate
+import pytest
+
 from engine.serving.shard import Shard
+from launcher.generate import chat_prompt, generate
 from tests.conftest import tiny_config
 from tests.helpers import PROMPTS, reference_tokens  # other modules import them from here too
 
@@ -27,8 +26,12 @@ def test_tiny_models_match_transformers(tiny_model_dirs, variant):
 
 @pytest.mark.slow
 def test_embedded_model_matches_transformers_on_chat(smollm_dir):
-    prompts = ["What is the capital of France?", "Name three colors of the rainbow.",
-               "Write one sentence about the sea.", "How many legs does a spider have?"]
+    prompts = [
+        "What is the capital of France?",
+        "Name three colors of the rainbow.",
+        "Write one sentence about the sea.",
+        "How many legs does a spider have?",
+    ]
     shard = Shard(tiny_config(smollm_dir), show_progress=False)
     ours = generate(shard, prompts, 32, chat=True)
     texts = [chat_prompt(shard.tokenizer, p) for p in prompts]

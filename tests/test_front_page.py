@@ -25,7 +25,9 @@ PNG = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def url(tiny_model_dirs):
     base = short_socket_dir() / "s"
-    with shard_and_router(tiny_model_dirs["llama"], base, ["--max-batch-size", str(BATCH)]) as served:
+    with shard_and_router(
+        tiny_model_dirs["llama"], base, ["--max-batch-size", str(BATCH)]
+    ) as served:
         yield served[0]
 
 
@@ -41,7 +43,9 @@ def test_info_states_the_limits_the_routes_enforce(url):
     with pytest.raises(ValidationError, match="best_of"):
         client.generate("Hello", max_new_tokens=4, best_of=most + 1, do_sample=True)
     stops = [f"stop{i}" for i in range(info["max_stop_sequences"])]
-    assert client.generate("Hello", max_new_tokens=2, stop_sequences=stops).generated_text is not None
+    assert (
+        client.generate("Hello", max_new_tokens=2, stop_sequences=stops).generated_text is not None
+    )
     with pytest.raises(ValidationError, match="stop"):
         client.generate("Hello", max_new_tokens=2, stop_sequences=[*stops, "one more"])
 
@@ -54,14 +58,19 @@ def test_the_front_page_is_html_with_no_external_assets_and_the_cdn_docs_are_gon
     assert httpx.get(f"{url}/docs", timeout=30).status_code == 404  # Swagger UI: assets from a CDN
     assert httpx.get(f"{url}/redoc", timeout=30).status_code == 404
     assert httpx.get(f"{url}/openapi.json", timeout=30).status_code == 200
-    compat = httpx.post(f"{url}/", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}, timeout=60)
+    compat = httpx.post(
+        f"{url}/", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}, timeout=60
+    )
     assert compat.status_code == 200 and isinstance(compat.json(), list)  # TGI's POST / stays
 
 
 def test_buckets_reports_hits_and_waste_after_traffic(url):
     for n in (3, 5):
-        httpx.post(f"{url}/generate", json={"inputs": "Hello there", "parameters": {"max_new_tokens": n}},
-                   timeout=60).raise_for_status()
+        httpx.post(
+            f"{url}/generate",
+            json={"inputs": "Hello there", "parameters": {"max_new_tokens": n}},
+            timeout=60,
+        ).raise_for_status()
     status = httpx.get(f"{url}/buckets", timeout=30).json()
     assert status["model"]["device"] == "cpu" and status["model"]["dtype"]
     assert status["warmup"]["total"] > 0 and status["warmup"]["warmed"] == status["warmup"]["total"]
@@ -69,7 +78,10 @@ def test_buckets_reports_hits_and_waste_after_traffic(url):
     phases = {b["phase"] for b in status["buckets"]}
     assert phases == {"prefill", "decode"} and all(b["hits"] > 0 for b in status["buckets"])
     assert all(0 <= b["waste"] < 1 and b["real"] <= b["padded"] for b in status["buckets"])
-    assert status["kv_cache"]["blocks_total"] > 0 and status["requests"] == {"running": 0, "queued": 0}
+    assert status["kv_cache"]["blocks_total"] > 0 and status["requests"] == {
+        "running": 0,
+        "queued": 0,
+    }
 
 
 class Rows(HTMLParser):
@@ -108,21 +120,33 @@ class Rows(HTMLParser):
 def chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if found is None:
-        pytest.skip("no chromium here (Debian: apt-get install chromium) for the headless browser check")
+        pytest.skip(
+            "no chromium here (Debian: apt-get install chromium) for the headless browser check"
+        )
     return found
 
 
 def browse(url: str, profile, *flags: str) -> subprocess.CompletedProcess:
     """Chromium, headless, after the page's scripts ran (virtual time lets its fetch complete)."""
-    command = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-               f"--user-data-dir={profile}", "--virtual-time-budget=5000", *flags, url]
+    command = [
+        chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        "--virtual-time-budget=5000",
+        *flags,
+        url,
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
 
 
 def test_the_front_page_in_headless_chromium_shows_the_buckets_after_traffic(url, tmp_path):
     chromium()
-    httpx.post(f"{url}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 4}},
-               timeout=60).raise_for_status()
+    httpx.post(
+        f"{url}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 4}}, timeout=60
+    ).raise_for_status()
     dom = Rows()
     dom.feed(browse(f"{url}/", tmp_path / "profile", "--dump-dom").stdout)
     assert "cpu" in dom.texts["model"] and "float32" in dom.texts["model"]

@@ -3,6 +3,7 @@
 The "model" is random logits from a seeded torch.Generator and the choice is greedy argmax over the allowed tokens,
 so every test is deterministic and the grammar is the only thing that keeps the output in shape.
 """
+
 from __future__ import annotations
 
 import copy
@@ -18,15 +19,19 @@ from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCompiler, GrammarState, allowed_masks, fill_masks
 
 TOKENIZER_VOCAB = 49152
-VOCAB = TOKENIZER_VOCAB + 64     # the logits are padded past the tokenizer's vocabulary
-EOS = 2                          # <|im_end|>
+VOCAB = TOKENIZER_VOCAB + 64  # the logits are padded past the tokenizer's vocabulary
+EOS = 2  # <|im_end|>
 MAX_TOKENS = 200
 
-PERSON = {"type": "object",
-          "properties": {"name": {"type": "string", "maxLength": 16},
-                         "age": {"type": "integer"},
-                         "color": {"enum": ["red", "green", "blue"]}},
-          "required": ["name", "age", "color"]}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer"},
+        "color": {"enum": ["red", "green", "blue"]},
+    },
+    "required": ["name", "age", "color"],
+}
 NUMBERS = {"type": "array", "items": {"type": "number"}}
 PHONE = r"\d{3}-\d{4}"
 ANSWER = r"(yes|no|maybe)"
@@ -53,13 +58,17 @@ def pick(mask: torch.Tensor, generator: torch.Generator) -> int:
     return int(logits.argmax())
 
 
-def generate(state: GrammarState, seed: int, max_tokens: int = MAX_TOKENS) -> tuple[list[int], bool]:
+def generate(
+    state: GrammarState, seed: int, max_tokens: int = MAX_TOKENS
+) -> tuple[list[int], bool]:
     """Drive `state` to EOS or max_tokens; returns the tokens before EOS and whether EOS came."""
     generator = torch.Generator().manual_seed(seed)
     tokens: list[int] = []
     for _ in range(max_tokens):
         mask = state.allowed_mask()
-        assert not mask[TOKENIZER_VOCAB:].any(), "padding ids past the tokenizer's vocabulary were allowed"
+        assert not mask[TOKENIZER_VOCAB:].any(), (
+            "padding ids past the tokenizer's vocabulary were allowed"
+        )
         token = pick(mask, generator)
         if token == EOS:
             assert state.is_complete
@@ -124,7 +133,17 @@ def test_eos_only_once_nothing_else_can_follow(compiler, tokenizer):
     first = state.allowed_mask()
     assert not first[EOS] and not state.is_complete and not state.is_finished
     assert {tokenizer.decode([t]) for t in first.nonzero().flatten().tolist()} <= {
-        "y", "ye", "yes", "n", "no", "m", "ma", "may", "mayb", "maybe"}
+        "y",
+        "ye",
+        "yes",
+        "n",
+        "no",
+        "m",
+        "ma",
+        "may",
+        "mayb",
+        "maybe",
+    }
     for token in tokenizer.encode("yes", add_special_tokens=False):
         state.advance(token)
     assert state.is_complete and state.is_finished
@@ -184,23 +203,31 @@ def test_interleaved_states_are_independent(compiler, tokenizer):
 
 def test_states_survive_batch_filtering_and_concatenation(compiler, tokenizer):
     """Batched masks (fill_masks) while states move between lists, as Sequences do when batches change."""
-    specs = [(GrammarType.REGEX, ANSWER, 1), (GrammarType.JSON, json.dumps(NUMBERS), 2),
-             (GrammarType.JSON, json.dumps(PERSON), 3), (GrammarType.REGEX, PHONE, 4)]
+    specs = [
+        (GrammarType.REGEX, ANSWER, 1),
+        (GrammarType.JSON, json.dumps(NUMBERS), 2),
+        (GrammarType.JSON, json.dumps(PERSON), 3),
+        (GrammarType.REGEX, PHONE, 4),
+    ]
     alone = [generate(compiler.new_state(compiler.compile(t, g)), seed)[0] for t, g, seed in specs]
     # rows: [request index, state, generator, tokens]
-    batch = [[i, compiler.new_state(compiler.compile(t, g)), torch.Generator().manual_seed(s), []]
-             for i, (t, g, s) in enumerate(specs[:2])]
-    waiting = [[i + 2, compiler.new_state(compiler.compile(t, g)), torch.Generator().manual_seed(s), []]
-               for i, (t, g, s) in enumerate(specs[2:])]
+    batch = [
+        [i, compiler.new_state(compiler.compile(t, g)), torch.Generator().manual_seed(s), []]
+        for i, (t, g, s) in enumerate(specs[:2])
+    ]
+    waiting = [
+        [i + 2, compiler.new_state(compiler.compile(t, g)), torch.Generator().manual_seed(s), []]
+        for i, (t, g, s) in enumerate(specs[2:])
+    ]
     results: dict[int, list[int]] = {}
     out = torch.empty(8, VOCAB, dtype=torch.bool)
     step = 0
     while batch or waiting:
-        if step == 2:                       # concatenate: a new batch joins, then rows are reordered
+        if step == 2:  # concatenate: a new batch joins, then rows are reordered
             batch = list(reversed(batch + [waiting.pop(0)]))
         if step == 4:
             batch = [waiting.pop(0)] + batch
-        states = [row[1] for row in batch] + [None]      # a request without a grammar shares the batch
+        states = [row[1] for row in batch] + [None]  # a request without a grammar shares the batch
         fill_masks(states, out)
         assert out[len(batch)].all()
         for r, row in enumerate(batch):
@@ -210,7 +237,7 @@ def test_states_survive_batch_filtering_and_concatenation(compiler, tokenizer):
             if token != EOS:
                 row[3].append(token)
         results.update({row[0]: row[3] for row in batch if row[3] and row[1].terminated})
-        batch = [row for row in batch if not row[1].terminated]   # filter: finished requests leave
+        batch = [row for row in batch if not row[1].terminated]  # filter: finished requests leave
         step += 1
         assert step < MAX_TOKENS
     assert [results[i] for i in range(4)] == alone
@@ -240,15 +267,18 @@ def test_forbidden_token_ends_the_request(compiler, tokenizer):
     assert state.allowed_mask().nonzero().flatten().tolist() == [EOS]
 
 
-@pytest.mark.parametrize("grammar_type,grammar,kind", [
-    (GrammarType.JSON, '{"type": "object", "properties": ', "invalid JSON schema"),
-    (GrammarType.JSON, '{"type": "foo"}', "invalid JSON schema"),
-    (GrammarType.JSON, '{"type": "object", "properties": 5}', "invalid JSON schema"),
-    (GrammarType.JSON, "[1, 2]", "invalid JSON schema"),
-    (GrammarType.REGEX, "(ab", "invalid regex"),
-    (GrammarType.REGEX, "[a-", "invalid regex"),
-    (GrammarType.REGEX, r"(a)\1", "invalid regex"),
-])
+@pytest.mark.parametrize(
+    "grammar_type,grammar,kind",
+    [
+        (GrammarType.JSON, '{"type": "object", "properties": ', "invalid JSON schema"),
+        (GrammarType.JSON, '{"type": "foo"}', "invalid JSON schema"),
+        (GrammarType.JSON, '{"type": "object", "properties": 5}', "invalid JSON schema"),
+        (GrammarType.JSON, "[1, 2]", "invalid JSON schema"),
+        (GrammarType.REGEX, "(ab", "invalid regex"),
+        (GrammarType.REGEX, "[a-", "invalid regex"),
+        (GrammarType.REGEX, r"(a)\1", "invalid regex"),
+    ],
+)
 def test_invalid_grammar_names_the_field(compiler, grammar_type, grammar, kind):
     with pytest.raises(InvalidRequestError) as err:
         compiler.compile(grammar_type, grammar)
@@ -267,11 +297,14 @@ def test_compilation_is_cached(tokenizer):
     first = compiler.compile(GrammarType.REGEX, PHONE)
     assert compiler.compile(GrammarType.REGEX, PHONE) is first
     assert compiler.compile(GrammarType.JSON, json.dumps(NUMBERS)) is not first
-    assert compiler.compile(GrammarType.REGEX, PHONE) is first          # now the most recently used
-    compiler.compile(GrammarType.REGEX, ANSWER)                          # evicts the JSON grammar
+    assert compiler.compile(GrammarType.REGEX, PHONE) is first  # now the most recently used
+    compiler.compile(GrammarType.REGEX, ANSWER)  # evicts the JSON grammar
     assert compiler.cache_len() == 2
     assert compiler.compile(GrammarType.REGEX, PHONE) is first
-    s1, s2 = compiler.new_state(first), compiler.new_state(first)        # one compiled grammar, separate states
+    s1, s2 = (
+        compiler.new_state(first),
+        compiler.new_state(first),
+    )  # one compiled grammar, separate states
     s1.advance(tokenizer.convert_tokens_to_ids("1"))
     assert s1.tokens == 1 and s2.tokens == 0
 
@@ -280,24 +313,38 @@ def test_fill_masks_rows(compiler, tokenizer):
     assert allowed_masks([None, None], VOCAB) is None
     state = compiler.new_state(compiler.compile(GrammarType.REGEX, ANSWER))
     masks = allowed_masks([None, state], VOCAB)
-    assert masks.shape == (2, VOCAB) and masks[0].all() and torch.equal(masks[1], state.allowed_mask())
+    assert (
+        masks.shape == (2, VOCAB) and masks[0].all() and torch.equal(masks[1], state.allowed_mask())
+    )
     with pytest.raises(ValueError):
         fill_masks([state], torch.empty(1, VOCAB - 1, dtype=torch.bool))
     with pytest.raises(ValueError):
         fill_masks([state], torch.empty(1, VOCAB))
 
 
-@pytest.mark.parametrize("schema, prefix", [
-    ({"type": "string", "maxLength": 6}, '"'),
-    ({"type": "string", "minLength": 2}, '"a'),
-    ({"type": "string", "minLength": 1, "maxLength": 4}, '"'),
-    ({"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}, "required": ["a"]}, '{"a": "'),
-    ({"type": "array", "items": {"type": "string", "minLength": 3}}, '["x'),
-    ({"type": "string"}, '"'),
-])
+@pytest.mark.parametrize(
+    "schema, prefix",
+    [
+        ({"type": "string", "maxLength": 6}, '"'),
+        ({"type": "string", "minLength": 2}, '"a'),
+        ({"type": "string", "minLength": 1, "maxLength": 4}, '"'),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"type": "string", "maxLength": 3}},
+                "required": ["a"],
+            },
+            '{"a": "',
+        ),
+        ({"type": "array", "items": {"type": "string", "minLength": 3}}, '["x'),
+        ({"type": "string"}, '"'),
+    ],
+)
 def test_no_string_admits_a_raw_control_character(compiler, tokenizer, schema, prefix):
     """JSON forbids U+0000-U+001F inside a string; a bounded string once let 26 such tokens in."""
-    control = [i for i in range(TOKENIZER_VOCAB) if any(ord(c) < 0x20 for c in tokenizer.decode([i]))]
+    control = [
+        i for i in range(TOKENIZER_VOCAB) if any(ord(c) < 0x20 for c in tokenizer.decode([i]))
+    ]
     assert len(control) > 100
     state = compiler.new_state(compiler.compile(GrammarType.JSON, json.dumps(schema)))
     for token in tokenizer.encode(prefix, add_special_tokens=False):

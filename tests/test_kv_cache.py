@@ -29,7 +29,15 @@ def test_slots_follow_blocks():
 
 
 def test_cache_layout_and_capacity():
-    cache = KVCache(num_layers=3, num_blocks=5, block_size=4, kv_heads=2, head_dim=8, dtype=torch.float32, device="cpu")
+    cache = KVCache(
+        num_layers=3,
+        num_blocks=5,
+        block_size=4,
+        kv_heads=2,
+        head_dim=8,
+        dtype=torch.float32,
+        device="cpu",
+    )
     assert len(cache.layers) == 3
     assert cache.layers[0][0].shape == (20, 2, 8)
     assert cache.capacity_tokens == 16

@@ -1,23 +1,24 @@
 """KV blocks on demand and preemption, through the scheduler on an in-process shard: a tiny KV
 budget forces the newest requests out and back, and every stream still equals transformers'."""
+
 import asyncio
 
 import pytest
 
 from engine.batch import Request, StoppingCriteriaParameters
 from engine.config import ServingLimits
-from engine.serving.shard import Shard
-from router.sched.allocator import BlockAllocator
 from router.client import InProcessClient
+from router.sched.allocator import BlockAllocator
 from router.sched.prefix_cache import PrefixCache
 from router.sched.scheduler import Scheduler
-from tests.conftest import tiny_config
-from tests.test_equivalence import PROMPTS, reference_tokens
 from tests.helpers import reference_fixture, shard_fixture
+from tests.test_equivalence import PROMPTS
 
 BLOCK = 16
 NEW = 40  # a request grows by 2-3 blocks while it decodes
-LIMITS = ServingLimits(max_batch_size=4, max_prefill_tokens=256, max_input_tokens=128, max_total_tokens=256)
+LIMITS = ServingLimits(
+    max_batch_size=4, max_prefill_tokens=256, max_input_tokens=128, max_total_tokens=256
+)
 
 
 shard = shard_fixture(max_batch_size=4, warmup=LIMITS)
@@ -26,6 +27,7 @@ expected = reference_fixture(PROMPTS, NEW)
 
 class UpFrontClient(InProcessClient):
     """A shard client that cannot resume (as TGI's shards): the scheduler reserves every block at admission."""
+
     resumes = False
 
 
@@ -39,12 +41,17 @@ def serve(shard, allocator, client_type=InProcessClient):
             for i, prompt in enumerate(PROMPTS):
                 ids = shard.tokenizer(prompt)["input_ids"]
                 stopping = StoppingCriteriaParameters(max_new_tokens=NEW, ignore_eos_token=True)
-                streams.append(scheduler.submit(Request(i, prompt, stopping_parameters=stopping), len(ids), ids))
+                streams.append(
+                    scheduler.submit(
+                        Request(i, prompt, stopping_parameters=stopping), len(ids), ids
+                    )
+                )
             out = [[g.tokens.ids[0] for g in await collect(s)] for s in streams]
         finally:
             await scheduler.stop()
             await client.close()
         return out, scheduler.stats
+
     return asyncio.run(run())
 
 
@@ -72,16 +79,35 @@ def test_grown_blocks_are_checked_at_the_shard(shard):
     from engine.errors import InvalidRequestError
     from engine.kv_cache import slots_for
 
-    ids = shard.tokenizer(PROMPTS[1])["input_ids"]  # under one block: the first Decode needs no new block
+    ids = shard.tokenizer(PROMPTS[1])[
+        "input_ids"
+    ]  # under one block: the first Decode needs no new block
     stopping = StoppingCriteriaParameters(max_new_tokens=NEW, ignore_eos_token=True)
-    _, cached = shard.prefill(Batch(90, [Request(7, PROMPTS[1], stopping_parameters=stopping, blocks=[3],
-                                                 slots=slots_for([3], 0, len(ids), BLOCK))]))
+    _, cached = shard.prefill(
+        Batch(
+            90,
+            [
+                Request(
+                    7,
+                    PROMPTS[1],
+                    stopping_parameters=stopping,
+                    blocks=[3],
+                    slots=slots_for([3], 0, len(ids), BLOCK),
+                )
+            ],
+        )
+    )
     try:
-        for grown, match in (({7: [3]}, "in use by request 7"), ({8: [4]}, "not in the decoded batches"),
-                             ({7: [10**6]}, "not in the KV cache's usable blocks")):
+        for grown, match in (
+            ({7: [3]}, "in use by request 7"),
+            ({8: [4]}, "not in the decoded batches"),
+            ({7: [10**6]}, "not in the KV cache's usable blocks"),
+        ):
             with pytest.raises(InvalidRequestError, match=match):
                 shard.decode([cached], grown)
-        while len(shard.batches[90][0].token_ids) <= BLOCK:  # fill the block, then decode without a new one
+        while (
+            len(shard.batches[90][0].token_ids) <= BLOCK
+        ):  # fill the block, then decode without a new one
             _, cached = shard.decode([cached])
         with pytest.raises(InvalidRequestError, match="KV blocks are full"):
             shard.decode([cached])

@@ -1,6 +1,7 @@
 """One KV-token rule for both sides (engine/batch.py kv_tokens): a request fills its prompt and
 every generated token but the last. Each case sits at a block boundary, so that counting one token more
 refuses a request that fits, and one token less hands out a block too few for the last decode."""
+
 import asyncio
 
 import pytest
@@ -17,8 +18,9 @@ from tests.test_equivalence import PROMPTS
 
 BLOCK = 16
 FULL_BLOCKS = 2
-LIMITS = ServingLimits(max_batch_size=4, max_prefill_tokens=256, max_input_tokens=128,
-                       max_total_tokens=256)
+LIMITS = ServingLimits(
+    max_batch_size=4, max_prefill_tokens=256, max_input_tokens=128, max_total_tokens=256
+)
 # The KV tokens of each case: exactly FULL_BLOCKS blocks, and one token into the next block.
 CASES = {"exact_fit": FULL_BLOCKS * BLOCK, "one_past": FULL_BLOCKS * BLOCK + 1}
 
@@ -26,6 +28,7 @@ CASES = {"exact_fit": FULL_BLOCKS * BLOCK, "one_past": FULL_BLOCKS * BLOCK + 1}
 class UpFrontClient(InProcessClient):
     """Cannot resume (as TGI's shards): the router reserves every block of a request at admission,
     so no Decode should ever need to add one (TGI's shards would not read them)."""
+
     resumes = False
 
     def __init__(self, *args, **kwargs):
@@ -63,7 +66,9 @@ def test_router_admits_a_request_that_fills_its_blocks_exactly():
     fits = Request(1, "x", stopping_parameters=StoppingCriteriaParameters(FULL_BLOCKS * BLOCK - 9))
     check_request(fits, 10, LIMITS, allocator)  # 10 + max_new - 1 = FULL_BLOCKS blocks exactly
     past = Request(2, "x", stopping_parameters=StoppingCriteriaParameters(FULL_BLOCKS * BLOCK - 8))
-    with pytest.raises(ValueError, match=f"needs {FULL_BLOCKS + 1} KV blocks, the cache has {FULL_BLOCKS}"):
+    with pytest.raises(
+        ValueError, match=f"needs {FULL_BLOCKS + 1} KV blocks, the cache has {FULL_BLOCKS}"
+    ):
         check_request(past, 10, LIMITS, allocator)
 
 

@@ -1,4 +1,5 @@
 """`python -m launcher` as a user runs it: real shard processes on the tiny Llama, real signals."""
+
 import io
 import os
 import re
@@ -15,21 +16,33 @@ import grpc
 import psutil
 import pytest
 
+from engine.devices.probe import DeviceError, Probe, probe_in_child, resolve_device
 from engine.wire import generate_pb2 as pb
 from engine.wire import generate_pb2_grpc as pb_grpc
 from launcher.checks import split_problem
 from launcher.cli import bucketserve
-from engine.devices.probe import DeviceError, Probe, probe_in_child, resolve_device
 from launcher.logs import Console, LogTail
 from launcher.supervisor import RestartBudget
 from tests.test_equivalence import PROMPTS, reference_tokens
 from tests.test_server import free_tcp_port, prompt_request, short_socket_dir, tgi_warmup_request
 
 REPO = Path(__file__).resolve().parents[1]
-LIMITS = ["--max-input-tokens", "64", "--max-total-tokens", "128", "--max-batch-prefill-tokens", "128",
-          "--block-size", "16", "--max-batch-size", "4", "--dtype", "float32"]  # compared with float32 transformers
+LIMITS = [
+    "--max-input-tokens",
+    "64",
+    "--max-total-tokens",
+    "128",
+    "--max-batch-prefill-tokens",
+    "128",
+    "--block-size",
+    "16",
+    "--max-batch-size",
+    "4",
+    "--dtype",
+    "float32",
+]  # compared with float32 transformers
 READY = re.compile(r"master shard socket unix://(\S+)-0 ")
-STARTUP_S = 150         # generous: two shards each import torch and load a model on a 2-core machine
+STARTUP_S = 150  # generous: two shards each import torch and load a model on a 2-core machine
 SHUTDOWN_TIMEOUT_S = 10  # the launcher's default graceful stop timeout
 NEW_TOKENS = 6
 
@@ -40,9 +53,20 @@ class Launch:
     def __init__(self, model_dir, *flags, folder: Path):
         self.folder = folder
         self.out, self.err = folder / "launcher.out", folder / "launcher.err"
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MAX_BATCH_SIZE")}
-        command = [sys.executable, "-m", "launcher", "--model-id", str(model_dir), "--port", str(free_tcp_port()),
-                   *LIMITS, *flags]
+        env = {
+            k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MAX_BATCH_SIZE")
+        }
+        command = [
+            sys.executable,
+            "-m",
+            "launcher",
+            "--model-id",
+            str(model_dir),
+            "--port",
+            str(free_tcp_port()),
+            *LIMITS,
+            *flags,
+        ]
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=err)
         self.shard_pids: set[int] = set()
@@ -111,7 +135,10 @@ def launched(tiny_model_dirs):
 
 
 def stubs_for(base: str, count: int) -> list:
-    return [pb_grpc.TextGenerationServiceStub(grpc.insecure_channel(f"unix://{base}-{r}")) for r in range(count)]
+    return [
+        pb_grpc.TextGenerationServiceStub(grpc.insecure_channel(f"unix://{base}-{r}"))
+        for r in range(count)
+    ]
 
 
 def fan_out(stubs, method: str, request):
@@ -125,16 +152,22 @@ def generations_once(responses) -> dict[int, list[int]]:
     step = {}
     for response in responses:
         for generation in response.generations:
-            assert generation.request_id not in step, f"request {generation.request_id} answered twice"
+            assert generation.request_id not in step, (
+                f"request {generation.request_id} answered twice"
+            )
             step[generation.request_id] = list(generation.tokens.ids)
     return step
 
 
-def serve_requests(stubs, ids: list[int], batch_id: int = 1, warm: bool = True) -> dict[int, list[int]]:
+def serve_requests(
+    stubs, ids: list[int], batch_id: int = 1, warm: bool = True
+) -> dict[int, list[int]]:
     """Warmup (unless `warm` is False), then Prefill and Decode of `ids` fanned out to every shard."""
     if warm:
         fan_out(stubs, "Warmup", tgi_warmup_request(64, 128, 128, 4))
-    batch = pb.Batch(id=batch_id, requests=[prompt_request(i, NEW_TOKENS) for i in ids], size=len(ids))
+    batch = pb.Batch(
+        id=batch_id, requests=[prompt_request(i, NEW_TOKENS) for i in ids], size=len(ids)
+    )
     responses = fan_out(stubs, "Prefill", pb.PrefillRequest(batch=batch))
     tokens = generations_once(responses)
     while responses[0].HasField("batch"):
@@ -180,7 +213,9 @@ def kill_shard(launch: Launch, base: str, rank: int) -> int:
 
 
 @pytest.mark.slow
-def test_two_shards_answer_and_each_request_is_served_once_then_sigterm_stops_all(launched, tiny_model_dirs):
+def test_two_shards_answer_and_each_request_is_served_once_then_sigterm_stops_all(
+    launched, tiny_model_dirs
+):
     launch = launched("--num-shard", "2", "--no-router", "--device", "cpu")
     base = launch.wait_ready()
     assert len(launch.shard_pids) == 2
@@ -205,7 +240,9 @@ def test_two_shards_answer_and_each_request_is_served_once_then_sigterm_stops_al
 @pytest.mark.slow
 def test_a_shard_killed_during_decode_ends_the_launch(launched):
     folder = short_socket_dir()
-    launch = launched("--num-shard", "2", "--no-router", "--device", "cpu", "--uds-path", f"{folder}/s")
+    launch = launched(
+        "--num-shard", "2", "--no-router", "--device", "cpu", "--uds-path", f"{folder}/s"
+    )
     base = launch.wait_ready()
     stubs = stubs_for(base, 2)
     fan_out(stubs, "Warmup", tgi_warmup_request(64, 128, 128, 4))
@@ -246,12 +283,25 @@ def test_a_shard_that_dies_at_start_up_stops_the_launch(launched, tiny_model_dir
     shutil.copytree(tiny_model_dirs["llama"], broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     folder = short_socket_dir()
-    launch = launched("--num-shard", "2", "--device", "cpu", "--uds-path", f"{folder}/s", "--model-id", str(broken))
+    launch = launched(
+        "--num-shard",
+        "2",
+        "--device",
+        "cpu",
+        "--uds-path",
+        f"{folder}/s",
+        "--model-id",
+        str(broken),
+    )
     code = launch.wait(STARTUP_S)
     err = launch.stderr()
     assert code == 1, err
-    assert re.search(r"error: shard [01] exited with code 2 during start-up; its last \d+ log line\(s\):", err)
-    assert "is corrupt or unreadable" in err.split("during start-up")[1]  # the shard's own error, reported
+    assert re.search(
+        r"error: shard [01] exited with code 2 during start-up; its last \d+ log line\(s\):", err
+    )
+    assert (
+        "is corrupt or unreadable" in err.split("during start-up")[1]
+    )  # the shard's own error, reported
     assert_nothing_left(launch, f"{folder}/s")
     shutil.rmtree(folder, ignore_errors=True)
 
@@ -260,7 +310,16 @@ def test_a_shard_that_dies_at_start_up_stops_the_launch(launched, tiny_model_dir
 def test_shards_not_healthy_within_the_startup_timeout_stop_the_launch(launched):
     folder = short_socket_dir()
     # No shard imports torch and loads a model in a fifth of a second.
-    launch = launched("--num-shard", "2", "--device", "cpu", "--uds-path", f"{folder}/s", "--startup-timeout", "0.2")
+    launch = launched(
+        "--num-shard",
+        "2",
+        "--device",
+        "cpu",
+        "--uds-path",
+        f"{folder}/s",
+        "--startup-timeout",
+        "0.2",
+    )
     assert launch.wait(STARTUP_S) == 1
     assert "error: shard(s) [0, 1] not healthy after --startup-timeout 0.2s" in launch.stderr()
     assert_nothing_left(launch, f"{folder}/s")
@@ -278,22 +337,50 @@ def busy_port():
         yield held.getsockname()[1]
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--num-shard", "3"], r"--num-shard 3 cannot split the model in \S+: num_attention_heads=4 is not divisible by 3"),
-    (["--port", "BUSY"], r"--port \d+ is already in use on this host"),
-    (["--master-port", "BUSY"], r"--master-port \d+ is already in use on this host"),
-    (["--device", "tpu"], r"unknown device 'tpu' \(choose from auto, cpu, cuda, hpu, xpu\)"),
-    (["--device", "cuda"], r"--device cuda is not usable here: this torch \(.+\) is built without CUDA or ROCm"),
-    (["--device", "hpu"],
-     r"--device hpu is not usable here: habana_frameworks is not installed \(it ships in Habana's PyTorch images\)"),
-    (["--device", "xpu"], r"--device xpu is not usable here: this torch \(.+\) is built without XPU support"),
-], ids=["heads", "port", "master-port", "unknown-device", "cuda", "hpu", "xpu"])
-def test_bad_launches_are_refused_in_one_line_before_any_shard(tiny_model_dirs, busy_port, flags, message):
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--num-shard", "3"],
+            r"--num-shard 3 cannot split the model in \S+: num_attention_heads=4 is not divisible by 3",
+        ),
+        (["--port", "BUSY"], r"--port \d+ is already in use on this host"),
+        (["--master-port", "BUSY"], r"--master-port \d+ is already in use on this host"),
+        (["--device", "tpu"], r"unknown device 'tpu' \(choose from auto, cpu, cuda, hpu, xpu\)"),
+        (
+            ["--device", "cuda"],
+            r"--device cuda is not usable here: this torch \(.+\) is built without CUDA or ROCm",
+        ),
+        (
+            ["--device", "hpu"],
+            r"--device hpu is not usable here: habana_frameworks is not installed \(it ships in Habana's PyTorch images\)",
+        ),
+        (
+            ["--device", "xpu"],
+            r"--device xpu is not usable here: this torch \(.+\) is built without XPU support",
+        ),
+    ],
+    ids=["heads", "port", "master-port", "unknown-device", "cuda", "hpu", "xpu"],
+)
+def test_bad_launches_are_refused_in_one_line_before_any_shard(
+    tiny_model_dirs, busy_port, flags, message
+):
     folder = short_socket_dir()
     flags = [str(busy_port) if f == "BUSY" else f for f in flags]
     port = [] if "--port" in flags else ["--port", str(free_tcp_port())]
-    command = [sys.executable, "-m", "launcher", "--model-id", str(tiny_model_dirs["llama"]), "--no-router",
-               "--uds-path", f"{folder}/s", *LIMITS, *port, *flags]
+    command = [
+        sys.executable,
+        "-m",
+        "launcher",
+        "--model-id",
+        str(tiny_model_dirs["llama"]),
+        "--no-router",
+        "--uds-path",
+        f"{folder}/s",
+        *LIMITS,
+        *port,
+        *flags,
+    ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     shutil.rmtree(folder, ignore_errors=True)
     assert done.returncode == 2 and done.stdout == ""
@@ -323,7 +410,10 @@ def test_split_rule_names_the_numbers():
     assert split_problem(32, 2, 4) is None  # fewer KV heads than shards: each KV head is replicated
     assert split_problem(9, 3, 2) == "num_attention_heads=9 is not divisible by 2"
     assert split_problem(12, 3, 6) is None
-    assert split_problem(24, 4, 6) == "num_key_value_heads=4 and 6 shards: neither is a multiple of the other"
+    assert (
+        split_problem(24, 4, 6)
+        == "num_key_value_heads=4 and 6 shards: neither is a multiple of the other"
+    )
 
 
 def fake_probe(**found):
@@ -333,15 +423,27 @@ def fake_probe(**found):
 def test_device_plans_give_each_rank_its_own_device():
     cuda = fake_probe(cuda=Probe("cuda", True, count=4))
     plan = resolve_device("cuda", 2, {}, lambda: ["cpu", "cuda"], probe=cuda)
-    assert [plan.env(r) for r in (0, 1)] == [{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}]
-    narrowed = resolve_device("cuda", 2, {"CUDA_VISIBLE_DEVICES": "2,3"}, lambda: ["cpu", "cuda"], probe=cuda)
+    assert [plan.env(r) for r in (0, 1)] == [
+        {"CUDA_VISIBLE_DEVICES": "0"},
+        {"CUDA_VISIBLE_DEVICES": "1"},
+    ]
+    narrowed = resolve_device(
+        "cuda", 2, {"CUDA_VISIBLE_DEVICES": "2,3"}, lambda: ["cpu", "cuda"], probe=cuda
+    )
     assert narrowed.env(1) == {"CUDA_VISIBLE_DEVICES": "3"}
     rocm = fake_probe(cuda=Probe("cuda", True, count=1, rocm=True))
-    assert resolve_device("cuda", 1, {}, lambda: ["cuda"], probe=rocm).env(0) == {"HIP_VISIBLE_DEVICES": "0"}
+    assert resolve_device("cuda", 1, {}, lambda: ["cuda"], probe=rocm).env(0) == {
+        "HIP_VISIBLE_DEVICES": "0"
+    }
     hpu = fake_probe(hpu=Probe("hpu", True, count=8))
-    assert resolve_device("hpu", 8, {}, lambda: ["hpu"], probe=hpu).env(7)["HABANA_VISIBLE_MODULES"] == "0,1,2,3,4,5,6,7"
+    assert (
+        resolve_device("hpu", 8, {}, lambda: ["hpu"], probe=hpu).env(7)["HABANA_VISIBLE_MODULES"]
+        == "0,1,2,3,4,5,6,7"
+    )
     xpu = fake_probe(xpu=Probe("xpu", True, count=2))
-    assert resolve_device("auto", 2, {}, lambda: ["cpu", "xpu"], probe=xpu).env(1) == {"ZE_AFFINITY_MASK": "1"}
+    assert resolve_device("auto", 2, {}, lambda: ["cpu", "xpu"], probe=xpu).env(1) == {
+        "ZE_AFFINITY_MASK": "1"
+    }
     with pytest.raises(DeviceError, match="--num-shard 8 needs 8 cuda devices, 4 visible"):
         resolve_device("cuda", 8, {}, lambda: ["cuda"], probe=cuda)
     with pytest.raises(DeviceError, match="this engine has no cuda adapter yet"):
@@ -350,16 +452,32 @@ def test_device_plans_give_each_rank_its_own_device():
 
 def test_the_probe_child_answers_for_every_device_without_one_here():
     probes = probe_in_child(("cuda", "hpu", "xpu"))
-    assert [(p.device, p.usable) for p in probes] == [("cuda", False), ("hpu", False), ("xpu", False)]
+    assert [(p.device, p.usable) for p in probes] == [
+        ("cuda", False),
+        ("hpu", False),
+        ("xpu", False),
+    ]
     assert "habana_frameworks is not installed" in probes[1].reason
 
 
 def test_auto_falls_back_to_cpu_and_splits_its_cores():
     warnings = []
-    plan = resolve_device("auto", 2, {}, lambda: ["cpu"], probe=fake_probe(cuda=Probe("cuda", True, count=2)),
-                          warn=warnings.append)
-    assert plan.name == "cpu" and "OMP_NUM_THREADS" in plan.env(0) and "CUDA_VISIBLE_DEVICES" not in plan.env(0)
-    assert warnings == ["a cuda device is present but this engine has no cuda adapter yet: not using it"]
+    plan = resolve_device(
+        "auto",
+        2,
+        {},
+        lambda: ["cpu"],
+        probe=fake_probe(cuda=Probe("cuda", True, count=2)),
+        warn=warnings.append,
+    )
+    assert (
+        plan.name == "cpu"
+        and "OMP_NUM_THREADS" in plan.env(0)
+        and "CUDA_VISIBLE_DEVICES" not in plan.env(0)
+    )
+    assert warnings == [
+        "a cuda device is present but this engine has no cuda adapter yet: not using it"
+    ]
     assert resolve_device("cpu", 2, {"OMP_NUM_THREADS": "1"}, lambda: ["cpu"]).env(1) == {}
 
 
@@ -376,12 +494,20 @@ def test_log_tail_keeps_lines_and_does_not_forward_progress_bars():
     with open(read, "rb") as stream:
         tail = LogTail(stream, forwarded.append)
         # tqdm draws "\r<bar>" per tick and ends with "\n"; a "\r\n" may arrive split over two reads.
-        for chunk in (b"loading\r", b"\n\rwarmup:  10%\rwarmup:  50%",
-                      b"\rwarmup: 100%\nTraceback (most recent call last)\nValueError: boom"):
+        for chunk in (
+            b"loading\r",
+            b"\n\rwarmup:  10%\rwarmup:  50%",
+            b"\rwarmup: 100%\nTraceback (most recent call last)\nValueError: boom",
+        ):
             os.write(write, chunk)
         os.close(write)
         tail.finish()
-    assert forwarded == ["loading", "warmup: 100%", "Traceback (most recent call last)", "ValueError: boom"]
+    assert forwarded == [
+        "loading",
+        "warmup: 100%",
+        "Traceback (most recent call last)",
+        "ValueError: boom",
+    ]
     assert tail.tail(2) == ["Traceback (most recent call last)", "ValueError: boom"]
     assert tail.latest == "ValueError: boom"
 
@@ -397,5 +523,10 @@ def test_progress_is_one_terminal_line_that_log_lines_push_down():
     console.status("waiting for shards: 0/2 ready")
     console.line("[shard 0] loaded")
     console.clear_status()
-    assert terminal.getvalue() == ("waiting for shards: 0/2 ready" + "\r\033[K" + "[shard 0] loaded\n"
-                                   + "waiting for shards: 0/2 ready" + "\r\033[K")
+    assert terminal.getvalue() == (
+        "waiting for shards: 0/2 ready"
+        + "\r\033[K"
+        + "[shard 0] loaded\n"
+        + "waiting for shards: 0/2 ready"
+        + "\r\033[K"
+    )

@@ -1,7 +1,8 @@
 """The launcher passes the router's access, tracing and payload flags on; the API key only in the environment."""
+
 from launcher.cli import build_parser, config_from_args
-from router.http.access import access_from_args
 from router.app import build_parser as router_parser
+from router.http.access import access_from_args
 from router.http.errors import DEFAULT_PAYLOAD_LIMIT
 
 
@@ -10,8 +11,14 @@ def launched(*argv):
 
 
 def test_access_and_tracing_flags_reach_the_router_and_the_key_stays_off_its_command_line():
-    config = launched("--api-key", "sk-secret", "--cors-allow-origin", "https://a.example",
-                      "--otlp-endpoint", "http://collector:4317")
+    config = launched(
+        "--api-key",
+        "sk-secret",
+        "--cors-allow-origin",
+        "https://a.example",
+        "--otlp-endpoint",
+        "http://collector:4317",
+    )
     args = config.router_args()
     assert "sk-secret" not in " ".join(args)
     assert config.router_environment({"PATH": "/bin"})["BUCKETSERVE_API_KEY"] == "sk-secret"
@@ -35,5 +42,12 @@ def test_the_router_reads_its_key_from_the_environment(monkeypatch):
 
 
 def test_the_payload_limit_reaches_the_router_with_tgis_default():
-    assert router_parser().parse_args(launched().router_args()).payload_limit == DEFAULT_PAYLOAD_LIMIT == 2_000_000
-    assert router_parser().parse_args(launched("--payload-limit", "1000").router_args()).payload_limit == 1000
+    assert (
+        router_parser().parse_args(launched().router_args()).payload_limit
+        == DEFAULT_PAYLOAD_LIMIT
+        == 2_000_000
+    )
+    assert (
+        router_parser().parse_args(launched("--payload-limit", "1000").router_args()).payload_limit
+        == 1000
+    )

@@ -1,5 +1,6 @@
 """The launcher as a user runs it by default: shards and the HTTP router together, on the embedded
 model and on the tiny Llama; the router rides out a shard restart."""
+
 import re
 import time
 
@@ -10,7 +11,7 @@ from text_generation import Client
 from transformers import AutoTokenizer
 
 from tests.test_equivalence import reference_tokens
-from tests.test_launcher import Launch, STARTUP_S, engine_processes_of, kill_shard, launched  # noqa: F401
+from tests.test_launcher import STARTUP_S, Launch, engine_processes_of, kill_shard, launched  # noqa: F401
 from tests.test_server import short_socket_dir
 
 pytestmark = pytest.mark.slow  # end to end: launched shards and routers
@@ -47,20 +48,39 @@ def wait_health(url: str, status: int, timeout: float = STARTUP_S) -> None:
 
 def test_embedded_model_behind_the_launched_router(smollm_dir, tmp_path):
     folder = short_socket_dir()
-    launch = Launch(smollm_dir, "--device", "cpu", "--hostname", "127.0.0.1", "--uds-path", f"{folder}/s",
-                    folder=folder)
+    launch = Launch(
+        smollm_dir,
+        "--device",
+        "cpu",
+        "--hostname",
+        "127.0.0.1",
+        "--uds-path",
+        f"{folder}/s",
+        folder=folder,
+    )
     try:
         url = wait_served(launch)
         question = [{"role": "user", "content": "What is the capital of France?"}]
         chat = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        answer = chat.chat.completions.create(model="tgi", messages=question, max_tokens=20, temperature=0)
+        answer = chat.chat.completions.create(
+            model="tgi", messages=question, max_tokens=20, temperature=0
+        )
         tokenizer = AutoTokenizer.from_pretrained(smollm_dir)
         prompt = tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
-        expected = reference_tokens(smollm_dir, [prompt], 20, add_special_tokens=False, stop_on_eos=True)[0]
-        assert answer.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+        expected = reference_tokens(
+            smollm_dir, [prompt], 20, add_special_tokens=False, stop_on_eos=True
+        )[0]
+        assert answer.choices[0].message.content == tokenizer.decode(
+            expected, skip_special_tokens=True
+        )
         assert "Paris" in answer.choices[0].message.content
-        chunks = chat.chat.completions.create(model="tgi", messages=question, max_tokens=20, temperature=0, stream=True)
-        assert "".join(c.choices[0].delta.content or "" for c in chunks) == answer.choices[0].message.content
+        chunks = chat.chat.completions.create(
+            model="tgi", messages=question, max_tokens=20, temperature=0, stream=True
+        )
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in chunks)
+            == answer.choices[0].message.content
+        )
         tgi = Client(url, timeout=120)
         whole = tgi.generate("The capital of France is", max_new_tokens=5)
         streamed = list(tgi.generate_stream("The capital of France is", max_new_tokens=5))
@@ -72,8 +92,17 @@ def test_embedded_model_behind_the_launched_router(smollm_dir, tmp_path):
 
 def test_router_holds_requests_through_a_shard_restart(launched):
     folder = short_socket_dir()
-    launch = launched("--num-shard", "2", "--device", "cpu", "--restart-on-failure", "--hostname", "127.0.0.1",
-                      "--uds-path", f"{folder}/s")
+    launch = launched(
+        "--num-shard",
+        "2",
+        "--device",
+        "cpu",
+        "--restart-on-failure",
+        "--hostname",
+        "127.0.0.1",
+        "--uds-path",
+        f"{folder}/s",
+    )
     url = wait_served(launch)
     body = {"inputs": "The quick brown fox", "parameters": {"max_new_tokens": 6, "details": True}}
     before = httpx.post(f"{url}/generate", json=body, timeout=60).json()

@@ -3,6 +3,7 @@
 The import graph is read from the source with ast, lazy imports inside functions included: a
 function-level import is still a dependency, only a later one.
 """
+
 import ast
 from pathlib import Path
 
@@ -43,15 +44,23 @@ def import_graph(root: Path, packages=LAYERS) -> dict[str, set[str]]:
         deps = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                deps.update(d for d in imported_names(node, package_of(name, path)) if d in files and d != name)
+                deps.update(
+                    d
+                    for d in imported_names(node, package_of(name, path))
+                    if d in files and d != name
+                )
         graph[name] = deps
     return graph
 
 
 def upward_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
     rank = {layer: i for i, layer in enumerate(layers)}
-    return sorted(f"{src} imports {dst}" for src, deps in graph.items() for dst in deps
-                  if rank[dst.split(".")[0]] > rank[src.split(".")[0]])
+    return sorted(
+        f"{src} imports {dst}"
+        for src, deps in graph.items()
+        for dst in deps
+        if rank[dst.split(".")[0]] > rank[src.split(".")[0]]
+    )
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -96,7 +105,9 @@ def test_no_import_cycles():
 def folder_graph(graph: dict[str, set[str]], layers=LAYERS) -> dict[str, set[str]]:
     """Imports between the folders below each layer (engine.models -> engine.layers, ...). A layer's
     root modules are the shared ground of its folders and are left out."""
-    folders = {m for m in graph if m.count(".") == 1 and any(other.startswith(m + ".") for other in graph)}
+    folders = {
+        m for m in graph if m.count(".") == 1 and any(other.startswith(m + ".") for other in graph)
+    }
 
     def folder(module: str) -> str | None:
         top = ".".join(module.split(".")[:2])
@@ -126,8 +137,13 @@ def test_router_root_holds_only_its_entry_points():
 def serving_imports(graph: dict[str, set[str]]) -> list[str]:
     """The router reaches the shard only through the wire contract (engine.wire), never the shard's
     own serving code."""
-    return sorted(f"{src} imports {dst}" for src, deps in graph.items() if src.split(".")[0] == "router"
-                  for dst in deps if dst == "engine.serving" or dst.startswith("engine.serving."))
+    return sorted(
+        f"{src} imports {dst}"
+        for src, deps in graph.items()
+        if src.split(".")[0] == "router"
+        for dst in deps
+        if dst == "engine.serving" or dst.startswith("engine.serving.")
+    )
 
 
 def test_the_router_imports_the_wire_not_the_shard():
@@ -136,13 +152,23 @@ def test_the_router_imports_the_wire_not_the_shard():
 
 def test_the_sched_wing_imports_no_http():
     graph = import_graph(ROOT)
-    assert sorted(f"{s} imports {d}" for s, deps in graph.items() if s.startswith("router.sched")
-                  for d in deps if d.startswith("router.http")) == []
+    assert (
+        sorted(
+            f"{s} imports {d}"
+            for s, deps in graph.items()
+            if s.startswith("router.sched")
+            for d in deps
+            if d.startswith("router.http")
+        )
+        == []
+    )
 
 
 def test_every_folder_says_what_it_holds():
     for init in [p for pkg in LAYERS for p in (ROOT / pkg).rglob("__init__.py")]:
-        assert ast.get_docstring(ast.parse(init.read_text())), f"{init.relative_to(ROOT)} has no docstring"
+        assert ast.get_docstring(ast.parse(init.read_text())), (
+            f"{init.relative_to(ROOT)} has no docstring"
+        )
 
 
 # --- the checks themselves catch what they should ---------------------------------------------------
@@ -158,32 +184,60 @@ def tree(tmp_path):
             (tmp_path / pkg).mkdir(exist_ok=True)
             (tmp_path / pkg / "__init__.py").touch()
         return tmp_path
+
     return write
 
 
 def test_an_upward_import_is_found_also_inside_a_function(tree):
-    root = tree({"engine/a.py": "def f():\n    from router.b import x\n", "router/b.py": "x = 1\n",
-                 "router/c.py": "import launcher.d\n", "launcher/d.py": "import engine.a\n"})
-    assert upward_imports(import_graph(root)) == ["engine.a imports router.b", "router.c imports launcher.d"]
+    root = tree(
+        {
+            "engine/a.py": "def f():\n    from router.b import x\n",
+            "router/b.py": "x = 1\n",
+            "router/c.py": "import launcher.d\n",
+            "launcher/d.py": "import engine.a\n",
+        }
+    )
+    assert upward_imports(import_graph(root)) == [
+        "engine.a imports router.b",
+        "router.c imports launcher.d",
+    ]
 
 
 def test_a_cycle_through_a_relative_lazy_import_is_found(tree):
-    root = tree({"engine/w/__init__.py": "", "engine/w/run.py": "def go():\n    from .prog import p\n",
-                 "engine/w/prog.py": "from engine.w.run import go\n", "engine/ok.py": "from engine.w import run\n"})
+    root = tree(
+        {
+            "engine/w/__init__.py": "",
+            "engine/w/run.py": "def go():\n    from .prog import p\n",
+            "engine/w/prog.py": "from engine.w.run import go\n",
+            "engine/ok.py": "from engine.w import run\n",
+        }
+    )
     assert cycles(import_graph(root)) == [["engine.w.prog", "engine.w.run"]]
 
 
 def test_a_router_import_of_the_shard_serving_code_is_found(tree):
-    root = tree({"engine/serving/__init__.py": "", "engine/serving/server.py": "K = 1\n",
-                 "engine/wire/__init__.py": "", "engine/wire/contract.py": "K = 1\n",
-                 "router/c.py": "def f():\n    from engine.serving.server import K\n",
-                 "router/d.py": "from engine.wire.contract import K\n"})
+    root = tree(
+        {
+            "engine/serving/__init__.py": "",
+            "engine/serving/server.py": "K = 1\n",
+            "engine/wire/__init__.py": "",
+            "engine/wire/contract.py": "K = 1\n",
+            "router/c.py": "def f():\n    from engine.serving.server import K\n",
+            "router/d.py": "from engine.wire.contract import K\n",
+        }
+    )
     assert serving_imports(import_graph(root)) == ["router.c imports engine.serving.server"]
 
 
 def test_a_cycle_between_folders_is_found(tree):
-    root = tree({"engine/layers/__init__.py": "", "engine/layers/rotary.py": "from engine.models.config import R\n",
-                 "engine/models/__init__.py": "from engine.models.llama import M\n",
-                 "engine/models/config.py": "R = 1\n", "engine/models/llama.py": "from engine.layers.rotary import x\n"})
+    root = tree(
+        {
+            "engine/layers/__init__.py": "",
+            "engine/layers/rotary.py": "from engine.models.config import R\n",
+            "engine/models/__init__.py": "from engine.models.llama import M\n",
+            "engine/models/config.py": "R = 1\n",
+            "engine/models/llama.py": "from engine.layers.rotary import x\n",
+        }
+    )
     assert cycles(import_graph(root)) == []
     assert cycles(folder_graph(import_graph(root))) == [["engine.layers", "engine.models"]]

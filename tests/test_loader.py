@@ -1,4 +1,5 @@
 """Model directories, GGUF conversion and the errors a user meets with bad model files."""
+
 import json
 import shutil
 
@@ -7,9 +8,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.errors import ModelLoadError
-from engine.weights.loader import build_model, convert_gguf, embedded_gguf_path, load, load_weights, read_config, resolve_model_dir, weight_files
 from engine.models.config import ModelConfig
-from tests.models import build_tiny_model
+from engine.weights.loader import (
+    build_model,
+    convert_gguf,
+    embedded_gguf_path,
+    load,
+    load_weights,
+    read_config,
+    resolve_model_dir,
+    weight_files,
+)
 
 CPU = torch.device("cpu")
 
@@ -24,7 +33,10 @@ def test_unsupported_architecture_names_the_supported_ones(tiny_model_dirs, tmp_
     config = json.loads((model_dir / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"'GPT2LMHeadModel' is not supported \(supported: Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM\)"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"'GPT2LMHeadModel' is not supported \(supported: Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM\)",
+    ):
         load(str(model_dir), tmp_path, torch.float32, CPU, implementation="native")
 
 
@@ -57,11 +69,15 @@ def test_unknown_model_path(tmp_path):
         resolve_model_dir(str(tmp_path / "nowhere"), tmp_path)
 
 
-def test_sharded_checkpoint_with_index_loads_the_same_weights(tiny_model_dirs, tmp_path, smollm_dir):
+def test_sharded_checkpoint_with_index_loads_the_same_weights(
+    tiny_model_dirs, tmp_path, smollm_dir
+):
     from transformers import AutoModelForCausalLM
 
     sharded = tmp_path / "sharded"
-    AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"]).save_pretrained(sharded, max_shard_size="1MB")
+    AutoModelForCausalLM.from_pretrained(tiny_model_dirs["qwen2"]).save_pretrained(
+        sharded, max_shard_size="1MB"
+    )
     assert (sharded / "model.safetensors.index.json").is_file() and len(weight_files(sharded)) > 1
     config = read_config(sharded)
     whole, split = (build_model(config, torch.float32, CPU, 64) for _ in range(2))
@@ -80,17 +96,35 @@ def test_fused_projections_hold_the_checkpoint_slices(tiny_model_dirs):
     attn = model.layers[1].self_attn
     q, k, v = attn.qkv_proj.weight.split([attn.q_size, attn.kv_size, attn.kv_size])
     assert torch.equal(k, tensors["model.layers.1.self_attn.k_proj.weight"])
-    assert torch.equal(attn.qkv_proj.bias[attn.q_size + attn.kv_size :], tensors["model.layers.1.self_attn.v_proj.bias"])
+    assert torch.equal(
+        attn.qkv_proj.bias[attn.q_size + attn.kv_size :],
+        tensors["model.layers.1.self_attn.v_proj.bias"],
+    )
     gate, up = model.layers[0].mlp.gate_up_proj.weight.chunk(2)
     assert torch.equal(up, tensors["model.layers.0.mlp.up_proj.weight"])
 
 
 def test_legacy_rope_fields_parse_like_rope_parameters():
-    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-            "num_hidden_layers": 1, "num_attention_heads": 2}
-    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-    legacy = ModelConfig.from_hf({**base, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **scaling}})
-    modern = ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}})
+    base = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
+    scaling = {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    legacy = ModelConfig.from_hf(
+        {**base, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **scaling}}
+    )
+    modern = ModelConfig.from_hf(
+        {**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}}
+    )
     assert legacy == modern and legacy.rope.rope_type == "llama3" and legacy.rope.theta == 5e5
     with pytest.raises(ModelLoadError, match="rope type 'proportional' is not supported"):
         ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "proportional", "factor": 2.0}})

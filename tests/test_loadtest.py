@@ -1,5 +1,6 @@
 """`bucketserve loadtest` against real HTTP servers: a tiny TGI imitation (fast, with scripted 429s,
 failures and hangs) and, end to end, the real router over a real shard on the tiny model."""
+
 import asyncio
 import json
 import threading
@@ -33,7 +34,9 @@ class FakeTGI:
     async def admit(self, body: dict, stream: bool) -> JSONResponse | None:
         self.seen += 1
         if self.reject_every and self.seen % self.reject_every == 0:
-            return JSONResponse({"error": "Model is overloaded", "error_type": "overloaded"}, status_code=429)
+            return JSONResponse(
+                {"error": "Model is overloaded", "error_type": "overloaded"}, status_code=429
+            )
         if "hang" in body["inputs"]:
             await asyncio.sleep(3600)
         if "fail" in body["inputs"] and not stream:
@@ -64,7 +67,10 @@ class FakeTGI:
                 return refused
             n = body["parameters"]["max_new_tokens"]
             text = "".join([f" t{i}" async for i in self.tokens(n)])
-            return {"generated_text": text, "details": {"finish_reason": "length", "generated_tokens": n, "seed": None}}
+            return {
+                "generated_text": text,
+                "details": {"finish_reason": "length", "generated_tokens": n, "seed": None},
+            }
 
         @app.post("/generate_stream")
         async def generate_stream(request: Request):
@@ -82,9 +88,15 @@ class FakeTGI:
                 yield f"data:{json.dumps({'error': 'boom', 'error_type': 'generation'})}\n\n"
                 return
             last = i == n - 1
-            event = {"index": i + 1, "token": {"id": i, "text": f" t{i}", "logprob": 0.0, "special": False},
-                     "top_tokens": [], "generated_text": " text" if last else None,
-                     "details": {"finish_reason": "length", "generated_tokens": n, "seed": None} if last else None}
+            event = {
+                "index": i + 1,
+                "token": {"id": i, "text": f" t{i}", "logprob": 0.0, "special": False},
+                "top_tokens": [],
+                "generated_text": " text" if last else None,
+                "details": {"finish_reason": "length", "generated_tokens": n, "seed": None}
+                if last
+                else None,
+            }
             yield f"data:{json.dumps(event)}\n\n"
 
 
@@ -92,7 +104,9 @@ class FakeTGI:
 def fake():
     """(FakeTGI, its URL): a real uvicorn server in a thread on a free local port."""
     tgi, port = FakeTGI(), free_port()
-    server = uvicorn.Server(uvicorn.Config(tgi.app(), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(tgi.app(), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -105,7 +119,17 @@ def fake():
 
 
 def run(capsys, url, *extra, requests=20, rate=200.0):
-    argv = ["--url", url, "--rate", str(rate), "--requests", str(requests), "--json", "--no-progress", *extra]
+    argv = [
+        "--url",
+        url,
+        "--rate",
+        str(rate),
+        "--requests",
+        str(requests),
+        "--json",
+        "--no-progress",
+        *extra,
+    ]
     status = loadtest.main(argv)
     return status, json.loads(capsys.readouterr().out)
 
@@ -122,7 +146,9 @@ def check_summary(summary: dict) -> None:
 def test_stream_counts_429s_apart(fake, capsys, tmp_path):
     tgi, url = fake
     tgi.reset(delay=0.002, reject_every=5)
-    status, summary = run(capsys, url, "--stream", "--max-new-tokens", "6", "--plot", str(tmp_path / "p.png"))
+    status, summary = run(
+        capsys, url, "--stream", "--max-new-tokens", "6", "--plot", str(tmp_path / "p.png")
+    )
     assert status == 0
     check_summary(summary)
     assert (summary["ok"], summary["rejected_429"], summary["errors"]) == (16, 4, 0)
@@ -135,7 +161,9 @@ def test_stream_counts_429s_apart(fake, capsys, tmp_path):
 def test_generate_ttft_is_the_latency(fake, capsys, tmp_path):
     tgi, url = fake
     tgi.reset(delay=0.001)
-    status, summary = run(capsys, url, "--max-new-tokens", "4", "--arrivals", "uniform", "--out", str(tmp_path))
+    status, summary = run(
+        capsys, url, "--max-new-tokens", "4", "--arrivals", "uniform", "--out", str(tmp_path)
+    )
     assert status == 0
     check_summary(summary)
     assert summary["ok"] == 20 and summary["generated_tokens"] == 80
@@ -151,10 +179,30 @@ def test_generate_ttft_is_the_latency(fake, capsys, tmp_path):
 def test_timeouts_and_failures_are_errors(fake, capsys, tmp_path, stream):
     tgi, url = fake
     tgi.reset()
-    prompts = ["--prompt", "fine", "--prompt", "please hang", "--prompt", "then fail", "--prompt", "fine again"]
+    prompts = [
+        "--prompt",
+        "fine",
+        "--prompt",
+        "please hang",
+        "--prompt",
+        "then fail",
+        "--prompt",
+        "fine again",
+    ]
     extra = ["--stream"] if stream else []
-    status, summary = run(capsys, url, *prompts, *extra, "--timeout", "0.5", "--max-new-tokens", "3",
-                          "--plot", str(tmp_path / "p.png"), requests=8)
+    status, summary = run(
+        capsys,
+        url,
+        *prompts,
+        *extra,
+        "--timeout",
+        "0.5",
+        "--max-new-tokens",
+        "3",
+        "--plot",
+        str(tmp_path / "p.png"),
+        requests=8,
+    )
     assert status == 0
     check_summary(summary)
     assert (summary["ok"], summary["rejected_429"], summary["errors"]) == (4, 0, 4)
@@ -167,13 +215,26 @@ def test_open_loop_sends_without_waiting(fake, capsys, tmp_path):
     """The server answers nobody until all 12 requests are in flight: a closed loop would time out."""
     tgi, url = fake
     tgi.reset(barrier=12)
-    status, summary = run(capsys, url, "--stream", "--max-new-tokens", "2", "--timeout", "20",
-                          "--plot", str(tmp_path / "p.png"), requests=12, rate=100.0)
+    status, summary = run(
+        capsys,
+        url,
+        "--stream",
+        "--max-new-tokens",
+        "2",
+        "--timeout",
+        "20",
+        "--plot",
+        str(tmp_path / "p.png"),
+        requests=12,
+        rate=100.0,
+    )
     assert status == 0 and summary["ok"] == 12 and tgi.peak == 12
 
 
 def test_nothing_answers(capsys, tmp_path):
-    status, summary = run(capsys, f"http://127.0.0.1:{free_port()}", "--plot", str(tmp_path / "p.png"), requests=3)
+    status, summary = run(
+        capsys, f"http://127.0.0.1:{free_port()}", "--plot", str(tmp_path / "p.png"), requests=3
+    )
     assert status == 1
     check_summary(summary)
     assert summary["errors"] == 3 and summary["latency_s"]["p50"] is None
@@ -183,16 +244,33 @@ def test_nothing_answers(capsys, tmp_path):
 def test_text_report(fake, capsys, tmp_path):
     tgi, url = fake
     tgi.reset(reject_every=2)
-    argv = ["--url", url + "/", "--rate", "100", "--requests", "4", "--stream", "--no-progress",
-            "--plot", str(tmp_path / "p.png")]
+    argv = [
+        "--url",
+        url + "/",
+        "--rate",
+        "100",
+        "--requests",
+        "4",
+        "--stream",
+        "--no-progress",
+        "--plot",
+        str(tmp_path / "p.png"),
+    ]
     assert loadtest.main(argv) == 0
     report = capsys.readouterr().out
     assert "ok 2   429 2   errors 0" in report and "TTFT" in report and "TPOT" in report
     assert str(tmp_path / "p.png") in report
 
 
-@pytest.mark.parametrize("bad", [["--rate", "0"], ["--requests", "0"], ["--url", "localhost:8080"],
-                                 ["--prompts-file", "/nonexistent.jsonl"]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--rate", "0"],
+        ["--requests", "0"],
+        ["--url", "localhost:8080"],
+        ["--prompts-file", "/nonexistent.jsonl"],
+    ],
+)
 def test_command_line_errors(bad, capsys):
     argv = {"--url": "http://127.0.0.1:1", "--rate": "1", "--requests": "1"}
     for flag, value in zip(bad[::2], bad[1::2]):
@@ -209,7 +287,9 @@ def test_arrivals_and_percentiles():
     assert all(a <= b for a, b in zip(poisson, poisson[1:]))
     assert 1900 / 10 * 0.9 < poisson[-1] < 1900 / 10 * 1.15  # mean gap 1/rate
     values = [float(v) for v in range(1, 101)]
-    assert [loadtest.percentile(values, q) for q in (50, 90, 99)] == pytest.approx([50.5, 90.1, 99.01])
+    assert [loadtest.percentile(values, q) for q in (50, 90, 99)] == pytest.approx(
+        [50.5, 90.1, 99.01]
+    )
     assert loadtest.percentile([], 50) is None and loadtest.percentile([7.0], 99) == 7.0
 
 
@@ -224,8 +304,19 @@ def test_parse_event():
 @pytest.mark.slow
 def test_against_the_real_router(served, capsys, tmp_path, stream):  # noqa: F811 - the imported fixture
     extra = ["--stream"] if stream else []
-    status, summary = run(capsys, served[0], *extra, "--max-new-tokens", "8", "--arrivals", "uniform",
-                          "--out", str(tmp_path), requests=10, rate=20.0)
+    status, summary = run(
+        capsys,
+        served[0],
+        *extra,
+        "--max-new-tokens",
+        "8",
+        "--arrivals",
+        "uniform",
+        "--out",
+        str(tmp_path),
+        requests=10,
+        rate=20.0,
+    )
     assert status == 0
     check_summary(summary)
     assert summary["ok"] + summary["rejected_429"] == 10 and summary["ok"] > 0

@@ -5,21 +5,27 @@ would have given without one, and runs no forward of its own; rows that joined s
 a row whose next position needs a block it does not hold yet is not looked ahead. The router asks
 for a lookahead only while nothing waits, and then decodes the same batch before admitting anyone.
 """
+
 import asyncio
 import dataclasses
 import logging
 
 import pytest
 
-from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCriteriaParameters
+from engine.batch import Batch, NextTokenChooserParameters, Request
 from engine.errors import InvalidRequestError
-from router.sched.allocator import BlockAllocator
 from router.client import InProcessClient
+from router.sched.allocator import BlockAllocator
 from router.sched.scheduler import Scheduler
-from tests.conftest import warmed_llama_shard
-from tests.test_equivalence import PROMPTS, reference_tokens
-from tests.test_router_scheduler import LIMITS, RecordingClient, consume, full_allocator, make_request
 from tests.helpers import build_request, reference_fixture, shard_fixture
+from tests.test_equivalence import PROMPTS
+from tests.test_router_scheduler import (
+    LIMITS,
+    RecordingClient,
+    consume,
+    full_allocator,
+    make_request,
+)
 
 NEW = 24
 SEEDED = NextTokenChooserParameters(temperature=0.9, top_k=20, do_sample=True, seed=1234)
@@ -63,7 +69,9 @@ def test_a_looked_ahead_step_gives_the_same_tokens_and_draws_without_a_forward(s
     for look_ahead in (False, True):
         shard.clear()
         tokens = {}
-        cached = collect(tokens, shard.prefill(Batch(1, [request(0), request(1), request(2, sampled=True)])))
+        cached = collect(
+            tokens, shard.prefill(Batch(1, [request(0), request(1), request(2, sampled=True)]))
+        )
         steps_before = shard.serving_stats()["lookahead_steps"]
         ran = decode_all(shard, tokens, cached, look_ahead)
         results[look_ahead] = tokens, ran, shard.serving_stats()["lookahead_steps"] - steps_before
@@ -112,7 +120,9 @@ def test_no_lookahead_into_a_block_the_row_does_not_hold(shard, expected, caplog
     while len(shard.batches[cached.id][0].token_ids) <= len(blocks) * shard.block_size:
         cached = collect(tokens, shard.decode([cached]))
         shard.look_ahead(cached.id)
-    assert shard.ahead is None  # its next position is in a block it does not hold yet: not even tried
+    assert (
+        shard.ahead is None
+    )  # its next position is in a block it does not hold yet: not even tried
     assert "lookahead" not in caplog.text
     with pytest.raises(InvalidRequestError, match="KV blocks are full"):
         shard.decode([cached])
@@ -170,23 +180,34 @@ def test_the_router_asks_only_while_nothing_waits_and_then_decodes_that_batch(sh
     assert results == [expected[i] for i in range(4)]
     calls = [c for c in client.calls if c[0] in ("look_ahead", "prefill")]
     for previous, call in zip(calls, calls[1:]):
-        assert not (previous == ("look_ahead", True) and call[0] == "prefill"), calls  # admitted only after
+        assert not (previous == ("look_ahead", True) and call[0] == "prefill"), (
+            calls
+        )  # admitted only after
     asked = sum(c == ("look_ahead", True) for c in calls)
     assert asked >= NEW  # most steps looked ahead
     assert ("look_ahead", False) in calls  # not while 2-3 waited (nor at the very end)
     runs, used = (after[k] - before[k] for k in ("lookahead_runs", "lookahead_steps"))
-    assert runs == used >= asked // 2  # none thrown away; skipped only where a row needed a new block or all ended
+    assert (
+        runs == used >= asked // 2
+    )  # none thrown away; skipped only where a row needed a new block or all ended
 
 
 @pytest.mark.parametrize("setting", ["auto", "on", "off"])
 def test_the_setting_reaches_the_router_and_auto_looks_ahead_off_cpu(setting):
     from launcher.cli import build_parser, config_from_args
-    from router.app import build_parser as router_parser, config_from_args as router_config
+    from router.app import build_parser as router_parser
+    from router.app import config_from_args as router_config
     from router.sched.scheduler import lookahead_for
 
     argv = [] if setting == "auto" else ["--lookahead", setting]  # auto is the default
     launched = config_from_args(build_parser().parse_args(argv))
     assert router_config(router_parser().parse_args(launched.router_args())).lookahead == setting
     chosen = {device: lookahead_for(setting, device) for device in ("cpu", "cuda", "hpu")}
-    assert chosen == {"auto": {"cpu": False, "cuda": True, "hpu": True},
-                      "on": dict.fromkeys(chosen, True), "off": dict.fromkeys(chosen, False)}[setting]
+    assert (
+        chosen
+        == {
+            "auto": {"cpu": False, "cuda": True, "hpu": True},
+            "on": dict.fromkeys(chosen, True),
+            "off": dict.fromkeys(chosen, False),
+        }[setting]
+    )

@@ -1,17 +1,17 @@
 """Multi-LoRA serving: a mixed batch of base and adapter requests, in one forward, gives for every
 request the greedy tokens of transformers + peft with that request's adapter merged."""
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.batch import Batch, Request, StoppingCriteriaParameters
+from engine.batch import Batch, Request
 from engine.devices.cpu import CPUAdapter
 from engine.errors import InvalidRequestError
-from launcher.generate import run_requests
 from engine.serving.shard import Shard
-from tests.conftest import tiny_config
-from tests.test_equivalence import PROMPTS
+from launcher.generate import run_requests
 from tests.helpers import build_request, tiny_shard
+from tests.test_equivalence import PROMPTS
 
 NEW_TOKENS = 24  # > one block of 16: decode crosses a block boundary with adapters active
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -24,15 +24,21 @@ ADAPTERS = {
 MIX = [None, "alpha", "beta", "alpha", None, "beta"]  # the adapter of each of PROMPTS, one batch
 
 
-def make_adapter(base_dir, out_dir, seed: int, rank: int, alpha: int, rslora: bool, targets: list[str]):
+def make_adapter(
+    base_dir, out_dir, seed: int, rank: int, alpha: int, rslora: bool, targets: list[str]
+):
     """A PEFT adapter with random, non-zero A and B (PEFT's default zero B would change nothing)."""
     from peft import LoraConfig, get_peft_model
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=targets, init_lora_weights=False)
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=targets, init_lora_weights=False
+    )
     peft_model = get_peft_model(model, config)
-    with torch.no_grad():  # the default init of B is small next to the tiny model's 0.2-wide weights
+    with (
+        torch.no_grad()
+    ):  # the default init of B is small next to the tiny model's 0.2-wide weights
         for name, param in peft_model.named_parameters():
             if "lora_" in name:
                 param.copy_(torch.randn_like(param) * 0.3)
@@ -53,9 +59,14 @@ def merged_reference(base_dir, adapter_dir, texts, max_new_tokens) -> list[list[
     for text in texts:
         ids = tokenizer(text, return_tensors="pt")["input_ids"]
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=0)
-        outputs.append(out[0, ids.shape[1]:].tolist())
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        outputs.append(out[0, ids.shape[1] :].tolist())
     return outputs
 
 
@@ -63,7 +74,10 @@ def merged_reference(base_dir, adapter_dir, texts, max_new_tokens) -> list[list[
 def lora_dirs(tiny_model_dirs, tmp_path_factory):
     """name -> adapter directory, for the tiny Llama."""
     root = tmp_path_factory.mktemp("lora")
-    return {name: make_adapter(tiny_model_dirs["llama"], root / name, *spec) for name, spec in ADAPTERS.items()}
+    return {
+        name: make_adapter(tiny_model_dirs["llama"], root / name, *spec)
+        for name, spec in ADAPTERS.items()
+    }
 
 
 @pytest.fixture(scope="session")
@@ -89,20 +103,33 @@ def request(i: int, adapter: str | None, max_new_tokens: int = NEW_TOKENS) -> Re
 def test_every_adapter_changes_the_reference(lora_expected):
     """Otherwise the equality below could not tell an adapter from the base model."""
     for adapter in ADAPTERS:
-        assert all(lora_expected[(i, adapter)] != lora_expected[(i, None)] for i in range(len(PROMPTS)))
-    assert all(lora_expected[(i, "alpha")] != lora_expected[(i, "beta")] for i in range(len(PROMPTS)))
+        assert all(
+            lora_expected[(i, adapter)] != lora_expected[(i, None)] for i in range(len(PROMPTS))
+        )
+    assert all(
+        lora_expected[(i, "alpha")] != lora_expected[(i, "beta")] for i in range(len(PROMPTS))
+    )
 
 
 @pytest.mark.parametrize("impl", ["dense", "gather"])
-def test_mixed_batch_matches_peft_merged_in_one_forward(tiny_model_dirs, lora_dirs, lora_expected, impl):
+def test_mixed_batch_matches_peft_merged_in_one_forward(
+    tiny_model_dirs, lora_dirs, lora_expected, impl
+):
     shard = lora_shard(tiny_model_dirs, lora_dirs, lora_impl=impl)
     assert shard.model.lora_set.ops.name == impl and shard.model.lora_set.rank == 8
-    shard.warmup(max_input_tokens=64, max_total_tokens=64 + NEW_TOKENS, max_prefill_tokens=6 * 64, max_batch_size=6)
+    shard.warmup(
+        max_input_tokens=64,
+        max_total_tokens=64 + NEW_TOKENS,
+        max_prefill_tokens=6 * 64,
+        max_batch_size=6,
+    )
     forwards = record_forwards(shard)
     done = run_requests(shard, [request(i, adapter) for i, adapter in enumerate(MIX)])
     decodes = [slots for kind, slots in forwards if kind == "decode"]
     assert len(decodes) == NEW_TOKENS - 1  # each decode step: one forward for all six requests
-    assert all(slots[:6] == [-1, 0, 1, 0, -1, 1] for slots in decodes)  # base, alpha and beta side by side
+    assert all(
+        slots[:6] == [-1, 0, 1, 0, -1, 1] for slots in decodes
+    )  # base, alpha and beta side by side
     for i, adapter in enumerate(MIX):
         assert done[i].token_ids == lora_expected[(i, adapter)], (i, adapter)
     assert shard.adapter.shapes.strict and not shard.adapter.shapes.unwarmed
@@ -113,7 +140,9 @@ def record_forwards(shard) -> list:
     forwards, run = [], shard.runner._run
 
     def recording(shape, *inputs):
-        forwards.append((shape[0], inputs[-1].tolist()))  # the last input: each token's adapter slot
+        forwards.append(
+            (shape[0], inputs[-1].tolist())
+        )  # the last input: each token's adapter slot
         return run(shape, *inputs)
 
     shard.runner._run = recording
@@ -127,7 +156,9 @@ def warmed(tiny_model_dirs, lora_dirs):
     shard = lora_shard(tiny_model_dirs, lora_dirs, max_batch_size=4)
     ops, calls = shard.model.lora_set.ops, []
     shrink = ops.shrink
-    ops.shrink = lambda x, a, selector: calls.append(int(selector.count_nonzero())) or shrink(x, a, selector)
+    ops.shrink = lambda x, a, selector: (
+        calls.append(int(selector.count_nonzero())) or shrink(x, a, selector)
+    )
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(CPUAdapter, "warm_runs_forward", True)
         shard.warmup()
@@ -157,9 +188,13 @@ def test_unknown_adapter_is_refused_naming_the_loaded_ones(warmed, lora_expected
     generations, cached = shard.prefill(Batch(20, [request(0, "alpha")]))
     tokens[0] += generations[0].tokens.ids
     free = shard.allocator.num_free
-    with pytest.raises(InvalidRequestError, match=r"unknown adapter_id 'gamma' \(loaded adapters: alpha, beta\)"):
+    with pytest.raises(
+        InvalidRequestError, match=r"unknown adapter_id 'gamma' \(loaded adapters: alpha, beta\)"
+    ):
         shard.prefill(Batch(21, [request(1, None), request(2, "gamma")]))
-    assert shard.allocator.num_free == free and 21 not in shard.batches  # nothing of the bad batch was kept
+    assert (
+        shard.allocator.num_free == free and 21 not in shard.batches
+    )  # nothing of the bad batch was kept
     while cached is not None:
         generations, cached = shard.decode([cached])
         tokens[0] += generations[0].tokens.ids
@@ -170,6 +205,10 @@ def test_adapter_id_without_adapters_loaded_is_refused(tiny_model_dirs):
     from tests.conftest import warmed_llama_shard
 
     shard = warmed_llama_shard(tiny_model_dirs)
-    with pytest.raises(InvalidRequestError, match=r"unknown adapter_id 'alpha' \(loaded adapters: none\)"):
+    with pytest.raises(
+        InvalidRequestError, match=r"unknown adapter_id 'alpha' \(loaded adapters: none\)"
+    ):
         shard.prefill(Batch(1, [request(0, "alpha")]))
-    run_requests(shard, [request(0, "", max_new_tokens=2)])  # "" is the base model, as no adapter_id
+    run_requests(
+        shard, [request(0, "", max_new_tokens=2)]
+    )  # "" is the base model, as no adapter_id

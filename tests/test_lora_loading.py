@@ -1,5 +1,6 @@
 """LoRA adapters: the two implementations agree, tensor-parallel slices add up to the whole, bad
 adapters are refused at load with a clear message, and the flags reach the config and the shards."""
+
 import json
 import shutil
 
@@ -63,8 +64,13 @@ def test_tensor_parallel_slices_add_up_to_the_whole_adapter(tiny_model_dirs, lor
     index = torch.tensor([0, 1, -1, 1])
     # Row-parallel down_proj: each rank adapts its input columns; the partial deltas sum to the whole.
     x = torch.randn(4, 128)
-    halves = [lora_delta(m, "layers.1.mlp.down_proj", x[:, 64 * r : 64 * (r + 1)], index) for r, m in enumerate(ranks)]
-    torch.testing.assert_close(halves[0] + halves[1], lora_delta(whole, "layers.1.mlp.down_proj", x, index))
+    halves = [
+        lora_delta(m, "layers.1.mlp.down_proj", x[:, 64 * r : 64 * (r + 1)], index)
+        for r, m in enumerate(ranks)
+    ]
+    torch.testing.assert_close(
+        halves[0] + halves[1], lora_delta(whole, "layers.1.mlp.down_proj", x, index)
+    )
     # Column-parallel q/k/v: each rank holds its heads' rows of B (q: 64 rows in halves, k and v: 32).
     x = torch.randn(4, 64)
     full = lora_delta(whole, "layers.0.self_attn.qkv_proj", x, index)
@@ -82,35 +88,53 @@ def test_missing_directory_is_refused(tmp_path):
 
 
 def test_rank_above_the_maximum_is_refused(lora_dirs):
-    with pytest.raises(ModelLoadError, match=r"LoRA adapter 'alpha': rank 8 exceeds --max-lora-rank 4"):
+    with pytest.raises(
+        ModelLoadError, match=r"LoRA adapter 'alpha': rank 8 exceeds --max-lora-rank 4"
+    ):
         read_adapter("alpha", lora_dirs["alpha"], max_rank=4)
 
 
 @pytest.fixture(scope="module")
 def wider_base(tmp_path_factory, smollm_dir):
     """A tiny Llama with a narrower MLP (96, not 128): its adapters do not fit the tiny Llama."""
-    return build_tiny_model("llama", tmp_path_factory.mktemp("wider") / "llama", smollm_dir, intermediate_size=96)
+    return build_tiny_model(
+        "llama", tmp_path_factory.mktemp("wider") / "llama", smollm_dir, intermediate_size=96
+    )
 
 
-def test_adapter_of_another_base_model_is_refused_naming_the_module(tiny_model_dirs, wider_base, tmp_path):
+def test_adapter_of_another_base_model_is_refused_naming_the_module(
+    tiny_model_dirs, wider_base, tmp_path
+):
     adapter = make_adapter(wider_base, tmp_path / "wide", 5, 4, 8, False, ["up_proj"])
     model = tiny_model(tiny_model_dirs["llama"])
-    with pytest.raises(ModelLoadError, match=r"LoRA adapter 'wide'.*lora_B.weight has shape \(96, 4\), but module "
-                                             r"layers.0.mlp.up_proj of the base model needs \(128, 4\); was it trained "
-                                             r"for another base model"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"LoRA adapter 'wide'.*lora_B.weight has shape \(96, 4\), but module "
+        r"layers.0.mlp.up_proj of the base model needs \(128, 4\); was it trained "
+        r"for another base model",
+    ):
         attach_adapters(model, (("wide", str(adapter)),), 64, DenseLora())
 
 
 def test_adapter_of_a_deeper_model_is_refused(tiny_model_dirs, smollm_dir, tmp_path):
     deeper = build_tiny_model("llama", tmp_path / "deep", smollm_dir, num_hidden_layers=3)
     adapter = make_adapter(deeper, tmp_path / "deep-lora", 5, 4, 8, False, ["o_proj"])
-    with pytest.raises(ModelLoadError, match=r"module layers.2.self_attn.o_proj is not in the base model \(2 layers\)"):
-        attach_adapters(tiny_model(tiny_model_dirs["llama"]), (("deep", str(adapter)),), 64, DenseLora())
+    with pytest.raises(
+        ModelLoadError,
+        match=r"module layers.2.self_attn.o_proj is not in the base model \(2 layers\)",
+    ):
+        attach_adapters(
+            tiny_model(tiny_model_dirs["llama"]), (("deep", str(adapter)),), 64, DenseLora()
+        )
 
 
 def test_unsupported_target_and_features_are_refused(tiny_model_dirs, lora_dirs, tmp_path):
-    adapter = make_adapter(tiny_model_dirs["llama"], tmp_path / "head", 5, 4, 8, False, ["q_proj", "lm_head"])
-    with pytest.raises(ModelLoadError, match=r"tensor '[^']*lm_head[^']*' adapts a module that is not supported"):
+    adapter = make_adapter(
+        tiny_model_dirs["llama"], tmp_path / "head", 5, 4, 8, False, ["q_proj", "lm_head"]
+    )
+    with pytest.raises(
+        ModelLoadError, match=r"tensor '[^']*lm_head[^']*' adapts a module that is not supported"
+    ):
         read_adapter("head", adapter, 64)
     dora = shutil.copytree(lora_dirs["beta"], tmp_path / "dora")
     config = json.loads((dora / "adapter_config.json").read_text())
@@ -121,7 +145,9 @@ def test_unsupported_target_and_features_are_refused(tiny_model_dirs, lora_dirs,
 
 def test_adapter_specs_parse_and_reach_the_config(monkeypatch):
     assert parse_lora_adapters(" a=/x/a, b=rel/b ,") == (("a", "/x/a"), ("b", "rel/b"))
-    assert parse_lora_adapters("org/adapter") == (("org/adapter", "org/adapter"),)  # TGI names it by its id
+    assert parse_lora_adapters("org/adapter") == (
+        ("org/adapter", "org/adapter"),
+    )  # TGI names it by its id
     assert parse_lora_adapters(None) == ()
     with pytest.raises(ValueError, match="'a' is given twice"):
         parse_lora_adapters("a=/x,a=/y")
@@ -133,11 +159,22 @@ def test_adapter_specs_parse_and_reach_the_config(monkeypatch):
     from launcher.offline_cli import add_offline_commands
 
     monkeypatch.setenv("LORA_ADAPTERS", "env=/e")
-    args = build_parser(extra_commands=(add_offline_commands,)).parse_args(["generate", "--max-new-tokens", "1"])
-    assert engine_config(args).lora_adapters == (("env", "/e"),) and engine_config(args).lora_impl is None
-    args = build_parser().parse_args(["serve", "--lora-adapters", "a=/a", "--lora-impl", "gather", "--max-lora-rank", "16"])
+    args = build_parser(extra_commands=(add_offline_commands,)).parse_args(
+        ["generate", "--max-new-tokens", "1"]
+    )
+    assert (
+        engine_config(args).lora_adapters == (("env", "/e"),)
+        and engine_config(args).lora_impl is None
+    )
+    args = build_parser().parse_args(
+        ["serve", "--lora-adapters", "a=/a", "--lora-impl", "gather", "--max-lora-rank", "16"]
+    )
     config = engine_config(args)
-    assert (config.lora_adapters, config.lora_impl, config.max_lora_rank) == ((("a", "/a"),), "gather", 16)
+    assert (config.lora_adapters, config.lora_impl, config.max_lora_rank) == (
+        (("a", "/a"),),
+        "gather",
+        16,
+    )
 
 
 def test_launcher_passes_the_adapters_to_every_shard(monkeypatch):

@@ -1,5 +1,6 @@
 """`bucketserve generate --model-id DIR --json` on a native family and on a fallback architecture
 gives transformers' greedy tokens, as a user runs it."""
+
 import json
 
 import pytest
@@ -11,8 +12,22 @@ from tests.test_models_fallback import fallback_dirs, refused_model_dirs  # noqa
 
 
 def generate_json(capsys, model_dir) -> list[dict]:
-    args = ["generate", "--model-id", str(model_dir), "--max-new-tokens", str(NEW_TOKENS), "--json",
-            "--block-size", "16", "--max-input-tokens", "128", "--max-total-tokens", "256", "--dtype", "float32"]
+    args = [
+        "generate",
+        "--model-id",
+        str(model_dir),
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        "--json",
+        "--block-size",
+        "16",
+        "--max-input-tokens",
+        "128",
+        "--max-total-tokens",
+        "256",
+        "--dtype",
+        "float32",
+    ]
     for prompt in PROMPTS:
         args += ["--prompt", prompt]
     capsys.readouterr()
@@ -21,7 +36,9 @@ def generate_json(capsys, model_dir) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source, name", [("native", "gemma3"), ("native", "mixtral"), ("fallback", "starcoder2")])
+@pytest.mark.parametrize(
+    "source, name", [("native", "gemma3"), ("native", "mixtral"), ("fallback", "starcoder2")]
+)
 def test_generate_json_matches_transformers(capsys, family_dirs, fallback_dirs, source, name):
     model_dir = (family_dirs if source == "native" else fallback_dirs)[name]
     answers = generate_json(capsys, model_dir)
@@ -45,6 +62,11 @@ def test_launcher_passes_the_implementation_to_every_shard():
 def test_models_we_cannot_serve_get_one_error_line(capsys, tmp_path):
     for model_dir, message in refused_model_dirs(tmp_path):
         capsys.readouterr()
-        assert bucketserve(["generate", "--model-id", model_dir, "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+        assert (
+            bucketserve(
+                ["generate", "--model-id", model_dir, "--prompt", "hi", "--max-new-tokens", "2"]
+            )
+            == 2
+        )
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err

@@ -1,14 +1,16 @@
 """Static-shape MoE: both expert implementations compute the routed mixture exactly, serve
 token-exact against transformers, and random traffic never meets an unwarmed shape."""
+
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from engine.distributed import SINGLE
-from launcher.generate import generate
 from engine.layers.moe import MOE_IMPLS, SparseMoeBlock, moe_ops
 from engine.serving.shard import Shard
+from launcher.generate import generate
 from tests.conftest import tiny_config
 from tests.family_models import family_dirs  # noqa: F401 (a fixture)
 from tests.test_equivalence import NEW_TOKENS, PROMPTS, reference_tokens
@@ -48,7 +50,9 @@ def test_gather_chunks_give_the_same_result():
             param.normal_(0, 0.5)
     x = torch.randn(9, 16)
     whole = block(x)
-    block.ops.chunk_elements = block.gate_up[0].numel() * 4  # 4 pairs per chunk: 5 chunks for 18 pairs
+    block.ops.chunk_elements = (
+        block.gate_up[0].numel() * 4
+    )  # 4 pairs per chunk: 5 chunks for 18 pairs
     torch.testing.assert_close(block(x), whole)
 
 
@@ -56,7 +60,9 @@ def test_gather_chunks_give_the_same_result():
 def test_gather_experts_match_transformers(family_dirs, family):
     model_dir = family_dirs[family]
     shard = Shard(tiny_config(model_dir, moe_impl="gather"), show_progress=False)
-    assert all(m.ops.name == "gather" for m in shard.model.modules() if isinstance(m, SparseMoeBlock))
+    assert all(
+        m.ops.name == "gather" for m in shard.model.modules() if isinstance(m, SparseMoeBlock)
+    )
     ours = generate(shard, PROMPTS, NEW_TOKENS, ignore_eos=True)
     assert [c.token_ids for c in ours] == reference_tokens(model_dir, PROMPTS, NEW_TOKENS)
     assert not shard.adapter.shapes.unwarmed
@@ -68,7 +74,9 @@ def moe_shards(family_dirs):
 
     def get(family, impl):
         if (family, impl) not in built:
-            built[family, impl] = Shard(tiny_config(family_dirs[family], moe_impl=impl, **LIMITS), show_progress=False)
+            built[family, impl] = Shard(
+                tiny_config(family_dirs[family], moe_impl=impl, **LIMITS), show_progress=False
+            )
             built[family, impl].warmup()
         return built[family, impl]
 
@@ -93,8 +101,11 @@ def test_experts_have_no_data_dependent_shapes(impl):
         for param in block.parameters():
             param.normal_(0, 0.5)
     exported = torch.export.export(block, (torch.randn(6, 16),), strict=False)
-    shapes = [node.meta["val"].shape for node in exported.graph.nodes
-              if isinstance(node.meta.get("val"), torch.Tensor)]
+    shapes = [
+        node.meta["val"].shape
+        for node in exported.graph.nodes
+        if isinstance(node.meta.get("val"), torch.Tensor)
+    ]
     assert shapes and all(isinstance(size, int) for shape in shapes for size in shape), shapes
     x = torch.randn(6, 16)
     torch.testing.assert_close(exported.module()(x), block(x))

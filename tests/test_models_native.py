@@ -1,9 +1,10 @@
 """Greedy tokens of the native Qwen3, Qwen3-MoE, Mixtral, Gemma 2, Gemma 3 and Phi-3 equal
 transformers' own generate on the same tiny random weights (fp32, strict shapes)."""
+
 import pytest
 
-from launcher.generate import generate
 from engine.serving.shard import Shard
+from launcher.generate import generate
 from tests.conftest import tiny_config
 from tests.family_models import FAMILIES, WINDOW, family_dirs  # noqa: F401 (a fixture)
 from tests.test_equivalence import NEW_TOKENS, PROMPTS, reference_tokens

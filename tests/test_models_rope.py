@@ -1,4 +1,5 @@
 """Our rope tables equal transformers' frequency functions for every rope type we parse."""
+
 import pytest
 import torch
 from transformers import LlamaConfig, Phi3Config
@@ -12,13 +13,20 @@ SCALINGS = {
     "linear": dict(factor=4.0),
     "yarn": dict(factor=4.0, original_max_position_embeddings=64, beta_fast=16, beta_slow=2),
     "dynamic": dict(factor=2.0),
-    "llama3": dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32),
+    "llama3": dict(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32
+    ),
 }
 
 
 def llama_config(rope_type: str) -> LlamaConfig:
-    return LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=HEAD, max_position_embeddings=128,
-                       rope_parameters={"rope_type": rope_type, "rope_theta": 10000.0, **SCALINGS[rope_type]})
+    return LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        head_dim=HEAD,
+        max_position_embeddings=128,
+        rope_parameters={"rope_type": rope_type, "rope_theta": 10000.0, **SCALINGS[rope_type]},
+    )
 
 
 @pytest.mark.parametrize("rope_type", ["linear", "yarn", "llama3"])
@@ -41,10 +49,20 @@ def test_dynamic_ntk_uses_each_positions_own_length():
 
 
 def test_longrope_switches_to_long_factors_past_the_pretraining_length():
-    config = Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=256,
-                        original_max_position_embeddings=64, pad_token_id=0,
-                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                                         "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 8.0, 16.0]})
+    config = Phi3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        original_max_position_embeddings=64,
+        pad_token_id=0,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.5, 2.0, 3.0],
+            "long_factor": [2.0, 4.0, 8.0, 16.0],
+        },
+    )
     short, factor = ROPE_INIT_FUNCTIONS["longrope"](config)
     long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, seq_len=65)
     rope, _ = parse_rope(config.to_dict())

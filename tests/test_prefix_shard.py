@@ -1,18 +1,18 @@
 """Prefill with context on the shard (cache_len): exact against transformers, and refused when wrong."""
+
 import pytest
 
-from engine.batch import Batch, Request, StoppingCriteriaParameters
+from engine.batch import Batch
 from engine.errors import InvalidRequestError
 from engine.kv_cache import slots_for
-from engine.serving.shard import Shard
-from tests.conftest import tiny_config
-from tests.test_equivalence import reference_tokens
 from tests.helpers import build_request, reference_fixture, shard_fixture
 
 NEW = 6
 BLOCK = 16
-SHARED = ("In 1969 the first humans walked on the moon. The mission was called Apollo 11 and it carried three "
-          "astronauts: Neil Armstrong, Buzz Aldrin and Michael Collins, who stayed in orbit")
+SHARED = (
+    "In 1969 the first humans walked on the moon. The mission was called Apollo 11 and it carried three "
+    "astronauts: Neil Armstrong, Buzz Aldrin and Michael Collins, who stayed in orbit"
+)
 SUFFIXES = [" while the other two landed.", " and then all three came home safely.", " for a day."]
 
 
@@ -64,14 +64,22 @@ def test_concurrent_requests_share_prefix_blocks(shard, expected):
     count = length(shard, SHARED) // BLOCK
     one = owner[:count] + blocks_for(shard, 1, 15)[count:]
     two = owner[:count] + blocks_for(shard, 2, 30)[count:]
-    tokens = run(shard, 4, [request(shard, 1, one, cache_len=count * BLOCK),
-                            request(shard, 2, two, cache_len=count * BLOCK)])
+    tokens = run(
+        shard,
+        4,
+        [
+            request(shard, 1, one, cache_len=count * BLOCK),
+            request(shard, 2, two, cache_len=count * BLOCK),
+        ],
+    )
     assert (tokens[1], tokens[2]) == (expected[1], expected[2])
     assert sum(shard.adapter.shapes.unwarmed.values()) == 0
 
 
-@pytest.mark.parametrize("cache_len, match", [(BLOCK + 1, "whole number of KV blocks"),
-                                              (10 * BLOCK, "leaves nothing to compute")])
+@pytest.mark.parametrize(
+    "cache_len, match",
+    [(BLOCK + 1, "whole number of KV blocks"), (10 * BLOCK, "leaves nothing to compute")],
+)
 def test_bad_cache_len_is_invalid(shard, cache_len, match):
     with pytest.raises(InvalidRequestError, match=match):
         shard.prefill(Batch(5, [request(shard, 0, blocks_for(shard, 0, 1), cache_len=cache_len)]))
@@ -83,7 +91,9 @@ def test_prefix_blocks_holding_other_tokens_are_invalid(shard):
     with pytest.raises(InvalidRequestError, match="does not hold this request's tokens"):
         shard.prefill(Batch(7, [request(shard, 1, stranger, cache_len=BLOCK)]))
     lora = request(shard, 1, blocks_for(shard, 0, 1)[:1] + stranger[1:], cache_len=BLOCK)
-    lora.adapter_id = "other"  # same tokens, another adapter: another chain (refused as unknown first here)
+    lora.adapter_id = (
+        "other"  # same tokens, another adapter: another chain (refused as unknown first here)
+    )
     with pytest.raises(InvalidRequestError):
         shard.prefill(Batch(8, [lora]))
     assert not shard.batches

@@ -1,23 +1,27 @@
 """Random traffic with shared prefixes, chunked prompts and a small KV budget (preemptions) never
 reaches the device at an unwarmed shape, and every request completes."""
+
 import asyncio
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine.batch import Request, StoppingCriteriaParameters
 from engine.config import ServingLimits
-from engine.serving.shard import Shard
 from router.client import InProcessClient
 from router.sched.prefix_cache import PrefixCache
 from router.sched.scheduler import Scheduler
-from tests.conftest import tiny_config
 from tests.helpers import shard_fixture
 
 BUDGET = 32
-LIMITS = ServingLimits(max_batch_size=4, max_prefill_tokens=BUDGET, max_input_tokens=112, max_total_tokens=160)
+LIMITS = ServingLimits(
+    max_batch_size=4, max_prefill_tokens=BUDGET, max_input_tokens=112, max_total_tokens=160
+)
 PREFIXES = ["word " * 70, "The moon landing was in 1969 and " * 6]
-TRAFFIC = settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+TRAFFIC = settings(
+    max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 shard = shard_fixture(max_batch_size=4, warmup_prompt_logprobs=False, warmup=LIMITS)
@@ -52,13 +56,19 @@ def test_shared_prefix_and_chunked_traffic_meets_only_warmed_shapes(shard, data)
             for wave in waves:
                 streams = []
                 for text, new in wave:
-                    ids = shard.tokenizer(text)["input_ids"][-LIMITS.max_input_tokens:]
-                    request = Request(next_id, text, truncate=len(ids),
-                                      stopping_parameters=StoppingCriteriaParameters(new, ignore_eos_token=True))
+                    ids = shard.tokenizer(text)["input_ids"][-LIMITS.max_input_tokens :]
+                    request = Request(
+                        next_id,
+                        text,
+                        truncate=len(ids),
+                        stopping_parameters=StoppingCriteriaParameters(new, ignore_eos_token=True),
+                    )
                     streams.append((new, scheduler.submit(request, len(ids), ids)))
                     next_id += 1
                 for new, stream in streams:
-                    done.append(([g async for g in stream][-1].generated_text.generated_tokens, new))
+                    done.append(
+                        ([g async for g in stream][-1].generated_text.generated_tokens, new)
+                    )
         finally:
             await scheduler.stop()
             await client.close()

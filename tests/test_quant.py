@@ -1,13 +1,14 @@
 """Weight-only quantized layers (engine/layers/quant.py) and GGUF blocks read as stored (engine/weights/gguf.py):
 each equals a dequantize-then-matmul reference."""
+
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from engine.weights.gguf import decode_q4, unpermute_rows
 from engine.layers.quant import Int4Weight, Int8Weight, int4_groupwise, int8_per_channel
+from engine.weights.gguf import decode_q4, unpermute_rows
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -20,7 +21,9 @@ def test_int8_linear_equals_dequantize_then_matmul():
     layer, x = Int8Weight(codes, scale), torch.randn(2, 3, 64)
     expected = codes.float() * scale.unsqueeze(1)
     assert torch.equal(layer.dequantize(), expected)
-    torch.testing.assert_close(layer.linear(x).double(), reference(x, expected), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        layer.linear(x).double(), reference(x, expected), rtol=1e-5, atol=1e-4
+    )
     assert torch.equal(layer.rows(torch.tensor([[3, 0]])), expected[[3, 0]].unsqueeze(0))
 
 
@@ -32,7 +35,9 @@ def test_int4_linear_equals_dequantize_then_matmul(rows):
     layer, x = Int4Weight(codes, scale, zero, 32, torch.float32), torch.randn(5, 96)
     expected = (codes.float() - 8) * scale.repeat_interleave(32, 1) + zero.repeat_interleave(32, 1)
     torch.testing.assert_close(layer.dequantize(), expected, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(layer.linear(x).double(), reference(x, expected), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        layer.linear(x).double(), reference(x, expected), rtol=1e-5, atol=1e-4
+    )
 
 
 @pytest.mark.parametrize("make", [int8_per_channel, int4_groupwise])
@@ -52,7 +57,9 @@ def test_quantizers_round_each_weight_to_its_nearest_code(make, worst):
     torch.manual_seed(4)
     weight = torch.randn(32, 64)
     error = (make(weight, torch.float32).dequantize() - weight).abs()
-    span = weight.abs().amax(1, keepdim=True) * 2  # bounds both the int8 scale and any group's range
+    span = (
+        weight.abs().amax(1, keepdim=True) * 2
+    )  # bounds both the int8 scale and any group's range
     assert (error <= span * worst + 1e-6).all()
 
 
@@ -73,7 +80,9 @@ def test_q_and_k_rows_are_permuted_back_as_transformers_does():
     """llama.cpp's converter interleaves each head's rotary halves; the inverse restores HF order."""
     heads, rows = 2, 12  # 3 row pairs a head: a transposed reshape would not be the identity
     hf = torch.arange(rows)
-    permuted = hf.reshape(heads, 2, rows // heads // 2).transpose(1, 2).reshape(rows)  # llama.cpp's permute
+    permuted = (
+        hf.reshape(heads, 2, rows // heads // 2).transpose(1, 2).reshape(rows)
+    )  # llama.cpp's permute
     assert torch.equal(permuted[unpermute_rows(rows, heads)], hf)
 
 

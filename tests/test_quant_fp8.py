@@ -1,6 +1,7 @@
 """Pre-quantized FP8 checkpoints (engine/layers/fp8.py): loaded with their scales, per channel and
 per tensor; on CPU the dequantizing reference runs, and its greedy tokens equal transformers on the
 dequantized weights."""
+
 import shutil
 
 import pytest
@@ -28,7 +29,9 @@ def fp8_checkpoint(source, out):
         amax = weight.abs().amax() if per_tensor else weight.abs().amax(1, keepdim=True)
         scale = amax / torch.finfo(FP8).max
         state[name] = (weight / scale).to(FP8)
-        state[name.removesuffix("weight") + "weight_scale"] = scale.reshape([]) if per_tensor else scale
+        state[name.removesuffix("weight") + "weight_scale"] = (
+            scale.reshape([]) if per_tensor else scale
+        )
     save_file(state, out / "model.safetensors")
     return out
 
@@ -46,15 +49,24 @@ def test_fp8_linear_is_the_scaled_weight():
     torch.testing.assert_close(layer.linear(x), x @ expected.t())
 
 
-def test_fp8_checkpoint_greedy_tokens_equal_transformers_on_its_dequantized_weights(tiny_model_dirs, fp8_dir):
+def test_fp8_checkpoint_greedy_tokens_equal_transformers_on_its_dequantized_weights(
+    tiny_model_dirs, fp8_dir
+):
     shard = Shard(tiny_config(fp8_dir, quantize="fp8"), show_progress=False)
     attn = shard.model.layers[0].self_attn
-    assert attn.qkv_proj.quantized.kind == "fp8" and attn.o_proj.quantized.scale.unique().numel() == 1
+    assert (
+        attn.qkv_proj.quantized.kind == "fp8" and attn.o_proj.quantized.scale.unique().numel() == 1
+    )
     assert attn.qkv_proj.quantized.scale.unique().numel() > 3  # per channel, fused q/k/v kept apart
-    state, original = dequantized_state(shard.model), load_file(tiny_model_dirs["llama"] / "model.safetensors")
+    state, original = (
+        dequantized_state(shard.model),
+        load_file(tiny_model_dirs["llama"] / "model.safetensors"),
+    )
     for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight"):
         # e4m3 keeps 3 mantissa bits: within 1/16 of each weight (plus the smallest steps near zero)
-        assert ((state[name] - original[name]).abs() <= original[name].abs() / 16 + 1e-3).all(), name
+        assert ((state[name] - original[name]).abs() <= original[name].abs() / 16 + 1e-3).all(), (
+            name
+        )
     ours = generate(shard, PROMPTS, 16, ignore_eos=True)
     reference = transformers_on(tiny_model_dirs["llama"], state, torch.float32)
     for completion, prompt in zip(ours, PROMPTS):
@@ -63,5 +75,7 @@ def test_fp8_checkpoint_greedy_tokens_equal_transformers_on_its_dequantized_weig
 
 
 def test_fp8_checkpoint_without_the_flag_is_refused(fp8_dir):
-    with pytest.raises(ModelLoadError, match="pre-quantized FP8 checkpoint; serve it with --quantize fp8"):
+    with pytest.raises(
+        ModelLoadError, match="pre-quantized FP8 checkpoint; serve it with --quantize fp8"
+    ):
         Shard(tiny_config(fp8_dir), show_progress=False)

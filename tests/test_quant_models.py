@@ -1,23 +1,29 @@
 """Quantized and bfloat16 serving against transformers: greedy tokens of a quantized model equal
 transformers running its dequantized weights (float32); bfloat16 agrees with transformers in bfloat16."""
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine.batch import Request, StoppingCriteriaParameters
 from engine.serving.shard import Shard
 from launcher.generate import generate, run_requests, warm_for  # noqa: F401
 from router.offline import run_scheduled
 from tests.conftest import tiny_config
 from tests.test_equivalence import PROMPTS
-from engine.batch import Request, StoppingCriteriaParameters
 
 NEW_TOKENS = 20
 
 
 def dequantized_state(model) -> dict[str, torch.Tensor]:
     """Our model's weights as transformers names them, every quantized matrix dequantized."""
+
     def weight(module):
-        return module.weight.detach().float() if module.quantized is None else module.quantized.dequantize()
+        return (
+            module.weight.detach().float()
+            if module.quantized is None
+            else module.quantized.dequantize()
+        )
 
     config, state = model.config, {}
     vocab = config.vocab_size
@@ -27,9 +33,20 @@ def dequantized_state(model) -> dict[str, torch.Tensor]:
         attn, mlp = layer.self_attn, layer.mlp
         q, k, v = weight(attn.qkv_proj).split([attn.q_size, attn.kv_size, attn.kv_size])
         gate, up = weight(mlp.gate_up_proj).chunk(2)
-        parts = dict(zip(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"],
-                         [q, k, v, weight(attn.o_proj), gate, up, weight(mlp.down_proj)]))
+        parts = dict(
+            zip(
+                [
+                    "self_attn.q_proj",
+                    "self_attn.k_proj",
+                    "self_attn.v_proj",
+                    "self_attn.o_proj",
+                    "mlp.gate_proj",
+                    "mlp.up_proj",
+                    "mlp.down_proj",
+                ],
+                [q, k, v, weight(attn.o_proj), gate, up, weight(mlp.down_proj)],
+            )
+        )
         state.update({f"model.layers.{i}.{name}.weight": value for name, value in parts.items()})
     return state
 
@@ -47,15 +64,24 @@ def greedy(reference, tokenizer, prompt: str, new_tokens: int) -> list[int]:
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     reference.generation_config.eos_token_id = None
     with torch.inference_mode():
-        out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=0)
-    return out[0, ids.shape[1]:].tolist()
+        out = reference.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, ids.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quantized_tiny_model_matches_transformers_on_its_dequantized_weights(tiny_model_dirs, mode):
+def test_quantized_tiny_model_matches_transformers_on_its_dequantized_weights(
+    tiny_model_dirs, mode
+):
     model_dir = tiny_model_dirs["llama"]
-    shard = Shard(tiny_config(model_dir, quantize=mode), show_progress=False)  # float32 activations: exact
+    shard = Shard(
+        tiny_config(model_dir, quantize=mode), show_progress=False
+    )  # float32 activations: exact
     assert shard.model.layers[0].mlp.down_proj.quantized.kind == mode
     ours = generate(shard, PROMPTS, NEW_TOKENS, ignore_eos=True)
     reference = transformers_on(model_dir, dequantized_state(shard.model), torch.float32)
@@ -71,8 +97,13 @@ def served_logprobs(shard, prompts, new_tokens) -> list[tuple[list[int], list[fl
     requests = [Request(i, p, stopping_parameters=stopping) for i, p in enumerate(prompts)]
     lengths = [len(shard.tokenizer(p)["input_ids"]) for p in prompts]
     outputs = run_scheduled(shard, requests, lengths, shard.runner.kv_cache.capacity_tokens, None)
-    return [([t for g in outputs[i] for t in g.tokens.ids], [lp for g in outputs[i] for lp in g.tokens.logprobs])
-            for i in range(len(prompts))]
+    return [
+        (
+            [t for g in outputs[i] for t in g.tokens.ids],
+            [lp for g in outputs[i] for lp in g.tokens.logprobs],
+        )
+        for i in range(len(prompts))
+    ]
 
 
 @pytest.mark.parametrize("mode", ["none", "int4"])
@@ -94,19 +125,30 @@ def test_bfloat16_serving_agrees_with_transformers_in_bfloat16(tiny_model_dirs, 
         theirs = scores.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
         agree += int((scores.argmax(-1) == torch.tensor(tokens)).sum())
         gaps += (theirs - torch.tensor(logprobs)).abs().tolist()
-        margins += (scores.max(-1).values - theirs).tolist()  # 0 where transformers picks our token too
+        margins += (
+            scores.max(-1).values - theirs
+        ).tolist()  # 0 where transformers picks our token too
     # Random tiny models have near ties that bfloat16 rounding may flip: every disagreement must be one.
-    assert agree >= 0.9 * len(gaps) and max(margins) < 0.2, f"top-1 agreement {agree}/{len(gaps)}, {max(margins)}"
+    assert agree >= 0.9 * len(gaps) and max(margins) < 0.2, (
+        f"top-1 agreement {agree}/{len(gaps)}, {max(margins)}"
+    )
     assert max(gaps) < 0.25 and sum(gaps) / len(gaps) < 0.04, (max(gaps), sum(gaps) / len(gaps))
     assert shard.adapter.shapes.strict and not shard.adapter.shapes.unwarmed
 
 
-@pytest.mark.parametrize("dtype, mode", [("bfloat16", "none"), ("bfloat16", "int4"), ("bfloat16", "int8")])
-def test_strict_shapes_refuse_an_unwarmed_decode_in_bfloat16_and_quantized(tiny_model_dirs, dtype, mode):
-    from engine.runner import DecodeInput
+@pytest.mark.parametrize(
+    "dtype, mode", [("bfloat16", "none"), ("bfloat16", "int4"), ("bfloat16", "int8")]
+)
+def test_strict_shapes_refuse_an_unwarmed_decode_in_bfloat16_and_quantized(
+    tiny_model_dirs, dtype, mode
+):
     from engine.errors import UnwarmedShapeError
+    from engine.runner import DecodeInput
 
-    shard = Shard(tiny_config(tiny_model_dirs["llama"], dtype=dtype, quantize=mode, max_batch_size=2), show_progress=False)
+    shard = Shard(
+        tiny_config(tiny_model_dirs["llama"], dtype=dtype, quantize=mode, max_batch_size=2),
+        show_progress=False,
+    )
     shard.warmup()
     plan, row = shard.runner.plan, DecodeInput(token_id=5, position=0, slot=16, blocks=[1])
     bucket = plan.decode_bucket(1, 1)
@@ -123,7 +165,9 @@ def test_dtype_auto_picks_the_cpus_bfloat16_and_says_so(tiny_model_dirs, capsys)
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     assert CPUAdapter().auto_dtype()[0] == (torch.bfloat16 if native else torch.float32)
     shard = Shard(tiny_config(tiny_model_dirs["llama"], dtype="auto"), show_progress=True)
-    assert shard.dtype == CPUAdapter().auto_dtype()[0] and shard.info().dtype == str(shard.dtype).removeprefix("torch.")
+    assert shard.dtype == CPUAdapter().auto_dtype()[0] and shard.info().dtype == str(
+        shard.dtype
+    ).removeprefix("torch.")
     said = capsys.readouterr().err
     assert f"dtype auto: {shard.info().dtype} (" in said and "on this CPU" in said
 

@@ -2,6 +2,7 @@
 embedded model (9 heads), 8 greedy requests of 80 tokens in flight, half of them streamed. After the
 restart the router re-prefills each request's prompt and the tokens it had generated; every answer
 is 200 with transformers' tokens, and no stream repeats or skips a token."""
+
 import json
 import threading
 import time
@@ -10,7 +11,7 @@ import httpx
 import pytest
 
 from tests.test_equivalence import PROMPTS, reference_tokens
-from tests.test_launcher import Launch, STARTUP_S, engine_processes_of, kill_shard  # noqa: F401
+from tests.test_launcher import STARTUP_S, Launch, engine_processes_of, kill_shard  # noqa: F401
 from tests.test_launcher_router import wait_served
 from tests.test_server import short_socket_dir
 
@@ -18,9 +19,23 @@ pytestmark = pytest.mark.slow  # end to end: launched shards and routers, one ki
 
 NEW_TOKENS = 80
 REQUESTS = (PROMPTS + ["The three primary colors are", "A good breakfast has"])[:8]
-LIMITS = ["--device", "cpu", "--restart-on-failure", "--hostname", "127.0.0.1",
-          "--max-input-tokens", "160", "--max-total-tokens", "192",
-          "--max-batch-prefill-tokens", "512", "--max-batch-size", "8", "--dtype", "float32"]
+LIMITS = [
+    "--device",
+    "cpu",
+    "--restart-on-failure",
+    "--hostname",
+    "127.0.0.1",
+    "--max-input-tokens",
+    "160",
+    "--max-total-tokens",
+    "192",
+    "--max-batch-prefill-tokens",
+    "512",
+    "--max-batch-size",
+    "8",
+    "--dtype",
+    "float32",
+]
 
 
 class Answer:
@@ -33,13 +48,18 @@ class Answer:
         self.thread.start()
 
     def _run(self) -> None:
-        body = {"inputs": self.prompt, "parameters": {"max_new_tokens": NEW_TOKENS, "details": True}}
+        body = {
+            "inputs": self.prompt,
+            "parameters": {"max_new_tokens": NEW_TOKENS, "details": True},
+        }
         if self.stream:
-            with httpx.stream("POST", f"{self.url}/generate_stream", json=body, timeout=900) as response:
+            with httpx.stream(
+                "POST", f"{self.url}/generate_stream", json=body, timeout=900
+            ) as response:
                 self.status = response.status_code
                 for line in response.iter_lines():
                     if line.startswith("data:"):
-                        event = json.loads(line[len("data:"):])
+                        event = json.loads(line[len("data:") :])
                         assert "error" not in event, event
                         self.indices.append(event["index"])
                         self.tokens.append(event["token"]["id"])
@@ -65,7 +85,15 @@ def test_requests_in_flight_survive_a_shard_kill_on_the_tiny_llama(tiny_model_di
 def kill_mid_generation(model_dir, num_shard: int, capsys) -> None:
     expected = reference_tokens(model_dir, REQUESTS, NEW_TOKENS, stop_on_eos=True)
     folder = short_socket_dir()
-    launch = Launch(model_dir, *LIMITS, "--num-shard", str(num_shard), "--uds-path", f"{folder}/s", folder=folder)
+    launch = Launch(
+        model_dir,
+        *LIMITS,
+        "--num-shard",
+        str(num_shard),
+        "--uds-path",
+        f"{folder}/s",
+        folder=folder,
+    )
     try:
         url = wait_served(launch)
         launch.shard_pids |= {p.pid for p in engine_processes_of(f"{folder}/s")}
@@ -87,7 +115,9 @@ def kill_mid_generation(model_dir, num_shard: int, capsys) -> None:
         assert f"restarting all {num_shard} shard(s)" in launch.stderr()
         assert "to resume" in launch.stderr()
         with capsys.disabled():
-            print(f"\nshard kill ({num_shard} shards): streams had {before} tokens at the kill; "
-                  f"last answer {max(a.done_at for a in answers) - killed_at:.1f}s after the kill")
+            print(
+                f"\nshard kill ({num_shard} shards): streams had {before} tokens at the kill; "
+                f"last answer {max(a.done_at for a in answers) - killed_at:.1f}s after the kill"
+            )
     finally:
         launch.clean_up()

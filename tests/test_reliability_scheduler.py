@@ -1,5 +1,6 @@
 """The scheduler confines every failure to the request that caused it, and resumes requests that
 were mid-generation when the shards went away (over an in-process tiny Llama shard)."""
+
 import asyncio
 
 import grpc
@@ -8,9 +9,16 @@ import pytest
 from engine.batch import GrammarType, NextTokenChooserParameters
 from router.client import ShardError
 from tests.test_router_outage import OutageClient, wait_for
-from tests.test_router_scheduler import (RecordingClient, consume, full_allocator, make_request,
-                                         with_scheduler)
-from tests.test_router_scheduler import expected, shard, warmed  # noqa: F401 - fixtures
+from tests.test_router_scheduler import (  # noqa: F401 - fixtures
+    RecordingClient,
+    consume,
+    expected,
+    full_allocator,
+    make_request,
+    shard,
+    warmed,
+    with_scheduler,
+)
 
 
 def with_grammar(request, text: str):
@@ -22,14 +30,20 @@ def test_an_invalid_request_in_a_prefill_batch_fails_alone(shard, warmed, expect
     lengths, allocator = warmed[2], full_allocator(warmed[1])
 
     async def body(scheduler, client):
-        requests = [make_request(0, 10), with_grammar(make_request(1, 10), "(unclosed"), make_request(2, 10)]
+        requests = [
+            make_request(0, 10),
+            with_grammar(make_request(1, 10), "(unclosed"),
+            make_request(2, 10),
+        ]
         streams = [scheduler.submit(r, lengths[r.id]) for r in requests]
         results = await asyncio.gather(*(consume(s) for s in streams), return_exceptions=True)
         return results, client.named("prefill")
 
     results, prefills = asyncio.run(with_scheduler(shard, allocator, body))
     assert results[0] == expected[0][:10] and results[2] == expected[2][:10]
-    assert isinstance(results[1], ShardError) and results[1].code == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        isinstance(results[1], ShardError) and results[1].code == grpc.StatusCode.INVALID_ARGUMENT
+    )
     assert "regex" in results[1].message
     assert [p[2] for p in prefills] == [[0, 1, 2], [0], [1], [2]]  # the batch, then one by one
     assert allocator.idle and not shard.batches
@@ -57,11 +71,16 @@ def test_an_unexpected_error_in_a_prefill_ends_only_its_new_requests(shard, warm
         assert rest[-1].generated_text.generated_tokens == 20
         return first.tokens.ids + [t for g in rest for t in g.tokens.ids]
 
-    assert asyncio.run(with_scheduler(shard, allocator, body, make_client=BuggyClient)) == expected[0][:20]
+    assert (
+        asyncio.run(with_scheduler(shard, allocator, body, make_client=BuggyClient))
+        == expected[0][:20]
+    )
     assert allocator.idle and not shard.batches
 
 
-@pytest.mark.parametrize("field, value", [("top_k", 2**32), ("seed", 2**64), ("temperature", float("inf"))])
+@pytest.mark.parametrize(
+    "field, value", [("top_k", 2**32), ("seed", 2**64), ("temperature", float("inf"))]
+)
 def test_a_request_the_wire_cannot_carry_is_refused_at_submit(shard, warmed, field, value):
     lengths, allocator = warmed[2], full_allocator(warmed[1])
 
@@ -87,7 +106,9 @@ class RestartingClient(OutageClient):
         super().__init__(inner)
         self.down_at, self.decode_count = down_at, 0
 
-    async def decode(self, batches, *grown, **options):  # grown: KV blocks added on demand; look_ahead
+    async def decode(
+        self, batches, *grown, **options
+    ):  # grown: KV blocks added on demand; look_ahead
         self.decode_count += 1
         self.down = self.down or self.decode_count == self.down_at
         return await super().decode(batches, *grown, **options)
@@ -104,11 +125,13 @@ def test_requests_mid_generation_resume_after_a_restart(shard, warmed, expected,
         outputs = await asyncio.gather(*(consume(s) for s in streams))
         return outputs, client.named("prefill")
 
-    outputs, prefills = asyncio.run(with_scheduler(shard, allocator, body,
-                                                   make_client=lambda inner: RestartingClient(inner, down_at)))
+    outputs, prefills = asyncio.run(
+        with_scheduler(
+            shard, allocator, body, make_client=lambda inner: RestartingClient(inner, down_at)
+        )
+    )
     assert outputs == [expected[0][:30], expected[1][:30]]  # no token twice, none missing
     assert len(prefills) >= 2 and allocator.idle and not shard.batches
-
 
 
 def test_a_seeded_sampled_request_resumes_with_the_tokens_it_would_have_drawn(shard, warmed):
@@ -129,6 +152,12 @@ def test_a_seeded_sampled_request_resumes_with_the_tokens_it_would_have_drawn(sh
         return await consume(stream)
 
     alone = asyncio.run(with_scheduler(shard, full_allocator(warmed[1]), body))
-    resumed = asyncio.run(with_scheduler(shard, full_allocator(warmed[1]), restarted,
-                                         make_client=lambda inner: RestartingClient(inner, 5)))
+    resumed = asyncio.run(
+        with_scheduler(
+            shard,
+            full_allocator(warmed[1]),
+            restarted,
+            make_client=lambda inner: RestartingClient(inner, 5),
+        )
+    )
     assert resumed == alone and len(alone) == 24

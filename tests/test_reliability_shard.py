@@ -1,5 +1,6 @@
 """The shard refuses what a router must never send (blocks, slots, batch ids it does not own), with
 INVALID_ARGUMENT naming the field, and the batch in flight beside it still gives transformers' tokens."""
+
 import shutil
 
 import grpc
@@ -7,19 +8,36 @@ import psutil
 import pytest
 
 from engine.wire import generate_pb2 as pb
-from tests.test_server import (collect, drain, free_tcp_port, prompt_request, router_blocks,
-                               short_socket_dir, start_cli_server, stop_cli_server, wait_until_serving, warm)
-from tests.test_server import expected, served, shard, socket_dir  # noqa: F401 - fixtures
+from tests.test_server import (  # noqa: F401 - fixtures
+    collect,
+    drain,
+    expected,
+    free_tcp_port,
+    prompt_request,
+    router_blocks,
+    served,
+    shard,
+    short_socket_dir,
+    socket_dir,
+    start_cli_server,
+    stop_cli_server,
+    wait_until_serving,
+    warm,
+)
 
 RUNNING_BATCH = 10
 
 
 def prefill(stub, batch_id: int, *requests):
-    return stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=batch_id, requests=list(requests), size=len(requests))))
+    return stub.Prefill(
+        pb.PrefillRequest(batch=pb.Batch(id=batch_id, requests=list(requests), size=len(requests)))
+    )
 
 
 def block_past_the_cache(stub, shard, running):
-    return prefill(stub, 20, prompt_request(2, **router_blocks(2, 3, shard.allocator.num_blocks + 5)))
+    return prefill(
+        stub, 20, prompt_request(2, **router_blocks(2, 3, shard.allocator.num_blocks + 5))
+    )
 
 
 def block_of_a_live_request(stub, shard, running):
@@ -54,16 +72,21 @@ def same_batch_twice_in_decode(stub, shard, running):
     return stub.Decode(pb.DecodeRequest(batches=[cached, cached]))
 
 
-@pytest.mark.parametrize("bad_call, message", [
-    (block_past_the_cache, "blocks: block"),
-    (block_of_a_live_request, "is in use by live request 1"),
-    (block_listed_twice, "is listed twice"),
-    (reserved_block, "block 0 is reserved"),
-    (slot_outside_its_blocks, "slots: slot"),
-    (live_batch_id, f"batch.id: batch {RUNNING_BATCH} is already live"),
-    (same_batch_twice_in_decode, "batches: a batch is listed twice"),
-])
-def test_bad_assignments_are_refused_and_the_running_batch_is_exact(served, shard, expected, bad_call, message):
+@pytest.mark.parametrize(
+    "bad_call, message",
+    [
+        (block_past_the_cache, "blocks: block"),
+        (block_of_a_live_request, "is in use by live request 1"),
+        (block_listed_twice, "is listed twice"),
+        (reserved_block, "block 0 is reserved"),
+        (slot_outside_its_blocks, "slots: slot"),
+        (live_batch_id, f"batch.id: batch {RUNNING_BATCH} is already live"),
+        (same_batch_twice_in_decode, "batches: a batch is listed twice"),
+    ],
+)
+def test_bad_assignments_are_refused_and_the_running_batch_is_exact(
+    served, shard, expected, bad_call, message
+):
     stub, tokens = served.stub, {}
     warm(stub)
     cached = collect(tokens, prefill(stub, RUNNING_BATCH, prompt_request(1)))
@@ -85,8 +108,11 @@ def test_the_tcp_port_listens_on_loopback_unless_a_hostname_is_given(tiny_model_
     try:
         wait_until_serving(process, f"unix://{base}/s-0", base / "s").close()
         # gRPC may bind an IPv6 socket to the v4-mapped loopback; all interfaces would read "::" or "0.0.0.0".
-        listening = {c.laddr.ip.removeprefix("::ffff:") for c in psutil.Process(process.pid).net_connections("tcp")
-                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+        listening = {
+            c.laddr.ip.removeprefix("::ffff:")
+            for c in psutil.Process(process.pid).net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+        }
     finally:
         stop_cli_server(process)
         shutil.rmtree(base, ignore_errors=True)

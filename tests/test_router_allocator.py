@@ -1,4 +1,5 @@
 """The router's block allocator: no block twice, never block 0, free gives everything back."""
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -48,8 +49,11 @@ def test_double_free_and_foreign_blocks_are_refused():
 
 
 @settings(max_examples=200, deadline=None)
-@given(num_blocks=st.integers(1, 12), block_size=st.integers(1, 5),
-       ops=st.lists(st.tuples(st.booleans(), st.integers(0, 30)), max_size=40))
+@given(
+    num_blocks=st.integers(1, 12),
+    block_size=st.integers(1, 5),
+    ops=st.lists(st.tuples(st.booleans(), st.integers(0, 30)), max_size=40),
+)
 def test_random_allocate_and_free(num_blocks, block_size, ops):
     allocator = BlockAllocator(num_blocks, block_size)
     live: list[Allocation] = []
@@ -61,7 +65,10 @@ def test_random_allocate_and_free(num_blocks, block_size, ops):
                 continue
             got = allocator.allocate(n)
             assert len(got.slots) == n and len(got.blocks) == -(-n // block_size)
-            assert all(slot // block_size == got.blocks[i // block_size] for i, slot in enumerate(got.slots))
+            assert all(
+                slot // block_size == got.blocks[i // block_size]
+                for i, slot in enumerate(got.slots)
+            )
             assert all(slot % block_size == i % block_size for i, slot in enumerate(got.slots))
             live.append(got)
         elif live:

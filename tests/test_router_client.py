@@ -1,4 +1,5 @@
 """The router's shard clients: in process and over gRPC to a tensor-parallel group, the same tokens."""
+
 import asyncio
 import shutil
 
@@ -7,16 +8,21 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.batch import Batch, CachedBatch, Request, StoppingCriteriaParameters, WarmupResult
+from engine.serving.shard import Shard
 from engine.wire import generate_pb2 as pb
 from engine.wire import generate_pb2_grpc as pb_grpc
-from engine.serving.shard import Shard
-from router.sched.allocator import BlockAllocator
 from router.client import GrpcShardClient, InProcessClient, ShardError, minimum_warmup
+from router.sched.allocator import BlockAllocator
 from tests.conftest import tiny_config
-from tests.test_equivalence import PROMPTS, reference_tokens
-from tests.test_server import short_socket_dir, start_cli_server, stop_cli_server, wait_until_serving
-from tests.test_tensor_parallel import free_port
 from tests.helpers import build_request, reference_fixture
+from tests.test_equivalence import PROMPTS
+from tests.test_server import (
+    short_socket_dir,
+    start_cli_server,
+    stop_cli_server,
+    wait_until_serving,
+)
+from tests.test_tensor_parallel import free_port
 
 NEW_TOKENS = 20  # > one block of 16: decode crosses a block boundary
 LIMITS = dict(max_input_tokens=64, max_prefill_tokens=128, max_total_tokens=128)
@@ -29,7 +35,9 @@ def requests(ids, tokenizer, allocator: BlockAllocator) -> list[Request]:
     for i in ids:
         prompt_len = len(tokenizer(PROMPTS[i])["input_ids"])
         taken = allocator.allocate(prompt_len + NEW_TOKENS)
-        made.append(build_request(i, NEW_TOKENS, blocks=list(taken.blocks), slots=list(taken.slots)))
+        made.append(
+            build_request(i, NEW_TOKENS, blocks=list(taken.blocks), slots=list(taken.slots))
+        )
     return made
 
 
@@ -44,18 +52,28 @@ async def run_sequence(client, tokenizer) -> tuple[dict, WarmupResult]:
     """Warmup, two Prefills, Decode of both, FilterBatch, Decode to the end (looking ahead), ClearCache."""
     await client.health()
     info = await client.info()
-    warmup_batch = Batch(0, [Request(0, "_test " * 8, stopping_parameters=StoppingCriteriaParameters(4))], size=1)
+    warmup_batch = Batch(
+        0, [Request(0, "_test " * 8, stopping_parameters=StoppingCriteriaParameters(4))], size=1
+    )
     warmed = await client.warmup(warmup_batch, **LIMITS)
-    allocator = BlockAllocator(warmed.max_supported_total_tokens // info.block_size + 1, info.block_size)
+    allocator = BlockAllocator(
+        warmed.max_supported_total_tokens // info.block_size + 1, info.block_size
+    )
     tokens = {}
-    first = collect(tokens, await client.prefill(Batch(1, requests(range(3), tokenizer, allocator), size=3)))
-    second = collect(tokens, await client.prefill(Batch(2, requests(range(3, 6), tokenizer, allocator), size=3)))
+    first = collect(
+        tokens, await client.prefill(Batch(1, requests(range(3), tokenizer, allocator), size=3))
+    )
+    second = collect(
+        tokens, await client.prefill(Batch(2, requests(range(3, 6), tokenizer, allocator), size=3))
+    )
     cached = collect(tokens, await client.decode([first, second]))
     assert cached.id == 1 and sorted(cached.request_ids) == list(range(6))
     kept = [i for i in cached.request_ids if i != DROPPED]
     cached = await client.filter_batch(cached.id, kept)
     assert cached.request_ids == kept and cached.size == 5
-    while cached is not None:  # looking ahead: each rank runs the next forward as soon as it answers
+    while (
+        cached is not None
+    ):  # looking ahead: each rank runs the next forward as soon as it answers
         cached = collect(tokens, await client.decode([cached], look_ahead=True))
     assert client.serving_stats()["lookahead_steps"] >= NEW_TOKENS - 4
     await client.clear_cache()
@@ -67,7 +85,9 @@ async def run_sequence(client, tokenizer) -> tuple[dict, WarmupResult]:
 
 
 def check_tokens(tokens: dict, expected: list) -> None:
-    assert [tokens[i] for i in range(6) if i != DROPPED] == [e for i, e in enumerate(expected) if i != DROPPED]
+    assert [tokens[i] for i in range(6) if i != DROPPED] == [
+        e for i, e in enumerate(expected) if i != DROPPED
+    ]
     assert tokens[DROPPED] == expected[DROPPED][:2]  # its prefill token and one decode token
 
 
@@ -124,8 +144,11 @@ class FakeShard(pb_grpc.TextGenerationServiceServicer):
     """A v3 shard that only answers Warmup (with fixed numbers) and fails Decode."""
 
     def __init__(self, capacity: int | None, max_input: int, max_total: int):
-        self.answer = pb.WarmupResponse(max_supported_total_tokens=capacity, max_input_tokens=max_input,
-                                        max_total_tokens=max_total)
+        self.answer = pb.WarmupResponse(
+            max_supported_total_tokens=capacity,
+            max_input_tokens=max_input,
+            max_total_tokens=max_total,
+        )
 
     async def Warmup(self, request, context):
         return self.answer
@@ -150,7 +173,9 @@ def test_grpc_warmup_is_the_minimum_and_errors_name_the_shard():
     folder = short_socket_dir()
 
     async def main():
-        servers, client = await fake_group(folder, [(4096, 100, 300), (2048, 200, 250), (None, 150, 400)])
+        servers, client = await fake_group(
+            folder, [(4096, 100, 300), (2048, 200, 250), (None, 150, 400)]
+        )
         try:
             warmed = await client.warmup(None, None, 512, None)
             with pytest.raises(ShardError) as caught:
@@ -166,11 +191,15 @@ def test_grpc_warmup_is_the_minimum_and_errors_name_the_shard():
         shutil.rmtree(folder, ignore_errors=True)
     assert warmed == WarmupResult(2048, 100, 250)
     assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "Decode" in error.message and urls[0] in error.message and "out of blocks" in error.message
+    assert (
+        "Decode" in error.message and urls[0] in error.message and "out of blocks" in error.message
+    )
 
 
 def test_minimum_warmup_without_any_capacity():
-    assert minimum_warmup([WarmupResult(None, 5, 9), WarmupResult(None, 7, 8)]) == WarmupResult(None, 5, 8)
+    assert minimum_warmup([WarmupResult(None, 5, 9), WarmupResult(None, 7, 8)]) == WarmupResult(
+        None, 5, 8
+    )
 
 
 class RecordingShard(pb_grpc.TextGenerationServiceServicer):
@@ -223,7 +252,9 @@ def test_the_router_sends_its_extensions_as_fields_and_reads_stats_from_a_field(
     (prefill, _), (ahead, _), (plain, _) = ours.seen
     assert [list(r.resume_tokens) for r in prefill.batch.requests] == [[11, 12], []]
     assert (ahead.look_ahead, plain.look_ahead) == (True, False)
-    assert all(not [k for k, _ in metadata if k.startswith("bucketserve")] for _, metadata in ours.seen)
+    assert all(
+        not [k for k, _ in metadata if k.startswith("bucketserve")] for _, metadata in ours.seen
+    )
     assert client.resumes and client.serving_stats()["prefill_real"] == 5
     assert client.serving_stats()["lookahead_steps"] == 2
 

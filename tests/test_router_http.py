@@ -1,4 +1,5 @@
 """The router's HTTP API (TGI's schema) over a real `engine serve` shard, both as subprocesses."""
+
 import json
 import os
 import socket
@@ -14,14 +15,27 @@ import pytest
 from text_generation import Client
 
 from tests.test_equivalence import PROMPTS, reference_tokens
-from tests.test_server import (REPO, short_socket_dir, start_cli_server, stop_cli_server,
-                               wait_until_serving)
+from tests.test_server import (
+    REPO,
+    short_socket_dir,
+    start_cli_server,
+    stop_cli_server,
+    wait_until_serving,
+)
 
 pytestmark = pytest.mark.slow  # end to end: real shard and router processes
 
 NEW_TOKENS = 20
-ROUTER_LIMITS = ["--max-input-tokens", "64", "--max-total-tokens", "128", "--max-batch-prefill-tokens", "128",
-                 "--max-batch-size", "4"]
+ROUTER_LIMITS = [
+    "--max-input-tokens",
+    "64",
+    "--max-total-tokens",
+    "128",
+    "--max-batch-prefill-tokens",
+    "128",
+    "--max-batch-size",
+    "4",
+]
 
 
 def free_port() -> int:
@@ -31,9 +45,24 @@ def free_port() -> int:
 
 
 def start_router(model_dir, base: Path, port: int, limits=ROUTER_LIMITS) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "router", "--master-shard-uds-path", f"unix://{base}-0",
-               "--tokenizer", str(model_dir), "--port", str(port), "--hostname", "127.0.0.1", *limits]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "router",
+        "--master-shard-uds-path",
+        f"unix://{base}-0",
+        "--tokenizer",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--hostname",
+        "127.0.0.1",
+        *limits,
+    ]
     with open(f"{base}.router.log", "w") as log:
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -42,7 +71,9 @@ def wait_for_router(process: subprocess.Popen, url: str, base: Path, timeout: fl
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            pytest.fail(f"the router exited with {process.returncode}:\n{Path(f'{base}.router.log').read_text()}")
+            pytest.fail(
+                f"the router exited with {process.returncode}:\n{Path(f'{base}.router.log').read_text()}"
+            )
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
@@ -71,7 +102,9 @@ def shard_and_router(model_dir, base: Path, shard_args: list[str], router_limits
 @pytest.fixture(scope="module")
 def served(tiny_model_dirs):
     """(router URL, the shard's socket base: its debug log, one line per RPC, is BASE.log)."""
-    with shard_and_router(tiny_model_dirs["llama"], short_socket_dir() / "s", ["--max-batch-size", "4"]) as served:
+    with shard_and_router(
+        tiny_model_dirs["llama"], short_socket_dir() / "s", ["--max-batch-size", "4"]
+    ) as served:
         yield served
 
 
@@ -81,7 +114,10 @@ def router_url(served):
 
 
 def generate(url: str, prompt: str, **parameters) -> dict:
-    body = {"inputs": prompt, "parameters": {"max_new_tokens": NEW_TOKENS, "details": True, **parameters}}
+    body = {
+        "inputs": prompt,
+        "parameters": {"max_new_tokens": NEW_TOKENS, "details": True, **parameters},
+    }
     response = httpx.post(f"{url}/generate", json=body, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()
@@ -99,7 +135,9 @@ def test_generate_greedy_matches_transformers(router_url, tiny_model_dirs):
         details = response["details"]
         assert token_ids(response) == reference
         assert details["generated_tokens"] == len(reference)
-        assert details["finish_reason"] == ("length" if len(reference) == NEW_TOKENS else "eos_token")
+        assert details["finish_reason"] == (
+            "length" if len(reference) == NEW_TOKENS else "eos_token"
+        )
         assert len(details["prefill"]) > 0 and details["prefill"][0]["logprob"] is None
         assert isinstance(response["generated_text"], str)
 
@@ -109,7 +147,11 @@ def stream_events(url: str, prompt: str) -> list[dict]:
     with httpx.stream("POST", f"{url}/generate_stream", json=body, timeout=60) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
-        return [json.loads(line[len("data:"):]) for line in response.iter_lines() if line.startswith("data:")]
+        return [
+            json.loads(line[len("data:") :])
+            for line in response.iter_lines()
+            if line.startswith("data:")
+        ]
 
 
 def test_generate_stream_equals_generate(router_url):
@@ -132,14 +174,26 @@ def test_tgi_python_client(router_url):
     streamed = list(client.generate_stream(PROMPTS[3], max_new_tokens=NEW_TOKENS))
     assert [r.token.id for r in streamed] == token_ids(whole)
     assert streamed[-1].generated_text == whole["generated_text"]
-    sampled = client.generate(PROMPTS[0], max_new_tokens=5, do_sample=True, temperature=0.7, top_p=0.9, seed=7)
+    sampled = client.generate(
+        PROMPTS[0], max_new_tokens=5, do_sample=True, temperature=0.7, top_p=0.9, seed=7
+    )
     assert sampled.details.seed == 7 and sampled.details.generated_tokens <= 5
 
 
-@pytest.mark.parametrize("parameters", [{"max_new_tokens": 0}, {"max_new_tokens": 500}, {"top_p": 1.5},
-                                        {"temperature": -1.0}, {"truncate": 1000}])
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"max_new_tokens": 0},
+        {"max_new_tokens": 500},
+        {"top_p": 1.5},
+        {"temperature": -1.0},
+        {"truncate": 1000},
+    ],
+)
 def test_validation_errors_are_422(router_url, parameters):
-    response = httpx.post(f"{router_url}/generate", json={"inputs": "Hi", "parameters": parameters}, timeout=30)
+    response = httpx.post(
+        f"{router_url}/generate", json={"inputs": "Hi", "parameters": parameters}, timeout=30
+    )
     assert response.status_code == 422
     assert response.json()["error_type"] == "validation"
 
@@ -165,7 +219,9 @@ def test_concurrent_requests_equal_alone(router_url):
     cases = [(PROMPTS[i % len(PROMPTS)], 8 + 3 * i) for i in range(8)]
     alone = [token_ids(generate(router_url, p, max_new_tokens=n)) for p, n in cases]
     with ThreadPoolExecutor(8) as pool:
-        together = list(pool.map(lambda c: token_ids(generate(router_url, c[0], max_new_tokens=c[1])), cases))
+        together = list(
+            pool.map(lambda c: token_ids(generate(router_url, c[0], max_new_tokens=c[1])), cases)
+        )
     assert together == alone
 
 
@@ -180,7 +236,10 @@ def test_disconnect_mid_stream_cancels_the_request(served):
         next(response.iter_lines())
         seen = len(rpc_lines(base))
     deadline = time.monotonic() + 10
-    while not any(line.startswith("DEBUG engine.serving.server: ClearCache") for line in rpc_lines(base)[seen:]):
+    while not any(
+        line.startswith("DEBUG engine.serving.server: ClearCache")
+        for line in rpc_lines(base)[seen:]
+    ):
         assert time.monotonic() < deadline, "the shard never dropped the abandoned request"
         time.sleep(0.05)
     decodes = [line for line in rpc_lines(base)[seen:] if "Decode" in line]

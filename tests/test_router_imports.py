@@ -1,12 +1,20 @@
 """The router process does not import the model stack: it finds its tokenizer through the torch-free
 engine/weights/paths.py. Each check runs in a fresh interpreter, where nothing is imported yet."""
+
 import subprocess
 import sys
 from pathlib import Path
 
 # Packages of the shard's model stack, each of which imports torch.
-MODEL_STACK = ("engine.weights.loader", "engine.models", "engine.layers", "engine.attention",
-               "engine.devices", "engine.serving.shard", "engine.runner")
+MODEL_STACK = (
+    "engine.weights.loader",
+    "engine.models",
+    "engine.layers",
+    "engine.attention",
+    "engine.devices",
+    "engine.serving.shard",
+    "engine.runner",
+)
 
 # transformers 5 imports torch for AutoTokenizer (transformers/configuration_utils.py); a stand-in
 # shows that nothing else the router imports does.
@@ -20,8 +28,13 @@ sys.modules["transformers"] = stub
 
 def imported_after(code: str) -> set[str]:
     check = code + "\nimport router.app, sys\nprint('\\n'.join(sys.modules))"
-    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True,
-                            cwd=Path(__file__).resolve().parent.parent)
+    result = subprocess.run(
+        [sys.executable, "-c", check],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     return set(result.stdout.split())
 
 

@@ -1,5 +1,6 @@
 """The router under concurrency and overload, over a real shard and router process (tiny Llama):
 results do not depend on batching, nothing is lost, and every KV block comes back."""
+
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -10,19 +11,34 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.test_equivalence import PROMPTS
 from tests.test_router_http import free_port, start_router, wait_for_router
-from tests.test_server import short_socket_dir, start_cli_server, stop_cli_server, wait_until_serving
+from tests.test_server import (
+    short_socket_dir,
+    start_cli_server,
+    stop_cli_server,
+    wait_until_serving,
+)
 
 pytestmark = pytest.mark.slow  # end to end: real shard and router processes
 
 # Room for long generations: a stream must still be running when its client goes away.
-LIMITS = ["--max-input-tokens", "64", "--max-total-tokens", "512", "--max-batch-prefill-tokens", "128",
-          "--max-batch-size", "4"]
+LIMITS = [
+    "--max-input-tokens",
+    "64",
+    "--max-total-tokens",
+    "512",
+    "--max-batch-prefill-tokens",
+    "128",
+    "--max-batch-size",
+    "4",
+]
 
 
 @pytest.fixture(scope="module")
 def url(tiny_model_dirs):
     model_dir, base = tiny_model_dirs["llama"], short_socket_dir() / "s"
-    shard = start_cli_server(model_dir, base, extra=["--max-batch-size", "4", "--max-total-tokens", "512"])
+    shard = start_cli_server(
+        model_dir, base, extra=["--max-batch-size", "4", "--max-total-tokens", "512"]
+    )
     router = None
     try:
         wait_until_serving(shard, f"unix://{base}-0", base).close()
@@ -51,7 +67,10 @@ def wait_idle(url: str, timeout: float = 30) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         current = metrics(url)
-        if current["bucketserve_kv_blocks_in_use"] == 0 and current["bucketserve_running_requests"] == 0:
+        if (
+            current["bucketserve_kv_blocks_in_use"] == 0
+            and current["bucketserve_running_requests"] == 0
+        ):
             return current
         assert time.monotonic() < deadline, f"the router never went idle: {current}"
         time.sleep(0.1)
@@ -72,22 +91,44 @@ def test_64_concurrent_requests_equal_the_same_run_one_at_a_time(url):
     assert together == alone
     after = wait_idle(url)
     assert after["bucketserve_batch_size_count{phase=decode}"] > 0
-    assert after["bucketserve_batch_size_sum{phase=decode}"] / after["bucketserve_batch_size_count{phase=decode}"] > 1
+    assert (
+        after["bucketserve_batch_size_sum{phase=decode}"]
+        / after["bucketserve_batch_size_count{phase=decode}"]
+        > 1
+    )
 
 
 def test_metrics_parse_and_count_what_happened(url):
     before = metrics(url)
     generate_ids(url, PROMPTS[0], 5)
-    httpx.post(f"{url}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 0}}, timeout=30)
+    httpx.post(
+        f"{url}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 0}}, timeout=30
+    )
     after = wait_idle(url)
-    assert after["bucketserve_requests_total{outcome=success}"] == before["bucketserve_requests_total{outcome=success}"] + 1
-    assert after["bucketserve_requests_total{outcome=validation}"] == before["bucketserve_requests_total{outcome=validation}"] + 1
-    assert after["bucketserve_generated_tokens_total"] >= before["bucketserve_generated_tokens_total"] + 1
-    assert after["bucketserve_time_to_first_token_seconds_count"] > before["bucketserve_time_to_first_token_seconds_count"]
+    assert (
+        after["bucketserve_requests_total{outcome=success}"]
+        == before["bucketserve_requests_total{outcome=success}"] + 1
+    )
+    assert (
+        after["bucketserve_requests_total{outcome=validation}"]
+        == before["bucketserve_requests_total{outcome=validation}"] + 1
+    )
+    assert (
+        after["bucketserve_generated_tokens_total"]
+        >= before["bucketserve_generated_tokens_total"] + 1
+    )
+    assert (
+        after["bucketserve_time_to_first_token_seconds_count"]
+        > before["bucketserve_time_to_first_token_seconds_count"]
+    )
     assert after["bucketserve_kv_blocks_total"] > 0 and after["bucketserve_queue_size"] == 0
     # Reported by the shard after every step: strict mode keeps unwarmed shapes at 0.
     assert after["bucketserve_shard_unwarmed_shapes_total"] == 0
-    assert after["bucketserve_shard_prefill_padded_tokens_total"] >= after["bucketserve_shard_prefill_real_tokens_total"] > 0
+    assert (
+        after["bucketserve_shard_prefill_padded_tokens_total"]
+        >= after["bucketserve_shard_prefill_real_tokens_total"]
+        > 0
+    )
     assert 0 <= after["bucketserve_shard_decode_padding_waste_ratio"] < 1
 
 
@@ -99,8 +140,13 @@ def test_a_cancelled_stream_gives_back_its_blocks(url):
         assert next(lines).startswith("data:")
         assert metrics(url)["bucketserve_kv_blocks_in_use"] > 0  # held while it streams
     after = wait_idle(url)
-    assert after["bucketserve_requests_total{outcome=cancelled}"] == before["bucketserve_requests_total{outcome=cancelled}"] + 1
-    generated = after["bucketserve_generated_tokens_total"] - before["bucketserve_generated_tokens_total"]
+    assert (
+        after["bucketserve_requests_total{outcome=cancelled}"]
+        == before["bucketserve_requests_total{outcome=cancelled}"] + 1
+    )
+    generated = (
+        after["bucketserve_generated_tokens_total"] - before["bucketserve_generated_tokens_total"]
+    )
     assert 1 <= generated < 400  # it stopped long before its end
 
 
@@ -108,9 +154,14 @@ async def fire(url: str, count: int, new_tokens: int) -> list[int]:
     """`count` requests sent at once (far above what the shard serves): each one's status code."""
     limits = httpx.Limits(max_connections=count)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+
         async def one(i: int) -> int:
-            body = {"inputs": PROMPTS[i % len(PROMPTS)], "parameters": {"max_new_tokens": new_tokens}}
+            body = {
+                "inputs": PROMPTS[i % len(PROMPTS)],
+                "parameters": {"max_new_tokens": new_tokens},
+            }
             return (await client.post(f"{url}/generate", json=body)).status_code
+
         return await asyncio.gather(*(one(i) for i in range(count)))
 
 
@@ -118,11 +169,21 @@ def test_overload_answers_every_request_and_frees_every_block(url):
     before = metrics(url)
     statuses = asyncio.run(fire(url, 200, 16))
     assert len(statuses) == 200 and set(statuses) <= {200, 429}, sorted(set(statuses))
-    assert statuses.count(429) > 0 and statuses.count(200) >= 128  # over capacity, and the queue was full
+    assert (
+        statuses.count(429) > 0 and statuses.count(200) >= 128
+    )  # over capacity, and the queue was full
     after = wait_idle(url)
-    served_ok = after["bucketserve_requests_total{outcome=success}"] - before["bucketserve_requests_total{outcome=success}"]
-    refused = after["bucketserve_requests_total{outcome=overloaded}"] - before["bucketserve_requests_total{outcome=overloaded}"]
+    served_ok = (
+        after["bucketserve_requests_total{outcome=success}"]
+        - before["bucketserve_requests_total{outcome=success}"]
+    )
+    refused = (
+        after["bucketserve_requests_total{outcome=overloaded}"]
+        - before["bucketserve_requests_total{outcome=overloaded}"]
+    )
     assert (served_ok, refused) == (statuses.count(200), statuses.count(429))
     assert after["bucketserve_queue_size"] == 0
-    response = httpx.post(f"{url}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}, timeout=60)
+    response = httpx.post(
+        f"{url}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}, timeout=60
+    )
     assert response.status_code == 200  # and it still serves

@@ -1,5 +1,6 @@
 """The scheduler when the shards go away (a restart) and when too many requests arrive: requests
 that had not started are held and served once the shards are back; nothing is lost or leaked."""
+
 import asyncio
 from dataclasses import replace
 
@@ -8,9 +9,17 @@ import pytest
 
 from router.client import ShardError
 from router.sched.scheduler import Overloaded, ShardsUnavailable
-from tests.test_router_scheduler import (LIMITS, RecordingClient, consume, full_allocator, make_request,
-                                         with_scheduler)
-from tests.test_router_scheduler import expected, shard, warmed  # noqa: F401 - fixtures
+from tests.test_router_scheduler import (  # noqa: F401 - fixtures
+    LIMITS,
+    RecordingClient,
+    consume,
+    expected,
+    full_allocator,
+    make_request,
+    shard,
+    warmed,
+    with_scheduler,
+)
 
 
 class OutageClient(RecordingClient):
@@ -29,7 +38,9 @@ class OutageClient(RecordingClient):
         self._check()
         return await super().prefill(batch, cached, **resume)
 
-    async def decode(self, batches, *grown, **options):  # grown: KV blocks added on demand; look_ahead
+    async def decode(
+        self, batches, *grown, **options
+    ):  # grown: KV blocks added on demand; look_ahead
         self._check()
         return await super().decode(batches, *grown, **options)
 
@@ -48,8 +59,13 @@ class OutageClient(RecordingClient):
 
 
 def run(shard, allocator, body, limits=LIMITS, capacity_after_restart=None):
-    return with_scheduler(shard, allocator, body, limits=limits,
-                          make_client=lambda inner: OutageClient(inner, capacity_after_restart))
+    return with_scheduler(
+        shard,
+        allocator,
+        body,
+        limits=limits,
+        make_client=lambda inner: OutageClient(inner, capacity_after_restart),
+    )
 
 
 async def wait_for(condition, timeout: float = 30):
@@ -76,7 +92,9 @@ def test_requests_that_had_not_started_are_held_through_an_outage(shard, warmed,
 
     # The restarted shard has half the KV capacity: the router's allocator follows it.
     smaller = warmed[1] // 2
-    outputs, rewarms, available, resized = asyncio.run(run(shard, allocator, body, capacity_after_restart=smaller))
+    outputs, rewarms, available, resized = asyncio.run(
+        run(shard, allocator, body, capacity_after_restart=smaller)
+    )
     assert outputs == [expected[0][:10], expected[1][:10]]
     assert rewarms == 1 and available
     assert resized.num_blocks == smaller // 16 + 1 != allocator.num_blocks
@@ -85,10 +103,13 @@ def test_requests_that_had_not_started_are_held_through_an_outage(shard, warmed,
 
 class TgiShardClient(OutageClient):
     """Shards that cannot resume a request (TGI's do not read the generated tokens)."""
+
     resumes = False
 
 
-def test_behind_shards_that_cannot_resume_running_requests_fail_in_an_outage(shard, warmed, expected):
+def test_behind_shards_that_cannot_resume_running_requests_fail_in_an_outage(
+    shard, warmed, expected
+):
     """Our shards resume them (test_reliability_scheduler.py); others cannot, so they fail."""
     lengths, allocator = warmed[2], full_allocator(warmed[1])
 

@@ -1,20 +1,21 @@
 """The router's continuous-batching scheduler over an in-process tiny Llama shard."""
+
 import asyncio
 
 import grpc
 import pytest
 
 from engine.batch import Batch, Request, StoppingCriteriaParameters
-from engine.serving.shard import Shard
-from router.sched.allocator import BlockAllocator
-from router.client import InProcessClient, ShardError
 from engine.config import ServingLimits
+from router.client import InProcessClient, ShardError
+from router.sched.allocator import BlockAllocator
 from router.sched.scheduler import Scheduler
-from tests.conftest import tiny_config
-from tests.test_equivalence import PROMPTS, reference_tokens
 from tests.helpers import build_request, reference_fixture, tiny_shard
+from tests.test_equivalence import PROMPTS
 
-LIMITS = ServingLimits(max_batch_size=4, max_prefill_tokens=128, max_input_tokens=64, max_total_tokens=128)
+LIMITS = ServingLimits(
+    max_batch_size=4, max_prefill_tokens=128, max_input_tokens=64, max_total_tokens=128
+)
 MAX_NEW = 30
 
 
@@ -26,9 +27,14 @@ def warmed(tiny_model_dirs):
     async def warm():
         client = InProcessClient(shard, max_batch_size=LIMITS.max_batch_size)
         try:
-            warmup = Batch(0, [Request(0, "_test " * 8, stopping_parameters=StoppingCriteriaParameters(4))], size=1)
-            return await client.warmup(warmup, LIMITS.max_input_tokens, LIMITS.max_prefill_tokens,
-                                       LIMITS.max_total_tokens)
+            warmup = Batch(
+                0,
+                [Request(0, "_test " * 8, stopping_parameters=StoppingCriteriaParameters(4))],
+                size=1,
+            )
+            return await client.warmup(
+                warmup, LIMITS.max_input_tokens, LIMITS.max_prefill_tokens, LIMITS.max_total_tokens
+            )
         finally:
             await client.close()
 
@@ -64,7 +70,9 @@ class RecordingClient:
         self.calls.append(("prefill", batch.id, [r.id for r in batch.requests]))
         return await self.inner.prefill(batch, cached, **resume)
 
-    async def decode(self, batches, *grown, **options):  # grown: KV blocks added on demand; look_ahead
+    async def decode(
+        self, batches, *grown, **options
+    ):  # grown: KV blocks added on demand; look_ahead
         self.decodes += 1
         self.calls.append(("decode", [b.id for b in batches], sum(b.size for b in batches)))
         if self.decodes == self.fail_decode_at:
@@ -98,7 +106,9 @@ async def consume(stream) -> list[int]:
     return tokens
 
 
-async def with_scheduler(shard, allocator, body, fail_decode_at=None, limits=LIMITS, make_client=None):
+async def with_scheduler(
+    shard, allocator, body, fail_decode_at=None, limits=LIMITS, make_client=None
+):
     """Run `body(scheduler, client)` against a started scheduler; always stop and close. The client
     wraps the in-process one: a RecordingClient, or `make_client(inner)`; its `rewarm`, if it has
     one, is the scheduler's."""
@@ -126,7 +136,10 @@ def test_concurrent_requests_match_reference_and_batch_continuously(shard, warme
     allocator = full_allocator(warmed[1])
 
     async def body(scheduler, client):
-        streams = [scheduler.submit(make_request(i, n), warmed[2][i % len(PROMPTS)]) for i, n in enumerate(lengths)]
+        streams = [
+            scheduler.submit(make_request(i, n), warmed[2][i % len(PROMPTS)])
+            for i, n in enumerate(lengths)
+        ]
         return await asyncio.gather(*(consume(s) for s in streams)), client, scheduler
 
     results, client, scheduler = asyncio.run(with_scheduler(shard, allocator, body))
@@ -136,7 +149,9 @@ def test_concurrent_requests_match_reference_and_batch_continuously(shard, warme
     assert max(sizes) <= LIMITS.max_batch_size
     assert any(size > 1 for size in sizes)  # batching happened
     assert scheduler.stats.prefills_while_running > 0  # continuous batching
-    assert any(len(c[1]) == 2 for c in client.named("decode"))  # a Decode joined running and new batches
+    assert any(
+        len(c[1]) == 2 for c in client.named("decode")
+    )  # a Decode joined running and new batches
     assert max(scheduler.stats.decode_sizes) <= LIMITS.max_batch_size
     assert allocator.idle
 
@@ -149,7 +164,9 @@ def test_kv_pressure_makes_requests_wait(shard, warmed, expected):
     seen_queue = []
 
     async def body(scheduler, client):
-        streams = [scheduler.submit(make_request(i, 20, p), lengths[p]) for i, p in enumerate(prompts)]
+        streams = [
+            scheduler.submit(make_request(i, 20, p), lengths[p]) for i, p in enumerate(prompts)
+        ]
         tasks = [asyncio.ensure_future(consume(s)) for s in streams]
         while not all(t.done() for t in tasks):
             if scheduler.running_count:
@@ -183,8 +200,13 @@ def test_closing_a_stream_cancels_its_request(shard, warmed, expected):
         await stream.aclose()
         while not client.named("filter") and not all(t.done() for t in others_tasks):
             await asyncio.sleep(0.001)
-        held = [scheduler._entries.get(i) for i in (1, 2)]  # blocks grow on demand: what the others hold now
-        used_after_filter = (allocator.num_used, sum(len(e.allocation.blocks) for e in held if e and e.allocation))
+        held = [
+            scheduler._entries.get(i) for i in (1, 2)
+        ]  # blocks grow on demand: what the others hold now
+        used_after_filter = (
+            allocator.num_used,
+            sum(len(e.allocation.blocks) for e in held if e and e.allocation),
+        )
         return got, await asyncio.gather(*others_tasks), used_after_filter, client
 
     got, results, used_after_filter, client = asyncio.run(with_scheduler(shard, allocator, body))
@@ -207,7 +229,9 @@ def test_shard_error_fails_its_batch_and_the_loop_carries_on(shard, warmed, expe
         later = [scheduler.submit(make_request(i, 10), lengths[i]) for i in (3, 4)]
         return outcomes, await asyncio.gather(*(consume(s) for s in later)), client, scheduler.stats
 
-    outcomes, later, client, stats = asyncio.run(with_scheduler(shard, allocator, body, fail_decode_at=2))
+    outcomes, later, client, stats = asyncio.run(
+        with_scheduler(shard, allocator, body, fail_decode_at=2)
+    )
     assert all(isinstance(o, ShardError) and "injected" in o.message for o in outcomes)
     failed_decode = client.named("decode")[1]
     assert [("clear", batch_id) for batch_id in failed_decode[1]] == client.named("clear")

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from router.app import RouterConfig, build_state, create_app, config_from_args, build_parser
+from router.app import RouterConfig, build_parser, build_state, config_from_args, create_app
 from router.client import InProcessClient
 from tests.conftest import warmed_llama_shard
 

@@ -1,5 +1,6 @@
 """The router tokenizes a prompt once: the ids that set its length are the ids the prefix cache
 looks up (router/http/validation.py prompt_ids, kept by router/http/state.py)."""
+
 import asyncio
 from types import SimpleNamespace
 
@@ -46,13 +47,19 @@ def test_a_prompt_is_tokenized_once(smollm_dir, prefix_caching, truncate):
     tokenizer = CountingTokenizer(AutoTokenizer.from_pretrained(smollm_dir))
     scheduler = QueueingScheduler()
     info = {"max_input_tokens": 64, "max_total_tokens": 128, "prefix_caching": prefix_caching}
-    state = RouterState(scheduler, tokenizer, None, info, SimpleNamespace(timed=lambda s, a: s),
-                        grammar_check=lambda text, kind: None)
+    state = RouterState(
+        scheduler,
+        tokenizer,
+        None,
+        info,
+        SimpleNamespace(timed=lambda s, a: s),
+        grammar_check=lambda text, kind: None,
+    )
     prompt = "The quick brown fox jumps over the lazy dog."
     asyncio.run(submit(state, prompt, Parameters(max_new_tokens=4, truncate=truncate)))
     state.executor.shutdown()
     assert tokenizer.prompts == [prompt]
-    expected = tokenizer.inner(prompt)["input_ids"][-(truncate or 0):]
+    expected = tokenizer.inner(prompt)["input_ids"][-(truncate or 0) :]
     request, length, token_ids = scheduler.queued[0]
     assert length == len(expected)
     assert token_ids == (expected if prefix_caching else None)

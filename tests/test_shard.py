@@ -1,14 +1,15 @@
 """The shard's protocol operations on a tiny model: concatenation, filtering, splitting, strictness, bad input."""
+
 import pytest
 
-from engine.batch import Batch, FinishReason, Request, StoppingCriteriaParameters
+from engine.batch import Batch, FinishReason
 from engine.errors import InvalidRequestError, UnwarmedShapeError
-from launcher.generate import run_requests
 from engine.runner import DecodeInput
 from engine.serving.shard import Shard
-from tests.conftest import tiny_config, warmed_llama_shard
-from tests.test_equivalence import PROMPTS, reference_tokens
+from launcher.generate import run_requests
+from tests.conftest import tiny_config
 from tests.helpers import build_request, reference_fixture, shard_fixture
+from tests.test_equivalence import PROMPTS
 
 NEW_TOKENS = 20
 
@@ -46,7 +47,9 @@ def test_decode_of_two_concatenated_batches_matches_reference(shard, expected):
 
 
 def test_finished_requests_leave_the_batch_with_their_reason(shard):
-    generations, cached = shard.prefill(Batch(3, [request(0, max_new_tokens=1), request(1, max_new_tokens=3)]))
+    generations, cached = shard.prefill(
+        Batch(3, [request(0, max_new_tokens=1), request(1, max_new_tokens=3)])
+    )
     done = {g.request_id: g.generated_text for g in generations}
     assert done[0].finish_reason == FinishReason.LENGTH and done[0].generated_tokens == 1
     assert done[1] is None and cached.request_ids == [1]
@@ -68,7 +71,10 @@ def test_filter_and_clear_free_blocks(shard):
 
 
 def test_batch_larger_than_every_bucket_is_split(tiny_model_dirs, expected):
-    shard = Shard(tiny_config(tiny_model_dirs["llama"], max_batch_size=2, max_prefill_tokens=128), show_progress=False)
+    shard = Shard(
+        tiny_config(tiny_model_dirs["llama"], max_batch_size=2, max_prefill_tokens=128),
+        show_progress=False,
+    )
     shard.warmup()
     assert shard.runner.plan.max_prefill_batch == 2 and shard.runner.plan.max_decode_batch == 2
     done = run_requests_unbounded(shard, [request(i) for i in range(6)])
@@ -99,8 +105,12 @@ def test_padding_accounting_adds_up(shard):
 def test_strict_mode_refuses_an_unwarmed_shape_and_counts_it(shard):
     row = DecodeInput(token_id=5, position=0, slot=16, blocks=[1])
     plan = shard.runner.plan
-    missing = next(n for n in range(1, 64) if plan.decode_bucket(1, n) is not None and
-                   ("decode", plan.decode_bucket(1, n)) in shard.adapter.shapes.warmed)
+    missing = next(
+        n
+        for n in range(1, 64)
+        if plan.decode_bucket(1, n) is not None
+        and ("decode", plan.decode_bucket(1, n)) in shard.adapter.shapes.warmed
+    )
     bucket = plan.decode_bucket(1, missing)
     shard.adapter.shapes.warmed.discard(("decode", bucket))
     try:

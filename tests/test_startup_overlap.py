@@ -1,5 +1,6 @@
 """Start-up in seconds (issue 16): the launcher imports no torch before it starts the shards, and the
 router, started alongside the shards, waits for the master shard to come up instead of failing."""
+
 import asyncio
 import subprocess
 import sys
@@ -15,7 +16,9 @@ from tests.test_server import short_socket_dir
 
 def test_launcher_imports_no_torch():
     code = "import sys, launcher.cli; print('torch' in sys.modules, 'transformers' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.split() == ["False", "False"]
 
 

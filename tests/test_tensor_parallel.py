@@ -1,4 +1,5 @@
 """Tensor parallelism with real shard processes on CPU (gloo): two shards give one shard's tokens."""
+
 import shutil
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -9,8 +10,15 @@ from engine.wire import generate_pb2 as pb
 from engine.wire import generate_pb2_grpc as pb_grpc
 from tests.models import build_tiny_model
 from tests.test_equivalence import PROMPTS, reference_tokens
-from tests.test_server import (collect, short_socket_dir, text_request, start_cli_server, stop_cli_server,
-                               tgi_warmup_request, wait_until_serving)
+from tests.test_server import (
+    collect,
+    short_socket_dir,
+    start_cli_server,
+    stop_cli_server,
+    text_request,
+    tgi_warmup_request,
+    wait_until_serving,
+)
 
 pytestmark = pytest.mark.slow  # end to end: tensor-parallel shard processes
 
@@ -31,7 +39,9 @@ class FanOut:
         self.pool = ThreadPoolExecutor(len(self.stubs))
 
     def call(self, method: str, request):
-        return list(self.pool.map(lambda stub: getattr(stub, method)(request, timeout=300), self.stubs))
+        return list(
+            self.pool.map(lambda stub: getattr(stub, method)(request, timeout=300), self.stubs)
+        )
 
     def step(self, method: str, request, tokens: dict):
         responses = self.call(method, request)
@@ -47,9 +57,18 @@ class FanOut:
 def two_batches_to_the_end(router: FanOut, requests: list) -> dict[int, list[int]]:
     """Prefill the first and second halves as two batches, then decode them together until done."""
     tokens, half = {}, len(requests) // 2
-    first = router.step("Prefill", pb.PrefillRequest(batch=pb.Batch(id=1, requests=requests[:half], size=half)), tokens)
-    second = router.step("Prefill", pb.PrefillRequest(batch=pb.Batch(id=2, requests=requests[half:],
-                                                                     size=len(requests) - half)), tokens)
+    first = router.step(
+        "Prefill",
+        pb.PrefillRequest(batch=pb.Batch(id=1, requests=requests[:half], size=half)),
+        tokens,
+    )
+    second = router.step(
+        "Prefill",
+        pb.PrefillRequest(
+            batch=pb.Batch(id=2, requests=requests[half:], size=len(requests) - half)
+        ),
+        tokens,
+    )
     cached = router.step("Decode", pb.DecodeRequest(batches=[first, second]), tokens)
     while cached is not None:
         cached = router.step("Decode", pb.DecodeRequest(batches=[cached]), tokens)
@@ -61,7 +80,11 @@ def prefix_hits_to_the_end(router: FanOut, requests: list) -> dict[int, list[int
     tokens = {}
 
     def run(batch_id, batch_requests):
-        cached = router.step("Prefill", pb.PrefillRequest(batch=pb.Batch(id=batch_id, requests=batch_requests)), tokens)
+        cached = router.step(
+            "Prefill",
+            pb.PrefillRequest(batch=pb.Batch(id=batch_id, requests=batch_requests)),
+            tokens,
+        )
         while cached is not None:
             cached = router.step("Decode", pb.DecodeRequest(batches=[cached]), tokens)
 
@@ -72,23 +95,47 @@ def prefix_hits_to_the_end(router: FanOut, requests: list) -> dict[int, list[int
         return request
 
     run(1, [with_blocks(requests[0], list(range(1, 7)))])
-    run(2, [with_blocks(requests[1], [1, 2, 10, 11, 12, 13], 32), with_blocks(requests[2], [1, 2, 20, 21, 22, 23], 32)])
+    run(
+        2,
+        [
+            with_blocks(requests[1], [1, 2, 10, 11, 12, 13], 32),
+            with_blocks(requests[2], [1, 2, 20, 21, 22, 23], 32),
+        ],
+    )
     return tokens
 
 
 def run_sharded(model_dir, world_size: int, body=two_batches_to_the_end, prompts=range(6)) -> dict:
     folder, port = short_socket_dir(), free_port()
     base = folder / "tp"
-    processes = [start_cli_server(model_dir, base, env={"RANK": str(r), "WORLD_SIZE": str(world_size),
-                                                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-                 for r in range(world_size)]
+    processes = [
+        start_cli_server(
+            model_dir,
+            base,
+            env={
+                "RANK": str(r),
+                "WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            },
+        )
+        for r in range(world_size)
+    ]
     try:
-        channels = [wait_until_serving(p, f"unix://{base}-{r}", base) for r, p in enumerate(processes)]
-        urls = pb_grpc.TextGenerationServiceStub(channels[0]).ServiceDiscovery(pb.ServiceDiscoveryRequest()).urls
+        channels = [
+            wait_until_serving(p, f"unix://{base}-{r}", base) for r, p in enumerate(processes)
+        ]
+        urls = (
+            pb_grpc.TextGenerationServiceStub(channels[0])
+            .ServiceDiscovery(pb.ServiceDiscoveryRequest())
+            .urls
+        )
         assert list(urls) == [f"unix://{base}-{r}" for r in range(world_size)]
         router = FanOut(channels)
         warmed = router.call("Warmup", tgi_warmup_request(64, 128, 128, 4))
-        assert len({w.SerializeToString() for w in warmed}) == 1  # every rank reports the same capacity
+        assert (
+            len({w.SerializeToString() for w in warmed}) == 1
+        )  # every rank reports the same capacity
         return body(router, [text_request(k, PROMPTS[p]) for k, p in enumerate(prompts)])
     finally:
         for process in processes:
@@ -98,7 +145,9 @@ def run_sharded(model_dir, world_size: int, body=two_batches_to_the_end, prompts
 
 @pytest.fixture(scope="module")
 def one_kv_head_dir(tmp_path_factory, smollm_dir):
-    return build_tiny_model("llama", tmp_path_factory.mktemp("kv1") / "llama", smollm_dir, seed=3, num_key_value_heads=1)
+    return build_tiny_model(
+        "llama", tmp_path_factory.mktemp("kv1") / "llama", smollm_dir, seed=3, num_key_value_heads=1
+    )
 
 
 @pytest.mark.slow

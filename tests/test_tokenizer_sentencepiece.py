@@ -3,11 +3,11 @@ Mistral checkpoints): its tokenizer loads, and a tiny Llama with it generates tr
 tokens."""
 
 import json
-import tomllib
 from pathlib import Path
 
 import pytest
 import sentencepiece
+import tomllib
 
 from engine.serving.shard import Shard
 from launcher.generate import generate

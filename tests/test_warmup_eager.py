@@ -1,5 +1,6 @@
 """On an eager CPU nothing compiles: warmup registers every planned shape without running it, so a
 shard is ready in seconds, and strict mode still refuses any shape the plan does not have."""
+
 import pytest
 
 from engine.batch import Batch, Request, StoppingCriteriaParameters
@@ -18,12 +19,19 @@ def count_forwards(model) -> list:
 def test_eager_cpu_warmup_registers_every_bucket_and_runs_no_forward(tiny_model_dirs):
     shard = Shard(tiny_config(tiny_model_dirs["llama"], max_batch_size=4), show_progress=False)
     calls = count_forwards(shard.model)
-    request = Request(1, "_test " * 8, stopping_parameters=StoppingCriteriaParameters(max_new_tokens=2))
+    request = Request(
+        1, "_test " * 8, stopping_parameters=StoppingCriteriaParameters(max_new_tokens=2)
+    )
     shard.warmup(batch=Batch(7, [request], 1, 10))  # a router's warmup batch, as TGI sends one
     plan, warmed = shard.runner.plan, shard.adapter.shapes.warmed
     assert {("prefill", b) for b in plan.prefill} | {("decode", b) for b in plan.decode} <= warmed
     assert calls == []  # no memory-profiling prefill, no bucket, no warmup batch
-    assert {b.batch_size for b in plan.decode} == {1, 2, 3, 4}  # nothing compiles: no step pads a row
+    assert {b.batch_size for b in plan.decode} == {
+        1,
+        2,
+        3,
+        4,
+    }  # nothing compiles: no step pads a row
     with pytest.raises(UnwarmedShapeError):
         shard.adapter.run(("decode", "a shape outside the plan"), shard.model)
 

@@ -1,23 +1,33 @@
 """After warmup, random traffic within the limits never reaches the device at an unwarmed shape:
 for every bucket strategy, a profile's buckets, and progressive warmup while it is still warming."""
+
 from __future__ import annotations
 
 import json
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from engine.batch import Batch, Request, StoppingCriteriaParameters
+from engine.batch import Batch, Request
 from engine.buckets.shapes import Shape
 from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 from tests.helpers import build_request
 
 # Small limits keep warmup short: 4 rows, prompts up to 48 tokens, 6 blocks of 16 per sequence.
-LIMITS = dict(max_batch_size=4, max_input_tokens=48, max_total_tokens=96, max_prefill_tokens=96,
-              warmup_prompt_logprobs=False, strict_shapes=False)  # lenient: count, not raise
-TRAFFIC = settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+LIMITS = dict(
+    max_batch_size=4,
+    max_input_tokens=48,
+    max_total_tokens=96,
+    max_prefill_tokens=96,
+    warmup_prompt_logprobs=False,
+    strict_shapes=False,
+)  # lenient: count, not raise
+TRAFFIC = settings(
+    max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 SETUPS = ["linear", "exponential", "padding", "fitted", "file", "progressive"]
 
 
@@ -34,11 +44,18 @@ def trace_file(path, seed=0) -> str:
 
 def setup_config(name: str, model_dir, tmp_path):
     if name == "fitted":
-        return tiny_config(model_dir, **LIMITS, bucket_strategy="fitted", max_graphs=8,
-                           bucket_shapes=trace_file(tmp_path / "trace.jsonl"))
+        return tiny_config(
+            model_dir,
+            **LIMITS,
+            bucket_strategy="fitted",
+            max_graphs=8,
+            bucket_shapes=trace_file(tmp_path / "trace.jsonl"),
+        )
     if name == "file":  # a deliberately sparse plan: most batches must be split
         path = tmp_path / "buckets.json"
-        path.write_text(json.dumps({"prefill_buckets": [[1, 48], [4, 16]], "decode_buckets": [[1, 6], [4, 24]]}))
+        path.write_text(
+            json.dumps({"prefill_buckets": [[1, 48], [4, 16]], "decode_buckets": [[1, 6], [4, 24]]})
+        )
         return tiny_config(model_dir, **LIMITS, bucket_strategy="file", bucket_file=str(path))
     if name == "progressive":
         return tiny_config(model_dir, **LIMITS, warmup_mode="progressive")
@@ -52,8 +69,10 @@ def shards(tiny_model_dirs, tmp_path_factory):
 
     def get(name):
         if name not in built:
-            built[name] = Shard(setup_config(name, tiny_model_dirs["llama"], tmp_path_factory.mktemp(name)),
-                                show_progress=False)
+            built[name] = Shard(
+                setup_config(name, tiny_model_dirs["llama"], tmp_path_factory.mktemp(name)),
+                show_progress=False,
+            )
             built[name].warmup()
         return built[name]
 
@@ -77,7 +96,13 @@ def serve_random_traffic(shard: Shard, data) -> int:
             requests = []
             for _ in range(size):
                 length = data.draw(st.integers(1, 48), label="prompt")
-                requests.append(request(next_id, length, data.draw(st.integers(1, min(12, 96 - length)), label="new")))
+                requests.append(
+                    request(
+                        next_id,
+                        length,
+                        data.draw(st.integers(1, min(12, 96 - length)), label="new"),
+                    )
+                )
                 next_id += 1
             generations, new = shard.prefill(Batch(next_id, requests))
             tokens += len(generations)
@@ -107,6 +132,8 @@ def test_random_traffic_never_meets_an_unwarmed_shape(shards, setup, data):
 
 def test_file_plan_is_warmed_exactly(shards):
     shard = shards("file")
-    warmed = {shape[1] for shape in shard.adapter.shapes.warmed if shape[0] in ("prefill", "decode")}
+    warmed = {
+        shape[1] for shape in shard.adapter.shapes.warmed if shape[0] in ("prefill", "decode")
+    }
     planned = set(shard.runner.plan.prefill + shard.runner.plan.decode)
     assert planned == {b.bucket for b in shard.warmup_log.buckets} and planned <= warmed

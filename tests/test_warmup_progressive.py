@@ -1,17 +1,16 @@
 """Progressive warmup answers after a covering set and serves correct tokens while the rest warms."""
+
 from __future__ import annotations
 
 import threading
-
-import pytest
 
 import engine.warmup.progressive
 from engine.batch import Batch
 from engine.serving.shard import Shard
 from tests.conftest import tiny_config
+from tests.helpers import reference_fixture
 from tests.test_equivalence import PROMPTS
 from tests.test_shard import drain, request
-from tests.helpers import reference_fixture
 
 NEW_TOKENS = 20
 
@@ -19,7 +18,9 @@ NEW_TOKENS = 20
 expected = reference_fixture(PROMPTS, NEW_TOKENS)
 
 
-def test_serves_reference_tokens_before_the_background_warmup_ends(tiny_model_dirs, expected, monkeypatch):
+def test_serves_reference_tokens_before_the_background_warmup_ends(
+    tiny_model_dirs, expected, monkeypatch
+):
     gate = threading.Event()
     real = engine.warmup.progressive.warm_buckets
 
@@ -29,8 +30,15 @@ def test_serves_reference_tokens_before_the_background_warmup_ends(tiny_model_di
         return real(runner, buckets, *args, **kwargs)
 
     monkeypatch.setattr(engine.warmup.progressive, "warm_buckets", gated)
-    shard = Shard(tiny_config(tiny_model_dirs["llama"], max_batch_size=4, warmup_mode="progressive",
-                              strict_shapes=True), show_progress=False)
+    shard = Shard(
+        tiny_config(
+            tiny_model_dirs["llama"],
+            max_batch_size=4,
+            warmup_mode="progressive",
+            strict_shapes=True,
+        ),
+        show_progress=False,
+    )
     shard.warmup()
     try:
         progress = shard.warmup_progress()
@@ -47,8 +55,14 @@ def test_serves_reference_tokens_before_the_background_warmup_ends(tiny_model_di
     finally:
         gate.set()
         shard.background.join(120)
-    assert shard.warmup_progress() == {"warmed": shard.runner.plan.graphs, "total": shard.runner.plan.graphs, "done": True}
-    assert set(shard.runner.plan.prefill + shard.runner.plan.decode) == {b.bucket for b in shard.warmup_log.buckets}
+    assert shard.warmup_progress() == {
+        "warmed": shard.runner.plan.graphs,
+        "total": shard.runner.plan.graphs,
+        "done": True,
+    }
+    assert set(shard.runner.plan.prefill + shard.runner.plan.decode) == {
+        b.bucket for b in shard.warmup_log.buckets
+    }
 
 
 def test_covering_set_serves_any_batch_by_splitting():
@@ -60,23 +74,33 @@ def test_covering_set_serves_any_batch_by_splitting():
     cover = plan.subset(covering_set(plan, limits))
     assert cover.graphs == 3
     for lengths in ([128] * 8, [1, 64, 128, 7]):
-        assert all(cover.prefill_bucket(len(g), max(lengths[i] for i in g)) for g in cover.split_prefill(lengths))
+        assert all(
+            cover.prefill_bucket(len(g), max(lengths[i] for i in g))
+            for g in cover.split_prefill(lengths)
+        )
     for counts in ([16] * 6, [1] * 8, [16, 1, 3]):
-        assert all(cover.decode_bucket(len(g), sum(counts[i] for i in g)) for g in cover.split_decode(counts))
+        assert all(
+            cover.decode_bucket(len(g), sum(counts[i] for i in g))
+            for g in cover.split_decode(counts)
+        )
 
 
 def test_several_graph_shards_warm_in_full_before_answering(tiny_model_dirs, monkeypatch, caplog):
     """A background warmup forward on one rank would meet another rank's serving step in a
     collective, so with several ranks on a device whose warmup runs forwards, progressive warms
     everything first. The shard here is one process; the adapter is told it is one of two ranks."""
-    shard = Shard(tiny_config(tiny_model_dirs["llama"], max_batch_size=2, warmup_mode="progressive"),
-                  show_progress=False)
+    shard = Shard(
+        tiny_config(tiny_model_dirs["llama"], max_batch_size=2, warmup_mode="progressive"),
+        show_progress=False,
+    )
     monkeypatch.setattr(shard.adapter, "world_size", 2)
     monkeypatch.setattr(type(shard.adapter), "warm_runs_forward", property(lambda adapter: True))
     with caplog.at_level("WARNING", logger="engine.warmup.run"):
         shard.warmup()
     assert shard.background is None
-    assert {b.bucket for b in shard.warmup_log.buckets} == set(shard.runner.plan.prefill + shard.runner.plan.decode)
+    assert {b.bucket for b in shard.warmup_log.buckets} == set(
+        shard.runner.plan.prefill + shard.runner.plan.decode
+    )
     assert "out of step" in caplog.text
 
 
@@ -87,7 +111,9 @@ def test_progressive_stays_where_no_collective_is_at_stake():
 
     eager_pair = SimpleNamespace(world_size=2, warm_runs_forward=False)
     lone_graph = SimpleNamespace(world_size=1, warm_runs_forward=True)
-    graph_pair = SimpleNamespace(world_size=2, warm_runs_forward=True, name="hpu", graph_mode="lazy")
+    graph_pair = SimpleNamespace(
+        world_size=2, warm_runs_forward=True, name="hpu", graph_mode="lazy"
+    )
     assert lockstep_mode("progressive", eager_pair) == "progressive"
     assert lockstep_mode("progressive", lone_graph) == "progressive"
     assert lockstep_mode("progressive", graph_pair) == "full"

@@ -1,10 +1,11 @@
 """--record-shapes: the shard appends the unpadded shapes it serves, and the planner can read them back."""
+
 from __future__ import annotations
 
 from engine.batch import Batch
-from launcher.generate import prompt_lengths
 from engine.buckets.shapes import Shape, load_shapes
 from engine.serving.shard import Shard
+from launcher.generate import prompt_lengths
 from tests.conftest import tiny_config
 from tests.test_equivalence import PROMPTS
 from tests.test_shard import drain, request
@@ -12,8 +13,15 @@ from tests.test_shard import drain, request
 
 def test_recorded_shapes_are_the_batches_served(tiny_model_dirs, tmp_path):
     path = tmp_path / "shapes.jsonl"
-    shard = Shard(tiny_config(tiny_model_dirs["llama"], max_batch_size=4, warmup_prompt_logprobs=False,
-                              record_shapes=str(path)), show_progress=False)
+    shard = Shard(
+        tiny_config(
+            tiny_model_dirs["llama"],
+            max_batch_size=4,
+            warmup_prompt_logprobs=False,
+            record_shapes=str(path),
+        ),
+        show_progress=False,
+    )
     shard.warmup()
     assert not path.exists() or path.read_text() == ""  # warmup itself is not traffic
     _, cached = shard.prefill(Batch(1, [request(0, 3), request(4, 3)]))

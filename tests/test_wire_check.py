@@ -1,6 +1,7 @@
 """The scheduler's wire check (router/sched/admission.py) reads each field against its protocol type
 instead of serializing the request: it refuses exactly what protobuf would refuse, naming the field,
 and serializes nothing itself."""
+
 import pytest
 
 from engine.batch import GrammarType, Request, StoppingCriteriaParameters
@@ -8,13 +9,28 @@ from engine.wire import convert
 from router.sched.admission import check_wire
 
 # (a field path, a value): at and past each integer type's bounds, and text no wire carries.
-CASES = [("id", 2**64 - 1), ("id", 2**64), ("id", -1), ("truncate", 2**32 - 1), ("truncate", 2**32),
-         ("top_n_tokens", 2**32), ("parameters.top_k", 2**32 - 1), ("parameters.top_k", 2**32),
-         ("parameters.seed", 2**64 - 1), ("parameters.seed", 2**64), ("parameters.grammar", "\ud800"),
-         ("parameters.grammar_type", GrammarType.REGEX), ("stopping_parameters.max_new_tokens", 2**32),
-         ("stopping_parameters.stop_sequences", ["ok", "\ud800"]), ("inputs", "a\ud800"),
-         ("blocks", [1, 2**32]), ("slots", [2**32 - 1]), ("cache_len", -1), ("chunk_len", 2**32),
-         ("adapter_id", "\udfff")]
+CASES = [
+    ("id", 2**64 - 1),
+    ("id", 2**64),
+    ("id", -1),
+    ("truncate", 2**32 - 1),
+    ("truncate", 2**32),
+    ("top_n_tokens", 2**32),
+    ("parameters.top_k", 2**32 - 1),
+    ("parameters.top_k", 2**32),
+    ("parameters.seed", 2**64 - 1),
+    ("parameters.seed", 2**64),
+    ("parameters.grammar", "\ud800"),
+    ("parameters.grammar_type", GrammarType.REGEX),
+    ("stopping_parameters.max_new_tokens", 2**32),
+    ("stopping_parameters.stop_sequences", ["ok", "\ud800"]),
+    ("inputs", "a\ud800"),
+    ("blocks", [1, 2**32]),
+    ("slots", [2**32 - 1]),
+    ("cache_len", -1),
+    ("chunk_len", 2**32),
+    ("adapter_id", "\udfff"),
+]
 
 
 def request_with(path: str, value) -> Request:

@@ -6,6 +6,7 @@ it field by field, and a client generated from nothing but that table must drive
 Every extension of ours (section 4), the status codes (5) and the limits (6) must be listed there as
 the proto and engine/wire/contract.py have them, so that the page cannot drift from the code.
 """
+
 import json
 import re
 import runpy
@@ -21,14 +22,21 @@ import pytest
 from google.protobuf import descriptor_pb2
 
 from engine import batch as eb
-from engine.wire import convert
 from engine.errors import CapacityError, InvalidRequestError, UnwarmedShapeError
-from engine.wire import contract as wire_contract
-from engine.wire import generate_pb2 as pb
 from engine.serving.server import ServerConfig
+from engine.wire import contract as wire_contract
+from engine.wire import convert
+from engine.wire import generate_pb2 as pb
 from tests.test_equivalence import PROMPTS, reference_tokens
-from tests.test_server import (REPO, BackgroundServer, short_socket_dir, start_cli_server, stop_cli_server,
-                               text_request, wait_until_serving)
+from tests.test_server import (
+    REPO,
+    BackgroundServer,
+    short_socket_dir,
+    start_cli_server,
+    stop_cli_server,
+    text_request,
+    wait_until_serving,
+)
 
 CONTRACT = Path(__file__).parents[1] / "proto" / "CONTRACT.md"
 FieldProto = descriptor_pb2.FieldDescriptorProto
@@ -39,7 +47,7 @@ class Field:
     name: str
     number: int
     label: str  # "", "optional" or "repeated"
-    type: str   # a scalar type name, or a message or enum name of the package
+    type: str  # a scalar type name, or a message or enum name of the package
     oneof: str | None = None
 
 
@@ -61,11 +69,18 @@ def parse_contract(text: str) -> Contract:
     )
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if not line.startswith("|") or len(cells) != 2 or cells[0] == "message" or set(cells[0]) <= {"-"}:
+        if (
+            not line.startswith("|")
+            or len(cells) != 2
+            or cells[0] == "message"
+            or set(cells[0]) <= {"-"}
+        ):
             continue
         names, spec = cells
         if names.startswith("enum "):
-            contract.enums[names.removeprefix("enum ")] = [(n, int(v)) for n, v in re.findall(r"(\w+)=(\d+)", spec)]
+            contract.enums[names.removeprefix("enum ")] = [
+                (n, int(v)) for n, v in re.findall(r"(\w+)=(\d+)", spec)
+            ]
         elif " / " in names:  # "A / B | fields of A / fields of B"
             for name, fields in zip(names.split(" / "), spec.split(" / "), strict=True):
                 contract.messages[name] = parse_fields(fields)
@@ -124,19 +139,40 @@ BUCKETSERVE_EXTENSIONS = {
 }
 # Messages of our own: not TGI's, so numbered from 1. The counters are what Shard.serving_stats
 # returns (tests/test_server.py checks that a step's stats field equals it).
-STATS_COUNTERS = ("prefill_real", "prefill_padded", "decode_real", "decode_padded",
-                  "unwarmed_shapes", "prefill_forwards", "decode_forwards", "copied_prompts",
-                  "chunked_prompts", "prefill_chunks", "lookahead_runs", "lookahead_steps")
-PLAN_FIELDS = ("plan_prefill_buckets", "plan_decode_buckets", "warmed_buckets", "warmup_buckets",
-               "buckets_used")
+STATS_COUNTERS = (
+    "prefill_real",
+    "prefill_padded",
+    "decode_real",
+    "decode_padded",
+    "unwarmed_shapes",
+    "prefill_forwards",
+    "decode_forwards",
+    "copied_prompts",
+    "chunked_prompts",
+    "prefill_chunks",
+    "lookahead_runs",
+    "lookahead_steps",
+)
+PLAN_FIELDS = (
+    "plan_prefill_buckets",
+    "plan_decode_buckets",
+    "warmed_buckets",
+    "warmup_buckets",
+    "buckets_used",
+)
 EXTENSION_MESSAGES = {
     "ServingStats": [Field(n, i, "", "uint64") for i, n in enumerate(STATS_COUNTERS, 1)]
     + [Field(n, i, "", "uint32") for i, n in enumerate(PLAN_FIELDS, len(STATS_COUNTERS) + 1)]
     + [Field("buckets", 18, "repeated", "BucketUse")],
-    "BucketUse": [Field("phase", 1, "", "string"), Field("batch_size", 2, "", "uint32"),
-                  Field("length", 3, "", "uint32"), Field("context_blocks", 4, "", "uint32"),
-                  Field("forwards", 5, "", "uint64"), Field("real", 6, "", "uint64"),
-                  Field("padded", 7, "", "uint64")],
+    "BucketUse": [
+        Field("phase", 1, "", "string"),
+        Field("batch_size", 2, "", "uint32"),
+        Field("length", 3, "", "uint32"),
+        Field("context_blocks", 4, "", "uint32"),
+        Field("forwards", 5, "", "uint64"),
+        Field("real", 6, "", "uint64"),
+        Field("padded", 7, "", "uint64"),
+    ],
 }
 
 
@@ -145,7 +181,9 @@ def test_the_table_was_read_whole(contract):
     assert len(contract.rpcs) == 8 and set(contract.enums) == {"GrammarType", "FinishReason"}
     for rpc in contract.rpcs:
         assert f"{rpc}Request" in contract.messages and f"{rpc}Response" in contract.messages
-    assert len(contract.messages["Request"]) == 14 and contract.messages["InputChunk"][1] == Field("image", 2, "", "Image", "chunk")
+    assert len(contract.messages["Request"]) == 14 and contract.messages["InputChunk"][1] == Field(
+        "image", 2, "", "Image", "chunk"
+    )
 
 
 # --- (a) our compiled descriptors are the table ------------------------------------------------
@@ -162,8 +200,14 @@ def scalar_name(f: FieldProto) -> str:
 
 
 def described_field(message: descriptor_pb2.DescriptorProto, f: FieldProto, package: str) -> Field:
-    entry = next((n for n in message.nested_type if n.options.map_entry
-                  and f.type_name.endswith(f".{message.name}.{n.name}")), None)
+    entry = next(
+        (
+            n
+            for n in message.nested_type
+            if n.options.map_entry and f.type_name.endswith(f".{message.name}.{n.name}")
+        ),
+        None,
+    )
     if entry is not None:  # a map is a repeated field of a nested entry message: "map<key, value>"
         key, value = (scalar_name(e) for e in entry.field)
         return Field(f.name, f.number, "", f"map<{key}, {value}>")
@@ -172,9 +216,19 @@ def described_field(message: descriptor_pb2.DescriptorProto, f: FieldProto, pack
         type_name = f.type_name.rsplit(".", 1)[1]
     else:
         type_name = scalar_name(f)
-    label = "repeated" if f.label == FieldProto.LABEL_REPEATED else "optional" if f.proto3_optional else ""
+    label = (
+        "repeated"
+        if f.label == FieldProto.LABEL_REPEATED
+        else "optional"
+        if f.proto3_optional
+        else ""
+    )
     # proto3 `optional` lives in a synthetic oneof of its own: not a oneof of the contract.
-    oneof = message.oneof_decl[f.oneof_index].name if f.HasField("oneof_index") and not f.proto3_optional else None
+    oneof = (
+        message.oneof_decl[f.oneof_index].name
+        if f.HasField("oneof_index") and not f.proto3_optional
+        else None
+    )
     return Field(f.name, f.number, label, type_name, oneof)
 
 
@@ -185,7 +239,9 @@ def test_compiled_messages_match_the_table(contract):
     assert set(messages) == set(contract.messages) | set(EXTENSION_MESSAGES)
     for name, fields in EXTENSION_MESSAGES.items():
         assert messages.pop(name) == fields, name
-    extensions = {(name, f) for name, fields in messages.items() for f in fields if f.number >= EXTENSION_FROM}
+    extensions = {
+        (name, f) for name, fields in messages.items() for f in fields if f.number >= EXTENSION_FROM
+    }
     assert extensions == BUCKETSERVE_EXTENSIONS
     for name, fields in contract.messages.items():
         ours = [f for f in messages[name] if f.number < EXTENSION_FROM]
@@ -195,8 +251,10 @@ def test_compiled_messages_match_the_table(contract):
 
 
 def compiled_messages(package: str) -> dict[str, list[Field]]:
-    return {m.name: [described_field(m, f, package) for f in m.field]
-            for m in compiled_file().message_type}
+    return {
+        m.name: [described_field(m, f, package) for f in m.field]
+        for m in compiled_file().message_type
+    }
 
 
 def test_compiled_service_matches_the_table(contract):
@@ -213,8 +271,9 @@ def test_committed_stubs_are_not_stale(tmp_path):
     for fresh in generate(tmp_path):
         committed = REPO / "engine" / "wire" / fresh.name
         assert committed.is_file(), f"{committed} is missing: run python scripts/gen_proto.py"
-        assert without_version_stamps(committed.read_text()) == without_version_stamps(fresh.read_text()), (
-            f"{committed} is stale against proto/generate.proto: run python scripts/gen_proto.py")
+        assert without_version_stamps(committed.read_text()) == without_version_stamps(
+            fresh.read_text()
+        ), f"{committed} is stale against proto/generate.proto: run python scripts/gen_proto.py"
 
 
 # --- the page lists every extension, status code and limit as the code has them -------------------
@@ -224,8 +283,11 @@ def section_rows(text: str, section: str, cells: int) -> list[list[str]]:
     """The rows of the tables in `## {section}.` (up to the next section), less header and rule."""
     start = text.index(f"## {section}.")
     body = text[start : text.index("\n## ", start + 1)]
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in body.splitlines()
-            if line.startswith("|")]
+    rows = [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in body.splitlines()
+        if line.startswith("|")
+    ]
     rows = [r for r in rows if not set("".join(r)) <= {"-"}]
     assert all(len(r) == cells for r in rows), f"{CONTRACT.name} {section}: not {cells} cells a row"
     return rows[1:]  # the header
@@ -237,8 +299,12 @@ def type_text(f: Field) -> str:
 
 def test_the_page_lists_every_extension_field_with_its_number_and_type(contract):
     compiled = compiled_messages(contract.package)
-    ours = sorted((name, f.number, f.name, type_text(f)) for name, fields in compiled.items()
-                  for f in fields if f.number >= EXTENSION_FROM or name not in contract.messages)
+    ours = sorted(
+        (name, f.number, f.name, type_text(f))
+        for name, fields in compiled.items()
+        for f in fields
+        if f.number >= EXTENSION_FROM or name not in contract.messages
+    )
     rows = section_rows(CONTRACT.read_text(), "4", 5)
     listed = sorted((message, int(number), name, kind) for message, number, name, kind, _ in rows)
     assert listed == ours  # each field once, none missing, none that the proto does not have
@@ -282,7 +348,11 @@ def proto_from_contract(contract: Contract) -> str:
         lines.append(f"message {name} {{")
         lines += [f"  {field_line(f)}" for f in fields if f.oneof is None]
         for oneof in dict.fromkeys(f.oneof for f in fields if f.oneof):
-            lines += [f"  oneof {oneof} {{", *[f"    {field_line(f)}" for f in fields if f.oneof == oneof], "  }"]
+            lines += [
+                f"  oneof {oneof} {{",
+                *[f"    {field_line(f)}" for f in fields if f.oneof == oneof],
+                "  }",
+            ]
         lines.append("}")
     return "\n".join(lines) + "\n"
 
@@ -329,7 +399,13 @@ def compile_contract_client(contract: Contract, out_dir: Path) -> None:
     from grpc_tools import protoc
 
     (out_dir / "generate.proto").write_text(proto_from_contract(contract))
-    args = ["protoc", f"-I{out_dir}", f"--python_out={out_dir}", f"--grpc_python_out={out_dir}", str(out_dir / "generate.proto")]
+    args = [
+        "protoc",
+        f"-I{out_dir}",
+        f"--python_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        str(out_dir / "generate.proto"),
+    ]
     assert protoc.main(args) == 0, proto_from_contract(contract)
     (out_dir / "client.py").write_text(CLIENT)
 
@@ -340,12 +416,27 @@ def test_a_client_generated_from_the_table_drives_the_shard(contract, tiny_model
     model_dir, prompts, new_tokens = tiny_model_dirs["llama"], PROMPTS[1:4], 18
     base = short_socket_dir()
     process = start_cli_server(model_dir, base / "shard", env=dict(MAX_BATCH_SIZE="4"))
-    expected = dict(enumerate(reference_tokens(model_dir, prompts, new_tokens)))  # while the server starts
+    expected = dict(
+        enumerate(reference_tokens(model_dir, prompts, new_tokens))
+    )  # while the server starts
     try:
         wait_until_serving(process, f"unix://{base}/shard-0", base / "shard").close()
         # -E -s: neither PYTHONPATH nor the repository reaches the client, only its own folder.
-        client = subprocess.run([sys.executable, "-E", "-s", str(tmp_path / "client.py"), f"unix://{base}/shard-0",
-                                 json.dumps(prompts), str(new_tokens)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        client = subprocess.run(
+            [
+                sys.executable,
+                "-E",
+                "-s",
+                str(tmp_path / "client.py"),
+                f"unix://{base}/shard-0",
+                json.dumps(prompts),
+                str(new_tokens),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+        )
     finally:
         stop_cli_server(process)
         shutil.rmtree(base, ignore_errors=True)
@@ -354,8 +445,13 @@ def test_a_client_generated_from_the_table_drives_the_shard(contract, tiny_model
     assert result["info"]["blockSize"] == 16 and result["info"]["deviceType"] == "cpu"
     assert result["warmup"]["maxInputTokens"] == 64 and result["warmup"]["maxTotalTokens"] == 128
     assert {int(k): v for k, v in result["tokens"].items()} == expected
-    assert all(r["generatedTokens"] == new_tokens and r["finishReason"] == "FINISH_REASON_LENGTH" for r in result["finished"].values())
-    assert len(result["steps"]) == new_tokens and all(int(step["totalNs"]) > 0 for step in result["steps"])
+    assert all(
+        r["generatedTokens"] == new_tokens and r["finishReason"] == "FINISH_REASON_LENGTH"
+        for r in result["finished"].values()
+    )
+    assert len(result["steps"]) == new_tokens and all(
+        int(step["totalNs"]) > 0 for step in result["steps"]
+    )
 
 
 # --- the servicer's side: status codes, unset optionals, one shard call at a time ---------------
@@ -383,21 +479,48 @@ class ScriptedShard:
             self.active -= 1
 
     def serving_stats(self):
-        return {"prefill_real": 0, "prefill_padded": 0, "decode_real": 0, "decode_padded": 0, "unwarmed_shapes": 0}
+        return {
+            "prefill_real": 0,
+            "prefill_padded": 0,
+            "decode_real": 0,
+            "decode_padded": 0,
+            "unwarmed_shapes": 0,
+        }
 
     def info(self):
         self._enter("info")
         return eb.InfoResponse(False, "float32", "scripted", None, 0, False, False, "none", 16)
 
-    def warmup(self, max_input_tokens=None, max_prefill_tokens=None, max_total_tokens=None, max_batch_size=None, batch=None):
-        self._enter("warmup", max_input_tokens, max_prefill_tokens, max_total_tokens, max_batch_size, batch=batch)
+    def warmup(
+        self,
+        max_input_tokens=None,
+        max_prefill_tokens=None,
+        max_total_tokens=None,
+        max_batch_size=None,
+        batch=None,
+    ):
+        self._enter(
+            "warmup",
+            max_input_tokens,
+            max_prefill_tokens,
+            max_total_tokens,
+            max_batch_size,
+            batch=batch,
+        )
         return eb.WarmupResult(4096, max_input_tokens or 32, max_total_tokens or 64)
 
     def prefill(self, batch, cached_batch=None):
         self._enter("prefill", batch, cached_batch)
         done = eb.GeneratedText("x", 1, eb.FinishReason.EOS_TOKEN, seed=7)
-        return [eb.Generation(r.id, eb.Tokens([5], [-0.5], ["x"], [False]), eb.Tokens([7], [-0.25], ["x"], [False]), done)
-                for r in batch.requests], None
+        return [
+            eb.Generation(
+                r.id,
+                eb.Tokens([5], [-0.5], ["x"], [False]),
+                eb.Tokens([7], [-0.25], ["x"], [False]),
+                done,
+            )
+            for r in batch.requests
+        ], None
 
     def decode(self, batches):
         self._enter("decode", batches)
@@ -428,13 +551,20 @@ def one_request_prefill(stub):
     return stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=1, requests=[text_request(1, "hi")])))
 
 
-@pytest.mark.parametrize("error, code, details", [
-    (InvalidRequestError("request 1: bad"), grpc.StatusCode.INVALID_ARGUMENT, "request 1: bad"),
-    (KeyError("batch 1 not found"), grpc.StatusCode.NOT_FOUND, "batch 1 not found"),
-    (CapacityError("KV cache full"), grpc.StatusCode.RESOURCE_EXHAUSTED, "KV cache full"),
-    (UnwarmedShapeError("shape (1, 16)"), grpc.StatusCode.FAILED_PRECONDITION, "shape (1, 16)"),
-    (ZeroDivisionError("division by zero"), grpc.StatusCode.INTERNAL, "ZeroDivisionError: division by zero"),
-])
+@pytest.mark.parametrize(
+    "error, code, details",
+    [
+        (InvalidRequestError("request 1: bad"), grpc.StatusCode.INVALID_ARGUMENT, "request 1: bad"),
+        (KeyError("batch 1 not found"), grpc.StatusCode.NOT_FOUND, "batch 1 not found"),
+        (CapacityError("KV cache full"), grpc.StatusCode.RESOURCE_EXHAUSTED, "KV cache full"),
+        (UnwarmedShapeError("shape (1, 16)"), grpc.StatusCode.FAILED_PRECONDITION, "shape (1, 16)"),
+        (
+            ZeroDivisionError("division by zero"),
+            grpc.StatusCode.INTERNAL,
+            "ZeroDivisionError: division by zero",
+        ),
+    ],
+)
 def test_shard_errors_become_status_codes_and_serving_goes_on(scripted, error, code, details):
     shard, stub = scripted
     shard.errors["prefill"] = error
@@ -447,11 +577,17 @@ def test_shard_errors_become_status_codes_and_serving_goes_on(scripted, error, c
 
 def test_unset_optionals_reach_the_shard_as_none(scripted):
     shard, stub = scripted
-    warmed = stub.Warmup(pb.WarmupRequest(batch=pb.Batch(id=4, requests=[text_request(3, "hi")]), max_prefill_tokens=100))
+    warmed = stub.Warmup(
+        pb.WarmupRequest(
+            batch=pb.Batch(id=4, requests=[text_request(3, "hi")]), max_prefill_tokens=100
+        )
+    )
     method, (max_input, max_prefill, max_total, max_batch), kwargs = shard.calls[-1]
     assert (method, max_input, max_prefill, max_total, max_batch) == ("warmup", None, 100, None, 3)
     assert [r.inputs for r in kwargs["batch"].requests] == ["hi"] and kwargs["batch"].id == 4
-    assert warmed.HasField("max_supported_total_tokens") and warmed.max_supported_total_tokens == 4096
+    assert (
+        warmed.HasField("max_supported_total_tokens") and warmed.max_supported_total_tokens == 4096
+    )
     stub.ClearCache(pb.ClearCacheRequest())
     stub.ClearCache(pb.ClearCacheRequest(id=0))  # 0 is a batch id like any other, not "all"
     assert shard.calls[-2:] == [("clear", (None,), {}), ("clear", (0,), {})]
@@ -462,11 +598,16 @@ def test_the_event_loop_answers_while_the_shard_is_busy_and_shard_calls_never_ov
     shard.gate.clear()
     warming = stub.Warmup.future(pb.WarmupRequest(max_prefill_tokens=100))
     queued = stub.Info.future(pb.InfoRequest())
-    assert stub.ServiceDiscovery(pb.ServiceDiscoveryRequest(), timeout=10).urls  # served while the shard works
+    assert stub.ServiceDiscovery(
+        pb.ServiceDiscoveryRequest(), timeout=10
+    ).urls  # served while the shard works
     with pytest.raises(grpc.FutureTimeoutError):
         queued.result(timeout=0.5)  # Info waits for the shard's worker
     shard.gate.set()
-    assert warming.result(timeout=10).max_input_tokens == 32 and queued.result(timeout=10).device_type == "scripted"
+    assert (
+        warming.result(timeout=10).max_input_tokens == 32
+        and queued.result(timeout=10).device_type == "scripted"
+    )
     assert shard.most_active == 1
 
 
@@ -474,21 +615,46 @@ def test_generations_keep_their_optional_fields_on_the_wire(scripted):
     _, stub = scripted
     (generation,) = one_request_prefill(stub).generations
     assert generation.HasField("generated_text") and generation.generated_text.HasField("seed")
-    assert (generation.generated_text.seed, generation.generated_text.finish_reason) == (7, pb.FINISH_REASON_EOS_TOKEN)
-    assert list(generation.prefill_tokens.ids) == [5] and list(generation.tokens.logprobs) == [-0.25]
+    assert (generation.generated_text.seed, generation.generated_text.finish_reason) == (
+        7,
+        pb.FINISH_REASON_EOS_TOKEN,
+    )
+    assert list(generation.prefill_tokens.ids) == [5] and list(generation.tokens.logprobs) == [
+        -0.25
+    ]
 
 
 def test_requests_convert_with_unset_optionals_as_none():
     bare = convert.request_from_pb(pb.Request(id=3, inputs="hi"))
     assert (bare.adapter_id, bare.chunk_len) == (None, None)
-    assert bare.parameters == eb.NextTokenChooserParameters() and bare.stopping_parameters == eb.StoppingCriteriaParameters()
-    full = convert.request_from_pb(text_request(3, "hi", adapter_id="", chunk_len=0, blocks=[4], slots=[64]))
+    assert (
+        bare.parameters == eb.NextTokenChooserParameters()
+        and bare.stopping_parameters == eb.StoppingCriteriaParameters()
+    )
+    full = convert.request_from_pb(
+        text_request(3, "hi", adapter_id="", chunk_len=0, blocks=[4], slots=[64])
+    )
     assert (full.adapter_id, full.chunk_len, full.blocks, full.slots) == ("", 0, [4], [64])
-    assert full.stopping_parameters.ignore_eos_token and full.parameters.grammar_type is eb.GrammarType.NONE
+    assert (
+        full.stopping_parameters.ignore_eos_token
+        and full.parameters.grammar_type is eb.GrammarType.NONE
+    )
     with pytest.raises(InvalidRequestError, match="unknown grammar_type 9"):
-        convert.request_from_pb(pb.Request(id=3, inputs="hi", parameters=pb.NextTokenChooserParameters(grammar_type=9)))
-    image_only = pb.Request(id=3, input_chunks=pb.Input(chunks=[pb.InputChunk(image=pb.Image(data=b"x"))]))
+        convert.request_from_pb(
+            pb.Request(id=3, inputs="hi", parameters=pb.NextTokenChooserParameters(grammar_type=9))
+        )
+    image_only = pb.Request(
+        id=3, input_chunks=pb.Input(chunks=[pb.InputChunk(image=pb.Image(data=b"x"))])
+    )
     with pytest.raises(InvalidRequestError, match="image inputs are not supported"):
         convert.request_from_pb(image_only)
-    info = convert.info_to_pb(eb.InfoResponse(False, "bfloat16", "hpu", None, 0, False, False, "flat", 128))
-    assert not info.HasField("window_size") and convert.info_to_pb(eb.InfoResponse(False, "", "", 4096, 0, False, False, "", 16)).window_size == 4096
+    info = convert.info_to_pb(
+        eb.InfoResponse(False, "bfloat16", "hpu", None, 0, False, False, "flat", 128)
+    )
+    assert (
+        not info.HasField("window_size")
+        and convert.info_to_pb(
+            eb.InfoResponse(False, "", "", 4096, 0, False, False, "", 16)
+        ).window_size
+        == 4096
+    )

@@ -4,10 +4,12 @@ A device adapter (engine/devices/) may supply faster kernels with the same contr
 `prompt_attention` and `flat_attention`; it activates them only around its own forwards, so the
 model code never asks which device it runs on.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator, NamedTuple
+from typing import NamedTuple
 
 from engine.attention.flat import flat_attention
 from engine.attention.prompt import prompt_attention
@@ -16,7 +18,7 @@ from engine.attention.prompt import prompt_attention
 class AttentionBackend(NamedTuple):
     name: str
     prefill: Callable  # as prompt_attention(q, k, v, scale, lengths=None)
-    decode: Callable   # as flat_attention(q, key_cache, value_cache, block_list, ..., scale, masked)
+    decode: Callable  # as flat_attention(q, key_cache, value_cache, block_list, ..., scale, masked)
 
 
 TORCH = AttentionBackend("torch", prompt_attention, flat_attention)

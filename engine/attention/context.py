@@ -5,27 +5,46 @@ before them (the context) are read from the cache by slot. Everything the kernel
 (context slots, context lengths), so one graph serves every batch of a
 (batch, new tokens, context blocks) bucket. Pure torch ops: it runs on every device path.
 """
+
 import torch
 import torch.nn.functional as F
 
 
-def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, context_slots: torch.Tensor, context_lens: torch.Tensor,
-                      scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+def context_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    context_slots: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] (the new tokens, right-padded);
     key_cache/value_cache: [slots, kv_heads, dim]; context_slots: [batch, context] the cache slot of
     each context token (padding: a slot of the reserved block); context_lens: [batch] tokens of context per row (0 for a row without one).
     Returns q's shape. Row r's new token i sits at position context_lens[r] + i."""
     batch, seq, heads, dim = q.shape
     kv_heads = k.shape[2]
-    keys = torch.cat([_gather(key_cache, context_slots), k], dim=1)  # [batch, ctx + seq, kv_heads, dim]
+    keys = torch.cat(
+        [_gather(key_cache, context_slots), k], dim=1
+    )  # [batch, ctx + seq, kv_heads, dim]
     values = torch.cat([_gather(value_cache, context_slots), v], dim=1)
-    allowed = context_mask(context_slots.shape[1], seq, context_lens, window)  # [batch, seq, ctx + seq]
+    allowed = context_mask(
+        context_slots.shape[1], seq, context_lens, window
+    )  # [batch, seq, ctx + seq]
     if softcap is not None:
         return _capped(q, keys, values, allowed, scale, softcap)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=allowed.unsqueeze(1),
-        scale=scale, enable_gqa=heads != kv_heads)
+        q.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=allowed.unsqueeze(1),
+        scale=scale,
+        enable_gqa=heads != kv_heads,
+    )
     return out.transpose(1, 2)
 
 
@@ -35,7 +54,9 @@ def _gather(cache: torch.Tensor, context_slots: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, context_slots.reshape(-1)).view(batch, context, *cache.shape[1:])
 
 
-def context_mask(context: int, seq: int, context_lens: torch.Tensor, window: int | None) -> torch.Tensor:
+def context_mask(
+    context: int, seq: int, context_lens: torch.Tensor, window: int | None
+) -> torch.Tensor:
     """[batch, seq, context + seq] True where new token i may see a key: a context key j when
     j < context_lens (the rest is the block table's padding), a new key j' when j' <= i; with a
     window, only keys less than `window` positions behind the query."""
@@ -57,10 +78,14 @@ def _capped(q, keys, values, allowed, scale: float, softcap: float) -> torch.Ten
     """Explicit scores, since SDPA cannot cap them (Gemma 2); query heads grouped per kv head."""
     batch, seq, heads, dim = q.shape
     kv_heads, total = keys.shape[2], keys.shape[1]
-    grouped = q.view(batch, seq, kv_heads, heads // kv_heads, dim).permute(0, 2, 3, 1, 4)  # [b, kvh, g, s, d]
+    grouped = q.view(batch, seq, kv_heads, heads // kv_heads, dim).permute(
+        0, 2, 3, 1, 4
+    )  # [b, kvh, g, s, d]
     scores = (grouped @ keys.permute(0, 2, 3, 1).unsqueeze(2)) * scale  # [b, kvh, g, s, total]
     scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~allowed.view(batch, 1, 1, seq, total), torch.finfo(scores.dtype).min)
+    scores = scores.masked_fill(
+        ~allowed.view(batch, 1, 1, seq, total), torch.finfo(scores.dtype).min
+    )
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     out = probs @ values.permute(0, 2, 1, 3).unsqueeze(2)  # [b, kvh, g, s, d]
     return out.permute(0, 3, 1, 2, 4).reshape(batch, seq, heads, dim)

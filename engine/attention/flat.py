@@ -5,6 +5,7 @@ own (a block-local softmax), then the blocks of a row are merged with the usual 
 rescaling. Cost follows the number of blocks actually used, not the longest row times the batch.
 All inputs are tensors, so one graph serves every batch of the same bucket.
 """
+
 import torch
 import torch.nn.functional as F
 
@@ -18,13 +19,13 @@ EXP_FLOOR = -80.0
 
 
 def flat_attention(
-    q: torch.Tensor,              # [batch, heads, dim]
-    key_cache: torch.Tensor,      # [num_slots, kv_heads, dim]
-    value_cache: torch.Tensor,    # [num_slots, kv_heads, dim]
-    block_list: torch.Tensor,     # [num_blocks]
+    q: torch.Tensor,  # [batch, heads, dim]
+    key_cache: torch.Tensor,  # [num_slots, kv_heads, dim]
+    value_cache: torch.Tensor,  # [num_slots, kv_heads, dim]
+    block_list: torch.Tensor,  # [num_blocks]
     block_mapping: torch.Tensor,  # [num_blocks, batch] one-hot (device kernels use it; this one needs only groups)
-    block_groups: torch.Tensor,   # [num_blocks] owner row (0 for padding blocks)
-    block_bias: torch.Tensor,     # [num_blocks, block_size] 0 where valid, negative past usage
+    block_groups: torch.Tensor,  # [num_blocks] owner row (0 for padding blocks)
+    block_bias: torch.Tensor,  # [num_blocks, block_size] 0 where valid, negative past usage
     scale: float,
     masked: torch.Tensor | None = None,  # flat_masked(block_bias, kv_heads), when already computed
     softcap: float | None = None,  # Gemma 2: scores become softcap * tanh(scores / softcap)
@@ -41,7 +42,9 @@ def flat_attention(
     values = value_cache.view(-1, block_size, kv_heads, dim).index_select(0, block_list)
     # Per kv head, its query heads meet only its keys (GQA: no cross-group products); the slices are
     # strided views that bmm takes as they are, where a [blocks, kv_heads, ...] transpose would be copied.
-    scores = torch.stack([torch.bmm(qb[:, h], keys[:, :, h].transpose(1, 2)) for h in range(kv_heads)], 1)
+    scores = torch.stack(
+        [torch.bmm(qb[:, h], keys[:, :, h].transpose(1, 2)) for h in range(kv_heads)], 1
+    )
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if masked is None:
@@ -79,11 +82,18 @@ def _row_max(block_max: torch.Tensor, block_groups: torch.Tensor, batch: int) ->
     carries the large negative bias, so its maximum never exceeds a real row's.
     """
     index = block_groups.view(-1, 1).expand_as(block_max)
-    floor = torch.full((batch, *block_max.shape[1:]), torch.finfo(block_max.dtype).min, dtype=block_max.dtype, device=block_max.device)
+    floor = torch.full(
+        (batch, *block_max.shape[1:]),
+        torch.finfo(block_max.dtype).min,
+        dtype=block_max.dtype,
+        device=block_max.device,
+    )
     return floor.scatter_reduce(0, index, block_max, reduce="amax")
 
 
-def flat_block_tensors(row_blocks: list[list[int]], row_lengths: list[int], num_blocks: int, block_size: int):
+def flat_block_tensors(
+    row_blocks: list[list[int]], row_lengths: list[int], num_blocks: int, block_size: int
+):
     """block_list, block_groups (-1 for padding) and block_usage for rows whose KV lives in
     `row_blocks` and holds `row_lengths` tokens, padded with the reserved block to num_blocks."""
     block_list, groups, usage = [], [], []
@@ -92,11 +102,20 @@ def flat_block_tensors(row_blocks: list[list[int]], row_lengths: list[int], num_
         groups += [row] * len(blocks)
         usage += [block_size] * (len(blocks) - 1) + [length - (len(blocks) - 1) * block_size]
     padding = num_blocks - len(block_list)
-    return (torch.tensor(block_list + [PADDING_BLOCK] * padding), torch.tensor(groups + [-1] * padding),
-            torch.tensor(usage + [0] * padding))
+    return (
+        torch.tensor(block_list + [PADDING_BLOCK] * padding),
+        torch.tensor(groups + [-1] * padding),
+        torch.tensor(usage + [0] * padding),
+    )
 
 
-def flat_mask(block_groups: torch.Tensor, block_usage: torch.Tensor, batch: int, block_size: int, dtype: torch.dtype):
+def flat_mask(
+    block_groups: torch.Tensor,
+    block_usage: torch.Tensor,
+    batch: int,
+    block_size: int,
+    dtype: torch.dtype,
+):
     """block_mapping (one-hot owner, zero rows for padding), owner rows clamped for indexing, and the
     bias that masks every position past a block's usage."""
     owned = (block_groups >= 0).unsqueeze(1)

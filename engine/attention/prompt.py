@@ -2,8 +2,15 @@ import torch
 import torch.nn.functional as F
 
 
-def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None,
-                     softcap: float | None = None, lengths: torch.Tensor | None = None) -> torch.Tensor:
+def prompt_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention over a right-padded [batch, seq] prompt batch.
 
     Prompts are padded on the right, so the causal mask alone keeps every real token from seeing
@@ -41,7 +48,9 @@ def _capped_attention(q, k, v, scale: float, allowed: torch.Tensor, softcap: flo
     """Explicit scores, since SDPA cannot cap them; kv heads are shared by groups of query heads."""
     batch, seq, heads, dim = q.shape
     kv_heads = k.shape[2]
-    grouped = q.view(batch, seq, kv_heads, heads // kv_heads, dim).permute(0, 2, 3, 1, 4)  # [b, kvh, g, s, d]
+    grouped = q.view(batch, seq, kv_heads, heads // kv_heads, dim).permute(
+        0, 2, 3, 1, 4
+    )  # [b, kvh, g, s, d]
     scores = (grouped @ k.permute(0, 2, 3, 1).unsqueeze(2)) * scale  # [b, kvh, g, s, s]
     scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)

@@ -13,6 +13,7 @@ One layer of SmolLM2 (9 heads over 3 KV heads, 16-token blocks, 2 threads), flat
 batch 1 over 16 blocks 219 / 89 us (float32) and 449 / 71 us (bfloat16); batch 32 at about 150
 tokens 2765 / 1112 us (bfloat16); batch 128 9495 / 3703 us (bfloat16).
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,8 +24,13 @@ from engine.attention.flat import PADDING_BLOCK
 PADDED_MAX_RATIO = 3  # padded blocks / real blocks up to which the padded call beats flat attention
 
 
-def row_block_tensors(row_blocks: list[list[int]], row_lengths: list[int], batch: int, block_size: int,
-                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+def row_block_tensors(
+    row_blocks: list[list[int]],
+    row_lengths: list[int],
+    batch: int,
+    block_size: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """row_table [batch, width] (each row's blocks in order, then the reserved block) and row_bias
     [batch, width * block_size] (0 up to the row's length, a large negative after; padding rows are
     all masked and get a finite average, never read). None where padding would cost too much."""
@@ -40,11 +46,11 @@ def row_block_tensors(row_blocks: list[list[int]], row_lengths: list[int], batch
 
 
 def row_attention(
-    q: torch.Tensor,            # [batch, heads, dim]
-    key_cache: torch.Tensor,    # [num_slots, kv_heads, dim]
+    q: torch.Tensor,  # [batch, heads, dim]
+    key_cache: torch.Tensor,  # [num_slots, kv_heads, dim]
     value_cache: torch.Tensor,  # [num_slots, kv_heads, dim]
-    row_table: torch.Tensor,    # [batch, width]
-    row_mask: torch.Tensor,     # [batch, 1, 1, width * block_size] additive
+    row_table: torch.Tensor,  # [batch, width]
+    row_mask: torch.Tensor,  # [batch, 1, 1, width * block_size] additive
     scale: float,
 ) -> torch.Tensor:
     batch, heads, dim = q.shape
@@ -53,8 +59,11 @@ def row_attention(
     block_size = positions // row_table.shape[1]
     keys = key_cache.view(-1, block_size, kv_heads, dim).index_select(0, row_table.view(-1))
     values = value_cache.view(-1, block_size, kv_heads, dim).index_select(0, row_table.view(-1))
-    keys = keys.view(batch, positions, kv_heads, dim).transpose(1, 2)  # [batch, kv_heads, positions, dim]
+    keys = keys.view(batch, positions, kv_heads, dim).transpose(
+        1, 2
+    )  # [batch, kv_heads, positions, dim]
     values = values.view(batch, positions, kv_heads, dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=row_mask, scale=scale,
-                                         enable_gqa=heads != kv_heads)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=row_mask, scale=scale, enable_gqa=heads != kv_heads
+    )
     return out.view(batch, heads, dim)

@@ -15,16 +15,23 @@ largest possible block count (any decode within the limits runs unsplit).
 - Prefill and decode share max_graphs: each phase gives a cost curve over graph counts, and the
   split minimises prefill waste plus decode waste (rows and blocks weighted equally).
 """
+
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 
 import numpy as np
 
-from engine.buckets.grid import BucketLimits, BucketPlan, DecodeBucket, PrefillBucket, small_decode_batches
+from engine.buckets.grid import (
+    BucketLimits,
+    BucketPlan,
+    DecodeBucket,
+    PrefillBucket,
+    small_decode_batches,
+)
 from engine.buckets.trace_cost import decode_outside, prefill_outside
 
-MAX_CANDIDATES = 256     # block values one decode group considers (quantiles beyond that)
+MAX_CANDIDATES = 256  # block values one decode group considers (quantiles beyond that)
 MAX_PREFILL_CELLS = 4_000_000  # candidate x point matrix of the prefill greedy
 # Prefill bucket lengths lie on this grid whatever the KV block size: prefill writes the KV cache by
 # slot, so a bucket's length need not be a multiple of the block size (the grid strategies use the
@@ -38,6 +45,7 @@ def _round_up(value: int, step: int) -> int:
 
 # ---------------------------------------------------------------------------------- prefill
 
+
 def _prefill_points(limits: BucketLimits, counts: Counter, seq_step: int) -> Counter:
     """(batch, length rounded up to seq_step) -> occurrences; bucket lengths are on that grid too."""
     points = Counter()
@@ -50,7 +58,9 @@ def _prefill_points(limits: BucketLimits, counts: Counter, seq_step: int) -> Cou
 def _prefill_candidates(limits: BucketLimits, points: Counter) -> list[PrefillBucket]:
     batches = sorted({b for b, _ in points} | {1})
     lengths = sorted({s for _, s in points} | {limits.max_input_tokens})
-    return [PrefillBucket(b, s) for b in batches for s in lengths if b * s <= limits.max_prefill_tokens]
+    return [
+        PrefillBucket(b, s) for b in batches for s in lengths if b * s <= limits.max_prefill_tokens
+    ]
 
 
 def _chunked_tokens(candidates: list[PrefillBucket], points: list[tuple[int, int]]) -> np.ndarray:
@@ -92,18 +102,19 @@ def prefill_curve(limits: BucketLimits, counts: Counter, seq_step: int, max_buck
 
 # ---------------------------------------------------------------------------------- decode
 
+
 def _layers_1d(points: Counter, candidates: list[int], max_layers: int):
     """Optimal bucket values among `candidates` (the last is mandatory and >= every point) for
     points {value: weight}: for L = 1..max_layers, (sum of weight x padding, chosen values)."""
     u = np.array(candidates, dtype=np.float64)
     xs = np.array(sorted(points), dtype=np.float64)
     ws = np.array([points[x] for x in sorted(points)], dtype=np.float64)
-    upto = np.searchsorted(xs, u, side="right")           # points <= u_j
+    upto = np.searchsorted(xs, u, side="right")  # points <= u_j
     W = np.concatenate([[0.0], np.cumsum(ws)])[upto]
     S = np.concatenate([[0.0], np.cumsum(ws * xs)])[upto]
     n = len(u)
-    alone = u * W - S                                     # one bucket at u_j for every point <= u_j
-    below = np.tril(np.ones((n, n), dtype=bool))          # mask i >= j: i must be a smaller bucket
+    alone = u * W - S  # one bucket at u_j for every point <= u_j
+    below = np.tril(np.ones((n, n), dtype=bool))  # mask i >= j: i must be a smaller bucket
     layer, parents, results = alone, [], []
     for depth in range(min(max_layers, n)):
         if depth:
@@ -129,7 +140,9 @@ def _block_candidates(points: Counter, low: int, top: int) -> list[int]:
     if len(values) >= MAX_CANDIDATES:
         cumulative = np.cumsum([points[k] for k in sorted(points)])
         marks = np.linspace(0, cumulative[-1], MAX_CANDIDATES)[1:-1]
-        values = sorted({min(max(sorted(points)[i], low), top) for i in np.searchsorted(cumulative, marks)})
+        values = sorted(
+            {min(max(sorted(points)[i], low), top) for i in np.searchsorted(cumulative, marks)}
+        )
     return sorted(set(values) | {top})
 
 
@@ -157,7 +170,9 @@ class _DecodeGroups:
                     points.update(blocks)
             top = min(hi * self.limits.blocks_per_sequence, self.limits.max_kv_blocks)
             points = points or Counter({top: 0})
-            self._cache[(lo, hi)] = _layers_1d(points, _block_candidates(points, hi, top), self.max_layers)
+            self._cache[(lo, hi)] = _layers_1d(
+                points, _block_candidates(points, hi, top), self.max_layers
+            )
         return self._cache[(lo, hi)]
 
 
@@ -189,8 +204,10 @@ def _batch_curve(rows: Counter, ends: list[int], max_layers: int) -> list[tuple[
         points = Counter({b: n for b, n in rows.items() if lo < b <= hi}) or Counter({hi: 0})
         curves.append(_layers_1d(points, sorted(set(points) | {hi}), max_layers))
     shares = _knapsack(curves, max_layers)
-    return [(cost, sorted(v for curve, count in zip(curves, counts) for v in curve[count - 1][1]))
-            for _, (cost, counts) in sorted(shares.items())]
+    return [
+        (cost, sorted(v for curve, count in zip(curves, counts) for v in curve[count - 1][1]))
+        for _, (cost, counts) in sorted(shares.items())
+    ]
 
 
 def decode_curve(limits: BucketLimits, counts: Counter, max_buckets: int):
@@ -214,32 +231,53 @@ def decode_curve(limits: BucketLimits, counts: Counter, max_buckets: int):
 
 
 def _decode_buckets(groups: _DecodeGroups, bounds, per_group: list[int]) -> list[DecodeBucket]:
-    return [DecodeBucket(hi, blocks) for (lo, hi), count in zip(bounds, per_group)
-            for blocks in groups.curve(lo, hi)[count - 1][1]]
+    return [
+        DecodeBucket(hi, blocks)
+        for (lo, hi), count in zip(bounds, per_group)
+        for blocks in groups.curve(lo, hi)[count - 1][1]
+    ]
 
 
 # ---------------------------------------------------------------------------------- together
+
 
 def fit_plan(limits: BucketLimits, shapes, max_graphs: int, seq_step: int) -> BucketPlan:
     """The plan of at most max_graphs buckets that pads the trace `shapes` least (see module doc)."""
     mandatory = mandatory_decode_batches(limits)
     if max_graphs < 1 + len(mandatory):
-        raise ValueError(f"--max-graphs {max_graphs} cannot cover the limits: the fitted strategy needs at "
-                         f"least {1 + len(mandatory)} graphs (a prefill bucket for the longest prompt and a "
-                         f"decode bucket for each batch size of {', '.join(map(str, mandatory))})")
+        raise ValueError(
+            f"--max-graphs {max_graphs} cannot cover the limits: the fitted strategy needs at "
+            f"least {1 + len(mandatory)} graphs (a prefill bucket for the longest prompt and a "
+            f"decode bucket for each batch size of {', '.join(map(str, mandatory))})"
+        )
     from engine.buckets.shapes import count_shapes
 
     prefill_counts, decode_counts = count_shapes(shapes, "prefill"), count_shapes(shapes, "decode")
     prefill = prefill_curve(limits, prefill_counts, seq_step, max_graphs - len(mandatory))
     decode = decode_curve(limits, decode_counts, max_graphs - 1)
-    real_tokens = max(1.0, sum(b * s * n for (b, s), n in prefill_counts.items()
-                               if prefill_outside(limits, b, s) is None))
+    real_tokens = max(
+        1.0,
+        sum(
+            b * s * n
+            for (b, s), n in prefill_counts.items()
+            if prefill_outside(limits, b, s) is None
+        ),
+    )
     options = []
     for padded, prefill_buckets in prefill:
         for objective, decode_buckets in decode:
             graphs = len(prefill_buckets) + len(decode_buckets)
             if graphs <= max_graphs:
-                options.append(((padded - real_tokens) / real_tokens + objective, graphs, prefill_buckets, decode_buckets))
+                options.append(
+                    (
+                        (padded - real_tokens) / real_tokens + objective,
+                        graphs,
+                        prefill_buckets,
+                        decode_buckets,
+                    )
+                )
     _, _, prefill_buckets, decode_buckets = min(options, key=lambda o: (o[0], o[1]))
-    return BucketPlan(tuple(sorted(set(prefill_buckets), key=lambda b: (b.batch_size, b.seq_len))),
-                      tuple(sorted(set(decode_buckets), key=lambda b: (b.batch_size, b.num_blocks))))
+    return BucketPlan(
+        tuple(sorted(set(prefill_buckets), key=lambda b: (b.batch_size, b.seq_len))),
+        tuple(sorted(set(decode_buckets), key=lambda b: (b.batch_size, b.num_blocks))),
+    )

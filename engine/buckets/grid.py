@@ -9,12 +9,13 @@ concatenates all sequences' blocks into one list.
 Pure standard library on purpose: the scheduler and the CLI plan buckets without
 importing torch.
 """
+
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable, Iterable, Mapping
 
 from engine.buckets.ranges import (  # noqa: F401 - re-exported: the planner's public names live here
     STRATEGIES,
@@ -24,15 +25,15 @@ from engine.buckets.ranges import (  # noqa: F401 - re-exported: the planner's p
     padding_range,
 )
 
-
 # ---------------------------------------------------------------------------------------
 # Buckets and limits
 # ---------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class PrefillBucket:
-    batch_size: int   # prompts (rows) in the padded batch
-    seq_len: int      # every prompt's new tokens are padded to this length
+    batch_size: int  # prompts (rows) in the padded batch
+    seq_len: int  # every prompt's new tokens are padded to this length
     # KV blocks of cached context every row may read (prefix-cache hit, later chunk); 0: none
     context_blocks: int = 0
 
@@ -40,7 +41,9 @@ class PrefillBucket:
         _require_positive("batch_size", self.batch_size)
         _require_positive("seq_len", self.seq_len)
         if not isinstance(self.context_blocks, int) or self.context_blocks < 0:
-            raise ValueError(f"context_blocks must be a non-negative integer, got {self.context_blocks!r}")
+            raise ValueError(
+                f"context_blocks must be a non-negative integer, got {self.context_blocks!r}"
+            )
 
     @property
     def tokens(self) -> int:
@@ -50,8 +53,8 @@ class PrefillBucket:
 
 @dataclass(frozen=True)
 class DecodeBucket:
-    batch_size: int   # sequences (rows) in the padded batch
-    num_blocks: int   # KV blocks of the whole batch (flat paged attention)
+    batch_size: int  # sequences (rows) in the padded batch
+    num_blocks: int  # KV blocks of the whole batch (flat paged attention)
 
     def __post_init__(self) -> None:
         _require_positive("batch_size", self.batch_size)
@@ -60,28 +63,38 @@ class DecodeBucket:
 
 @dataclass(frozen=True)
 class BucketLimits:
-    max_batch_size: int        # most sequences in one forward
-    max_input_tokens: int      # longest prompt
-    max_total_tokens: int      # prompt + generated, per sequence
-    max_prefill_tokens: int    # budget: batch_size*seq_len of any prefill bucket <= this
-    block_size: int            # tokens per KV block
-    max_kv_blocks: int         # usable KV blocks (block 0 is reserved and not counted)
+    max_batch_size: int  # most sequences in one forward
+    max_input_tokens: int  # longest prompt
+    max_total_tokens: int  # prompt + generated, per sequence
+    max_prefill_tokens: int  # budget: batch_size*seq_len of any prefill bucket <= this
+    block_size: int  # tokens per KV block
+    max_kv_blocks: int  # usable KV blocks (block 0 is reserved and not counted)
     # Chunked prefill: the longest prompt, computed in chunks of at most max_input_tokens (then the
     # longest chunk) each continuing the cached context; 0: prompts are not chunked.
     max_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_input_tokens", "max_total_tokens",
-                     "max_prefill_tokens", "block_size", "max_kv_blocks"):
+        for name in (
+            "max_batch_size",
+            "max_input_tokens",
+            "max_total_tokens",
+            "max_prefill_tokens",
+            "block_size",
+            "max_kv_blocks",
+        ):
             _require_positive(name, getattr(self, name))
         # A prompt must leave room for at least one generated token.
         if self.max_input_tokens >= self.max_total_tokens:
-            raise ValueError(f"max_input_tokens ({self.max_input_tokens}) must be < "
-                             f"max_total_tokens ({self.max_total_tokens})")
+            raise ValueError(
+                f"max_input_tokens ({self.max_input_tokens}) must be < "
+                f"max_total_tokens ({self.max_total_tokens})"
+            )
         # Otherwise the longest allowed prompt could not be prefilled even alone.
         if self.max_input_tokens > self.max_prefill_tokens:
-            raise ValueError(f"max_input_tokens ({self.max_input_tokens}) must be <= "
-                             f"max_prefill_tokens ({self.max_prefill_tokens})")
+            raise ValueError(
+                f"max_input_tokens ({self.max_input_tokens}) must be <= "
+                f"max_prefill_tokens ({self.max_prefill_tokens})"
+            )
 
     @property
     def blocks_per_sequence(self) -> int:
@@ -96,19 +109,26 @@ class StrategySteps:
     The defaults are the linear strategy's published ones. The exponential strategy uses the step
     only to round its points, so default_steps() gives it fine steps.
     """
+
     prefill_batch_step: int = 32
     prefill_seq_step: int = 128
     decode_batch_step: int = 32
     decode_block_step: int = 128
 
     def __post_init__(self) -> None:
-        for name in ("prefill_batch_step", "prefill_seq_step", "decode_batch_step", "decode_block_step"):
+        for name in (
+            "prefill_batch_step",
+            "prefill_seq_step",
+            "decode_batch_step",
+            "decode_block_step",
+        ):
             _require_positive(name, getattr(self, name))
 
 
 # ---------------------------------------------------------------------------------------
 # The plan
 # ---------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class BucketPlan:
@@ -129,11 +149,14 @@ class BucketPlan:
         """Buckets to warm (one graph each, not counting the prompt-logprobs variant)."""
         return len(self.prefill) + len(self.decode)
 
-    def subset(self, keep: Iterable) -> "BucketPlan":
+    def subset(self, keep: Iterable) -> BucketPlan:
         """The plan restricted to the buckets in `keep` (e.g. those warmed so far), same latencies."""
         keep = set(keep)
-        return BucketPlan(tuple(b for b in self.prefill if b in keep), tuple(b for b in self.decode if b in keep),
-                          self.latency)
+        return BucketPlan(
+            tuple(b for b in self.prefill if b in keep),
+            tuple(b for b in self.decode if b in keep),
+            self.latency,
+        )
 
     def _seconds(self, bucket) -> float:
         """The bucket's measured latency; 0 without a profile (choice falls to padding), and
@@ -161,7 +184,9 @@ class BucketPlan:
     def max_decode_blocks(self) -> int:
         return max((b.num_blocks for b in self.decode), default=0)
 
-    def prefill_bucket(self, batch_size: int, seq_len: int, context_blocks: int = 0) -> PrefillBucket | None:
+    def prefill_bucket(
+        self, batch_size: int, seq_len: int, context_blocks: int = 0
+    ) -> PrefillBucket | None:
         """The bucket holding batch_size prompts of at most seq_len tokens with the fewest
         padded tokens (ties: smaller batch), or None if no bucket holds it. With latencies:
         the fastest holding bucket, ties broken the same way. `context_blocks`: the most cached
@@ -169,25 +194,46 @@ class BucketPlan:
         a batch without (a plain one is cheaper)."""
         _require_positive("batch_size", batch_size)
         _require_positive("seq_len", seq_len)
-        holding = [b for b in self.prefill if b.batch_size >= batch_size and b.seq_len >= seq_len
-                   and b.context_blocks >= context_blocks and (b.context_blocks > 0) == (context_blocks > 0)]
-        return min(holding, key=lambda b: (self._seconds(b), b.tokens, b.batch_size * b.context_blocks,
-                                           b.batch_size), default=None)
+        holding = [
+            b
+            for b in self.prefill
+            if b.batch_size >= batch_size
+            and b.seq_len >= seq_len
+            and b.context_blocks >= context_blocks
+            and (b.context_blocks > 0) == (context_blocks > 0)
+        ]
+        return min(
+            holding,
+            key=lambda b: (
+                self._seconds(b),
+                b.tokens,
+                b.batch_size * b.context_blocks,
+                b.batch_size,
+            ),
+            default=None,
+        )
 
     def split_context(self, rows: list[tuple[int, int]]) -> list[list[int]]:
         """Partition (new tokens, context blocks) rows into groups that each fit a context bucket:
         rows sorted by context then length, a group grows while a bucket still holds it."""
         for i, (length, blocks) in enumerate(rows):
             if self.prefill_bucket(1, length, blocks) is None:
-                raise ValueError(f"prompt {i}: no prefill bucket holds {length} new tokens after "
-                                 f"{blocks} cached context blocks")
+                raise ValueError(
+                    f"prompt {i}: no prefill bucket holds {length} new tokens after "
+                    f"{blocks} cached context blocks"
+                )
         order = sorted(range(len(rows)), key=lambda i: (rows[i][1], rows[i][0], i))
         groups: list[list[int]] = []
         for i in order:
             group = groups[-1] if groups else []
             wider = group + [i]
-            if group and self.prefill_bucket(len(wider), max(rows[j][0] for j in wider),
-                                             max(rows[j][1] for j in wider)) is not None:
+            if (
+                group
+                and self.prefill_bucket(
+                    len(wider), max(rows[j][0] for j in wider), max(rows[j][1] for j in wider)
+                )
+                is not None
+            ):
                 group.append(i)
             else:
                 groups.append([i])
@@ -200,8 +246,12 @@ class BucketPlan:
         _require_positive("batch_size", batch_size)
         _require_positive("num_blocks", num_blocks)
         if self.latency is not None:
-            holding = [b for b in self.decode if b.batch_size >= batch_size and b.num_blocks >= num_blocks]
-            return min(holding, key=lambda b: (self._seconds(b), b.batch_size, b.num_blocks), default=None)
+            holding = [
+                b for b in self.decode if b.batch_size >= batch_size and b.num_blocks >= num_blocks
+            ]
+            return min(
+                holding, key=lambda b: (self._seconds(b), b.batch_size, b.num_blocks), default=None
+            )
         # Without latencies the order is (batch size, blocks): the first batch size at or above
         # batch_size with a bucket of enough blocks. The runner asks this twice per row each step,
         # and an eager CPU plan has a bucket for every batch size: a scan cost milliseconds a step.
@@ -219,7 +269,11 @@ class BucketPlan:
         for bucket in sorted(set(self.decode), key=lambda b: (b.batch_size, b.num_blocks)):
             by_size.setdefault(bucket.batch_size, []).append(bucket)
         sizes = sorted(by_size)
-        return sizes, [[b.num_blocks for b in by_size[s]] for s in sizes], [by_size[s] for s in sizes]
+        return (
+            sizes,
+            [[b.num_blocks for b in by_size[s]] for s in sizes],
+            [by_size[s] for s in sizes],
+        )
 
     def split_prefill(self, seq_lens: list[int]) -> list[list[int]]:
         """Partition prompt indices into groups that each fit a prefill bucket, with the fewest
@@ -232,10 +286,14 @@ class BucketPlan:
         for i, length in enumerate(seq_lens):
             _require_positive("seq_len", length)
             if self.prefill_bucket(1, length) is None:
-                raise ValueError(f"prompt {i} has {length} tokens, more than the longest "
-                                 f"prefill bucket ({self.max_prefill_seq_len} tokens)")
+                raise ValueError(
+                    f"prompt {i} has {length} tokens, more than the longest "
+                    f"prefill bucket ({self.max_prefill_seq_len} tokens)"
+                )
         order = sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i))
-        best: list[tuple[float, int, int]] = [(0, 0, 0)]  # (padded tokens or seconds, forwards, run start)
+        best: list[tuple[float, int, int]] = [
+            (0, 0, 0)
+        ]  # (padded tokens or seconds, forwards, run start)
         for end in range(1, len(order) + 1):
             options = []
             for start in range(max(0, end - self.max_prefill_batch), end):
@@ -258,8 +316,10 @@ class BucketPlan:
         for i, count in enumerate(block_counts):
             _require_positive("block count", count)
             if self.decode_bucket(1, count) is None:
-                raise ValueError(f"sequence {i} holds {count} KV blocks, more than the largest "
-                                 f"decode bucket ({self.max_decode_blocks} blocks)")
+                raise ValueError(
+                    f"sequence {i} holds {count} KV blocks, more than the largest "
+                    f"decode bucket ({self.max_decode_blocks} blocks)"
+                )
         groups: list[list[int]] = []
         total = 0
         for i, count in enumerate(block_counts):
@@ -277,19 +337,27 @@ SMALL_DECODE_BATCHES = (1, 2, 4)
 
 def _strategy(name: str) -> Callable[[int, int, int], list[int]]:
     if name not in STRATEGIES:
-        raise ValueError(f"unknown bucket strategy {name!r}; known: {', '.join(sorted(STRATEGIES))}")
+        raise ValueError(
+            f"unknown bucket strategy {name!r}; known: {', '.join(sorted(STRATEGIES))}"
+        )
     return STRATEGIES[name]
 
 
-def _prefill_buckets(limits: BucketLimits, strategy: Callable, steps: StrategySteps) -> list[PrefillBucket]:
+def _prefill_buckets(
+    limits: BucketLimits, strategy: Callable, steps: StrategySteps
+) -> list[PrefillBucket]:
     batch_sizes = strategy(1, steps.prefill_batch_step, limits.max_batch_size)
     # Prompts shorter than a block still occupy one block, so start there.
     shortest = min(limits.block_size, limits.max_input_tokens)
     seq_lens = strategy(shortest, steps.prefill_seq_step, limits.max_input_tokens)
     # A batch whose rounded-up shape is over the budget is split by split_prefill instead:
     # adding a bucket for every budget corner would cost a warmup graph per batch size.
-    return [PrefillBucket(bs, seq) for bs in batch_sizes for seq in seq_lens
-            if bs * seq <= limits.max_prefill_tokens]
+    return [
+        PrefillBucket(bs, seq)
+        for bs in batch_sizes
+        for seq in seq_lens
+        if bs * seq <= limits.max_prefill_tokens
+    ]
 
 
 def max_context_blocks(limits: BucketLimits) -> int:
@@ -298,11 +366,17 @@ def max_context_blocks(limits: BucketLimits) -> int:
     return -(-(max(limits.max_input_tokens, limits.max_prompt_tokens) - 1) // limits.block_size)
 
 
-def context_buckets(limits: BucketLimits, plain: list[PrefillBucket], contexts: list[int]) -> list[PrefillBucket]:
+def context_buckets(
+    limits: BucketLimits, plain: list[PrefillBucket], contexts: list[int]
+) -> list[PrefillBucket]:
     """The third dimension: every plain (batch, seq) bucket again with each context size whose
     rows' context blocks all fit the KV cache (the same graph budget caps the count downstream)."""
-    return [PrefillBucket(b.batch_size, b.seq_len, c) for b in plain for c in contexts
-            if b.batch_size * c <= limits.max_kv_blocks]
+    return [
+        PrefillBucket(b.batch_size, b.seq_len, c)
+        for b in plain
+        for c in contexts
+        if b.batch_size * c <= limits.max_kv_blocks
+    ]
 
 
 def small_decode_batches(top_batch: int) -> list[int]:
@@ -311,13 +385,17 @@ def small_decode_batches(top_batch: int) -> list[int]:
     return [b for b in SMALL_DECODE_BATCHES if b <= top_batch]
 
 
-def _decode_buckets(limits: BucketLimits, strategy: Callable, steps: StrategySteps) -> list[DecodeBucket]:
+def _decode_buckets(
+    limits: BucketLimits, strategy: Callable, steps: StrategySteps
+) -> list[DecodeBucket]:
     # Every sequence holds at least one block, so a batch never has more rows than
     # blocks. Capping the batch range (rather than dropping batch sizes above the cap)
     # keeps a bucket for batches of up to max_kv_blocks sequences.
     top_batch = min(limits.max_batch_size, limits.max_kv_blocks)
     buckets = []
-    for bs in sorted(set(strategy(1, steps.decode_batch_step, top_batch)) | set(small_decode_batches(top_batch))):
+    for bs in sorted(
+        set(strategy(1, steps.decode_batch_step, top_batch)) | set(small_decode_batches(top_batch))
+    ):
         top = min(bs * limits.blocks_per_sequence, limits.max_kv_blocks)
         buckets += [DecodeBucket(bs, n) for n in strategy(bs, steps.decode_block_step, top)]
     return buckets
@@ -326,12 +404,21 @@ def _decode_buckets(limits: BucketLimits, strategy: Callable, steps: StrategySte
 def default_steps(strategy: str, block_size: int) -> StrategySteps:
     if strategy in ("exponential", "padding"):
         # Powers of two for batch sizes and block counts, lengths aligned on whole KV blocks.
-        return StrategySteps(prefill_batch_step=1, prefill_seq_step=block_size, decode_batch_step=1, decode_block_step=1)
+        return StrategySteps(
+            prefill_batch_step=1,
+            prefill_seq_step=block_size,
+            decode_batch_step=1,
+            decode_block_step=1,
+        )
     return StrategySteps()
 
 
-def plan_buckets(limits: BucketLimits, strategy: str = "exponential", steps: StrategySteps | None = None,
-                 prefix_caching: bool = False) -> BucketPlan:
+def plan_buckets(
+    limits: BucketLimits,
+    strategy: str = "exponential",
+    steps: StrategySteps | None = None,
+    prefix_caching: bool = False,
+) -> BucketPlan:
     """All buckets to warm up. Guarantees: every prompt of L <= max_input_tokens has a bucket, and a
     batch of them whose rounded-up shape fits max_prefill_tokens too (others split_prefill);
     n <= max_batch_size sequences holding T blocks in total, n <= T <= min(n * blocks_per_sequence,
@@ -340,9 +427,15 @@ def plan_buckets(limits: BucketLimits, strategy: str = "exponential", steps: Str
     steps = steps or default_steps(strategy, limits.block_size)
     prefill = _prefill_buckets(limits, range_of, steps)
     top = max_context_blocks(limits)
-    if prefix_caching and top > 0:  # context blocks range like decode blocks: one block is the finest step
-        prefill += context_buckets(limits, prefill, range_of(1, max(1, steps.decode_block_step), top))
-    return BucketPlan(prefill=tuple(prefill), decode=tuple(_decode_buckets(limits, range_of, steps)))
+    if (
+        prefix_caching and top > 0
+    ):  # context blocks range like decode blocks: one block is the finest step
+        prefill += context_buckets(
+            limits, prefill, range_of(1, max(1, steps.decode_block_step), top)
+        )
+    return BucketPlan(
+        prefill=tuple(prefill), decode=tuple(_decode_buckets(limits, range_of, steps))
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -362,7 +455,9 @@ class PaddingStats:
     def __init__(self) -> None:
         self._real = dict.fromkeys(PHASES, 0)
         self._padded = dict.fromkeys(PHASES, 0)
-        self._forwards = dict.fromkeys(PHASES, 0)  # bucket runs: n > 1 siblings must cost one prefill
+        self._forwards = dict.fromkeys(
+            PHASES, 0
+        )  # bucket runs: n > 1 siblings must cost one prefill
         self.by_bucket: dict = {}  # bucket -> [forwards, real, padded]: which buckets the traffic used
 
     def _check_phase(self, phase: str) -> None:
@@ -373,13 +468,19 @@ class PaddingStats:
     def record(self, phase: str, real_tokens: int, padded_tokens: int, bucket=None) -> None:
         self._check_phase(phase)
         if not 0 <= real_tokens <= padded_tokens:
-            raise ValueError(f"need 0 <= real ({real_tokens}) <= padded ({padded_tokens}) for {phase}")
+            raise ValueError(
+                f"need 0 <= real ({real_tokens}) <= padded ({padded_tokens}) for {phase}"
+            )
         self._real[phase] += real_tokens
         self._padded[phase] += padded_tokens
         self._forwards[phase] += 1
         if bucket is not None:
             counts = self.by_bucket.setdefault(bucket, [0, 0, 0])
-            counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + real_tokens, counts[2] + padded_tokens
+            counts[0], counts[1], counts[2] = (
+                counts[0] + 1,
+                counts[1] + real_tokens,
+                counts[2] + padded_tokens,
+            )
 
     def busiest(self, count: int) -> list[tuple]:
         """The `count` buckets run most often: (bucket, forwards, real, padded), most used first."""
@@ -404,5 +505,7 @@ class PaddingStats:
         return 1.0 - self._real[phase] / padded if padded else 0.0
 
     def as_dict(self) -> dict[str, dict[str, float]]:
-        return {p: {"real": self._real[p], "padded": self._padded[p], "waste": self.waste(p)}
-                for p in PHASES}
+        return {
+            p: {"real": self._real[p], "padded": self._padded[p], "waste": self.waste(p)}
+            for p in PHASES
+        }

@@ -3,30 +3,54 @@
 Grid strategies (linear, exponential, padding) need only the limits; `file` reads the buckets from
 a JSON file; `fitted` fits them to a recorded trace under a graph budget.
 """
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from engine.buckets.grid import (STRATEGIES, BucketLimits, BucketPlan, DecodeBucket, PrefillBucket, context_buckets,
-                                exponential_range, max_context_blocks, plan_buckets)
+from engine.buckets.grid import (
+    STRATEGIES,
+    BucketLimits,
+    BucketPlan,
+    DecodeBucket,
+    PrefillBucket,
+    context_buckets,
+    exponential_range,
+    max_context_blocks,
+    plan_buckets,
+)
 
 ALL_STRATEGIES = (*sorted(STRATEGIES), "file", "fitted")
 
 
-def make_plan(strategy: str, limits: BucketLimits, shapes=None, bucket_file: str | Path | None = None,
-              max_graphs: int | None = None, prefix_caching: bool = False) -> BucketPlan:
+def make_plan(
+    strategy: str,
+    limits: BucketLimits,
+    shapes=None,
+    bucket_file: str | Path | None = None,
+    max_graphs: int | None = None,
+    prefix_caching: bool = False,
+) -> BucketPlan:
     """The buckets of `strategy`. fitted needs `shapes` (a trace); max_graphs defaults to the
     exponential plan's graph count, so fitted costs the same warmup as the default. With
     `prefix_caching`, prefill buckets gain the context dimension (engine/buckets/grid.py); fitted
     then keeps context and plain buckets together within max_graphs."""
     fitted_context = prefix_caching and strategy == "fitted" and _recorded_contexts(shapes)
     if fitted_context:
-        budget = max_graphs if max_graphs is not None else plan_buckets(limits, "exponential").graphs
-        max_graphs = budget - len(_recorded_contexts(shapes)) - 1  # room for a bucket per context, and a cover
+        budget = (
+            max_graphs if max_graphs is not None else plan_buckets(limits, "exponential").graphs
+        )
+        max_graphs = (
+            budget - len(_recorded_contexts(shapes)) - 1
+        )  # room for a bucket per context, and a cover
     plan = _make_plan(strategy, limits, shapes, bucket_file, max_graphs)
     if prefix_caching and not any(b.context_blocks for b in plan.prefill):
-        plan = fitted_context_plan(plan, limits, shapes) if fitted_context else with_context(plan, limits)
+        plan = (
+            fitted_context_plan(plan, limits, shapes)
+            if fitted_context
+            else with_context(plan, limits)
+        )
     return plan
 
 
@@ -37,14 +61,21 @@ def with_every_decode_batch(plan: BucketPlan) -> BucketPlan:
     bucket costs at warmup, and strict mode still refuses any shape outside the plan."""
     batches = sorted({b.batch_size for b in plan.decode})
     below = {size: max((s for s in batches if s < size), default=0) for size in batches}
-    extra = {DecodeBucket(n, bucket.num_blocks) for bucket in plan.decode
-             for n in range(below[bucket.batch_size] + 1, bucket.batch_size)}
+    extra = {
+        DecodeBucket(n, bucket.num_blocks)
+        for bucket in plan.decode
+        for n in range(below[bucket.batch_size] + 1, bucket.batch_size)
+    }
     decode = sorted(set(plan.decode) | extra, key=lambda b: (b.batch_size, b.num_blocks))
     return BucketPlan(plan.prefill, tuple(decode), plan.latency)
 
 
 def _recorded_contexts(shapes) -> set:
-    return {(s.batch_size, s.size, s.context_blocks) for s in shapes or () if s.phase == "prefill" and s.context_blocks}
+    return {
+        (s.batch_size, s.size, s.context_blocks)
+        for s in shapes or ()
+        if s.phase == "prefill" and s.context_blocks
+    }
 
 
 def with_context(plan: BucketPlan, limits: BucketLimits) -> BucketPlan:
@@ -54,8 +85,11 @@ def with_context(plan: BucketPlan, limits: BucketLimits) -> BucketPlan:
     if top < 1:
         return plan
     plain = [b for b in plan.prefill if not b.context_blocks]
-    return BucketPlan(plan.prefill + tuple(context_buckets(limits, plain, exponential_range(1, 1, top))), plan.decode,
-                      plan.latency)
+    return BucketPlan(
+        plan.prefill + tuple(context_buckets(limits, plain, exponential_range(1, 1, top))),
+        plan.decode,
+        plan.latency,
+    )
 
 
 def fitted_context_plan(plan: BucketPlan, limits: BucketLimits, shapes) -> BucketPlan:
@@ -68,14 +102,24 @@ def fitted_context_plan(plan: BucketPlan, limits: BucketLimits, shapes) -> Bucke
     longest, size = plan.max_prefill_seq_len, limits.block_size
     for batch, seq, context in _recorded_contexts(shapes):
         point = min(p for p in points if p >= min(context, top))
-        buckets.add(PrefillBucket(min(batch, limits.max_batch_size), min(-(-seq // size) * size, longest), point))
-    return BucketPlan(plan.prefill + tuple(sorted(buckets, key=lambda b: (b.batch_size, b.seq_len, b.context_blocks))),
-                      plan.decode, plan.latency)
+        buckets.add(
+            PrefillBucket(
+                min(batch, limits.max_batch_size), min(-(-seq // size) * size, longest), point
+            )
+        )
+    return BucketPlan(
+        plan.prefill
+        + tuple(sorted(buckets, key=lambda b: (b.batch_size, b.seq_len, b.context_blocks))),
+        plan.decode,
+        plan.latency,
+    )
 
 
 def _make_plan(strategy: str, limits: BucketLimits, shapes, bucket_file, max_graphs) -> BucketPlan:
     if strategy not in ALL_STRATEGIES:
-        raise ValueError(f"unknown bucket strategy {strategy!r}; known: {', '.join(ALL_STRATEGIES)}")
+        raise ValueError(
+            f"unknown bucket strategy {strategy!r}; known: {', '.join(ALL_STRATEGIES)}"
+        )
     if max_graphs is not None and strategy != "fitted":
         raise ValueError("--max-graphs applies to the fitted strategy only")
     if strategy == "file":
@@ -93,11 +137,15 @@ def _fitted(limits: BucketLimits, shapes, max_graphs: int | None) -> BucketPlan:
     from engine.buckets.fitted import SEQ_STEP, fit_plan  # numpy only when fitting
 
     if not shapes:
-        raise ValueError("the fitted strategy needs a trace of batch shapes (--shapes FILE.jsonl, "
-                         "recorded with `engine serve --record-shapes`)")
+        raise ValueError(
+            "the fitted strategy needs a trace of batch shapes (--shapes FILE.jsonl, "
+            "recorded with `engine serve --record-shapes`)"
+        )
     budget = max_graphs if max_graphs is not None else plan_buckets(limits, "exponential").graphs
     plan = fit_plan(limits, shapes, budget, SEQ_STEP)
-    check_plan(plan, limits, "fitted plan")  # the planner's own guarantees, checked where they matter
+    check_plan(
+        plan, limits, "fitted plan"
+    )  # the planner's own guarantees, checked where they matter
     return plan
 
 
@@ -109,9 +157,13 @@ def load_bucket_file(path: str | Path) -> BucketPlan:
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not JSON ({err.msg} at line {err.lineno})") from None
     if not isinstance(data, dict) or not {"prefill_buckets", "decode_buckets"} <= set(data):
-        raise ValueError(f'{path}: expected {{"prefill_buckets": [[bs, seq], ...], "decode_buckets": [[bs, blocks], ...]}}')
-    return BucketPlan(tuple(_buckets(path, data["prefill_buckets"], PrefillBucket)),
-                      tuple(_buckets(path, data["decode_buckets"], DecodeBucket)))
+        raise ValueError(
+            f'{path}: expected {{"prefill_buckets": [[bs, seq], ...], "decode_buckets": [[bs, blocks], ...]}}'
+        )
+    return BucketPlan(
+        tuple(_buckets(path, data["prefill_buckets"], PrefillBucket)),
+        tuple(_buckets(path, data["decode_buckets"], DecodeBucket)),
+    )
 
 
 def _buckets(path, pairs, kind) -> list:
@@ -120,8 +172,10 @@ def _buckets(path, pairs, kind) -> list:
         try:
             bucket = kind(*pair)
         except (TypeError, ValueError):
-            raise ValueError(f"{path}: {kind.__name__} {pair!r} is not two positive integers "
-                             "(a prefill bucket may add its context blocks as a third)") from None
+            raise ValueError(
+                f"{path}: {kind.__name__} {pair!r} is not two positive integers "
+                "(a prefill bucket may add its context blocks as a third)"
+            ) from None
         if bucket not in out:
             out.append(bucket)
     return out
@@ -130,16 +184,28 @@ def _buckets(path, pairs, kind) -> list:
 def plan_problems(plan: BucketPlan, limits: BucketLimits) -> list[str]:
     """What makes a plan unusable under the limits: buckets beyond them, or shapes within them that
     no bucket (or split) could run."""
-    problems = [f"prefill bucket {_shape(b)} is beyond the limits" + why
-                for b in plan.prefill for why in [_prefill_beyond(b, limits)] if why]
-    problems += [f"decode bucket [{b.batch_size}, {b.num_blocks}] is beyond the limits" + why
-                 for b in plan.decode for why in [_decode_beyond(b, limits)] if why]
+    problems = [
+        f"prefill bucket {_shape(b)} is beyond the limits" + why
+        for b in plan.prefill
+        for why in [_prefill_beyond(b, limits)]
+        if why
+    ]
+    problems += [
+        f"decode bucket [{b.batch_size}, {b.num_blocks}] is beyond the limits" + why
+        for b in plan.decode
+        for why in [_decode_beyond(b, limits)]
+        if why
+    ]
     if plan.prefill_bucket(1, limits.max_input_tokens) is None:
-        problems.append(f"no prefill bucket holds a prompt of max_input_tokens={limits.max_input_tokens}")
+        problems.append(
+            f"no prefill bucket holds a prompt of max_input_tokens={limits.max_input_tokens}"
+        )
     bps, kv = limits.blocks_per_sequence, limits.max_kv_blocks
     for n in range(1, min(limits.max_batch_size, kv) + 1):
         if plan.decode_bucket(n, min(n * bps, kv)) is None:
-            problems.append(f"no decode bucket holds {n} sequences of {min(n * bps, kv)} blocks in all")
+            problems.append(
+                f"no decode bucket holds {n} sequences of {min(n * bps, kv)} blocks in all"
+            )
             break
     return problems
 

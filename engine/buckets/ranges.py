@@ -3,10 +3,11 @@
 Published strategies (linear, exponential, padding-aware) as pure functions of (min, step, max):
 standard library only, so planning never imports torch.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 
 def _require_positive(name: str, value: object) -> None:
@@ -26,6 +27,7 @@ def _check_range_args(min_value: int, step: int, max_value: int) -> None:
 # ---------------------------------------------------------------------------------------
 # Range strategies: the values one dimension (batch, length, blocks) is bucketed on.
 # ---------------------------------------------------------------------------------------
+
 
 def linear_range(min_value: int, step: int, max_value: int) -> list[int]:
     """vLLM-Gaudi's "warmup_range": double from min_value while below step, then add step.
@@ -57,7 +59,7 @@ def _covers(candidate: int, min_value: int, max_value: int, i: int, n_minus_1: i
     Raised to the n_minus_1-th power this is pure integer arithmetic; floats get it
     wrong (32 ** (4/5) == 16.000000000000004 would round up to 17, not 16).
     """
-    return candidate ** n_minus_1 * min_value ** i >= max_value ** i * min_value ** n_minus_1
+    return candidate**n_minus_1 * min_value**i >= max_value**i * min_value**n_minus_1
 
 
 def _exponential_point(min_value: int, step: int, max_value: int, i: int, n_minus_1: int) -> int:
@@ -72,7 +74,9 @@ def _exponential_point(min_value: int, step: int, max_value: int, i: int, n_minu
     return min(k * step, max_value)
 
 
-def exponential_range(min_value: int, step: int, max_value: int, count: int | None = None) -> list[int]:
+def exponential_range(
+    min_value: int, step: int, max_value: int, count: int | None = None
+) -> list[int]:
     """vLLM-Gaudi's exponential strategy: count points spaced geometrically from min to max.
 
     Point i is min * (max/min) ** (i/(count-1)), rounded up to a multiple of step (shapes
@@ -89,7 +93,9 @@ def exponential_range(min_value: int, step: int, max_value: int, count: int | No
     # (max-1).bit_length() == ceil(log2(max)) for max >= 1, without float log.
     n = count if count is not None else max(2, (max_value - 1).bit_length() + 1)
     if n < 2:
-        raise ValueError(f"count must be >= 2 when min_value ({min_value}) < max_value ({max_value}), got {n}")
+        raise ValueError(
+            f"count must be >= 2 when min_value ({min_value}) < max_value ({max_value}), got {n}"
+        )
     values = {min_value, max_value}
     for i in range(1, n - 1):
         values.add(_exponential_point(min_value, step, max_value, i, n - 1))
@@ -99,7 +105,9 @@ def exponential_range(min_value: int, step: int, max_value: int, count: int | No
 DEFAULT_PADDING_BOUND = 0.25
 
 
-def padding_range(min_value: int, step: int, max_value: int, bound: float = DEFAULT_PADDING_BOUND) -> list[int]:
+def padding_range(
+    min_value: int, step: int, max_value: int, bound: float = DEFAULT_PADDING_BOUND
+) -> list[int]:
     """Padding-aware: the fewest of linear_range's values such that a value padded up to its bucket
     loses at most `bound` of the bucket, wherever that grid allows it.
 

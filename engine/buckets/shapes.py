@@ -6,6 +6,7 @@ One line per forward request the runner received, before any bucket padding or s
   {"phase": "decode", "batch_size": b, "num_blocks": k}    k: KV blocks of the whole batch
 Standard library only: the `buckets` command reads traces without importing torch.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,13 +20,17 @@ SIZE_KEY = {"prefill": "seq_len", "decode": "num_blocks"}
 
 @dataclass(frozen=True)
 class Shape:
-    phase: str        # "prefill" or "decode"
-    batch_size: int   # real rows of the batch
-    size: int         # prefill: longest prompt in tokens; decode: KV blocks of the whole batch
+    phase: str  # "prefill" or "decode"
+    batch_size: int  # real rows of the batch
+    size: int  # prefill: longest prompt in tokens; decode: KV blocks of the whole batch
     context_blocks: int = 0  # prefill: most cached context blocks of a row (prefix cache, chunks)
 
     def as_json(self) -> dict:
-        record = {"phase": self.phase, "batch_size": self.batch_size, SIZE_KEY[self.phase]: self.size}
+        record = {
+            "phase": self.phase,
+            "batch_size": self.batch_size,
+            SIZE_KEY[self.phase]: self.size,
+        }
         if self.context_blocks:
             record["context_blocks"] = self.context_blocks
         return record
@@ -53,7 +58,9 @@ def parse_shape(text: str) -> Shape:
     if phase != "prefill" and "context_blocks" in record:
         raise ValueError("context_blocks belongs to prefill records only")
     if not isinstance(context, int) or isinstance(context, bool) or context < 0:
-        raise ValueError(f"prefill record needs a non-negative integer 'context_blocks', got {context!r}")
+        raise ValueError(
+            f"prefill record needs a non-negative integer 'context_blocks', got {context!r}"
+        )
     return Shape(phase, record["batch_size"], record[key], context)
 
 
@@ -74,7 +81,9 @@ def load_shapes(path: str | Path) -> list[Shape]:
 def count_shapes(shapes, phase: str) -> Counter:
     """(batch_size, size) -> occurrences, for one phase (prefills without context: those with
     context are planned by engine.buckets.plan.fitted_context_plan)."""
-    return Counter((s.batch_size, s.size) for s in shapes if s.phase == phase and not s.context_blocks)
+    return Counter(
+        (s.batch_size, s.size) for s in shapes if s.phase == phase and not s.context_blocks
+    )
 
 
 class ShapeRecorder:

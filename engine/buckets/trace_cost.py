@@ -6,6 +6,7 @@ profile), so the cost here is that same optimal split of b equal rows. A decode 
 in the bucket with the fewest rows, then fewest blocks, that holds it; one that no bucket holds is
 split as the runner splits it, with the k blocks spread evenly over the rows.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -16,21 +17,30 @@ from engine.buckets.grid import BucketLimits, BucketPlan
 
 @dataclass
 class PhaseCost:
-    real: int = 0            # prefill: tokens (b x s); decode: rows
+    real: int = 0  # prefill: tokens (b x s); decode: rows
     padded: int = 0
-    real_blocks: int = 0     # decode only
+    real_blocks: int = 0  # decode only
     padded_blocks: int = 0
-    outside: Counter = field(default_factory=Counter)  # reason -> shapes outside the limits (not counted above)
+    outside: Counter = field(
+        default_factory=Counter
+    )  # reason -> shapes outside the limits (not counted above)
 
     @staticmethod
     def ratio(real: int, padded: int) -> float:
         return 1.0 - real / padded if padded else 0.0
 
     def as_dict(self, decode: bool) -> dict:
-        out = {"real": self.real, "padded": self.padded, "waste": self.ratio(self.real, self.padded)}
+        out = {
+            "real": self.real,
+            "padded": self.padded,
+            "waste": self.ratio(self.real, self.padded),
+        }
         if decode:
-            out.update(real_blocks=self.real_blocks, padded_blocks=self.padded_blocks,
-                       block_waste=self.ratio(self.real_blocks, self.padded_blocks))
+            out.update(
+                real_blocks=self.real_blocks,
+                padded_blocks=self.padded_blocks,
+                block_waste=self.ratio(self.real_blocks, self.padded_blocks),
+            )
         out["outside_limits"] = sum(self.outside.values())
         out["outside_reasons"] = dict(self.outside)
         return out
@@ -67,9 +77,15 @@ def uniform_prefill_tokens(plan: BucketPlan, rows: int, seq_len: int) -> int | N
         return None
     best = [(0.0, 0, 0)]  # rows done -> (cost, forwards, padded tokens)
     for done in range(1, rows + 1):
-        options = [(best[done - k][0] + plan._cost(bucket_for[k]), best[done - k][1] + 1,
-                    best[done - k][2] + bucket_for[k].tokens)
-                   for k in range(1, min(done, top) + 1) if bucket_for[k] is not None]
+        options = [
+            (
+                best[done - k][0] + plan._cost(bucket_for[k]),
+                best[done - k][1] + 1,
+                best[done - k][2] + bucket_for[k].tokens,
+            )
+            for k in range(1, min(done, top) + 1)
+            if bucket_for[k] is not None
+        ]
         best.append(min(options))
     return best[rows][2]
 

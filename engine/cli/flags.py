@@ -14,8 +14,9 @@ import dataclasses
 import os
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 ON_OFF = ("on", "off")
 
@@ -69,7 +70,7 @@ class Flag:
         text = self.meta["text"] or str
         return [self.flag, text(value)]
 
-    def same_as(self, other: "Flag") -> bool:
+    def same_as(self, other: Flag) -> bool:
         keys = ("help", "choices", "env", "switch", "repeat", "secret", "required")
         return (
             self.flags == other.flags

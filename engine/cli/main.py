@@ -2,6 +2,7 @@
 
 The offline commands that drive the router's scheduler in process (`generate`, `bench`) sit a
 layer above, in launcher/offline_cli.py (`bucketserve generate|bench`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,6 @@ from engine.cli.flags import add_knob_flags, config_from_args
 from engine.cli.logs import configure_logging
 from engine.config import EngineConfig, env_int
 from engine.errors import BucketserveError
-
 
 EXIT_USAGE = 2
 
@@ -46,8 +46,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     settings = server_config(args)
     config = engine_config(args)
     # The model loads before the socket exists: a launcher that waits for the socket then finds a ready shard.
-    shard = Shard(config, rank=settings.rank, world_size=settings.world_size, show_progress=args.verbose)
-    preflight(config, shard.fingerprint())  # a bad profile or trace fails now, not at the router's Warmup
+    shard = Shard(
+        config, rank=settings.rank, world_size=settings.world_size, show_progress=args.verbose
+    )
+    preflight(
+        config, shard.fingerprint()
+    )  # a bad profile or trace fails now, not at the router's Warmup
     asyncio.run(serve(shard, settings))
 
 
@@ -58,23 +62,37 @@ def server_config(args: argparse.Namespace):
 
     rank, world_size = env_int("RANK"), env_int("WORLD_SIZE")
     config = engine_config(args)
-    return ServerConfig(uds_path=args.uds_path or ServerConfig.uds_path, port=args.port,
-                        rank=0 if rank is None else rank,
-                        world_size=1 if world_size is None else world_size,
-                        max_batch_size=config.max_batch_size, hostname=args.hostname,
-                        parent_pid=env_int("BUCKETSERVE_PARENT_PID"),
-                        otlp_endpoint=config.otlp_endpoint)
+    return ServerConfig(
+        uds_path=args.uds_path or ServerConfig.uds_path,
+        port=args.port,
+        rank=0 if rank is None else rank,
+        world_size=1 if world_size is None else world_size,
+        max_batch_size=config.max_batch_size,
+        hostname=args.hostname,
+        parent_pid=env_int("BUCKETSERVE_PARENT_PID"),
+        otlp_endpoint=config.otlp_endpoint,
+    )
 
 
 def add_serve_command(commands) -> None:
-    srv = commands.add_parser("serve", help="serve one shard over gRPC (TGI generate.v3)",
-                              description="Serve one shard on unix://BASE-RANK. RANK and WORLD_SIZE come from the "
-                                          "environment; --max-batch-size defaults to $MAX_BATCH_SIZE, else 32.")
+    srv = commands.add_parser(
+        "serve",
+        help="serve one shard over gRPC (TGI generate.v3)",
+        description="Serve one shard on unix://BASE-RANK. RANK and WORLD_SIZE come from the "
+        "environment; --max-batch-size defaults to $MAX_BATCH_SIZE, else 32.",
+    )
     add_engine_args(srv)
-    srv.add_argument("--uds-path", help="socket base path; rank r listens on BASE-r (default: /tmp/text-generation-server)")
+    srv.add_argument(
+        "--uds-path",
+        help="socket base path; rank r listens on BASE-r (default: /tmp/text-generation-server)",
+    )
     srv.add_argument("--port", type=int, help="also listen on this TCP port")
-    srv.add_argument("--hostname", default="127.0.0.1", help="the TCP port's address (default: loopback only)")
-    srv.add_argument("--log-level", choices=["debug", "info", "warning"], help="debug: one line per RPC")
+    srv.add_argument(
+        "--hostname", default="127.0.0.1", help="the TCP port's address (default: loopback only)"
+    )
+    srv.add_argument(
+        "--log-level", choices=["debug", "info", "warning"], help="debug: one line per RPC"
+    )
     srv.set_defaults(func=cmd_serve)
 
 

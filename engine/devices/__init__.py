@@ -1,6 +1,7 @@
 """Device adapters (HPU, CUDA/ROCm, XPU, CPU) and the device probes: the only place vendor libraries
 are imported, lazily, so that asking for one device never imports another vendor's stack. Imports
 engine.attention (kernels it replaces), engine.errors and its own modules."""
+
 from __future__ import annotations
 
 import importlib
@@ -29,15 +30,20 @@ def choose_device(requested: str, world_size: int = 1, probe=None) -> str:
         return requested
     from engine.devices import probe as probes
 
-    return probes.resolve_device("auto", world_size, os.environ, available_devices,
-                                 probe=probe or probes.probe_devices).name
+    return probes.resolve_device(
+        "auto", world_size, os.environ, available_devices, probe=probe or probes.probe_devices
+    ).name
 
 
-def get_adapter(name: str, graph_mode: str | None = None, strict_shapes: bool = True, **options) -> DeviceAdapter:
+def get_adapter(
+    name: str, graph_mode: str | None = None, strict_shapes: bool = True, **options
+) -> DeviceAdapter:
     """The adapter for device `name` (or "auto"). `options`: rank, world_size, cache_dir.
     A device whose library or hardware is missing raises DeviceError naming what is missing."""
     name = choose_device(name, options.get("world_size", 1))
     if name not in _ADAPTERS:
         raise ValueError(f"unknown device {name!r} (available: {', '.join(available_devices())})")
     module, cls = _ADAPTERS[name]
-    return getattr(importlib.import_module(module), cls)(graph_mode=graph_mode, strict_shapes=strict_shapes, **options)
+    return getattr(importlib.import_module(module), cls)(
+        graph_mode=graph_mode, strict_shapes=strict_shapes, **options
+    )

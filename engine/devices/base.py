@@ -1,11 +1,12 @@
 """What the bucket scheduler needs from a device, and the registry of warmed shapes."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Callable, Hashable
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Callable, Hashable
 
 import torch
 
@@ -20,7 +21,9 @@ class ShapeRegistry:
     def __init__(self, strict: bool):
         self.strict = strict
         self.warmed: set[Hashable] = set()
-        self.without_graph: set[Hashable] = set()  # warmed, but run without a graph (graph memory budget)
+        self.without_graph: set[Hashable] = (
+            set()
+        )  # warmed, but run without a graph (graph memory budget)
         self.unwarmed: Counter = Counter()  # shape -> forwards run at it without warmup
 
     def mark_warmed(self, shape: Hashable, graph: bool = True) -> None:
@@ -47,19 +50,38 @@ class DeviceAdapter(ABC):
     default_block_size: int = 16
     graph_modes: tuple[str, ...] = ("eager",)
     default_graph_mode: str = "eager"
-    default_lora_impl: str = "dense"  # engine/layers/lora.py: static shapes, safe in graphs and buckets
-    default_moe_impl: str = "dense"   # engine/layers/moe.py: every expert over every token, graph-friendly
-    quantize_modes: tuple[str, ...] = ()  # --quantize modes besides none (engine/weights/quantize.py)
-    step_marker: Callable[[], None] | None = None        # installed around forwards (HPU lazy mode)
-    attention_backend: AttentionBackend | None = None    # None: pure torch attention
-    graph_budget = None  # engine.warmup.budget.GraphBudget, set by the shard when graphs are captured
-    own_memory: bool = True  # memory_info() is this device's, so warmup's memory figures are this shard's
+    default_lora_impl: str = (
+        "dense"  # engine/layers/lora.py: static shapes, safe in graphs and buckets
+    )
+    default_moe_impl: str = (
+        "dense"  # engine/layers/moe.py: every expert over every token, graph-friendly
+    )
+    quantize_modes: tuple[
+        str, ...
+    ] = ()  # --quantize modes besides none (engine/weights/quantize.py)
+    step_marker: Callable[[], None] | None = None  # installed around forwards (HPU lazy mode)
+    attention_backend: AttentionBackend | None = None  # None: pure torch attention
+    graph_budget = (
+        None  # engine.warmup.budget.GraphBudget, set by the shard when graphs are captured
+    )
+    own_memory: bool = (
+        True  # memory_info() is this device's, so warmup's memory figures are this shard's
+    )
 
-    def __init__(self, graph_mode: str | None = None, strict_shapes: bool = True, *, rank: int = 0,
-                 world_size: int = 1, cache_dir: Path | None = None):
+    def __init__(
+        self,
+        graph_mode: str | None = None,
+        strict_shapes: bool = True,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        cache_dir: Path | None = None,
+    ):
         graph_mode = graph_mode or self.default_graph_mode
         if graph_mode not in self.graph_modes:
-            raise ValueError(f"graph mode {graph_mode!r} is not available on {self.name} (choose from {', '.join(self.graph_modes)})")
+            raise ValueError(
+                f"graph mode {graph_mode!r} is not available on {self.name} (choose from {', '.join(self.graph_modes)})"
+            )
         self.graph_mode = graph_mode
         self.rank, self.world_size, self.cache_dir = rank, world_size, cache_dir
         self.shapes = ShapeRegistry(strict_shapes)
@@ -167,5 +189,7 @@ class DeviceAdapter(ABC):
 
 
 def kind_of(shape: Hashable) -> str:
-    """"prefill", "decode", ... : the runner's shape keys are (kind, bucket)."""
-    return shape[0] if isinstance(shape, tuple) and shape and isinstance(shape[0], str) else "forward"
+    """ "prefill", "decode", ... : the runner's shape keys are (kind, bucket)."""
+    return (
+        shape[0] if isinstance(shape, tuple) and shape and isinstance(shape[0], str) else "forward"
+    )

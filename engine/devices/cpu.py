@@ -30,7 +30,9 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
     default_block_size = 16
     own_memory = False  # system memory: what other processes do moves it more than this shard does
     graph_modes = ("eager", "compile")
-    default_lora_impl = "dense"  # one GEMM per projection for all adapters beats per-token gathers on CPU
+    default_lora_impl = (
+        "dense"  # one GEMM per projection for all adapters beats per-token gathers on CPU
+    )
     # int8/int4: PyTorch's packed CPU kernels; fp8: loading and the dequantizing reference (tests)
     quantize_modes = ("int8", "int4", "fp8")
 
@@ -41,8 +43,14 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
     def auto_dtype(self) -> tuple[torch.dtype, str]:
         """bfloat16 where the CPU multiplies it natively (AVX512-BF16 or AMX): about twice float32's
         GEMM rate and half its weight traffic. Elsewhere bfloat16 is emulated and slower: float32."""
-        features = [name for name, has in (("AVX512-BF16", torch.cpu._is_avx512_bf16_supported()),
-                                           ("AMX", torch.cpu._is_amx_tile_supported())) if has]
+        features = [
+            name
+            for name, has in (
+                ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported()),
+                ("AMX", torch.cpu._is_amx_tile_supported()),
+            )
+            if has
+        ]
         if features:
             # As torch reports it: a virtual machine may list AMX tiles that it does not run (this
             # repository's does); AVX512-BF16 alone already makes bfloat16 the faster choice.

@@ -11,6 +11,7 @@ to 32 rows. float32 is left as it is: there packing was slower at small batches.
 The packed tensor replaces the plain weight (same bytes). The vocabulary matrices stay plain: the
 LM head gained nothing packed, and the tied embedding needs plain rows for its lookup.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,7 +27,9 @@ class PackedBf16Weight(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         # The batch-size hint 1 favours decode; prefill's large batches run about as fast as F.linear.
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1))
+        self.register_buffer(
+            "packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+        )
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -42,8 +45,12 @@ def pack_linear_weights(model: nn.Module) -> int:
     """Pack every plain bfloat16 decoder projection of `model` in place; the number packed."""
     packed = 0
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.quantized is None \
-                and module.weight is not None and module.weight.dtype == torch.bfloat16:
+        if (
+            isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+            and module.quantized is None
+            and module.weight is not None
+            and module.weight.dtype == torch.bfloat16
+        ):
             module.quantized = PackedBf16Weight(module.weight)
             module.register_parameter("weight", None)
             packed += 1

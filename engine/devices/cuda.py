@@ -4,6 +4,7 @@ Graph modes: "graphs" (default) captures a CUDA graph per decode bucket after th
 warmup run and replays it every decode step; prefill stays eager (its buckets are few and large,
 launch overhead is negligible there). "eager" and "compile" (torch.compile per bucket) as on CPU.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,12 @@ class CUDAAdapter(DeviceAdapter):
     default_block_size = 16
     graph_modes = ("graphs", "eager", "compile")
     default_graph_mode = "graphs"
-    default_moe_impl = "gather"  # per-token expert weights: arithmetic does not grow with the experts
-    default_lora_impl = "gather"  # per-token adapter weights: cost does not grow with the adapters loaded
+    default_moe_impl = (
+        "gather"  # per-token expert weights: arithmetic does not grow with the experts
+    )
+    default_lora_impl = (
+        "gather"  # per-token adapter weights: cost does not grow with the adapters loaded
+    )
     torch_device_type = "cuda"
 
     def __init__(self, graph_mode: str | None = None, strict_shapes: bool = True, **options):
@@ -71,9 +76,15 @@ class CUDAAdapter(DeviceAdapter):
 
     def forward(self, shape, fn, args, warming):
         kind = kind_of(shape)
-        graphed = self.graph_mode == "graphs" and kind in GRAPHED_KINDS and shape not in self.shapes.without_graph
+        graphed = (
+            self.graph_mode == "graphs"
+            and kind in GRAPHED_KINDS
+            and shape not in self.shapes.without_graph
+        )
         if graphed and warming:
-            out = fn(*args)  # the eager run first: lazy initialisation (cuBLAS, allocator) stays out of the graph
+            out = fn(
+                *args
+            )  # the eager run first: lazy initialisation (cuBLAS, allocator) stays out of the graph
             self.synchronize()
             self.graphs.capture(shape, fn, args)
             self.stats[("capture", kind)] += 1
@@ -97,6 +108,8 @@ def require_compiler() -> None:
     CUDA "-runtime" images lack: say so at start rather than at the first bucket's compile."""
     candidates = [os.environ.get("CC", ""), "cc", "gcc", "clang"]
     if not any(name and shutil.which(name) for name in candidates):
-        raise DeviceError("--graph-mode compile needs a C compiler to build its GPU kernels and none was found "
-                          "(no $CC, cc, gcc or clang on PATH): use an image with one (Dockerfile_cuda's -devel "
-                          "base) or --graph-mode graphs")
+        raise DeviceError(
+            "--graph-mode compile needs a C compiler to build its GPU kernels and none was found "
+            "(no $CC, cc, gcc or clang on PATH): use an image with one (Dockerfile_cuda's -devel "
+            "base) or --graph-mode graphs"
+        )

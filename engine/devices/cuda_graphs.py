@@ -5,10 +5,11 @@ bucket keeps its own input tensors (the ones warmup captured with) and every ste
 inputs into them before replaying. All graphs draw from one memory pool: captured largest bucket
 first, the smaller ones reuse its memory instead of each holding their own.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Callable, Hashable
 
 import torch
 
@@ -17,9 +18,9 @@ from engine.devices.graph_inputs import check_tensor_inputs, copy_into
 
 @dataclass
 class Captured:
-    graph: object          # torch.cuda.CUDAGraph
-    inputs: tuple          # the static buffers the graph reads
-    output: torch.Tensor   # the static buffer the graph writes
+    graph: object  # torch.cuda.CUDAGraph
+    inputs: tuple  # the static buffers the graph reads
+    output: torch.Tensor  # the static buffer the graph writes
 
 
 class GraphSet:

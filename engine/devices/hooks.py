@@ -5,10 +5,11 @@ before they communicate. With no marker installed (CPU, CUDA, XPU, HPU compile m
 nothing. An adapter installs its marker only for the duration of its own forwards, so two adapters
 in one process (as in the tests) never see each other's marker.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 _marker: Callable[[], None] | None = None
 

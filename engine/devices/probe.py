@@ -7,6 +7,7 @@ machine without the stack gets its error at once.
 
 `python -m engine.devices.probe cuda hpu` prints the probes as JSON (what the child runs).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -14,16 +15,19 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 from engine.errors import BucketserveError
 
-
 DEVICES = ("auto", "cpu", "cuda", "hpu", "xpu")
 ACCELERATORS = ("hpu", "cuda", "xpu")  # auto's order of preference
-VISIBILITY_VARS = {"cuda": "CUDA_VISIBLE_DEVICES", "rocm": "HIP_VISIBLE_DEVICES",
-                   "hpu": "HABANA_VISIBLE_MODULES", "xpu": "ZE_AFFINITY_MASK"}
+VISIBILITY_VARS = {
+    "cuda": "CUDA_VISIBLE_DEVICES",
+    "rocm": "HIP_VISIBLE_DEVICES",
+    "hpu": "HABANA_VISIBLE_MODULES",
+    "xpu": "ZE_AFFINITY_MASK",
+}
 PROBE_TIMEOUT_S = 120  # the first HPU initialisation of a boot is slow
 
 
@@ -35,14 +39,15 @@ class DeviceError(BucketserveError):
 class Probe:
     device: str
     usable: bool
-    reason: str = ""      # why not, when not usable
-    count: int = 0        # devices visible to this process
-    rocm: bool = False    # a ROCm build of torch answers for "cuda"
+    reason: str = ""  # why not, when not usable
+    count: int = 0  # devices visible to this process
+    rocm: bool = False  # a ROCm build of torch answers for "cuda"
 
 
 @dataclass(frozen=True)
 class DevicePlan:
     """The device every shard runs on, and the device index each rank is given."""
+
     name: str
     visibility_var: str | None = None
     ids: tuple[str, ...] = ()
@@ -59,7 +64,10 @@ class DevicePlan:
 def _child_environment() -> dict[str, str]:
     """The environment of a child Python that must import this same engine package."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
 
 
 # --- the probes (run in the child) -------------------------------------------------------------
@@ -67,7 +75,9 @@ def _child_environment() -> dict[str, str]:
 
 def probe_hpu() -> Probe:
     if importlib.util.find_spec("habana_frameworks") is None:
-        return Probe("hpu", False, "habana_frameworks is not installed (it ships in Habana's PyTorch images)")
+        return Probe(
+            "hpu", False, "habana_frameworks is not installed (it ships in Habana's PyTorch images)"
+        )
     import habana_frameworks.torch  # noqa: F401 - registers torch.hpu
     import torch
 
@@ -80,9 +90,13 @@ def probe_cuda() -> Probe:
     import torch
 
     if not torch.backends.cuda.is_built():
-        return Probe("cuda", False, f"this torch ({torch.__version__}) is built without CUDA or ROCm")
+        return Probe(
+            "cuda", False, f"this torch ({torch.__version__}) is built without CUDA or ROCm"
+        )
     if not torch.cuda.is_available():
-        return Probe("cuda", False, "no CUDA or ROCm device is visible (torch.cuda.is_available() is False)")
+        return Probe(
+            "cuda", False, "no CUDA or ROCm device is visible (torch.cuda.is_available() is False)"
+        )
     return Probe("cuda", True, count=torch.cuda.device_count(), rocm=torch.version.hip is not None)
 
 
@@ -92,7 +106,9 @@ def probe_xpu() -> Probe:
     if not hasattr(torch, "xpu") or not torch.xpu._is_compiled():
         return Probe("xpu", False, f"this torch ({torch.__version__}) is built without XPU support")
     if not torch.xpu.is_available():
-        return Probe("xpu", False, "no Intel XPU device is visible (torch.xpu.is_available() is False)")
+        return Probe(
+            "xpu", False, "no Intel XPU device is visible (torch.xpu.is_available() is False)"
+        )
     return Probe("xpu", True, count=torch.xpu.device_count())
 
 
@@ -141,10 +157,17 @@ def probe_in_child(devices: tuple[str, ...]) -> list[Probe]:
     """The probes that need the vendor stack, run in a child so the launcher never holds a device."""
     command = [sys.executable, "-m", "engine.devices.probe", *devices]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
-                              env=_child_environment())
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            env=_child_environment(),
+        )
     except subprocess.TimeoutExpired:
-        raise DeviceError(f"probing {', '.join(devices)} took over {PROBE_TIMEOUT_S}s: is the device hung?") from None
+        raise DeviceError(
+            f"probing {', '.join(devices)} took over {PROBE_TIMEOUT_S}s: is the device hung?"
+        ) from None
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise DeviceError(f"probing {', '.join(devices)} failed: {last}")
@@ -158,8 +181,14 @@ def probe_devices(devices: tuple[str, ...]) -> list[Probe]:
     return [known[d] or found[d] for d in devices]
 
 
-def resolve_device(requested: str, num_shard: int, environ, list_adapters: Callable[[], list[str]],
-                   probe=probe_devices, warn=lambda message: None) -> DevicePlan:
+def resolve_device(
+    requested: str,
+    num_shard: int,
+    environ,
+    list_adapters: Callable[[], list[str]],
+    probe=probe_devices,
+    warn=lambda message: None,
+) -> DevicePlan:
     """The device plan for --device; a DeviceError (one line) when it cannot be used for num_shard ranks.
     `list_adapters` names the devices the engine has adapters for (called only when needed: it imports torch)."""
     if requested not in DEVICES:
@@ -173,8 +202,10 @@ def resolve_device(requested: str, num_shard: int, environ, list_adapters: Calla
     if not found.usable:
         raise DeviceError(f"--device {requested} is not usable here: {found.reason}")
     if requested not in adapters:
-        raise DeviceError(f"--device {requested}: the device is present but this engine has no {requested} "
-                          f"adapter yet (available: {', '.join(adapters)})")
+        raise DeviceError(
+            f"--device {requested}: the device is present but this engine has no {requested} "
+            f"adapter yet (available: {', '.join(adapters)})"
+        )
     return plan_for(found, num_shard, environ)
 
 
@@ -183,17 +214,25 @@ def auto_plan(found: list[Probe], num_shard: int, environ, adapters: list[str], 
     for p in usable:
         if p.device in adapters:
             return plan_for(p, num_shard, environ)
-        warn(f"a {p.device} device is present but this engine has no {p.device} adapter yet: not using it")
+        warn(
+            f"a {p.device} device is present but this engine has no {p.device} adapter yet: not using it"
+        )
     return cpu_plan(num_shard, environ)
 
 
 def plan_for(found: Probe, num_shard: int, environ) -> DevicePlan:
     var = VISIBILITY_VARS["rocm" if found.rocm else found.device]
     if found.count < num_shard:
-        raise DeviceError(f"--num-shard {num_shard} needs {num_shard} {found.device} devices, {found.count} visible")
+        raise DeviceError(
+            f"--num-shard {num_shard} needs {num_shard} {found.device} devices, {found.count} visible"
+        )
     # Honour a list the user already narrowed (CUDA_VISIBLE_DEVICES=2,3): rank r gets its r-th entry.
     preset = [i.strip() for i in environ.get(var, "").split(",") if i.strip()]
-    ids = tuple(preset[:num_shard]) if len(preset) >= num_shard else tuple(str(r) for r in range(num_shard))
+    ids = (
+        tuple(preset[:num_shard])
+        if len(preset) >= num_shard
+        else tuple(str(r) for r in range(num_shard))
+    )
     if found.device == "hpu":
         return hpu_plan(ids, num_shard, environ)
     return DevicePlan(found.device, var, ids)
@@ -207,7 +246,9 @@ def hpu_plan(ids: tuple[str, ...], num_shard: int, environ) -> DevicePlan:
     from engine.devices.hpu.vars import launch_environment
 
     extra = launch_environment("graphs", num_shard, default_cache_dir(), environ)
-    return DevicePlan("hpu", VISIBILITY_VARS["hpu"], ids, tuple(sorted(extra.items())), shared_list=True)
+    return DevicePlan(
+        "hpu", VISIBILITY_VARS["hpu"], ids, tuple(sorted(extra.items())), shared_list=True
+    )
 
 
 def cpu_plan(num_shard: int, environ) -> DevicePlan:

@@ -2,6 +2,7 @@
 xccl or the oneCCL bindings): no Intel Extension for PyTorch needed. When IPEX is installed it is
 imported, which registers its optimised kernels for the ops the model calls. Eager, or
 torch.compile per bucket."""
+
 from __future__ import annotations
 
 import importlib
@@ -37,7 +38,11 @@ class XPUAdapter(CompiledGraphs, DeviceAdapter):
         if self.world_size > 1:
             check_backend(self.dist_backend, torch.__version__)
         self.ipex = optional_module(IPEX)
-        log.info("xpu: %s, collectives over %s", "IPEX kernels" if self.ipex else "native torch.xpu", self.dist_backend)
+        log.info(
+            "xpu: %s, collectives over %s",
+            "IPEX kernels" if self.ipex else "native torch.xpu",
+            self.dist_backend,
+        )
 
     @property
     def torch_device(self) -> torch.device:
@@ -55,7 +60,7 @@ class XPUAdapter(CompiledGraphs, DeviceAdapter):
 
 
 def distributed_backend() -> str:
-    """"ccl" when the oneCCL bindings are installed (importing them registers it), else torch's
+    """ "ccl" when the oneCCL bindings are installed (importing them registers it), else torch's
     native "xccl"."""
     return "ccl" if optional_module(ONECCL_BINDINGS) is not None else "xccl"
 
@@ -63,8 +68,10 @@ def distributed_backend() -> str:
 def check_backend(backend: str, torch_version: str) -> None:
     """torch's own "xccl" backend arrived in torch 2.7; before it, only the oneCCL bindings ("ccl")."""
     if backend == "xccl" and version_tuple(torch_version) < XCCL_SINCE:
-        raise DeviceError(f"--num-shard > 1 on xpu needs collectives: torch {torch_version} has no xccl "
-                          f"(torch >= 2.7 does); install {ONECCL_BINDINGS} or a newer torch")
+        raise DeviceError(
+            f"--num-shard > 1 on xpu needs collectives: torch {torch_version} has no xccl "
+            f"(torch >= 2.7 does); install {ONECCL_BINDINGS} or a newer torch"
+        )
 
 
 def version_tuple(version: str) -> tuple[int, int]:

@@ -1,4 +1,5 @@
 """The MLP activations of the checkpoints we serve, by their config.json names."""
+
 from functools import partial
 
 import torch.nn.functional as F
@@ -18,4 +19,6 @@ def activation(name: str):
     try:
         return ACTIVATIONS[name]
     except KeyError:
-        raise ModelLoadError(f"activation {name!r} is not supported natively (supported: {', '.join(ACTIVATIONS)})") from None
+        raise ModelLoadError(
+            f"activation {name!r} is not supported natively (supported: {', '.join(ACTIVATIONS)})"
+        ) from None

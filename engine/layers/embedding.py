@@ -1,4 +1,5 @@
 """Vocabulary-parallel embedding and LM head: each rank holds a contiguous range of token rows."""
+
 from __future__ import annotations
 
 import torch
@@ -18,7 +19,9 @@ class VocabParallelEmbedding(nn.Module):
         self.start = parallel.rank * self.rows_per_rank
         self.end = min(self.start + self.rows_per_rank, vocab_size)
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size))
-        self.quantized = None  # an Int8Weight (engine.weights.quantize), which then replaces `weight`
+        self.quantized = (
+            None  # an Int8Weight (engine.weights.quantize), which then replaces `weight`
+        )
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight) if self.quantized is None else self.quantized.rows(ids)
@@ -33,13 +36,22 @@ class VocabParallelEmbedding(nn.Module):
     def load(self, kind: str, part, source, name: str) -> None:
         with torch.no_grad():
             self.weight[self.end - self.start :].zero_()
-        copy_checked(self.weight[: self.end - self.start], source, slice(self.start, self.end),
-                     (self.vocab_size, self.hidden_size), name)
+        copy_checked(
+            self.weight[: self.end - self.start],
+            source,
+            slice(self.start, self.end),
+            (self.vocab_size, self.hidden_size),
+            name,
+        )
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocabulary range, gathered into the full vocabulary on every rank."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = dense_linear(hidden, self.weight) if self.quantized is None else self.quantized.linear(hidden)
+        local = (
+            dense_linear(hidden, self.weight)
+            if self.quantized is None
+            else self.quantized.linear(hidden)
+        )
         return all_gather_last_dim(local, self.parallel)[..., : self.vocab_size]

@@ -6,6 +6,7 @@ are tensors (buffers), so a captured graph takes them as inputs and never recomp
 `linear` here is the reference: dequantize, then multiply in the activation dtype. HPU and CUDA
 run FP8 matmuls natively; their kernels belong under engine/devices/ (not written yet).
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,5 +39,7 @@ def row_scales(scale: torch.Tensor, rows: int) -> torch.Tensor:
     if scale.numel() == 1:
         return scale.float().reshape(1).expand(rows).clone()
     if scale.numel() != rows:
-        raise ValueError(f"weight_scale has {scale.numel()} values for {rows} rows (expected 1 or {rows})")
+        raise ValueError(
+            f"weight_scale has {scale.numel()} values for {rows} rows (expected 1 or {rows})"
+        )
     return scale.float().reshape(rows)

@@ -4,6 +4,7 @@ Column-parallel layers split their outputs over the ranks, row-parallel layers t
 sum the partial products with an all-reduce). Each `load` reads only this rank's rows or columns
 of a checkpoint tensor: `source` is a safetensors slice (or a tensor), indexed before it is read.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,7 +13,6 @@ from torch import nn
 
 from engine.distributed import Parallel, all_reduce_sum
 from engine.errors import ModelLoadError
-
 
 STACKED = "stacked"  # a checkpoint tensor that holds every part of a fused module, in order (Phi-3)
 
@@ -24,7 +24,9 @@ def shape_of(source) -> tuple[int, ...]:
 def copy_checked(dest: torch.Tensor, source, index, full_shape: tuple[int, ...], name: str) -> None:
     """Copy `source[index]` into dest after checking the checkpoint tensor's full shape."""
     if shape_of(source) != full_shape:
-        raise ModelLoadError(f"checkpoint tensor {name!r} has shape {shape_of(source)}, expected {full_shape}")
+        raise ModelLoadError(
+            f"checkpoint tensor {name!r} has shape {shape_of(source)}, expected {full_shape}"
+        )
     with torch.no_grad():
         dest.copy_(torch.as_tensor(source[index]))
 
@@ -42,7 +44,9 @@ def is_lone_reduced_row(x: torch.Tensor) -> bool:
     return x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def dense_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x @ weight.T (+ bias). A lone bfloat16/float16 row goes through matrix-vector: torch's
     reduced-precision GEMV reads the weight once with float32 accumulation, where F.linear takes a
     GEMM path that is far slower on CPU (a batch-1 step's weights: 22 ms there, 15.4 ms here)."""
@@ -67,7 +71,9 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(offset, in_features))
         self.bias = nn.Parameter(torch.empty(offset)) if bias else None
         self.lora = None  # LoraWeights, attached by engine.weights.lora when adapters are loaded
-        self.quantized = None  # Int8Weight or Int4Weight (engine.weights.quantize), which then replaces `weight`
+        self.quantized = (
+            None  # Int8Weight or Int4Weight (engine.weights.quantize), which then replaces `weight`
+        )
 
     def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
         """`lora`: the forward's adapter selector (engine.layers.lora), None without adapters."""
@@ -86,7 +92,9 @@ class ColumnParallelLinear(nn.Module):
         total = sum(rows for rows, _, _ in self.parts.values())
         full = (total, self.in_features) if kind == "weight" else (total,)
         if shape_of(source) != full:
-            raise ModelLoadError(f"checkpoint tensor {name!r} has shape {shape_of(source)}, expected {full}")
+            raise ModelLoadError(
+                f"checkpoint tensor {name!r} has shape {shape_of(source)}, expected {full}"
+            )
         base = 0
         for part, (rows, start, local) in self.parts.items():
             dest = getattr(self, kind)[self.offsets[part] : self.offsets[part] + local]
@@ -95,15 +103,21 @@ class ColumnParallelLinear(nn.Module):
             base += rows
 
 
-def qkv_parallel(hidden: int, head_dim: int, heads: int, kv_heads: int, bias: bool, parallel: Parallel) -> ColumnParallelLinear:
+def qkv_parallel(
+    hidden: int, head_dim: int, heads: int, kv_heads: int, bias: bool, parallel: Parallel
+) -> ColumnParallelLinear:
     """q/k/v projection; kv heads are split, or replicated when there are fewer than ranks."""
     local_heads = parallel.split(heads, "attention heads")
     local_kv, first_kv = kv_partition(kv_heads, parallel)
-    return ColumnParallelLinear(hidden, {
-        "q": (heads * head_dim, parallel.rank * local_heads * head_dim, local_heads * head_dim),
-        "k": (kv_heads * head_dim, first_kv * head_dim, local_kv * head_dim),
-        "v": (kv_heads * head_dim, first_kv * head_dim, local_kv * head_dim),
-    }, bias)
+    return ColumnParallelLinear(
+        hidden,
+        {
+            "q": (heads * head_dim, parallel.rank * local_heads * head_dim, local_heads * head_dim),
+            "k": (kv_heads * head_dim, first_kv * head_dim, local_kv * head_dim),
+            "v": (kv_heads * head_dim, first_kv * head_dim, local_kv * head_dim),
+        },
+        bias,
+    )
 
 
 def kv_partition(kv_heads: int, parallel: Parallel) -> tuple[int, int]:
@@ -113,14 +127,20 @@ def kv_partition(kv_heads: int, parallel: Parallel) -> tuple[int, int]:
         local = parallel.split(kv_heads, "key/value heads")
         return local, parallel.rank * local
     if parallel.world_size % kv_heads:
-        raise ValueError(f"key/value heads ({kv_heads}) cannot be replicated over {parallel.world_size} shards")
+        raise ValueError(
+            f"key/value heads ({kv_heads}) cannot be replicated over {parallel.world_size} shards"
+        )
     return 1, parallel.rank * kv_heads // parallel.world_size
 
 
-def merged_parallel(in_features: int, out_features: int, names: list[str], bias: bool, parallel: Parallel) -> ColumnParallelLinear:
+def merged_parallel(
+    in_features: int, out_features: int, names: list[str], bias: bool, parallel: Parallel
+) -> ColumnParallelLinear:
     """Equal-sized parts (gate and up) fused into one column-parallel matmul."""
     local = parallel.split(out_features, "intermediate size")
-    return ColumnParallelLinear(in_features, {n: (out_features, parallel.rank * local, local) for n in names}, bias)
+    return ColumnParallelLinear(
+        in_features, {n: (out_features, parallel.rank * local, local) for n in names}, bias
+    )
 
 
 class RowParallelLinear(nn.Module):
@@ -132,7 +152,9 @@ class RowParallelLinear(nn.Module):
         self.local_in = parallel.split(in_features, "projection input")
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.lora = None  # LoraWeights over this rank's input columns, attached by engine.weights.lora
+        self.lora = (
+            None  # LoraWeights over this rank's input columns, attached by engine.weights.lora
+        )
         self.quantized = None  # as in ColumnParallelLinear
 
     def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
@@ -149,4 +171,6 @@ class RowParallelLinear(nn.Module):
             return
         start = self.parallel.rank * self.local_in
         full = (self.out_features, self.local_in * self.parallel.world_size)
-        copy_checked(self.weight, source, (slice(None), slice(start, start + self.local_in)), full, name)
+        copy_checked(
+            self.weight, source, (slice(None), slice(start, start + self.local_in)), full, name
+        )

@@ -13,6 +13,7 @@ part of a fused projection such as q/k/v), and each has two implementations behi
 The scale (lora_alpha / r, or / sqrt(r) for rsLoRA) is folded into B when the weights are packed.
 Tokens without an adapter have index -1.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -29,11 +30,15 @@ class LoraOps(ABC):
     name = ""
 
     @abstractmethod
-    def pack(self, a: torch.Tensor, b: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def pack(
+        self, a: torch.Tensor, b: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """This implementation's layout of a: [adapters, parts, rank, in] and b[part]: [adapters, out, rank]."""
 
     @abstractmethod
-    def selector(self, index: torch.Tensor, num_adapters: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    def selector(
+        self, index: torch.Tensor, num_adapters: int, rank: int, dtype: torch.dtype
+    ) -> torch.Tensor:
         """Per-forward tensor choosing each token's adapter, shared by every layer; index: [tokens]."""
 
     @abstractmethod
@@ -41,7 +46,9 @@ class LoraOps(ABC):
         """x: [tokens, in] -> [tokens, parts, k]: each part's x·Aᵀ (k: this implementation's width)."""
 
     @abstractmethod
-    def expand(self, out: torch.Tensor, y: torch.Tensor, b: torch.Tensor, selector: torch.Tensor) -> None:
+    def expand(
+        self, out: torch.Tensor, y: torch.Tensor, b: torch.Tensor, selector: torch.Tensor
+    ) -> None:
         """Add y·Bᵀ into out ([tokens, part's out], may be a column slice of a fused output); y: [tokens, k]."""
 
 
@@ -53,7 +60,9 @@ class DenseLora(LoraOps):
     def pack(self, a, b):
         adapters, parts, rank, width = a.shape
         stacked_a = a.permute(1, 0, 2, 3).reshape(parts * adapters * rank, width).contiguous()
-        return stacked_a, [part.permute(0, 2, 1).reshape(adapters * rank, -1).contiguous() for part in b]
+        return stacked_a, [
+            part.permute(0, 2, 1).reshape(adapters * rank, -1).contiguous() for part in b
+        ]
 
     def selector(self, index, num_adapters, rank, dtype):
         # A comparison, not F.one_hot, which validates its input with a device sync. -1 gives a zero row.
@@ -76,7 +85,9 @@ class GatherLora(LoraOps):
 
     def pack(self, a, b):
         zero_a = a.new_zeros(1, *a.shape[1:])
-        return torch.cat([a, zero_a]), [torch.cat([part, part.new_zeros(1, *part.shape[1:])]) for part in b]
+        return torch.cat([a, zero_a]), [
+            torch.cat([part, part.new_zeros(1, *part.shape[1:])]) for part in b
+        ]
 
     def selector(self, index, num_adapters, rank, dtype):
         return torch.where(index < 0, num_adapters, index)
@@ -95,7 +106,9 @@ LORA_IMPLS = {"dense": DenseLora, "gather": GatherLora}
 
 def lora_ops(name: str) -> LoraOps:
     if name not in LORA_IMPLS:
-        raise ValueError(f"unknown LoRA implementation {name!r} (choose from {', '.join(LORA_IMPLS)})")
+        raise ValueError(
+            f"unknown LoRA implementation {name!r} (choose from {', '.join(LORA_IMPLS)})"
+        )
     return LORA_IMPLS[name]()
 
 
@@ -133,5 +146,7 @@ class LoraWeights(nn.Module):
         flat_out = out.view(-1, out.shape[-1])
         y = self.ops.shrink(x.reshape(-1, x.shape[-1]), self.a, selector)
         for part, (offset, size) in enumerate(zip(self.offsets, self.sizes)):
-            self.ops.expand(flat_out[:, offset : offset + size], y[:, part], getattr(self, f"b{part}"), selector)
+            self.ops.expand(
+                flat_out[:, offset : offset + size], y[:, part], getattr(self, f"b{part}"), selector
+            )
         return out

@@ -15,6 +15,7 @@ implementations here have shapes fixed by the bucket alone, like the LoRA ops (e
 Under tensor parallelism every rank holds every expert's slice of the intermediate dimension and
 the partial outputs are summed, like a dense MLP's.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -39,25 +40,35 @@ class DenseMoe(MoeOps):
     name = "dense"
 
     def experts(self, x, gate_up, down, weights, ids, act):
-        gate, up = torch.matmul(x, gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [experts, tokens, inter] each
+        gate, up = torch.matmul(x, gate_up.transpose(1, 2)).chunk(
+            2, dim=-1
+        )  # [experts, tokens, inter] each
         outputs = torch.matmul(act(gate) * up, down.transpose(1, 2))  # [experts, tokens, hidden]
         # A comparison, not F.one_hot, which validates its input with a device sync.
-        chosen = ids.unsqueeze(-1) == torch.arange(gate_up.shape[0], device=ids.device)  # [tokens, k, experts]
+        chosen = ids.unsqueeze(-1) == torch.arange(
+            gate_up.shape[0], device=ids.device
+        )  # [tokens, k, experts]
         routing = (chosen * weights.unsqueeze(-1)).sum(1)  # [tokens, experts]
         return torch.einsum("eth,te->th", outputs, routing.to(outputs.dtype))
 
 
 class GatherMoe(MoeOps):
     name = "gather"
-    chunk_elements = 1 << 26  # bounds the gathered weight copies: pairs per chunk * one expert's weights
+    chunk_elements = (
+        1 << 26
+    )  # bounds the gathered weight copies: pairs per chunk * one expert's weights
 
     def experts(self, x, gate_up, down, weights, ids, act):
         tokens, top_k = ids.shape
-        pairs = x.repeat_interleave(top_k, dim=0)  # [tokens * k, hidden], token-major like ids.reshape(-1)
+        pairs = x.repeat_interleave(
+            top_k, dim=0
+        )  # [tokens * k, hidden], token-major like ids.reshape(-1)
         flat_ids = ids.reshape(-1)
         chunk = max(1, self.chunk_elements // gate_up[0].numel())
-        outputs = [self._run(xs, gate_up[ids_], down[ids_], act)
-                   for xs, ids_ in zip(pairs.split(chunk), flat_ids.split(chunk))]
+        outputs = [
+            self._run(xs, gate_up[ids_], down[ids_], act)
+            for xs, ids_ in zip(pairs.split(chunk), flat_ids.split(chunk))
+        ]
         outputs = torch.cat(outputs).view(tokens, top_k, -1)
         return (outputs * weights.unsqueeze(-1).to(outputs.dtype)).sum(1)
 
@@ -72,7 +83,9 @@ MOE_IMPLS = {"dense": DenseMoe, "gather": GatherMoe}
 
 def moe_ops(name: str) -> MoeOps:
     if name not in MOE_IMPLS:
-        raise ValueError(f"unknown MoE implementation {name!r} (choose from {', '.join(MOE_IMPLS)})")
+        raise ValueError(
+            f"unknown MoE implementation {name!r} (choose from {', '.join(MOE_IMPLS)})"
+        )
     return MOE_IMPLS[name]()
 
 
@@ -80,13 +93,29 @@ class SparseMoeBlock(nn.Module):
     """Router + experts. Checkpoint experts load one at a time: part (expert, 'gate'|'up') of
     `gate_up`, part expert of `down`."""
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, normalize: bool, act,
-                 parallel: Parallel, ops: MoeOps):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        normalize: bool,
+        act,
+        parallel: Parallel,
+        ops: MoeOps,
+    ):
         super().__init__()
-        self.hidden, self.intermediate, self.top_k, self.normalize = hidden, intermediate, top_k, normalize
+        self.hidden, self.intermediate, self.top_k, self.normalize = (
+            hidden,
+            intermediate,
+            top_k,
+            normalize,
+        )
         self.act, self.parallel, self.ops = act, parallel, ops
         self.local = parallel.split(intermediate, "expert intermediate size")
-        self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router, replicated on every rank
+        self.gate = nn.Linear(
+            hidden, num_experts, bias=False
+        )  # the router, replicated on every rank
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, self.local))
 
@@ -101,14 +130,22 @@ class SparseMoeBlock(nn.Module):
 
     def checkpoint_parts(self, kind: str) -> set:
         experts = range(self.gate_up.shape[0])
-        return {(e, p) for e in experts for p in ("gate", "up")} if kind == "gate_up" else set(experts)
+        return (
+            {(e, p) for e in experts for p in ("gate", "up")} if kind == "gate_up" else set(experts)
+        )
 
     def load(self, kind: str, part, source, name: str) -> None:
         start = self.parallel.rank * self.local
         rows = slice(start, start + self.local)
         if kind == "down":
-            copy_checked(self.down[part], source, (slice(None), rows), (self.hidden, self.intermediate), name)
+            copy_checked(
+                self.down[part], source, (slice(None), rows), (self.hidden, self.intermediate), name
+            )
             return
         expert, which = part
-        dest = self.gate_up[expert, : self.local] if which == "gate" else self.gate_up[expert, self.local :]
+        dest = (
+            self.gate_up[expert, : self.local]
+            if which == "gate"
+            else self.gate_up[expert, self.local :]
+        )
         copy_checked(dest, source, rows, (self.intermediate, self.hidden), name)

@@ -8,13 +8,14 @@
 Activations run in the dtype the scales were stored in (the model's): the kernels require it, and
 they are fast only with bfloat16 activations (float32 is exact and slow, for tests).
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-INT4_GROUP = 32       # GGUF's block size, and the group of our own int4 quantization
+INT4_GROUP = 32  # GGUF's block size, and the group of our own int4 quantization
 INT4_ROW_MULTIPLE = 16  # the CPU int4 packer requires the row count to be a multiple of 16
 # Above this many rows (a prefill), dequantizing the weight once and running one bfloat16 GEMM beats
 # the packed kernels, whose cost grows with every row (measured, one thread, all 30 layers of the
@@ -41,7 +42,9 @@ class Int8Weight(nn.Module):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding lookup: the dequantized rows of `ids`."""
-        return F.embedding(ids, self.codes).to(self.scale.dtype) * F.embedding(ids, self.scale.unsqueeze(1))
+        return F.embedding(ids, self.codes).to(self.scale.dtype) * F.embedding(
+            ids, self.scale.unsqueeze(1)
+        )
 
     def dequantize(self) -> torch.Tensor:
         return self.codes.float() * self.scale.float().unsqueeze(1)
@@ -50,7 +53,14 @@ class Int8Weight(nn.Module):
 class Int4Weight(nn.Module):
     kind = "int4"
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        group: int,
+        dtype: torch.dtype,
+    ):
         """codes [N, K] in 0..15; scale and zero [N, K // group]."""
         super().__init__()
         self.out_features, self.in_features = codes.shape
@@ -59,20 +69,28 @@ class Int4Weight(nn.Module):
         if pad:
             codes = F.pad(codes, (0, 0, 0, pad), value=8)
             scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.to(torch.int32).contiguous(), 1
+        )
         self.register_buffer("packed", packed)
         # [K // group, N, 2]: the kernel's layout of the scales and zeros
-        self.register_buffer("scale_zero", torch.stack([scale.t(), zero.t()], -1).to(dtype).contiguous())
+        self.register_buffer(
+            "scale_zero", torch.stack([scale.t(), zero.t()], -1).to(dtype).contiguous()
+        )
         # The packed layout is the kernel's own; where our reading of it reproduces the codes, large
         # batches dequantize from it (else they stay on the kernel).
-        self.unpackable = packed.shape[0] % 64 == 0 and torch.equal(unpack_int4(packed, self.in_features), codes.to(torch.uint8))
+        self.unpackable = packed.shape[0] % 64 == 0 and torch.equal(
+            unpack_int4(packed, self.in_features), codes.to(torch.uint8)
+        )
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.scale_zero.dtype)
         if flat.shape[0] > DEQUANTIZE_ROWS and self.unpackable:
             out = F.linear(flat, self.dequantized(flat.dtype))
         else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scale_zero)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                flat, self.packed, self.group, self.scale_zero
+            )
         return out[:, : self.out_features].reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -88,7 +106,9 @@ class Int4Weight(nn.Module):
         if self.unpackable:
             return self.dequantized(torch.float32)[: self.out_features].contiguous()
         eye = torch.eye(self.in_features)
-        columns = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, self.scale_zero.float())
+        columns = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            eye, self.packed, self.group, self.scale_zero.float()
+        )
         return columns.t()[: self.out_features].contiguous()
 
 
@@ -119,7 +139,9 @@ def int4_groupwise(weight: torch.Tensor, dtype: torch.dtype, group: int = INT4_G
     low, high = grouped.amin(-1), grouped.amax(-1)
     scale = ((high - low).clamp(min=1e-8) / 15).to(dtype).float()
     zero = (low + 8 * scale).to(dtype).float()  # the kernel's zero is the value of code 8
-    codes = torch.round((grouped - (zero - 8 * scale).unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15)
+    codes = torch.round((grouped - (zero - 8 * scale).unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(
+        0, 15
+    )
     return Int4Weight(codes.reshape(rows, cols), scale, zero, group, dtype)
 
 

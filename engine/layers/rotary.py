@@ -8,6 +8,7 @@ and long, and picks one per *sequence* from a tensor: a row whose last position 
 reached original_max_position_embeddings rotates every token with the long factors, as transformers
 does for the sequence of a forward (a prompt past the boundary is rotated long from position 0).
 """
+
 from __future__ import annotations
 
 import math
@@ -24,7 +25,9 @@ class RopeConfig:
     theta: float = 10000.0
     rope_type: str = "default"
     factor: float = 1.0
-    partial_rotary_factor: float = 1.0  # rotate only the first fraction of each head (Phi-3 mini-style)
+    partial_rotary_factor: float = (
+        1.0  # rotate only the first fraction of each head (Phi-3 mini-style)
+    )
     max_position_embeddings: int = 4096  # the model's; dynamic NTK scales past it
     original_max_position_embeddings: int = 8192  # llama3, yarn, longrope: the pretraining length
     # llama3
@@ -70,7 +73,9 @@ def _llama3_schedule(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     high_freq_wavelen = old_len / rope.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
@@ -80,7 +85,11 @@ def _yarn_schedule(rope: RopeConfig, dim: int) -> torch.Tensor:
     # High frequencies (many rotations within the pretraining length) are kept, low ones
     # interpolated by `factor`, with a linear ramp between the two correction dimensions.
     def correction_dim(rotations: float) -> float:
-        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+        return (
+            dim
+            * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(rope.theta))
+        )
 
     low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
     if rope.truncate:
@@ -101,11 +110,17 @@ def attention_factor(rope: RopeConfig) -> float:
         return rope.attention_factor
     if rope.rope_type == "yarn":
         if rope.mscale and rope.mscale_all_dim:
-            return _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor, rope.mscale_all_dim)
+            return _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(
+                rope.factor, rope.mscale_all_dim
+            )
         return _yarn_mscale(rope.factor)
     if rope.rope_type == "longrope":
         factor = rope.factor  # the parser defaults it to max / original positions
-        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(rope.original_max_position_embeddings))
+        return (
+            1.0
+            if factor <= 1.0
+            else math.sqrt(1 + math.log(factor) / math.log(rope.original_max_position_embeddings))
+        )
     return 1.0
 
 
@@ -126,18 +141,22 @@ def position_angles(rope: RopeConfig, head_dim: int, max_positions: int) -> torc
         # NTK-aware: past the model's length, the base grows with the sequence length (p + 1).
         limit = rope.max_position_embeddings
         length = (positions + 1).clamp_min(limit)
-        base = rope.theta * ((rope.factor * length / limit) - (rope.factor - 1)) ** (dim / (dim - 2))
+        base = rope.theta * ((rope.factor * length / limit) - (rope.factor - 1)) ** (
+            dim / (dim - 2)
+        )
         inv_freq = 1.0 / (base.unsqueeze(1) ** _exponents(dim))
         return positions.unsqueeze(1) * inv_freq
     return torch.outer(positions, inverse_frequencies(rope, head_dim))
 
 
-def longrope_angles(rope: RopeConfig, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def longrope_angles(
+    rope: RopeConfig, head_dim: int, max_positions: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The angles of every position with the short factors and with the long ones."""
     positions = torch.arange(max_positions).float().unsqueeze(1)
     exponents = _exponents(rope.rotary_dim(head_dim))
-    short = 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * rope.theta ** exponents)
-    long = 1.0 / (torch.tensor(rope.long_factor, dtype=torch.float32) * rope.theta ** exponents)
+    short = 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * rope.theta**exponents)
+    long = 1.0 / (torch.tensor(rope.long_factor, dtype=torch.float32) * rope.theta**exponents)
     return positions * short, positions * long
 
 
@@ -150,7 +169,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int):
         super().__init__()
         # longrope: row 0 the short table, row 1 the long one; other types: one table.
-        self.long_from = rope.original_max_position_embeddings if rope.rope_type == "longrope" else None
+        self.long_from = (
+            rope.original_max_position_embeddings if rope.rope_type == "longrope" else None
+        )
         if torch.empty(0).is_meta:
             # Built on the meta device (engine.weights.loader.build_model), the tables are only placeholders
             # until rebuild_rotary: computing them there runs Python decompositions (seconds).
@@ -158,23 +179,37 @@ class RotaryEmbedding(nn.Module):
             self.register_buffer("cos", torch.empty(size), persistent=False)
             self.register_buffer("sin", torch.empty(size), persistent=False)
             return
-        tables = longrope_angles(rope, head_dim, max_positions) if self.long_from else (position_angles(rope, head_dim, max_positions),)
+        tables = (
+            longrope_angles(rope, head_dim, max_positions)
+            if self.long_from
+            else (position_angles(rope, head_dim, max_positions),)
+        )
         angles = torch.stack([torch.cat((a, a), dim=-1) for a in tables])
         scale = attention_factor(rope)
         self.register_buffer("cos", angles.cos() * scale, persistent=False)
         self.register_buffer("sin", angles.sin() * scale, persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
-                last_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self,
+        positions: torch.Tensor,
+        dtype: torch.dtype,
+        last_positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for `positions`, shaped to broadcast over heads: [..., 1, rotary_dim].
         Looked up once per forward and shared by every layer. `last_positions` (broadcastable to
         `positions`): the last real position of each token's sequence in this forward, which picks
         longrope's table per sequence; None picks it per position."""
         if self.long_from is None:
-            return self.cos[0, positions].unsqueeze(-2).to(dtype), self.sin[0, positions].unsqueeze(-2).to(dtype)
+            return self.cos[0, positions].unsqueeze(-2).to(dtype), self.sin[0, positions].unsqueeze(
+                -2
+            ).to(dtype)
         ends = positions if last_positions is None else last_positions
-        table = (ends >= self.long_from).long().expand_as(positions)  # a tensor: no host sync, one graph
-        return self.cos[table, positions].unsqueeze(-2).to(dtype), self.sin[table, positions].unsqueeze(-2).to(dtype)
+        table = (
+            (ends >= self.long_from).long().expand_as(positions)
+        )  # a tensor: no host sync, one graph
+        return self.cos[table, positions].unsqueeze(-2).to(dtype), self.sin[
+            table, positions
+        ].unsqueeze(-2).to(dtype)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -185,5 +220,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
     q_rot, q_pass = q[..., :rotary], q[..., rotary:]
     k_rot, k_pass = k[..., :rotary], k[..., rotary:]
-    return (torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q_pass), dim=-1),
-            torch.cat((k_rot * cos + rotate_half(k_rot) * sin, k_pass), dim=-1))
+    return (
+        torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q_pass), dim=-1),
+        torch.cat((k_rot * cos + rotate_half(k_rot) * sin, k_pass), dim=-1),
+    )

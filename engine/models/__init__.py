@@ -1,5 +1,6 @@
 """Models, built on engine/layers and engine/attention: the native architectures, the transformers
 fallback, and the registry that maps a Hugging Face architecture name to its native model class."""
+
 from engine.errors import ModelLoadError
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
@@ -28,4 +29,6 @@ def model_class(architecture: str):
         return MODEL_REGISTRY[architecture]
     except KeyError:
         supported = ", ".join(sorted(MODEL_REGISTRY))
-        raise ModelLoadError(f"architecture {architecture!r} is not supported (supported: {supported})") from None
+        raise ModelLoadError(
+            f"architecture {architecture!r} is not supported (supported: {supported})"
+        ) from None

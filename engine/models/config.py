@@ -3,6 +3,7 @@
 One dataclass covers every native family: each family is the Llama decoder plus a few switches
 (per-head q/k norms, Gemma's norms and soft-capping, sliding-window layers, sparse MoE blocks).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -43,7 +44,9 @@ class ModelConfig:
     o_bias: bool
     mlp_bias: bool
     rope: RopeConfig = field(default_factory=RopeConfig)
-    sliding_window: int | None = None  # the window of the sliding layers (None: every layer is global)
+    sliding_window: int | None = (
+        None  # the window of the sliding layers (None: every layer is global)
+    )
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     hidden_act: str = "silu"
@@ -57,7 +60,7 @@ class ModelConfig:
     moe: MoeConfig | None = None
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
         architectures = raw.get("architectures") or []
         if not architectures:
             raise ModelLoadError("config.json names no architecture ('architectures' is missing)")
@@ -123,7 +126,9 @@ def _layer_types(architecture: str, raw: dict[str, Any]) -> tuple[tuple[str, ...
         types = [_default_type(architecture, raw, i) if window else FULL for i in range(layers)]
     unknown = sorted(set(types) - {FULL, SLIDING})
     if unknown:
-        raise ModelLoadError(f"layer types {unknown} are not supported natively (supported: {FULL}, {SLIDING})")
+        raise ModelLoadError(
+            f"layer types {unknown} are not supported natively (supported: {FULL}, {SLIDING})"
+        )
     if len(types) != layers:
         raise ModelLoadError(f"config.json lists {len(types)} layer_types for {layers} layers")
     if window is None and SLIDING in types:
@@ -145,14 +150,26 @@ def _default_type(architecture: str, raw: dict[str, Any], layer: int) -> str:
 def _parse_moe(architecture: str, raw: dict[str, Any]) -> MoeConfig | None:
     layers = raw["num_hidden_layers"]
     if architecture == "MixtralForCausalLM":
-        return MoeConfig(raw["num_local_experts"], raw["num_experts_per_tok"], raw["intermediate_size"], True,
-                         (True,) * layers)
+        return MoeConfig(
+            raw["num_local_experts"],
+            raw["num_experts_per_tok"],
+            raw["intermediate_size"],
+            True,
+            (True,) * layers,
+        )
     if architecture == "Qwen3MoeForCausalLM":
         experts = raw.get("num_experts") or raw["num_local_experts"]
         step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
-        sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers))
-        return MoeConfig(experts, raw["num_experts_per_tok"], raw["moe_intermediate_size"],
-                         bool(raw.get("norm_topk_prob", False)), sparse)
+        sparse = tuple(
+            i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers)
+        )
+        return MoeConfig(
+            experts,
+            raw["num_experts_per_tok"],
+            raw["moe_intermediate_size"],
+            bool(raw.get("norm_topk_prob", False)),
+            sparse,
+        )
     return None
 
 

@@ -13,6 +13,7 @@ probe forward at load records every call into our function (probe_attention), an
 the cache's geometry as the modules really compute it (a config may carry stray fields, such as a
 num_key_value_heads that GPT-NeoX never reads).
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -21,7 +22,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, DecodeMetadata, attention, prepare_metadata, windowed_metadata
+from engine.attention import (
+    AttentionMetadata,
+    DecodeMetadata,
+    attention,
+    prepare_metadata,
+    windowed_metadata,
+)
 
 ATTENTION_NAME = "bucketserve"
 
@@ -32,19 +39,24 @@ class _Step:
     positions: torch.Tensor
     caches: list
     kv_heads: int
-    windowed: dict = field(default_factory=dict)  # window -> decode metadata with that window in its bias
+    windowed: dict = field(
+        default_factory=dict
+    )  # window -> decode metadata with that window in its bias
 
     def decode_meta(self, window: int | None) -> DecodeMetadata:
         if window is None:
             return self.meta
         if window not in self.windowed:
-            self.windowed[window] = windowed_metadata(self.meta, self.positions, window, self.kv_heads)
+            self.windowed[window] = windowed_metadata(
+                self.meta, self.positions, window, self.kv_heads
+            )
         return self.windowed[window]
 
 
 @dataclass(frozen=True)
 class AttentionCall:
     """One call into our attention function, as the probe saw it."""
+
     layer: int | None  # the calling module's layer_idx: its KV cache
     heads: int
     kv_heads: int
@@ -60,8 +72,9 @@ class _Probe:
 
     def attend(self, module, query, key, value):
         layer = getattr(module, "layer_idx", None)
-        self.calls.append(AttentionCall(layer, query.shape[1], key.shape[1], key.shape[-1],
-                                        value.shape[-1]))
+        self.calls.append(
+            AttentionCall(layer, query.shape[1], key.shape[1], key.shape[-1], value.shape[-1])
+        )
         batch, heads, seq = query.shape[:3]
         return query.new_zeros(batch, seq, heads, value.shape[-1]), None
 
@@ -79,8 +92,18 @@ def _step(step: _Step | _Probe):
         _current = previous
 
 
-def bucketserve_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                          sliding_window=None, softcap=None, **kwargs):
+def bucketserve_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    sliding_window=None,
+    softcap=None,
+    **kwargs,
+):
     """transformers' attention contract: query [batch, heads, seq, dim], key/value [batch, kv_heads,
     seq, dim]; returns ([batch, seq, heads, dim], no weights)."""
     step = _current
@@ -92,7 +115,9 @@ def bucketserve_attention(module, query, key, value, attention_mask, scaling=Non
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     if isinstance(step.meta, DecodeMetadata):  # one token per row
-        out = attention(q[:, 0], k[:, 0], v[:, 0], cache, step.decode_meta(sliding_window), scale, None, softcap)
+        out = attention(
+            q[:, 0], k[:, 0], v[:, 0], cache, step.decode_meta(sliding_window), scale, None, softcap
+        )
         return out.unsqueeze(1), None
     return attention(q, k, v, cache, step.meta, scale, sliding_window, softcap), None
 
@@ -126,14 +151,18 @@ class TransformersCausalLM(nn.Module):
         self.caches: list | None = None
         self.lora_set = None  # adapters are served by the native models only
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, logits_indices, lora_index=None) -> torch.Tensor:
+    def forward(
+        self, input_ids, positions, meta: AttentionMetadata, logits_indices, lora_index=None
+    ) -> torch.Tensor:
         decode = input_ids.dim() == 1
         ids = input_ids.view(-1, 1) if decode else input_ids
         pos = positions.view(-1, 1) if decode else positions
         meta = prepare_metadata(meta, self.local_kv_heads)
         keep = self._logits_to_keep(ids, logits_indices, decode)
         with _step(_Step(meta, positions, self.caches, self.local_kv_heads)):
-            logits = self.hf_model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep).logits
+            logits = self.hf_model(
+                input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep
+            ).logits
         if isinstance(keep, torch.Tensor):  # one position per row, each row's own
             return logits[:, 0].float()
         return logits.reshape(-1, logits.shape[-1]).index_select(0, logits_indices).float()

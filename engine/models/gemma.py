@@ -9,6 +9,7 @@
   base for the sliding layers.
 All of these are switches of ModelConfig read by the shared building blocks.
 """
+
 import torch
 
 from engine.layers.norm import rms_norm
@@ -24,7 +25,9 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
     def forward(self, context: LayerContext, hidden, lora=None):
         attended = self.self_attn(context, self.input_layernorm(hidden), lora)
         hidden = hidden + self.post_attention_layernorm(attended)
-        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden), lora))
+        return hidden + self.post_feedforward_layernorm(
+            self.mlp(self.pre_feedforward_layernorm(hidden), lora)
+        )
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
@@ -32,4 +35,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        return hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype, device=hidden.device)
+        return hidden * torch.tensor(
+            self.config.hidden_size**0.5, dtype=hidden.dtype, device=hidden.device
+        )

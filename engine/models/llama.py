@@ -7,12 +7,19 @@ are fused into one matmul each: fewer, larger GEMMs are faster on every device. 
 shards, attention heads and the MLP are split Megatron-style (column-parallel in, row-parallel out)
 and the vocabulary is split too.
 """
+
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, DecodeMetadata, attention, prepare_metadata, windowed_metadata
+from engine.attention import (
+    AttentionMetadata,
+    DecodeMetadata,
+    attention,
+    prepare_metadata,
+    windowed_metadata,
+)
 from engine.devices.hooks import mark_step
 from engine.distributed import SINGLE, Parallel
 from engine.layers.activation import activation
@@ -25,6 +32,7 @@ from engine.models.config import FULL, SLIDING, ModelConfig
 
 class LayerContext(NamedTuple):
     """What every layer of one attention type shares in a forward: rope cos/sin and attention metadata."""
+
     rope: tuple[torch.Tensor, torch.Tensor]
     meta: AttentionMetadata
 
@@ -33,22 +41,35 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, parallel: Parallel, layer: int = 0):
         super().__init__()
         self.head_dim = config.head_dim
-        self.qkv_proj = qkv_parallel(config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads,
-                                     config.qkv_bias, parallel)
+        self.qkv_proj = qkv_parallel(
+            config.hidden_size,
+            config.head_dim,
+            config.num_heads,
+            config.num_kv_heads,
+            config.qkv_bias,
+            parallel,
+        )
         self.q_size = self.qkv_proj.parts["q"][2]
         self.kv_size = self.qkv_proj.parts["k"][2]
-        self.num_heads, self.num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
+        self.num_heads, self.num_kv_heads = (
+            self.q_size // self.head_dim,
+            self.kv_size // self.head_dim,
+        )
         self.scale = config.attention_scale
         self.window = config.window_of(layer) if config.layer_types else None
         self.softcap = config.attn_softcap
-        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size, config.o_bias, parallel)
+        self.o_proj = RowParallelLinear(
+            config.num_heads * config.head_dim, config.hidden_size, config.o_bias, parallel
+        )
         if config.qk_norm:  # per head, so the same weights serve every rank's heads
             self.q_norm = rms_norm(config.head_dim, config.rms_norm_eps, config.gemma_norms)
             self.k_norm = rms_norm(config.head_dim, config.rms_norm_eps, config.gemma_norms)
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the KV cache
 
     def forward(self, context: LayerContext, hidden, lora=None):
-        q, k, v = self.qkv_proj(hidden, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden, lora).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        )
         lead = hidden.shape[:-1]
         q = q.view(*lead, self.num_heads, self.head_dim)
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
@@ -61,12 +82,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: Parallel, intermediate_size: int | None = None):
+    def __init__(
+        self, config: ModelConfig, parallel: Parallel, intermediate_size: int | None = None
+    ):
         super().__init__()
         intermediate = intermediate_size or config.intermediate_size
         self.act = activation(config.hidden_act)
-        self.gate_up_proj = merged_parallel(config.hidden_size, intermediate, ["gate", "up"], config.mlp_bias, parallel)
-        self.down_proj = RowParallelLinear(intermediate, config.hidden_size, config.mlp_bias, parallel)
+        self.gate_up_proj = merged_parallel(
+            config.hidden_size, intermediate, ["gate", "up"], config.mlp_bias, parallel
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate, config.hidden_size, config.mlp_bias, parallel
+        )
 
     def forward(self, x, lora=None):
         gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
@@ -79,7 +106,9 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, parallel, layer)
         self.mlp = make_mlp(config, parallel, layer)  # the model's: dense, or a MoE block
         self.input_layernorm = rms_norm(config.hidden_size, config.rms_norm_eps, config.gemma_norms)
-        self.post_attention_layernorm = rms_norm(config.hidden_size, config.rms_norm_eps, config.gemma_norms)
+        self.post_attention_layernorm = rms_norm(
+            config.hidden_size, config.rms_norm_eps, config.gemma_norms
+        )
 
     def forward(self, context: LayerContext, hidden, lora=None):
         hidden = hidden + self.self_attn(context, self.input_layernorm(hidden), lora)
@@ -97,12 +126,19 @@ class LlamaForCausalLM(nn.Module):
     }
     decoder_layer = LlamaDecoderLayer
 
-    def __init__(self, config: ModelConfig, max_positions: int, parallel: Parallel = SINGLE, moe_impl: str = "dense"):
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        parallel: Parallel = SINGLE,
+        moe_impl: str = "dense",
+    ):
         super().__init__()
         self.config, self.parallel, self.moe_impl = config, parallel, moe_impl
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
-        self.layers = nn.ModuleList(self.decoder_layer(config, parallel, i, self.make_mlp)
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            self.decoder_layer(config, parallel, i, self.make_mlp) for i in range(config.num_layers)
+        )
         self.norm = rms_norm(config.hidden_size, config.rms_norm_eps, config.gemma_norms)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
         if config.tie_word_embeddings:
@@ -119,7 +155,9 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, logits_indices, lora_index=None) -> torch.Tensor:
+    def forward(
+        self, input_ids, positions, meta: AttentionMetadata, logits_indices, lora_index=None
+    ) -> torch.Tensor:
         """Logits (float32, full vocabulary) of the tokens at `logits_indices` of the flattened batch.
         `lora_index`: each token's adapter slot (-1: none), shaped like input_ids; None without adapters."""
         hidden = self.embed(input_ids)
@@ -128,7 +166,9 @@ class LlamaForCausalLM(nn.Module):
         for layer, kind in zip(self.layers, self.config.layer_types or (FULL,) * len(self.layers)):
             hidden = layer(contexts[kind], hidden, lora)
             mark_step()  # HPU lazy mode: a graph per layer compiles far faster than one per model
-        hidden = self.norm(hidden).reshape(-1, self.config.hidden_size).index_select(0, logits_indices)
+        hidden = (
+            self.norm(hidden).reshape(-1, self.config.hidden_size).index_select(0, logits_indices)
+        )
         logits = self.lm_head.logits(hidden).float()
         cap = self.config.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
@@ -139,9 +179,15 @@ class LlamaForCausalLM(nn.Module):
         meta = prepare_metadata(meta, self.local_kv_heads)
         contexts = {FULL: LayerContext(rope, meta)}
         if SLIDING in self.config.layer_types:
-            local_rope = self.local_rotary.cos_sin(positions, dtype, _last_positions(meta)) if hasattr(self, "local_rotary") else rope
+            local_rope = (
+                self.local_rotary.cos_sin(positions, dtype, _last_positions(meta))
+                if hasattr(self, "local_rotary")
+                else rope
+            )
             if isinstance(meta, DecodeMetadata):
-                meta = windowed_metadata(meta, positions, self.config.sliding_window, self.local_kv_heads)
+                meta = windowed_metadata(
+                    meta, positions, self.config.sliding_window, self.local_kv_heads
+                )
             contexts[SLIDING] = LayerContext(local_rope, meta)
         return contexts
 
@@ -151,9 +197,13 @@ class LlamaForCausalLM(nn.Module):
 
     def rebuild_rotary(self, max_positions: int, device) -> None:
         """Recompute the rope tables after the model was allocated on the meta device."""
-        self.rotary = RotaryEmbedding(self.config.rope, self.config.head_dim, max_positions).to(device)
+        self.rotary = RotaryEmbedding(self.config.rope, self.config.head_dim, max_positions).to(
+            device
+        )
         if self.config.local_rope is not None:
-            self.local_rotary = RotaryEmbedding(self.config.local_rope, self.config.head_dim, max_positions).to(device)
+            self.local_rotary = RotaryEmbedding(
+                self.config.local_rope, self.config.head_dim, max_positions
+            ).to(device)
 
     def checkpoint_target(self, name: str) -> tuple[str, str, object]:
         """(our module path, parameter name, fused part or None) for a checkpoint tensor name."""

@@ -4,6 +4,7 @@ The experts run in static shapes (engine/layers/moe.py), `dense` or `gather` as 
 prefers. Checkpoints store one tensor per expert and projection; each is loaded into its slot of
 our stacked expert weights, this rank's slice of the intermediate dimension only.
 """
+
 import re
 
 from engine.layers.activation import activation
@@ -21,8 +22,16 @@ class MoeForCausalLM(LlamaForCausalLM):
         moe = config.moe
         if not moe.sparse_layers[layer]:
             return LlamaMLP(config, parallel)
-        return SparseMoeBlock(config.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k,
-                              moe.normalize_top_k, activation(config.hidden_act), parallel, moe_ops(self.moe_impl))
+        return SparseMoeBlock(
+            config.hidden_size,
+            moe.intermediate_size,
+            moe.num_experts,
+            moe.top_k,
+            moe.normalize_top_k,
+            activation(config.hidden_act),
+            parallel,
+            moe_ops(self.moe_impl),
+        )
 
     def checkpoint_target(self, name: str):
         match = self.expert_pattern.fullmatch(name)
@@ -35,12 +44,20 @@ class MoeForCausalLM(LlamaForCausalLM):
 
 
 class MixtralForCausalLM(MoeForCausalLM):
-    expert_pattern = re.compile(r"(layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
+    expert_pattern = re.compile(
+        r"(layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight"
+    )
     router_name = "block_sparse_moe"
     projections = {"w1": ("gate_up", "gate"), "w3": ("gate_up", "up"), "w2": ("down", None)}
 
 
 class Qwen3MoeForCausalLM(MoeForCausalLM):
-    expert_pattern = re.compile(r"(layers\.\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+    expert_pattern = re.compile(
+        r"(layers\.\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight"
+    )
     router_name = "mlp"
-    projections = {"gate_proj": ("gate_up", "gate"), "up_proj": ("gate_up", "up"), "down_proj": ("down", None)}
+    projections = {
+        "gate_proj": ("gate_up", "gate"),
+        "up_proj": ("gate_up", "up"),
+        "down_proj": ("down", None),
+    }

@@ -10,6 +10,7 @@ changes every layer's keys and values, not only their rotation. `recompute_cache
 position: the decode step that would feed it prefills the whole sequence instead
 (engine/serving/recompute.py), so greedy tokens stay equal to transformers' past the boundary.
 """
+
 from engine.layers.linear import STACKED
 from engine.models.llama import LlamaForCausalLM
 

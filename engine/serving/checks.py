@@ -6,6 +6,7 @@ on one block corrupt each other's keys and values, and a reused batch id orphans
 blocks. Each is refused with InvalidRequestError (INVALID_ARGUMENT) naming the field, before any
 state changes.
 """
+
 from __future__ import annotations
 
 from engine.batch import Batch, CachedBatch, Request
@@ -16,13 +17,19 @@ from engine.kv_cache import RESERVED_BLOCK
 PROBE_BLOCKS = [RESERVED_BLOCK]
 
 
-def check_prefill(batch: Batch, cached: CachedBatch | None, live: dict, num_blocks: int, block_size: int) -> None:
+def check_prefill(
+    batch: Batch, cached: CachedBatch | None, live: dict, num_blocks: int, block_size: int
+) -> None:
     """`live`: batch id -> its sequences (each with `.id` and `.blocks`)."""
     if cached is not None and cached.id not in live:
         raise KeyError(f"cached_batch.id: batch {cached.id} not found")
     if batch.id in live and (cached is None or cached.id != batch.id):
-        raise InvalidRequestError(f"batch.id: batch {batch.id} is already live (FilterBatch or ClearCache it first)")
-    owners = {block: seq.id for sequences in live.values() for seq in sequences for block in seq.blocks}
+        raise InvalidRequestError(
+            f"batch.id: batch {batch.id} is already live (FilterBatch or ClearCache it first)"
+        )
+    owners = {
+        block: seq.id for sequences in live.values() for seq in sequences for block in seq.blocks
+    }
     writers: dict[int, int] = {}  # blocks this batch's requests write
     for request in batch.requests:
         check_blocks(request, owners, num_blocks, block_size, writers)
@@ -32,8 +39,13 @@ def check_prefill(batch: Batch, cached: CachedBatch | None, live: dict, num_bloc
         writers.update((block, request.id) for block in request.blocks[shared:])
 
 
-def check_blocks(request: Request, owners: dict[int, int], num_blocks: int, block_size: int = 1,
-                 writers: dict[int, int] | None = None) -> None:
+def check_blocks(
+    request: Request,
+    owners: dict[int, int],
+    num_blocks: int,
+    block_size: int = 1,
+    writers: dict[int, int] | None = None,
+) -> None:
     """A request's prefix blocks (its first cache_len tokens) are read only and may be shared with
     other requests (prefix caching); every block it writes must be its own."""
     if request.blocks == PROBE_BLOCKS:
@@ -41,16 +53,24 @@ def check_blocks(request: Request, owners: dict[int, int], num_blocks: int, bloc
     seen, shared, writers = set(), request.cache_len // block_size, writers or {}
     for index, block in enumerate(request.blocks):
         if not RESERVED_BLOCK < block < num_blocks:
-            raise InvalidRequestError(f"request {request.id}: blocks: block {block} is not in the KV cache's "
-                                      f"usable blocks 1..{num_blocks - 1} (block 0 is reserved)")
+            raise InvalidRequestError(
+                f"request {request.id}: blocks: block {block} is not in the KV cache's "
+                f"usable blocks 1..{num_blocks - 1} (block 0 is reserved)"
+            )
         if block in seen:
-            raise InvalidRequestError(f"request {request.id}: blocks: block {block} is listed twice")
+            raise InvalidRequestError(
+                f"request {request.id}: blocks: block {block} is listed twice"
+            )
         if index < shared and block in writers:
-            raise InvalidRequestError(f"request {request.id}: blocks: prefix block {block} is being written by "
-                                      f"request {writers[block]} of the same batch")
+            raise InvalidRequestError(
+                f"request {request.id}: blocks: prefix block {block} is being written by "
+                f"request {writers[block]} of the same batch"
+            )
         if index >= shared and block in owners:
-            raise InvalidRequestError(f"request {request.id}: blocks: block {block} is in use by live request "
-                                      f"{owners[block]}")
+            raise InvalidRequestError(
+                f"request {request.id}: blocks: block {block} is in use by live request "
+                f"{owners[block]}"
+            )
         seen.add(block)
 
 
@@ -60,7 +80,9 @@ def check_slots(request: Request, block_size: int) -> None:
     own = set(request.blocks)
     for slot in request.slots:
         if slot // block_size not in own:
-            raise InvalidRequestError(f"request {request.id}: slots: slot {slot} is outside the request's own blocks")
+            raise InvalidRequestError(
+                f"request {request.id}: slots: slot {slot} is outside the request's own blocks"
+            )
 
 
 def check_decode(batches: list[CachedBatch]) -> None:
@@ -79,11 +101,17 @@ def check_grown(grown: dict[int, list[int]], sequences: list, live: dict, num_bl
     given: set[int] = set()
     for request_id, blocks in grown.items():
         if request_id not in ids:
-            raise InvalidRequestError(f"grown_request_ids: request {request_id} is not in the decoded batches")
+            raise InvalidRequestError(
+                f"grown_request_ids: request {request_id} is not in the decoded batches"
+            )
         for block in blocks:
             where = f"request {request_id}: grown_blocks: block {block}"
             if not RESERVED_BLOCK < block < num_blocks:
-                raise InvalidRequestError(f"{where} is not in the KV cache's usable blocks 1..{num_blocks - 1}")
+                raise InvalidRequestError(
+                    f"{where} is not in the KV cache's usable blocks 1..{num_blocks - 1}"
+                )
             if block in owners or block in given:
-                raise InvalidRequestError(f"{where} is in use by request {owners.get(block, request_id)}")
+                raise InvalidRequestError(
+                    f"{where} is in use by request {owners.get(block, request_id)}"
+                )
             given.add(block)

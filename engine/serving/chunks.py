@@ -7,6 +7,7 @@ may ask for a first chunk of `chunk_len` tokens (TGI's router does when it split
 shard sizes the following chunks itself, as TGI's shards do. A sequence samples its first token
 only when its last chunk is computed.
 """
+
 from __future__ import annotations
 
 from engine.batch import Request
@@ -16,7 +17,11 @@ from engine.errors import InvalidRequestError
 def chunk_cap(longest_bucket: int, block_size: int) -> int:
     """Most new tokens of one sequence in one forward: the longest prefill bucket, in whole blocks
     where it holds one (so that later chunks continue whole blocks)."""
-    return longest_bucket // block_size * block_size if longest_bucket >= block_size else longest_bucket
+    return (
+        longest_bucket // block_size * block_size
+        if longest_bucket >= block_size
+        else longest_bucket
+    )
 
 
 def plan_chunks(sequences, budget: int, cap: int) -> list[tuple[object, int, int]]:
@@ -36,10 +41,20 @@ def plan_chunks(sequences, budget: int, cap: int) -> list[tuple[object, int, int
 
 def check_chunking(request: Request, total_tokens: int, cap: int) -> None:
     if request.chunk_len is not None and request.chunk_len < 1:
-        raise InvalidRequestError(f"request {request.id}: chunk_len={request.chunk_len}: a chunk computes at "
-                                  "least one token (leave chunk_len unset for the whole prompt)")
+        raise InvalidRequestError(
+            f"request {request.id}: chunk_len={request.chunk_len}: a chunk computes at "
+            "least one token (leave chunk_len unset for the whole prompt)"
+        )
     if request.prefill_logprobs and total_tokens > cap:
-        raise InvalidRequestError(f"request {request.id}: prefill_logprobs needs the whole prompt in one prefill, "
-                                  f"and its {total_tokens} tokens exceed the longest ({cap})")
-    if request.prefill_logprobs and request.chunk_len is not None and request.chunk_len < total_tokens:
-        raise InvalidRequestError(f"request {request.id}: prefill_logprobs needs the whole prompt in one chunk")
+        raise InvalidRequestError(
+            f"request {request.id}: prefill_logprobs needs the whole prompt in one prefill, "
+            f"and its {total_tokens} tokens exceed the longest ({cap})"
+        )
+    if (
+        request.prefill_logprobs
+        and request.chunk_len is not None
+        and request.chunk_len < total_tokens
+    ):
+        raise InvalidRequestError(
+            f"request {request.id}: prefill_logprobs needs the whole prompt in one chunk"
+        )

@@ -1,10 +1,13 @@
 """Incremental detokenization: text of each new token without splitting multi-byte characters."""
+
 from __future__ import annotations
 
 REPLACEMENT_CHAR = "\ufffd"
 
 
-def decode_next(tokenizer, token_ids: list[int], prefix_offset: int, read_offset: int) -> tuple[str, int, int]:
+def decode_next(
+    tokenizer, token_ids: list[int], prefix_offset: int, read_offset: int
+) -> tuple[str, int, int]:
     """Text added by the tokens after `read_offset`, and the new (prefix_offset, read_offset).
 
     Decoding a token alone loses the spaces and bytes that depend on its neighbours, so the text of

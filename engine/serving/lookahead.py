@@ -12,6 +12,7 @@ A lookahead writes one KV slot per row, in a block the row already holds: the ke
 its latest token, the very values its step would write. So nothing is undone when a row leaves
 before its step (cancelled, preempted): its blocks hold correct contents, and are freed with it.
 """
+
 from __future__ import annotations
 
 import time
@@ -27,7 +28,10 @@ from engine.serving.sequence import Sequence
 @dataclass
 class Ahead:
     """Logits of the next token of some sequences, computed before their step."""
-    rows: dict[int, tuple[Sequence, int, int]]  # sequence id -> (the sequence, its length then, row)
+
+    rows: dict[
+        int, tuple[Sequence, int, int]
+    ]  # sequence id -> (the sequence, its length then, row)
     logits: torch.Tensor
     forward_ns: int
 
@@ -50,8 +54,9 @@ def run_ahead(runner: ModelRunner, sequences: list[Sequence], inputs: list[Decod
     return Ahead(rows, logits, time.perf_counter_ns() - start)
 
 
-def logits_using(ahead: Ahead | None, runner: ModelRunner, sequences: list[Sequence],
-                 inputs: list[DecodeInput]) -> torch.Tensor:
+def logits_using(
+    ahead: Ahead | None, runner: ModelRunner, sequences: list[Sequence], inputs: list[DecodeInput]
+) -> torch.Tensor:
     """Logits [len(sequences), vocab] of this step, the rows the lookahead computed taken from it."""
     found = [ahead.row_of(seq) if ahead is not None else None for seq in sequences]
     if all(row is None for row in found):
@@ -59,7 +64,9 @@ def logits_using(ahead: Ahead | None, runner: ModelRunner, sequences: list[Seque
     missing = [i for i, row in enumerate(found) if row is None]
     rows = [ahead.logits[row] if row is not None else None for row in found]
     if missing:  # rows that joined after the lookahead ran (a batch concatenated to this one)
-        computed = decode_logits(runner, [sequences[i] for i in missing], [inputs[i] for i in missing])
+        computed = decode_logits(
+            runner, [sequences[i] for i in missing], [inputs[i] for i in missing]
+        )
         for i, logits in zip(missing, computed):
             rows[i] = logits
     return torch.stack(rows)

@@ -8,6 +8,7 @@ chain over the tokens through that block and the adapter (engine.wire.contract.c
 router's prefix cache keys its blocks with it too), and refuses (INVALID_ARGUMENT) a prefix
 block whose record differs from the request's own tokens.
 """
+
 from __future__ import annotations
 
 from engine.batch import Request
@@ -27,10 +28,14 @@ class BlockContents:
         for block in blocks:
             self._hashes.pop(block, None)
 
-    def record(self, blocks: list[int], token_ids: list[int], adapter: str | None, filled: int) -> None:
+    def record(
+        self, blocks: list[int], token_ids: list[int], adapter: str | None, filled: int
+    ) -> None:
         """After a forward: the sequence's first `filled` tokens are in its blocks."""
         full = filled // self.block_size
-        for block, value in zip(blocks[:full], chain_hashes(token_ids, self.block_size, adapter, full)):
+        for block, value in zip(
+            blocks[:full], chain_hashes(token_ids, self.block_size, adapter, full)
+        ):
             self._hashes[block] = value
 
     def check_prefix(self, request: Request, token_ids: list[int]) -> None:
@@ -41,7 +46,8 @@ class BlockContents:
                 raise InvalidRequestError(
                     f"request {request.id}: cache_len={request.cache_len}: prefix block {block} (block {position} "
                     "of the request) does not hold this request's tokens: it was never filled with them, or "
-                    "has been reused since")
+                    "has been reused since"
+                )
 
 
 def check_cache_len(request: Request, total_tokens: int, block_size: int, enabled: bool) -> None:
@@ -51,13 +57,23 @@ def check_cache_len(request: Request, total_tokens: int, block_size: int, enable
         return
     where = f"request {request.id}: cache_len={cache_len}"
     if not enabled:
-        raise InvalidRequestError(f"{where}: this shard serves without prefix caching (--prefix-caching off)")
+        raise InvalidRequestError(
+            f"{where}: this shard serves without prefix caching (--prefix-caching off)"
+        )
     if cache_len % block_size:
-        raise InvalidRequestError(f"{where} is not a whole number of KV blocks of {block_size} tokens")
+        raise InvalidRequestError(
+            f"{where} is not a whole number of KV blocks of {block_size} tokens"
+        )
     if cache_len >= total_tokens:
-        raise InvalidRequestError(f"{where} leaves nothing to compute of a prompt of {total_tokens} tokens "
-                                  "(at least its last token must be computed)")
+        raise InvalidRequestError(
+            f"{where} leaves nothing to compute of a prompt of {total_tokens} tokens "
+            "(at least its last token must be computed)"
+        )
     if len(request.blocks) * block_size < cache_len:
-        raise InvalidRequestError(f"{where}: the request's {len(request.blocks)} blocks cannot hold the cached prefix")
+        raise InvalidRequestError(
+            f"{where}: the request's {len(request.blocks)} blocks cannot hold the cached prefix"
+        )
     if request.prefill_logprobs:
-        raise InvalidRequestError(f"{where}: prefill_logprobs needs every prompt token computed; send cache_len=0")
+        raise InvalidRequestError(
+            f"{where}: prefill_logprobs needs every prompt token computed; send cache_len=0"
+        )

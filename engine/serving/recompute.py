@@ -6,6 +6,7 @@ that position runs those sequences as a prefill of their whole token list instea
 the cache is overwritten in place), and the others decode as usual; their logits come back in
 order. The decision reads host state only (token counts), never a device value.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,14 @@ def decode_logits(runner: ModelRunner, sequences, inputs: list[DecodeInput]) -> 
     if rest:
         for i, row in zip(rest, runner.decode([inputs[i] for i in rest])):
             logits[i] = row
-    whole = [PrefillInput(list(sequences[i].token_ids), sequences[i].slots(0, inputs[i].position + 1),
-                          adapter=inputs[i].adapter) for i in redo]
+    whole = [
+        PrefillInput(
+            list(sequences[i].token_ids),
+            sequences[i].slots(0, inputs[i].position + 1),
+            adapter=inputs[i].adapter,
+        )
+        for i in redo
+    ]
     for i, row in zip(redo, runner.prefill(whole).logits):
         logits[i] = row
     return torch.stack(logits)
@@ -53,4 +60,5 @@ def check_recompute_fits(model, limits: ServingLimits) -> None:
         raise InvalidRequestError(
             f"max_total_tokens={limits.max_total_tokens} lets sequences pass the model's original_max_position_embeddings"
             f"={at}, where its cache is recomputed with the long rope factors by a prefill of {at + 1} tokens: "
-            f"max_input_tokens must be at least {at + 1} (or keep max_total_tokens at most {at + 1})")
+            f"max_input_tokens must be at least {at + 1} (or keep max_total_tokens at most {at + 1})"
+        )

@@ -8,6 +8,7 @@ log_softmax of the processed scores. Every processor runs only when some row of 
 other rows' scores bit-for-bit unchanged, so a row gets the same result alone or in any batch. Where this module
 departs from TGI on purpose, the comment says so.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,11 +22,13 @@ from engine.batch import NextTokenChooserParameters
 from engine.errors import InvalidRequestError
 
 # Green-list watermarking (Kirchenbauer et al. 2023) with TGI's defaults.
-WATERMARK_GAMMA = 0.5            # share of the vocabulary on each green list
-WATERMARK_DELTA = 2.0            # logit bonus of a green token
-WATERMARK_HASH_KEY = 15485863    # a large prime; key * previous token seeds the green-list permutation
+WATERMARK_GAMMA = 0.5  # share of the vocabulary on each green list
+WATERMARK_DELTA = 2.0  # logit bonus of a green token
+WATERMARK_HASH_KEY = (
+    15485863  # a large prime; key * previous token seeds the green-list permutation
+)
 
-_MAX_SEED = 2**64 - 1            # torch.Generator takes any unsigned 64-bit seed, as TGI's router draws them
+_MAX_SEED = 2**64 - 1  # torch.Generator takes any unsigned 64-bit seed, as TGI's router draws them
 
 
 def validate_parameters(request_id: int, params: NextTokenChooserParameters) -> None:
@@ -36,20 +39,36 @@ def validate_parameters(request_id: int, params: NextTokenChooserParameters) -> 
     """
     p = params
     rules = (
-        ("temperature", p.temperature, math.isfinite(p.temperature) and p.temperature >= 0, "a finite number >= 0"),
+        (
+            "temperature",
+            p.temperature,
+            math.isfinite(p.temperature) and p.temperature >= 0,
+            "a finite number >= 0",
+        ),
         ("top_k", p.top_k, p.top_k >= 0, ">= 0"),
         ("top_p", p.top_p, 0 < p.top_p <= 1, "in (0, 1]"),
         ("typical_p", p.typical_p, 0 < p.typical_p <= 1, "in (0, 1]"),
-        ("repetition_penalty", p.repetition_penalty,
-         math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0, "a finite number > 0"),
+        (
+            "repetition_penalty",
+            p.repetition_penalty,
+            math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0,
+            "a finite number > 0",
+        ),
         ("frequency_penalty", p.frequency_penalty, math.isfinite(p.frequency_penalty), "finite"),
         ("seed", p.seed, p.seed is None or 0 <= p.seed <= _MAX_SEED, "in [0, 2**64)"),
         ("presence_penalty", p.presence_penalty, math.isfinite(p.presence_penalty), "finite"),
-        ("logit_bias", p.logit_bias, all(math.isfinite(v) for v in p.logit_bias.values()), "finite"),
+        (
+            "logit_bias",
+            p.logit_bias,
+            all(math.isfinite(v) for v in p.logit_bias.values()),
+            "finite",
+        ),
     )
     for name, value, ok, rule in rules:
         if not ok:
-            raise InvalidRequestError(f"request {request_id}: parameters.{name} must be {rule}, got {value}")
+            raise InvalidRequestError(
+                f"request {request_id}: parameters.{name} must be {rule}, got {value}"
+            )
 
 
 def is_sampling(params: NextTokenChooserParameters) -> bool:
@@ -59,20 +78,30 @@ def is_sampling(params: NextTokenChooserParameters) -> bool:
     """
     if params.temperature == 0:
         return False
-    return (params.do_sample or params.temperature != 1.0 or params.top_k != 0
-            or params.top_p < 1.0 or params.typical_p < 1.0)
+    return (
+        params.do_sample
+        or params.temperature != 1.0
+        or params.top_k != 0
+        or params.top_p < 1.0
+        or params.typical_p < 1.0
+    )
 
 
 @dataclass
 class SamplingState:
     """A request's chooser state. It lives on the request's Sequence, so it survives batch filtering and concatenation;
     penalties need nothing more because they are recomputed from the token history at every step."""
+
     params: NextTokenChooserParameters
-    seed: int                    # the seed in use, reported back in GeneratedText.seed
-    generator: torch.Generator   # CPU, so one seed gives the same draws whatever device the logits are on
+    seed: int  # the seed in use, reported back in GeneratedText.seed
+    generator: (
+        torch.Generator
+    )  # CPU, so one seed gives the same draws whatever device the logits are on
 
 
-def new_sampling_state(params: NextTokenChooserParameters, request_id: int, unset_seed: int | None = None) -> SamplingState:
+def new_sampling_state(
+    params: NextTokenChooserParameters, request_id: int, unset_seed: int | None = None
+) -> SamplingState:
     """Validate `params` and seed the request's generator.
 
     seed None means "unset" (the dataclass default), so it is replaced by `unset_seed`, else by a fresh random 64-bit
@@ -91,14 +120,17 @@ def new_sampling_state(params: NextTokenChooserParameters, request_id: int, unse
 @dataclass
 class Choice:
     token_ids: list[int]
-    logprobs: list[float]                       # log-probability of each chosen token under the processed scores
-    top_tokens: list[list[tuple[int, float]]]   # per row, its top_n (id, logprob) pairs; [] when top_n == 0
+    logprobs: list[float]  # log-probability of each chosen token under the processed scores
+    top_tokens: list[
+        list[tuple[int, float]]
+    ]  # per row, its top_n (id, logprob) pairs; [] when top_n == 0
 
 
 @dataclass(frozen=True)
 class _Rows:
     """One batch's parameters as columns. Warper columns hold neutral values on rows that do not sample, so a warper
     leaves those rows untouched."""
+
     sampling: list[bool]
     watermark: list[bool]
     repetition_penalty: list[float]
@@ -118,26 +150,51 @@ class _Rows:
         def warper(name: str, neutral: float) -> list:
             return [getattr(p, name) if draws else neutral for p, draws in zip(params, sampling)]
 
-        return cls(sampling, [p.watermark for p in params], [p.repetition_penalty for p in params],
-                   [p.frequency_penalty for p in params], warper("temperature", 1.0), warper("top_k", 0),
-                   warper("top_p", 1.0), warper("typical_p", 1.0), [p.presence_penalty for p in params],
-                   [p.logit_bias for p in params])
+        return cls(
+            sampling,
+            [p.watermark for p in params],
+            [p.repetition_penalty for p in params],
+            [p.frequency_penalty for p in params],
+            warper("temperature", 1.0),
+            warper("top_k", 0),
+            warper("top_p", 1.0),
+            warper("typical_p", 1.0),
+            [p.presence_penalty for p in params],
+            [p.logit_bias for p in params],
+        )
 
     def needs_penalty(self) -> list[bool]:
-        return [r != 1.0 or f != 0.0 for r, f in zip(self.repetition_penalty, self.frequency_penalty)]
+        return [
+            r != 1.0 or f != 0.0 for r, f in zip(self.repetition_penalty, self.frequency_penalty)
+        ]
 
     def needs_warper(self) -> bool:
-        return (any(t != 1.0 for t in self.temperature) or any(self.top_k)
-                or any(p < 1.0 for p in self.top_p) or any(p < 1.0 for p in self.typical_p))
+        return (
+            any(t != 1.0 for t in self.temperature)
+            or any(self.top_k)
+            or any(p < 1.0 for p in self.top_p)
+            or any(p < 1.0 for p in self.typical_p)
+        )
 
     def plain(self) -> bool:
         """No row needs a processor: the scores are the logits themselves."""
-        return not (any(self.watermark) or any(self.needs_penalty()) or self.needs_warper()
-                    or any(self.presence_penalty) or any(self.logit_bias))
+        return not (
+            any(self.watermark)
+            or any(self.needs_penalty())
+            or self.needs_warper()
+            or any(self.presence_penalty)
+            or any(self.logit_bias)
+        )
 
 
-def choose(logits: torch.Tensor, states: list[SamplingState], histories: list[list[int]], prompt_lens: list[int],
-           top_n: list[int], allowed: torch.Tensor | None = None) -> Choice:
+def choose(
+    logits: torch.Tensor,
+    states: list[SamplingState],
+    histories: list[list[int]],
+    prompt_lens: list[int],
+    top_n: list[int],
+    allowed: torch.Tensor | None = None,
+) -> Choice:
     """One next token per row of `logits` [n, vocab], each row with its own parameters and generator.
 
     histories[i] is row i's prompt followed by its generated tokens; prompt_lens only checks that the prompt is there,
@@ -158,24 +215,36 @@ def choose(logits: torch.Tensor, states: list[SamplingState], histories: list[li
     return Choice(chosen.tolist(), chosen_logprobs.tolist(), _top_tokens(logprobs, top_n))
 
 
-def process_scores(logits: torch.Tensor, states: list[SamplingState], histories: list[list[int]],
-                   allowed: torch.Tensor | None = None, prompt_lens: list[int] | None = None) -> torch.Tensor:
+def process_scores(
+    logits: torch.Tensor,
+    states: list[SamplingState],
+    histories: list[list[int]],
+    allowed: torch.Tensor | None = None,
+    prompt_lens: list[int] | None = None,
+) -> torch.Tensor:
     """The scores choose() picks from: `logits` after every row's processors and warpers. `logits` is not modified;
     when no row needs a processor the result is `logits` itself (as float32), so treat it as read-only."""
     return _process(logits, _Rows.of(states), histories, allowed, prompt_lens)
 
 
-def _process(logits: torch.Tensor, rows: _Rows, histories: list[list[int]], allowed: torch.Tensor | None,
-             prompt_lens: list[int] | None = None) -> torch.Tensor:
+def _process(
+    logits: torch.Tensor,
+    rows: _Rows,
+    histories: list[list[int]],
+    allowed: torch.Tensor | None,
+    prompt_lens: list[int] | None = None,
+) -> torch.Tensor:
     if rows.plain() and allowed is None:
-        return logits.float()   # the greedy fast path: no copy when the logits already are float32
-    scores = logits.to(torch.float32, copy=True)   # the processors below work in place
+        return logits.float()  # the greedy fast path: no copy when the logits already are float32
+    scores = logits.to(torch.float32, copy=True)  # the processors below work in place
     if any(rows.watermark):
         _watermark_(scores, rows.watermark, histories)
     if any(rows.needs_penalty()):
         _penalties_(scores, rows, histories)
     if any(rows.presence_penalty):
-        _presence_(scores, rows.presence_penalty, histories, prompt_lens or [len(h) for h in histories])
+        _presence_(
+            scores, rows.presence_penalty, histories, prompt_lens or [len(h) for h in histories]
+        )
     if any(rows.logit_bias):
         _logit_bias_(scores, rows.logit_bias)
     if allowed is not None:
@@ -191,11 +260,15 @@ def _check_batch(logits, states, histories, prompt_lens, top_n, allowed) -> None
         raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
     n = logits.shape[0]
     if any(len(column) != n for column in (states, histories, prompt_lens, top_n)):
-        raise ValueError(f"{n} rows of logits, but {len(states)} states, {len(histories)} histories, "
-                         f"{len(prompt_lens)} prompt lengths and {len(top_n)} top_n values")
+        raise ValueError(
+            f"{n} rows of logits, but {len(states)} states, {len(histories)} histories, "
+            f"{len(prompt_lens)} prompt lengths and {len(top_n)} top_n values"
+        )
     for i, (history, prompt_len) in enumerate(zip(histories, prompt_lens)):
         if not 0 < prompt_len <= len(history):
-            raise ValueError(f"row {i}: the history ({len(history)} tokens) must start with the prompt ({prompt_len})")
+            raise ValueError(
+                f"row {i}: the history ({len(history)} tokens) must start with the prompt ({prompt_len})"
+            )
     if allowed is not None:
         if allowed.shape != logits.shape or allowed.dtype != torch.bool:
             raise ValueError(f"allowed must be a bool tensor of shape {tuple(logits.shape)}")
@@ -222,8 +295,12 @@ def _watermark_(scores: torch.Tensor, watermark: list[bool], histories: list[lis
     # One green list per row and step, as in TGI; watermarking is rare enough that a loop over its rows is fine.
     for i in (i for i, on in enumerate(watermark) if on):
         green = _green_list(histories[i][-1], scores.shape[1]).to(scores.device)
-        bonus = torch.full((green.numel(),), WATERMARK_DELTA, dtype=scores.dtype, device=scores.device)
-        scores[i].index_add_(0, green, bonus)   # ids are distinct, so each green score gets exactly + delta
+        bonus = torch.full(
+            (green.numel(),), WATERMARK_DELTA, dtype=scores.dtype, device=scores.device
+        )
+        scores[i].index_add_(
+            0, green, bonus
+        )  # ids are distinct, so each green score gets exactly + delta
 
 
 def _penalties_(scores: torch.Tensor, rows: _Rows, histories: list[list[int]]) -> None:
@@ -239,7 +316,9 @@ def _penalties_(scores: torch.Tensor, rows: _Rows, histories: list[list[int]]) -
         scores.sub_(counts / lengths * _column(rows.frequency_penalty, scores))
 
 
-def _token_counts(histories: list[list[int]], needed: list[bool], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _token_counts(
+    histories: list[list[int]], needed: list[bool], like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """How often each token occurs in each needed row's history ([n, vocab], zero on other rows), and every row's
     history length ([n, 1]). TGI divides by the batch's padded width and counts the padding as token 0; the row's own
     length keeps a row's penalty independent of its batch."""
@@ -247,18 +326,22 @@ def _token_counts(histories: list[list[int]], needed: list[bool], like: torch.Te
     token_index = [t for i, history in enumerate(histories) if needed[i] for t in history]
     counts = torch.zeros_like(like)
     ones = torch.ones(len(token_index), dtype=like.dtype, device=like.device)
-    index = (torch.tensor(row_index, dtype=torch.long, device=like.device),
-             torch.tensor(token_index, dtype=torch.long, device=like.device))
-    counts.index_put_(index, ones, accumulate=True)   # exact: small integers in float32
+    index = (
+        torch.tensor(row_index, dtype=torch.long, device=like.device),
+        torch.tensor(token_index, dtype=torch.long, device=like.device),
+    )
+    counts.index_put_(index, ones, accumulate=True)  # exact: small integers in float32
     lengths = _column([max(len(h), 1) for h in histories], like)
     return counts, lengths
 
 
-def _presence_(scores: torch.Tensor, penalty: list[float], histories: list[list[int]], prompt_lens: list[int]) -> None:
+def _presence_(
+    scores: torch.Tensor, penalty: list[float], histories: list[list[int]], prompt_lens: list[int]
+) -> None:
     """OpenAI's presence penalty: every token generated so far (not the prompt's, as OpenAI and vLLM define it)
     loses `penalty` once, however often it occurs."""
-    rows = [i for i, p in enumerate(penalty) if p for _ in histories[i][prompt_lens[i]:]]
-    tokens = [t for i, p in enumerate(penalty) if p for t in histories[i][prompt_lens[i]:]]
+    rows = [i for i, p in enumerate(penalty) if p for _ in histories[i][prompt_lens[i] :]]
+    tokens = [t for i, p in enumerate(penalty) if p for t in histories[i][prompt_lens[i] :]]
     if not tokens:
         return
     seen = torch.zeros_like(scores)
@@ -269,11 +352,21 @@ def _presence_(scores: torch.Tensor, penalty: list[float], histories: list[list[
 def _logit_bias_(scores: torch.Tensor, biases: list[dict[int, float]]) -> None:
     """OpenAI's logit_bias, a sparse [rows, vocab] addition; ids past the logits' vocabulary are ignored."""
     vocab = scores.shape[1]
-    entries = [(i, token, bias) for i, row in enumerate(biases) for token, bias in row.items() if 0 <= token < vocab]
+    entries = [
+        (i, token, bias)
+        for i, row in enumerate(biases)
+        for token, bias in row.items()
+        if 0 <= token < vocab
+    ]
     if entries:
         rows, tokens, values = zip(*entries)
-        index = (torch.tensor(rows, device=scores.device), torch.tensor(tokens, device=scores.device))
-        scores.index_put_(index, torch.tensor(values, dtype=scores.dtype, device=scores.device), accumulate=True)
+        index = (
+            torch.tensor(rows, device=scores.device),
+            torch.tensor(tokens, device=scores.device),
+        )
+        scores.index_put_(
+            index, torch.tensor(values, dtype=scores.dtype, device=scores.device), accumulate=True
+        )
 
 
 def _warpers_(scores: torch.Tensor, rows: _Rows) -> None:
@@ -305,7 +398,7 @@ def _top_p_(scores: torch.Tensor, top_p: list[float]) -> None:
     # A token goes when it and every less likely token together weigh at most 1 - p (TGI's form of the rule).
     drop = tail_mass <= 1 - _column(top_p, scores)
     drop[:, -1] = False
-    drop &= _active(top_p, scores)   # p = 1 rows: leave even underflowed tokens alone
+    drop &= _active(top_p, scores)  # p = 1 rows: leave even underflowed tokens alone
     scores.masked_fill_(_unsort(drop, order), -math.inf)
 
 
@@ -313,12 +406,16 @@ def _typical_p_(scores: torch.Tensor, typical_p: list[float]) -> None:
     """Locally typical sampling (Meister et al. 2022): keep the tokens whose surprise is nearest the entropy,
     in that order, until their mass reaches p."""
     log_probs = scores.log_softmax(dim=1)
-    entropy = -(log_probs * log_probs.exp()).nansum(dim=1, keepdim=True)   # masked tokens give -inf * 0 = nan
+    entropy = -(log_probs * log_probs.exp()).nansum(
+        dim=1, keepdim=True
+    )  # masked tokens give -inf * 0 = nan
     distance = (-log_probs - entropy).abs()
     nearest, order = distance.sort(dim=1)
     mass = scores.gather(1, order).softmax(dim=1).cumsum(dim=1)
-    last_kept = (mass < _column(typical_p, scores)).sum(dim=1, keepdim=True).clamp(max=scores.shape[1] - 1)
-    drop = nearest > nearest.gather(1, last_kept)   # ties with the last kept token stay, as in TGI
+    last_kept = (
+        (mass < _column(typical_p, scores)).sum(dim=1, keepdim=True).clamp(max=scores.shape[1] - 1)
+    )
+    drop = nearest > nearest.gather(1, last_kept)  # ties with the last kept token stay, as in TGI
     drop &= _active(typical_p, scores)
     scores.masked_fill_(_unsort(drop, order), -math.inf)
 
@@ -380,4 +477,3 @@ def _active(values: list[float], like: torch.Tensor) -> torch.Tensor:
 def _unsort(sorted_mask: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """A mask over sorted positions, moved back to vocabulary positions."""
     return torch.zeros_like(sorted_mask).scatter_(1, order, sorted_mask)
-

@@ -1,4 +1,5 @@
 """The shard's state for one request between RPCs."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,21 +11,21 @@ from engine.kv_cache import blocks_needed, slots_for
 @dataclass
 class Sequence:
     request: Request
-    token_ids: list[int]                 # prompt followed by every generated token
+    token_ids: list[int]  # prompt followed by every generated token
     prompt_len: int
     blocks: list[int]
     block_size: int
-    owns_blocks: bool                    # allocated by the shard (freed by it) or by the router
+    owns_blocks: bool  # allocated by the shard (freed by it) or by the router
     router_slots: list[int] = field(default_factory=list)
-    sampling: object = None              # SamplingState: parameters, seed, generator
-    grammar: object = None               # GrammarState when the request is constrained
-    output_text: str = ""                # generated text so far, for stop sequences
-    prefix_offset: int = 0               # incremental detokenization window
+    sampling: object = None  # SamplingState: parameters, seed, generator
+    grammar: object = None  # GrammarState when the request is constrained
+    output_text: str = ""  # generated text so far, for stop sequences
+    prefix_offset: int = 0  # incremental detokenization window
     read_offset: int = 0
     finish_reason: FinishReason | None = None
-    cache_len: int = 0                   # prompt tokens whose KV the router said was cached (not computed)
-    computed: int = 0                    # tokens whose KV is in the cache
-    prefill_end: int = 0                 # tokens its prefill computes (prompt, and a resumed request's tokens)
+    cache_len: int = 0  # prompt tokens whose KV the router said was cached (not computed)
+    computed: int = 0  # tokens whose KV is in the cache
+    prefill_end: int = 0  # tokens its prefill computes (prompt, and a resumed request's tokens)
 
     @property
     def prefilling(self) -> bool:

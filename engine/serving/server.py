@@ -7,6 +7,7 @@ codes (engine/wire/contract.py). An error never stops the server: the next RPC i
 Our extensions of generate.v3 are proto fields (proto/CONTRACT.md): resumed tokens on a Prefill's
 requests, lookahead and trace contexts on the step requests, serving stats on the step responses.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,20 +36,26 @@ PARENT_POLL_S = 0.5
 
 @dataclass(frozen=True)
 class ServerConfig:
-    uds_path: str = DEFAULT_UDS_PATH     # base path: rank r listens on f"{uds_path}-{r}"
-    port: int | None = None              # also listen on this TCP port when given
-    hostname: str = "127.0.0.1"          # the TCP port's address: loopback unless asked otherwise
-    parent_pid: int | None = None        # stop when this process (the launcher) is gone
+    uds_path: str = DEFAULT_UDS_PATH  # base path: rank r listens on f"{uds_path}-{r}"
+    port: int | None = None  # also listen on this TCP port when given
+    hostname: str = "127.0.0.1"  # the TCP port's address: loopback unless asked otherwise
+    parent_pid: int | None = None  # stop when this process (the launcher) is gone
     rank: int = 0
     world_size: int = 1
-    max_batch_size: int | None = None    # Warmup's batch limit (TGI: MAX_BATCH_SIZE); None: the shard's config
+    max_batch_size: int | None = (
+        None  # Warmup's batch limit (TGI: MAX_BATCH_SIZE); None: the shard's config
+    )
     max_message_bytes: int = MAX_MESSAGE_BYTES
-    grace_seconds: float = 5.0           # in-flight RPCs may finish this long after SIGTERM
-    otlp_endpoint: str | None = None     # record step spans (engine/serving/tracing.py); None: no tracing
+    grace_seconds: float = 5.0  # in-flight RPCs may finish this long after SIGTERM
+    otlp_endpoint: str | None = (
+        None  # record step spans (engine/serving/tracing.py); None: no tracing
+    )
 
     def __post_init__(self):
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is not in 0..world_size-1 (world_size={self.world_size})")
+            raise ValueError(
+                f"rank {self.rank} is not in 0..world_size-1 (world_size={self.world_size})"
+            )
 
     def socket_path(self, rank: int | None = None) -> str:
         return f"{self.uds_path}-{self.rank if rank is None else rank}"
@@ -68,7 +75,13 @@ def rpc(handler):
         except Exception as error:  # noqa: BLE001 - every error becomes a status, none ends the server
             code, message = status_for(error)
             # A traceback only for INTERNAL: the others are the caller's mistake, not ours.
-            log.warning("%s failed with %s: %s", name, code.name, message, exc_info=code == grpc.StatusCode.INTERNAL)
+            log.warning(
+                "%s failed with %s: %s",
+                name,
+                code.name,
+                message,
+                exc_info=code == grpc.StatusCode.INTERNAL,
+            )
             await context.abort(code, message)
         log.debug("%s%s in %.1f ms", name, describe(request), (time.perf_counter() - start) * 1e3)
         return response
@@ -100,6 +113,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     async def step(self, fn, *args, request, batch_id: int = 0):
         """A prefill or decode on the shard's worker, with the timings the shard recorded for it
         and its serving stats after it; a span per traced request of `request` if tracing is on."""
+
         def run():
             return fn(*args), self.shard.last_timings, self.shard.serving_stats()
 
@@ -107,9 +121,13 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         result = await self.call(run)
         if self.tracer is not None:
             size = len(result[0][0])
-            self.tracer.record(f"{fn.__name__}_step", convert.traceparents_from_pb(request), start,
-                               time.time_ns(),
-                               {"batch_id": batch_id, "generations": size, "forward_ns": result[1].forward_ns})
+            self.tracer.record(
+                f"{fn.__name__}_step",
+                convert.traceparents_from_pb(request),
+                start,
+                time.time_ns(),
+                {"batch_id": batch_id, "generations": size, "forward_ns": result[1].forward_ns},
+            )
         return result
 
     @rpc
@@ -146,11 +164,16 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     @rpc
     async def Prefill(self, request, context):
         batch = convert.batch_from_pb(request.batch)
-        cached = convert.cached_batch_from_pb(request.cached_batch) if request.HasField("cached_batch") else None
+        cached = (
+            convert.cached_batch_from_pb(request.cached_batch)
+            if request.HasField("cached_batch")
+            else None
+        )
         resume = convert.resume_from_pb(request)
         extra = (resume,) if resume else ()  # only resumes need the shard to know of them
-        result, timings, stats = await self.step(self.shard.prefill, batch, cached, *extra,
-                                                 request=request, batch_id=batch.id)
+        result, timings, stats = await self.step(
+            self.shard.prefill, batch, cached, *extra, request=request, batch_id=batch.id
+        )
         return step_response(pb.PrefillResponse, result, timings, stats)
 
     @rpc
@@ -158,12 +181,18 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         batches = [convert.cached_batch_from_pb(b) for b in request.batches]
         grown = convert.grown_from_pb(request)
         extra = (grown,) if grown else ()
-        result, timings, stats = await self.step(self.shard.decode, batches, *extra,
-                                                 request=request,
-                                                 batch_id=batches[0].id if batches else 0)
+        result, timings, stats = await self.step(
+            self.shard.decode,
+            batches,
+            *extra,
+            request=request,
+            batch_id=batches[0].id if batches else 0,
+        )
         cached = result[1]
         if cached is not None and request.look_ahead:
-            self.executor.submit(self.shard.look_ahead, cached.id)  # queued before the answer leaves
+            self.executor.submit(
+                self.shard.look_ahead, cached.id
+            )  # queued before the answer leaves
         return step_response(pb.DecodeResponse, result, timings, stats)
 
     @rpc
@@ -179,8 +208,11 @@ def step_response(kind, result, timings, stats: dict[str, int]):
     return kind(
         generations=[convert.generation_to_pb(g) for g in generations],
         batch=convert.cached_batch_to_pb(cached) if cached is not None else None,
-        forward_ns=timings.forward_ns, decode_ns=timings.decode_ns, total_ns=timings.total_ns,
-        concat_ns=timings.concat_ns, stats=convert.stats_to_pb(stats),
+        forward_ns=timings.forward_ns,
+        decode_ns=timings.decode_ns,
+        total_ns=timings.total_ns,
+        concat_ns=timings.concat_ns,
+        stats=convert.stats_to_pb(stats),
     )
 
 
@@ -195,8 +227,12 @@ class ShardServer:
             tracer = StepTracer.to_otlp(config.otlp_endpoint, config.rank)
         self.servicer = ShardServicer(shard, config, tracer)
         limit = config.max_message_bytes
-        self.server = grpc.aio.server(options=[("grpc.max_send_message_length", limit),
-                                               ("grpc.max_receive_message_length", limit)])
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_send_message_length", limit),
+                ("grpc.max_receive_message_length", limit),
+            ]
+        )
         pb_grpc.add_TextGenerationServiceServicer_to_server(self.servicer, self.server)
 
     async def start(self) -> None:
@@ -205,10 +241,19 @@ class ShardServer:
         self._listen(f"unix://{path}")
         if self.config.port is not None:
             host = self.config.hostname
-            self._listen(f"[{host}]:{self.config.port}" if ":" in host else f"{host}:{self.config.port}")
+            self._listen(
+                f"[{host}]:{self.config.port}" if ":" in host else f"{host}:{self.config.port}"
+            )
         await self.server.start()
-        log.info("shard %d/%d serving generate.v3 on unix://%s%s", self.config.rank, self.config.world_size, path,
-                 f" and TCP {self.config.hostname}:{self.config.port}" if self.config.port is not None else "")
+        log.info(
+            "shard %d/%d serving generate.v3 on unix://%s%s",
+            self.config.rank,
+            self.config.world_size,
+            path,
+            f" and TCP {self.config.hostname}:{self.config.port}"
+            if self.config.port is not None
+            else "",
+        )
 
     def _listen(self, address: str) -> None:
         try:
@@ -248,7 +293,9 @@ async def serve(shard, config: ServerConfig) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopping.set)
-    watcher = loop.create_task(watch_parent(config.parent_pid, stopping)) if config.parent_pid else None
+    watcher = (
+        loop.create_task(watch_parent(config.parent_pid, stopping)) if config.parent_pid else None
+    )
     try:
         await stopping.wait()
         log.info("shard %d: stopping", config.rank)

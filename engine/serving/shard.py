@@ -1,4 +1,5 @@
 """One shard: the generate.v3 operations (warmup, prefill, decode, filter, clear) in plain Python."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,77 +10,129 @@ import time
 
 import torch
 
-from engine.weights import loader
 from engine.batch import Batch, CachedBatch, Generation, InfoResponse, StepTimings, WarmupResult
-from engine.config import EngineConfig, ServingLimits, distributed_address, torch_dtype
-from engine.distributed import Parallel, broadcast_int, init_distributed
 from engine.buckets.grid import PaddingStats, PrefillBucket
+from engine.config import EngineConfig, ServingLimits, distributed_address, torch_dtype
 from engine.devices import get_adapter
+from engine.distributed import Parallel, broadcast_int, init_distributed
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.kv_cache import ShardBlockPool
-from engine.weights.lora import load_adapters
 from engine.runner import ModelRunner
-from engine.serving.recompute import check_recompute_fits, recompute_position
-from engine.serving.prefix import BlockContents
-from engine.serving.sequence import Sequence
 from engine.serving.checks import check_decode, check_grown, check_prefill
 from engine.serving.lookahead import Ahead
-from engine.serving.steps import StepContext, admit_requests, decode_step, look_ahead_step, prefill_step
+from engine.serving.prefix import BlockContents
+from engine.serving.recompute import check_recompute_fits, recompute_position
+from engine.serving.sequence import Sequence
+from engine.serving.steps import (
+    StepContext,
+    admit_requests,
+    decode_step,
+    look_ahead_step,
+    prefill_step,
+)
 from engine.warmup.progressive import DeviceLock
 from engine.warmup.run import ShardModel, start_up
 from engine.warmup.warm import report
+from engine.weights import loader
+from engine.weights.lora import load_adapters
 
 log = logging.getLogger(__name__)
 
 
 def _exclusive(method):
     """Hold the device lock for a whole step: progressive warmup warms buckets from another thread."""
+
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
         with self.device_lock:
             return method(self, *args, **kwargs)
+
     return locked
 
 
 class Shard:
-    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1, show_progress: bool = True):
-        self.config, self.rank, self.world_size, self.show_progress = config, rank, world_size, show_progress
-        self.adapter = get_adapter(config.device, config.graph_mode, config.strict_shapes, rank=rank,
-                                   world_size=world_size, cache_dir=config.resolved_cache_dir)
+    def __init__(
+        self, config: EngineConfig, rank: int = 0, world_size: int = 1, show_progress: bool = True
+    ):
+        self.config, self.rank, self.world_size, self.show_progress = (
+            config,
+            rank,
+            world_size,
+            show_progress,
+        )
+        self.adapter = get_adapter(
+            config.device,
+            config.graph_mode,
+            config.strict_shapes,
+            rank=rank,
+            world_size=world_size,
+            cache_dir=config.resolved_cache_dir,
+        )
         self.dtype = self._choose_dtype(config)
         self.block_size = config.block_size or self.adapter.default_block_size
         self.parallel = Parallel(rank, world_size)
         init_distributed(self.parallel, self.adapter.dist_backend, *distributed_address())
         # Requests without a seed get one derived from this, which rank 0 picks for the whole group.
         self.group_seed = broadcast_int(secrets.randbits(62), self.parallel)
-        loaded = loader.load(config.model_id, config.resolved_cache_dir, self.dtype, self.adapter.torch_device, self.parallel,
-                             moe_impl=config.moe_impl or self.adapter.default_moe_impl,
-                             implementation=config.implementation, prepare_fallback=self.adapter.prepare_transformers,
-                             quantize=config.quantize)
-        self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        loaded = loader.load(
+            config.model_id,
+            config.resolved_cache_dir,
+            self.dtype,
+            self.adapter.torch_device,
+            self.parallel,
+            moe_impl=config.moe_impl or self.adapter.default_moe_impl,
+            implementation=config.implementation,
+            prepare_fallback=self.adapter.prepare_transformers,
+            quantize=config.quantize,
+        )
+        self.model, self.model_config, self.tokenizer = (
+            loaded.model,
+            loaded.config,
+            loaded.tokenizer,
+        )
         self.model_path, self.eos_token_ids = loaded.path, loaded.eos_token_ids
         self.implementation = getattr(self.model, "implementation", "native")
-        log.info("serving %s with the %s implementation", self.model_config.architecture, self.implementation)
+        log.info(
+            "serving %s with the %s implementation",
+            self.model_config.architecture,
+            self.implementation,
+        )
         self.config = config = self._without_unsound_prefix_caching(config)
         if config.lora_adapters and self.implementation != "native":
-            raise ModelLoadError("LoRA adapters are served with native implementations only (not --implementation transformers)")
+            raise ModelLoadError(
+                "LoRA adapters are served with native implementations only (not --implementation transformers)"
+            )
         # LoRA adapters load before warmup, so that every bucket is warmed with them active.
-        self.lora_set = load_adapters(self.model, config, self.adapter.default_lora_impl, self.parallel)
-        self.adapter.prepare_model(self.model, self.dtype)  # after the adapters: they read the plain weights' dtype
+        self.lora_set = load_adapters(
+            self.model, config, self.adapter.default_lora_impl, self.parallel
+        )
+        self.adapter.prepare_model(
+            self.model, self.dtype
+        )  # after the adapters: they read the plain weights' dtype
         self.special_token_ids = frozenset(self.tokenizer.all_special_ids)
         self.limits: ServingLimits | None = None
         self.runner: ModelRunner | None = None
         self.allocator: ShardBlockPool | None = None
-        self.contents: BlockContents | None = None  # what each filled KV block holds (prefix caching)
-        self.chunk_stats = {"chunked_prompts": 0, "prefill_chunks": 0}  # chunked prefill, since warmup
+        self.contents: BlockContents | None = (
+            None  # what each filled KV block holds (prefix caching)
+        )
+        self.chunk_stats = {
+            "chunked_prompts": 0,
+            "prefill_chunks": 0,
+        }  # chunked prefill, since warmup
         self.batches: dict[int, list[Sequence]] = {}
-        self.ahead: Ahead | None = None  # the next forward of a batch, run early (engine/serving/lookahead.py)
-        self.lookahead_stats = {"lookahead_runs": 0, "lookahead_steps": 0}  # forwards run early; steps that used one
+        self.ahead: Ahead | None = (
+            None  # the next forward of a batch, run early (engine/serving/lookahead.py)
+        )
+        self.lookahead_stats = {
+            "lookahead_runs": 0,
+            "lookahead_steps": 0,
+        }  # forwards run early; steps that used one
         self._grammar_compiler = None
         self.last_timings: StepTimings | None = None  # of the latest prefill or decode
         self.device_lock = DeviceLock()  # a step, or one bucket of background warmup (steps first)
-        self.background = None                # progressive warmup's BackgroundWarmup while it runs
-        self.recorder = None                  # ShapeRecorder of --record-shapes
+        self.background = None  # progressive warmup's BackgroundWarmup while it runs
+        self.recorder = None  # ShapeRecorder of --record-shapes
 
     def _without_unsound_prefix_caching(self, config: EngineConfig) -> EngineConfig:
         """A model whose keys' rotation depends on the sequence's final length (Phi-3's longrope:
@@ -87,9 +140,11 @@ class Shard:
         lengths, nor compute a prompt in chunks: prefix caching (and chunking with it) goes off."""
         if not config.prefix_caching or recompute_position(self.model) is None:
             return config
-        log.warning("prefix caching and chunked prefill are off for %s: its rope tables switch with the sequence's "
-                    "length, so a cached block's keys hold for sequences of one side of the switch only",
-                    self.model_config.architecture)
+        log.warning(
+            "prefix caching and chunked prefill are off for %s: its rope tables switch with the sequence's "
+            "length, so a cached block's keys hold for sequences of one side of the switch only",
+            self.model_config.architecture,
+        )
         return dataclasses.replace(config, prefix_caching=False)
 
     def _choose_dtype(self, config: EngineConfig) -> torch.dtype:
@@ -99,39 +154,59 @@ class Shard:
         if config.dtype in (None, "auto") and self.rank == 0:
             report(f"dtype auto: {str(dtype).removeprefix('torch.')} ({why})", self.show_progress)
         if config.quantize != "none" and config.lora_adapters:
-            raise ModelLoadError("--quantize does not combine with LoRA adapters yet (the adapters add to float weights)")
+            raise ModelLoadError(
+                "--quantize does not combine with LoRA adapters yet (the adapters add to float weights)"
+            )
         if config.quantize != "none" and config.quantize not in self.adapter.quantize_modes:
-            raise ModelLoadError(f"--quantize {config.quantize} is not available on {self.adapter.name} "
-                                 f"(choose from none, {', '.join(self.adapter.quantize_modes)})")
+            raise ModelLoadError(
+                f"--quantize {config.quantize} is not available on {self.adapter.name} "
+                f"(choose from none, {', '.join(self.adapter.quantize_modes)})"
+            )
         return dtype
 
     def info(self) -> InfoResponse:
         return InfoResponse(
-            requires_padding=False, dtype=str(self.dtype).removeprefix("torch."), device_type=self.adapter.device_type,
-            window_size=self.model_config.sliding_window, speculate=0, support_chunking=self.config.prefix_caching,
-            use_prefix_caching=self.config.prefix_caching, block_size=self.block_size,
-            attention_impl="flat_paged" if self.implementation == "native" else "transformers+flat_paged",
+            requires_padding=False,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device_type=self.adapter.device_type,
+            window_size=self.model_config.sliding_window,
+            speculate=0,
+            support_chunking=self.config.prefix_caching,
+            use_prefix_caching=self.config.prefix_caching,
+            block_size=self.block_size,
+            attention_impl="flat_paged"
+            if self.implementation == "native"
+            else "transformers+flat_paged",
         )
 
-    def warmup(self, max_input_tokens: int | None = None, max_prefill_tokens: int | None = None,
-               max_total_tokens: int | None = None, max_batch_size: int | None = None,
-               batch: Batch | None = None) -> WarmupResult:
+    def warmup(
+        self,
+        max_input_tokens: int | None = None,
+        max_prefill_tokens: int | None = None,
+        max_total_tokens: int | None = None,
+        max_batch_size: int | None = None,
+        batch: Batch | None = None,
+    ) -> WarmupResult:
         """Size the KV cache, plan buckets and run every one of them (engine/warmup/run.py's
         start_up). Limits left None take the config's.
 
         A router's warmup `batch` (TGI sends one whose parameters exercise every logits processor)
         is then prefilled once and dropped, so the sampling paths have run before serving too; not
         where warming runs no forward (eager CPU), since there nothing compiles on a first run."""
-        limits = self._limits(max_input_tokens, max_prefill_tokens, max_total_tokens, max_batch_size)
+        limits = self._limits(
+            max_input_tokens, max_prefill_tokens, max_total_tokens, max_batch_size
+        )
         check_recompute_fits(self.model, limits)
         self.clear()
         self._stop_background_warmup()
         self.runner = None  # drop the previous cache before measuring free memory
         self.adapter.shapes.clear()  # new limits, new cache: only what this warmup runs counts as warm
-        parts = ShardModel(self.model, self.model_config, self.adapter, self.dtype, self.block_size,
-                           self.parallel)
-        warmed = start_up(parts, self.config, limits, self.fingerprint(), self.show_progress,
-                          self.device_lock)
+        parts = ShardModel(
+            self.model, self.model_config, self.adapter, self.dtype, self.block_size, self.parallel
+        )
+        warmed = start_up(
+            parts, self.config, limits, self.fingerprint(), self.show_progress, self.device_lock
+        )
         self.runner, self.background = warmed.runner, warmed.background
         self.warmup_log = warmed.phases  # per-phase and per-bucket times and memory
         self.allocator, self.limits = ShardBlockPool(warmed.num_blocks), limits
@@ -143,15 +218,22 @@ class Shard:
         self.runner.padding = PaddingStats()  # serving_stats counts served traffic, not warmup
         self.chunk_stats.update(chunked_prompts=0, prefill_chunks=0)
         self.lookahead_stats.update(lookahead_runs=0, lookahead_steps=0)
-        return WarmupResult(self.runner.kv_cache.capacity_tokens, limits.max_input_tokens,
-                            limits.max_total_tokens)
+        return WarmupResult(
+            self.runner.kv_cache.capacity_tokens, limits.max_input_tokens, limits.max_total_tokens
+        )
 
     def fingerprint(self) -> dict:
         """What a warmup profile's latencies depend on (engine/warmup/profile.py)."""
         from engine.warmup.profile import fingerprint
 
-        return fingerprint(self.model_path, self.adapter, self.dtype, self.world_size, self.block_size,
-                           self.config.quantize)
+        return fingerprint(
+            self.model_path,
+            self.adapter,
+            self.dtype,
+            self.world_size,
+            self.block_size,
+            self.config.quantize,
+        )
 
     def warmup_progress(self) -> dict:
         """Buckets warmed so far: progressive warmup goes on after Warmup has answered."""
@@ -160,7 +242,9 @@ class Shard:
         if self.runner is None:
             return {"warmed": 0, "total": 0, "done": False}
         plan, warmed = self.runner.plan, self.adapter.shapes.warmed
-        count = sum(("prefill", b) in warmed for b in plan.prefill) + sum(("decode", b) in warmed for b in plan.decode)
+        count = sum(("prefill", b) in warmed for b in plan.prefill) + sum(
+            ("decode", b) in warmed for b in plan.decode
+        )
         return {"warmed": count, "total": plan.graphs, "done": count == plan.graphs}
 
     def close(self) -> None:
@@ -187,14 +271,22 @@ class Shard:
         page the plan's size, warmup progress, and the busiest buckets (bucket_counts)."""
         padding, unwarmed = self.runner.padding, sum(self.adapter.shapes.unwarmed.values())
         progress, plan = self.warmup_progress(), self.runner.plan
-        return {"plan_buckets": [len(plan.prefill), len(plan.decode)], "warmup": [progress["warmed"], progress["total"]],
-                "buckets": [bucket_counts(*entry) for entry in padding.busiest(REPORTED_BUCKETS)],
-                "buckets_used": len(padding.by_bucket),
-                "prefill_real": padding.real("prefill"), "prefill_padded": padding.padded("prefill"),
-                "decode_real": padding.real("decode"), "decode_padded": padding.padded("decode"),
-                "unwarmed_shapes": unwarmed, "prefill_forwards": padding.forwards("prefill"),
-                "decode_forwards": padding.forwards("decode"), "copied_prompts": self.runner.kv_cache.copied_prompts,
-                **self.chunk_stats, **self.lookahead_stats}
+        return {
+            "plan_buckets": [len(plan.prefill), len(plan.decode)],
+            "warmup": [progress["warmed"], progress["total"]],
+            "buckets": [bucket_counts(*entry) for entry in padding.busiest(REPORTED_BUCKETS)],
+            "buckets_used": len(padding.by_bucket),
+            "prefill_real": padding.real("prefill"),
+            "prefill_padded": padding.padded("prefill"),
+            "decode_real": padding.real("decode"),
+            "decode_padded": padding.padded("decode"),
+            "unwarmed_shapes": unwarmed,
+            "prefill_forwards": padding.forwards("prefill"),
+            "decode_forwards": padding.forwards("decode"),
+            "copied_prompts": self.runner.kv_cache.copied_prompts,
+            **self.chunk_stats,
+            **self.lookahead_stats,
+        }
 
     @_exclusive
     def health(self) -> None:
@@ -206,8 +298,12 @@ class Shard:
             raise RuntimeError(f"{self.adapter.name} device answered 1 + 1 = {probe.item()}")
 
     @_exclusive
-    def prefill(self, batch: Batch, cached_batch: CachedBatch | None = None,
-                resume: dict[int, list[int]] | None = None) -> tuple[list[Generation], CachedBatch | None]:
+    def prefill(
+        self,
+        batch: Batch,
+        cached_batch: CachedBatch | None = None,
+        resume: dict[int, list[int]] | None = None,
+    ) -> tuple[list[Generation], CachedBatch | None]:
         """`resume`: request id -> tokens it generated before a shard restart; they are prefilled
         after its prompt and its generation goes on from there."""
         start, ctx = self._start_step()
@@ -226,8 +322,9 @@ class Shard:
         return result
 
     @_exclusive
-    def decode(self, batches: list[CachedBatch], grown: dict[int, list[int]] | None = None
-               ) -> tuple[list[Generation], CachedBatch | None]:
+    def decode(
+        self, batches: list[CachedBatch], grown: dict[int, list[int]] | None = None
+    ) -> tuple[list[Generation], CachedBatch | None]:
         """`grown`: request id -> KV blocks the router added to it for this step (on-demand allocation)."""
         check_decode(batches)
         start, ctx = self._start_step()
@@ -277,7 +374,9 @@ class Shard:
         """`early_ns`: the lookahead forward this step used; its time counts as the step's."""
         total = time.perf_counter_ns() - start + early_ns
         forward = self.runner.forward_ns + early_ns
-        self.last_timings = StepTimings(forward, total - forward - (concat_ns or 0), total, concat_ns)
+        self.last_timings = StepTimings(
+            forward, total - forward - (concat_ns or 0), total, concat_ns
+        )
 
     def filter(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
         sequences = self._get(batch_id)
@@ -299,13 +398,23 @@ class Shard:
     def _context(self) -> StepContext:
         if self.runner is None:
             raise InvalidRequestError("the shard has not been warmed up")
-        return StepContext(runner=self.runner, tokenizer=self.tokenizer, allocator=self.allocator,
-                           limits=self.limits, eos_token_ids=self.eos_token_ids,
-                           special_token_ids=self.special_token_ids, block_size=self.block_size,
-                           grammars=self._grammars, unset_seed=self._unset_seed, rank=self.rank,
-                           world_size=self.world_size, lora_set=self.lora_set,
-                           vocab_size=self.model_config.vocab_size, contents=self.contents,
-                           chunk_stats=self.chunk_stats)
+        return StepContext(
+            runner=self.runner,
+            tokenizer=self.tokenizer,
+            allocator=self.allocator,
+            limits=self.limits,
+            eos_token_ids=self.eos_token_ids,
+            special_token_ids=self.special_token_ids,
+            block_size=self.block_size,
+            grammars=self._grammars,
+            unset_seed=self._unset_seed,
+            rank=self.rank,
+            world_size=self.world_size,
+            lora_set=self.lora_set,
+            vocab_size=self.model_config.vocab_size,
+            contents=self.contents,
+            chunk_stats=self.chunk_stats,
+        )
 
     def _unset_seed(self, request_id: int) -> int:
         return (self.group_seed * 0x9E3779B97F4A7C15 + request_id) % 2**64 or 1
@@ -316,10 +425,14 @@ class Shard:
             try:
                 from engine.grammar import GrammarCompiler
             except ImportError as err:
-                raise InvalidRequestError(f"parameters.grammar: grammar support is not installed ({err}); "
-                                          "install it with `pip install --no-deps xgrammar apache-tvm-ffi`") from None
+                raise InvalidRequestError(
+                    f"parameters.grammar: grammar support is not installed ({err}); "
+                    "install it with `pip install --no-deps xgrammar apache-tvm-ffi`"
+                ) from None
 
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+            )
         return self._grammar_compiler
 
     def _get(self, batch_id: int) -> list[Sequence]:
@@ -330,7 +443,9 @@ class Shard:
     def _take(self, batch_ids: list[int]) -> list[Sequence]:
         return [seq for batch_id in batch_ids for seq in self.batches.pop(batch_id, [])]
 
-    def _store(self, batch_id: int, sequences: list[Sequence], generations) -> tuple[list[Generation], CachedBatch | None]:
+    def _store(
+        self, batch_id: int, sequences: list[Sequence], generations
+    ) -> tuple[list[Generation], CachedBatch | None]:
         finished = [s for s in sequences if s.finish_reason is not None]
         self._release(finished)
         running = [s for s in sequences if s.finish_reason is None]
@@ -354,7 +469,11 @@ class Shard:
         """Without chunked prefill (it needs prefix caching's context buckets) a whole prompt is one
         prefill, so the budget grows to max_input_tokens."""
         budget = max_prefill or self.config.max_prefill_tokens
-        return budget if self.config.prefix_caching else max(budget, max_input or self.config.max_input_tokens)
+        return (
+            budget
+            if self.config.prefix_caching
+            else max(budget, max_input or self.config.max_input_tokens)
+        )
 
     def _limits(self, max_input, max_prefill, max_total, max_batch) -> ServingLimits:
         limits = ServingLimits(
@@ -365,7 +484,9 @@ class Shard:
         )
         positions = self.model_config.max_position_embeddings
         if limits.max_total_tokens > positions:
-            raise InvalidRequestError(f"max_total_tokens={limits.max_total_tokens} exceeds the model's {positions} positions")
+            raise InvalidRequestError(
+                f"max_total_tokens={limits.max_total_tokens} exceeds the model's {positions} positions"
+            )
         return limits
 
 
@@ -377,5 +498,13 @@ def bucket_counts(bucket, forwards: int, real: int, padded: int) -> list:
     """One bucket's use, compact: ["prefill", batch, seq_len, context_blocks, forwards, real tokens,
     padded tokens] or ["decode", batch, num_blocks, forwards, real rows, padded rows]."""
     if isinstance(bucket, PrefillBucket):
-        return ["prefill", bucket.batch_size, bucket.seq_len, bucket.context_blocks, forwards, real, padded]
+        return [
+            "prefill",
+            bucket.batch_size,
+            bucket.seq_len,
+            bucket.context_blocks,
+            forwards,
+            real,
+            padded,
+        ]
     return ["decode", bucket.batch_size, bucket.num_blocks, forwards, real, padded]

@@ -8,6 +8,7 @@ then on siblings are ordinary sequences. A source missing from the Prefill, a so
 a sibling, or a resumed request (its token list holds generated tokens) falls back to computing its
 own prompt; a source with another prompt or adapter is the caller's mistake.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,13 @@ def sources(sequences: list[Sequence]) -> dict[int, int]:
             continue  # a resumed request prefills its own prompt and generated tokens
         if seq.request.prefill_logprobs and not sequences[j].request.prefill_logprobs:
             continue  # the source's forward would not score the prompt
-        if seq.token_ids != sequences[j].token_ids or seq.request.adapter_id != sequences[j].request.adapter_id:
-            raise InvalidRequestError(f"request {seq.id}: prefill_source {source} has another prompt or adapter")
+        if (
+            seq.token_ids != sequences[j].token_ids
+            or seq.request.adapter_id != sequences[j].request.adapter_id
+        ):
+            raise InvalidRequestError(
+                f"request {seq.id}: prefill_source {source} has another prompt or adapter"
+            )
         shared[i] = j
     return shared
 
@@ -41,7 +47,10 @@ def copy_prompts(runner, sequences: list[Sequence], shared: dict[int, int], widt
     server takes) is every copy's index length."""
     device = runner.adapter.torch_device
     for i, j in shared.items():
-        start, length = sequences[i].computed, sequences[j].prompt_len  # a prefix-cache hit is in place already
+        start, length = (
+            sequences[i].computed,
+            sequences[j].prompt_len,
+        )  # a prefix-cache hit is in place already
         pad = [RESERVED_BLOCK] * (width - (length - start))
         source = torch.tensor(sequences[j].slots(start, length) + pad, dtype=torch.long).to(device)
         target = torch.tensor(sequences[i].slots(start, length) + pad, dtype=torch.long).to(device)

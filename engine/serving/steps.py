@@ -1,26 +1,34 @@
 """One prefill or decode step over a list of sequences: validate, run, choose, stop, report."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from engine.batch import (FinishReason, GeneratedText, Generation, GrammarType, Request, Tokens,
-                          kv_tokens)
-from engine.serving.detokenize import decode_next
+from engine.batch import (
+    FinishReason,
+    GeneratedText,
+    Generation,
+    GrammarType,
+    Request,
+    Tokens,
+    kv_tokens,
+)
+from engine.config import ServingLimits
 from engine.errors import InvalidRequestError
 from engine.kv_cache import ShardBlockPool, blocks_needed
 from engine.layers.lora import NO_ADAPTER, LoraSet
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
-from engine.serving.sampling import choose, is_sampling, new_sampling_state, validate_parameters
 from engine.serving import siblings
-from engine.serving.chunks import chunk_cap, check_chunking, plan_chunks
-from engine.serving.prefix import BlockContents, check_cache_len
+from engine.serving.chunks import check_chunking, chunk_cap, plan_chunks
+from engine.serving.detokenize import decode_next
 from engine.serving.lookahead import Ahead, logits_using, run_ahead
+from engine.serving.prefix import BlockContents, check_cache_len
 from engine.serving.resume import check_resumed, replay
+from engine.serving.sampling import choose, is_sampling, new_sampling_state, validate_parameters
 from engine.serving.sequence import Sequence
-from engine.config import ServingLimits
 
 
 @dataclass(kw_only=True)
@@ -33,13 +41,19 @@ class StepContext:
     special_token_ids: frozenset[int]
     block_size: int
     grammars: Callable = None  # () -> GrammarCompiler, built by the shard on first use
-    unset_seed: Callable = None  # request id -> the seed of a request that set none, equal on every rank
+    unset_seed: Callable = (
+        None  # request id -> the seed of a request that set none, equal on every rank
+    )
     rank: int = 0
     world_size: int = 1
     lora_set: LoraSet | None = None  # the LoRA adapters requests may name in adapter_id
-    vocab_size: int = 0              # the model's: token ids a resumed request may carry
-    contents: BlockContents | None = None  # what each filled KV block holds; None: no prefix caching
-    chunk_stats: dict | None = None  # "chunked_prompts", "prefill_chunks": counted for the router's metrics
+    vocab_size: int = 0  # the model's: token ids a resumed request may carry
+    contents: BlockContents | None = (
+        None  # what each filled KV block holds; None: no prefix caching
+    )
+    chunk_stats: dict | None = (
+        None  # "chunked_prompts", "prefill_chunks": counted for the router's metrics
+    )
 
 
 def adapter_slot(ctx: StepContext, request: Request) -> int:
@@ -48,32 +62,49 @@ def adapter_slot(ctx: StepContext, request: Request) -> int:
         return NO_ADAPTER
     names = ctx.lora_set.names if ctx.lora_set else ()
     if request.adapter_id not in names:
-        raise InvalidRequestError(f"request {request.id}: unknown adapter_id {request.adapter_id!r} "
-                                  f"(loaded adapters: {', '.join(names) or 'none'})")
+        raise InvalidRequestError(
+            f"request {request.id}: unknown adapter_id {request.adapter_id!r} "
+            f"(loaded adapters: {', '.join(names) or 'none'})"
+        )
     return ctx.lora_set.slot(request.adapter_id)
 
 
-def admit_requests(ctx: StepContext, requests: list[Request], resume: dict[int, list[int]]) -> list[Sequence]:
+def admit_requests(
+    ctx: StepContext, requests: list[Request], resume: dict[int, list[int]]
+) -> list[Sequence]:
     """Sequences for new requests; every request is checked before any block is allocated.
     `resume`: request id -> the tokens it generated before a shard restart (engine/serving/resume.py)."""
     tokenized = [_tokenize(ctx, request) for request in requests]
     for request, ids in zip(requests, tokenized):
         if request.id in resume:
-            check_resumed(request.id, len(ids), resume[request.id], request.stopping_parameters.max_new_tokens,
-                          ctx.limits.max_input_tokens, ctx.vocab_size)
+            check_resumed(
+                request.id,
+                len(ids),
+                resume[request.id],
+                request.stopping_parameters.max_new_tokens,
+                ctx.limits.max_input_tokens,
+                ctx.vocab_size,
+            )
         full = ids + resume.get(request.id, [])
         if request.blocks and len(request.blocks) * ctx.block_size < len(full):
-            raise InvalidRequestError(f"request {request.id}: {len(request.blocks)} blocks hold fewer than the "
-                                      f"{len(full)} tokens it prefills")
+            raise InvalidRequestError(
+                f"request {request.id}: {len(request.blocks)} blocks hold fewer than the "
+                f"{len(full)} tokens it prefills"
+            )
         check_cache_len(request, len(full), ctx.block_size, ctx.contents is not None)
         check_chunking(request, len(full) - request.cache_len, _cap(ctx))
         if request.cache_len:
             ctx.contents.check_prefix(request, full)
     grammars = [_compile_grammar(ctx, request) for request in requests]
-    needed = sum(blocks_needed(kv_tokens(len(ids), r.stopping_parameters.max_new_tokens), ctx.block_size)
-                 for r, ids in zip(requests, tokenized) if not r.blocks)
+    needed = sum(
+        blocks_needed(kv_tokens(len(ids), r.stopping_parameters.max_new_tokens), ctx.block_size)
+        for r, ids in zip(requests, tokenized)
+        if not r.blocks
+    )
     if not ctx.allocator.can_allocate(needed):
-        raise InvalidRequestError(f"KV cache full: the batch needs {needed} blocks, {ctx.allocator.num_free} are free")
+        raise InvalidRequestError(
+            f"KV cache full: the batch needs {needed} blocks, {ctx.allocator.num_free} are free"
+        )
     sequences = [_new_sequence(ctx, r, ids, g) for r, ids, g in zip(requests, tokenized, grammars)]
     for seq in sequences:
         if seq.id in resume:
@@ -89,8 +120,12 @@ def _compile_grammar(ctx: StepContext, request: Request):
     if grammar_type == GrammarType.NONE:
         return None
     compiled = ctx.grammars().compile(grammar_type, request.parameters.grammar)
-    if not ctx.grammars().new_state(compiled).allowed_mask().any():  # `[^\s\S]`: nothing could be sampled
-        raise InvalidRequestError(f"request {request.id}: parameters.grammar allows no token at all")
+    if (
+        not ctx.grammars().new_state(compiled).allowed_mask().any()
+    ):  # `[^\s\S]`: nothing could be sampled
+        raise InvalidRequestError(
+            f"request {request.id}: parameters.grammar allows no token at all"
+        )
     return compiled
 
 
@@ -104,28 +139,50 @@ def _tokenize(ctx: StepContext, request: Request) -> list[int]:
     if not ids:
         raise InvalidRequestError(f"request {request.id}: the prompt is empty")
     if len(ids) > limits.max_input_tokens:
-        raise InvalidRequestError(f"request {request.id}: prompt of {len(ids)} tokens exceeds max_input_tokens={limits.max_input_tokens}")
+        raise InvalidRequestError(
+            f"request {request.id}: prompt of {len(ids)} tokens exceeds max_input_tokens={limits.max_input_tokens}"
+        )
     if max_new < 1:
-        raise InvalidRequestError(f"request {request.id}: max_new_tokens must be at least 1, got {max_new}")
+        raise InvalidRequestError(
+            f"request {request.id}: max_new_tokens must be at least 1, got {max_new}"
+        )
     if len(ids) + max_new > limits.max_total_tokens:
-        raise InvalidRequestError(f"request {request.id}: {len(ids)} prompt tokens + max_new_tokens={max_new} exceed max_total_tokens={limits.max_total_tokens}")
-    if request.blocks and len(request.blocks) * ctx.block_size < len(ids):  # more may come with each Decode
-        raise InvalidRequestError(f"request {request.id}: {len(request.blocks)} blocks hold fewer than its "
-                                  f"{len(ids)} prompt tokens")
+        raise InvalidRequestError(
+            f"request {request.id}: {len(ids)} prompt tokens + max_new_tokens={max_new} exceed max_total_tokens={limits.max_total_tokens}"
+        )
+    if request.blocks and len(request.blocks) * ctx.block_size < len(
+        ids
+    ):  # more may come with each Decode
+        raise InvalidRequestError(
+            f"request {request.id}: {len(request.blocks)} blocks hold fewer than its "
+            f"{len(ids)} prompt tokens"
+        )
     if request.slots and len(request.slots) < len(ids):
-        raise InvalidRequestError(f"request {request.id}: {len(request.slots)} slots for {len(ids)} prompt tokens")
+        raise InvalidRequestError(
+            f"request {request.id}: {len(request.slots)} slots for {len(ids)} prompt tokens"
+        )
     return ids
 
 
 def _new_sequence(ctx: StepContext, request: Request, ids: list[int], grammar) -> Sequence:
     owns = not request.blocks
-    needed = blocks_needed(kv_tokens(len(ids), request.stopping_parameters.max_new_tokens), ctx.block_size)
+    needed = blocks_needed(
+        kv_tokens(len(ids), request.stopping_parameters.max_new_tokens), ctx.block_size
+    )
     blocks = list(request.blocks) or ctx.allocator.allocate(needed)
     return Sequence(
-        request, list(ids), len(ids), blocks, ctx.block_size, owns, list(request.slots),
+        request,
+        list(ids),
+        len(ids),
+        blocks,
+        ctx.block_size,
+        owns,
+        list(request.slots),
         sampling=new_sampling_state(request.parameters, request.id, ctx.unset_seed(request.id)),
         grammar=None if grammar is None else ctx.grammars().new_state(grammar),
-        prefix_offset=max(len(ids) - 5, 0), read_offset=len(ids), cache_len=request.cache_len,
+        prefix_offset=max(len(ids) - 5, 0),
+        read_offset=len(ids),
+        cache_len=request.cache_len,
     )
 
 
@@ -142,16 +199,30 @@ def prefill_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation
     siblings compute nothing: once their source's prompt is computed they copy it and sample
     from its logits (engine/serving/siblings.py)."""
     shared = siblings.sources(sequences)
-    planned = plan_chunks([s for i, s in enumerate(sequences) if i not in shared], ctx.limits.max_prefill_tokens,
-                          _cap(ctx))
+    planned = plan_chunks(
+        [s for i, s in enumerate(sequences) if i not in shared],
+        ctx.limits.max_prefill_tokens,
+        _cap(ctx),
+    )
     if not planned:
         return []
-    inputs = [PrefillInput(s.token_ids[a:b], s.slots(a, b), s.request.prefill_logprobs and a == 0,
-                           adapter_slot(ctx, s.request), s.slots(0, a)) for s, a, b in planned]
+    inputs = [
+        PrefillInput(
+            s.token_ids[a:b],
+            s.slots(a, b),
+            s.request.prefill_logprobs and a == 0,
+            adapter_slot(ctx, s.request),
+            s.slots(0, a),
+        )
+        for s, a, b in planned
+    ]
     output = ctx.runner.prefill(inputs)
     for seq, start, end in planned:
         seq.computed = end
-        if ctx.chunk_stats is not None and (start, end) != (seq.cache_len, seq.prefill_end):  # a part of its prompt
+        if ctx.chunk_stats is not None and (start, end) != (
+            seq.cache_len,
+            seq.prefill_end,
+        ):  # a part of its prompt
             ctx.chunk_stats["prefill_chunks"] += 1
             ctx.chunk_stats["chunked_prompts"] += start == seq.cache_len
     finished = {seq.id: row for row, (seq, _, _) in enumerate(planned) if not seq.prefilling}
@@ -162,31 +233,45 @@ def prefill_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation
     record_contents(ctx, [s for s, _, _ in planned] + [sequences[i] for i in copies])
     rows = [(planned[row][0], row) for row in finished.values()]
     rows += [(sequences[i], finished[sequences[j].id]) for i, j in copies.items()]
-    generations = _advance(ctx, [s for s, _ in rows], output.logits[[r for _, r in rows]]) if rows else []
+    generations = (
+        _advance(ctx, [s for s, _ in rows], output.logits[[r for _, r in rows]]) if rows else []
+    )
     by_id = {g.request_id: g for g in generations}
     for seq, row in rows:
         logprobs = output.prompt_logprobs.get(row)
         if logprobs is not None and seq.request.prefill_logprobs and seq.id in by_id:
-            by_id[seq.id].prefill_tokens = _scored_tokens(ctx, seq.token_ids[: seq.prompt_len], logprobs)
+            by_id[seq.id].prefill_tokens = _scored_tokens(
+                ctx, seq.token_ids[: seq.prompt_len], logprobs
+            )
     return generations
 
 
-def decode_step(ctx: StepContext, sequences: list[Sequence], ahead: Ahead | None = None) -> list[Generation]:
+def decode_step(
+    ctx: StepContext, sequences: list[Sequence], ahead: Ahead | None = None
+) -> list[Generation]:
     """One token for every decoding sequence; the next chunk for those still prefilling. `ahead`: a
     lookahead's logits (engine/serving/lookahead.py), used for the rows it computed."""
-    prefilling = {s.id for s in sequences if s.prefilling}  # before the chunk: a finished one decodes next step
-    generations = prefill_step(ctx, [s for s in sequences if s.id in prefilling]) if prefilling else []
+    prefilling = {
+        s.id for s in sequences if s.prefilling
+    }  # before the chunk: a finished one decodes next step
+    generations = (
+        prefill_step(ctx, [s for s in sequences if s.id in prefilling]) if prefilling else []
+    )
     sequences = [s for s in sequences if s.id not in prefilling]
     if not sequences:
         return generations
     for seq in sequences:
         if not _has_next_slot(ctx, seq):
-            raise InvalidRequestError(f"request {seq.id}: its KV blocks are full at position {len(seq.token_ids) - 1}")
+            raise InvalidRequestError(
+                f"request {seq.id}: its KV blocks are full at position {len(seq.token_ids) - 1}"
+            )
     # Phi-3 recomputes at its rope switch (decode_logits, under logits_using).
     logits = logits_using(ahead, ctx.runner, sequences, _decode_inputs(ctx, sequences))
     for seq in sequences:
         seq.computed = len(seq.token_ids)
-    record_contents(ctx, [s for s in sequences if len(s.token_ids) % ctx.block_size == 0])  # a block just filled
+    record_contents(
+        ctx, [s for s in sequences if len(s.token_ids) % ctx.block_size == 0]
+    )  # a block just filled
     return generations + _advance(ctx, sequences, logits)
 
 
@@ -207,8 +292,15 @@ def _decode_inputs(ctx: StepContext, sequences: list[Sequence]) -> list[DecodeIn
     inputs = []
     for seq in sequences:
         position = len(seq.token_ids) - 1
-        inputs.append(DecodeInput(seq.token_ids[-1], position, seq.slots(position, position + 1)[0],
-                                  seq.blocks_through(position), adapter_slot(ctx, seq.request)))
+        inputs.append(
+            DecodeInput(
+                seq.token_ids[-1],
+                position,
+                seq.slots(position, position + 1)[0],
+                seq.blocks_through(position),
+                adapter_slot(ctx, seq.request),
+            )
+        )
     return inputs
 
 
@@ -235,7 +327,9 @@ def _advance(ctx: StepContext, sequences: list[Sequence], logits) -> list[Genera
         seq.token_ids.append(token)
         if seq.grammar is not None:
             seq.grammar.advance(token)
-        text, seq.prefix_offset, seq.read_offset = decode_next(ctx.tokenizer, seq.token_ids, seq.prefix_offset, seq.read_offset)
+        text, seq.prefix_offset, seq.read_offset = decode_next(
+            ctx.tokenizer, seq.token_ids, seq.prefix_offset, seq.read_offset
+        )
         seq.output_text += text
         seq.finish_reason = _finish_reason(ctx, seq, token, text)
         if seq.id % ctx.world_size == ctx.rank:
@@ -247,8 +341,12 @@ def _advance(ctx: StepContext, sequences: list[Sequence], logits) -> list[Genera
 def allowed_tokens(ctx: StepContext, sequences: list[Sequence], logits):
     """[rows, vocab] mask of allowed tokens (a grammar's, and no EOS before min_new_tokens), or None when no row
     restricts its tokens."""
-    early = [i for i, s in enumerate(sequences) if s.generated < s.request.stopping_parameters.min_new_tokens
-             and not (s.grammar is not None and s.grammar.is_complete)]  # a complete grammar may need its EOS
+    early = [
+        i
+        for i, s in enumerate(sequences)
+        if s.generated < s.request.stopping_parameters.min_new_tokens
+        and not (s.grammar is not None and s.grammar.is_complete)
+    ]  # a complete grammar may need its EOS
     if all(s.grammar is None for s in sequences) and not early:
         return None
     if all(s.grammar is None for s in sequences):
@@ -294,7 +392,9 @@ def _top_tokens(ctx: StepContext, pairs: list[tuple[int, float]]) -> list[Tokens
     return [_scored_tokens(ctx, [token for token, _ in pairs], [logprob for _, logprob in pairs])]
 
 
-def _generation(ctx: StepContext, seq: Sequence, token: int, logprob: float, text: str, top: list[Tokens]) -> Generation:
+def _generation(
+    ctx: StepContext, seq: Sequence, token: int, logprob: float, text: str, top: list[Tokens]
+) -> Generation:
     finished = None
     if seq.finish_reason is not None:
         output = ctx.tokenizer.decode(seq.generated_ids, skip_special_tokens=True)

@@ -7,6 +7,7 @@ request, a child of that request's phase span, covering the step as the shard ra
 batch id and size, forward time). Off, nothing of OpenTelemetry is imported and the field is not
 read.
 """
+
 from __future__ import annotations
 
 
@@ -21,12 +22,17 @@ class StepTracer:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        provider = TracerProvider(resource=Resource.create({"service.name": "bucketserve-shard", "rank": rank}))
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True)))
+        provider = TracerProvider(
+            resource=Resource.create({"service.name": "bucketserve-shard", "rank": rank})
+        )
+        provider.add_span_processor(
+            BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True))
+        )
         return cls(provider.get_tracer("bucketserve.shard"), provider)
 
-    def record(self, name: str, traceparents: dict[int, str], start_ns: int, end_ns: int,
-               attributes: dict) -> None:
+    def record(
+        self, name: str, traceparents: dict[int, str], start_ns: int, end_ns: int, attributes: dict
+    ) -> None:
         """One span per traced request of the step. A traceparent that does not parse gives a span
         without a parent: tracing must never fail a step."""
         if not traceparents:
@@ -35,6 +41,10 @@ class StepTracer:
 
         for request_id, traceparent in traceparents.items():
             context = TraceContextTextMapPropagator().extract({"traceparent": traceparent})
-            span = self.tracer.start_span(name, context=context, start_time=start_ns,
-                                          attributes={**attributes, "request_id": str(request_id)})
+            span = self.tracer.start_span(
+                name,
+                context=context,
+                start_time=start_ns,
+                attributes={**attributes, "request_id": str(request_id)},
+            )
             span.end(end_time=end_ns)

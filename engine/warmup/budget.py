@@ -9,6 +9,7 @@ TGI_GRAPH_RESERVED_MEM). Warmup then captures:
 A bucket whose graph would not fit is warmed to run without one (slower, never out of memory), and
 the buckets so dropped are named in a warning.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,8 +17,9 @@ import logging
 log = logging.getLogger(__name__)
 
 
-def split_free_memory(free_bytes: int, kv_fraction: float, graph_fraction: float,
-                      captures_graphs: bool) -> tuple[int, int]:
+def split_free_memory(
+    free_bytes: int, kv_fraction: float, graph_fraction: float, captures_graphs: bool
+) -> tuple[int, int]:
     """(bytes for the KV cache, bytes for graphs) out of the free memory after the largest prefill."""
     usable = int(free_bytes * kv_fraction)
     graphs = int(usable * graph_fraction) if captures_graphs else 0
@@ -36,7 +38,10 @@ class GraphBudget:
 
     def allows(self, bucket) -> bool:
         estimate = self.largest.get(kind(bucket), 0)
-        if kind(bucket) == "PrefillBucket" and self.prefill_spent + estimate > self.budget_bytes * PREFILL_SHARE:
+        if (
+            kind(bucket) == "PrefillBucket"
+            and self.prefill_spent + estimate > self.budget_bytes * PREFILL_SHARE
+        ):
             return False
         return self.adapter.memory_info()[0] - estimate >= self.floor
 
@@ -48,8 +53,12 @@ class GraphBudget:
 
     def report(self, dropped: list, describe) -> None:
         if dropped:
-            log.warning("graph memory budget (%.1f MiB) spent: %d bucket(s) run without a graph: %s",
-                        self.budget_bytes / 2**20, len(dropped), ", ".join(describe(b) for b in dropped))
+            log.warning(
+                "graph memory budget (%.1f MiB) spent: %d bucket(s) run without a graph: %s",
+                self.budget_bytes / 2**20,
+                len(dropped),
+                ", ".join(describe(b) for b in dropped),
+            )
 
 
 def kind(bucket) -> str:

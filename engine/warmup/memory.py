@@ -1,4 +1,5 @@
 """Warmup's memory steps: free memory after the largest prefill, and the KV cache sized from it."""
+
 from __future__ import annotations
 
 from engine.buckets.grid import BucketPlan, PrefillBucket
@@ -16,8 +17,18 @@ def profile_free_memory(model, adapter, dtype, block_size: int, limits: ServingL
     if not adapter.warm_runs_forward:
         return adapter.memory_info()[0]
     config = model.config
-    scratch = KVCache(config.num_layers, 1, block_size, model.local_kv_heads, config.head_dim, dtype, adapter.torch_device)
-    longest = min(limits.max_input_tokens, limits.max_prefill_tokens)  # longer prompts come in chunks
+    scratch = KVCache(
+        config.num_layers,
+        1,
+        block_size,
+        model.local_kv_heads,
+        config.head_dim,
+        dtype,
+        adapter.torch_device,
+    )
+    longest = min(
+        limits.max_input_tokens, limits.max_prefill_tokens
+    )  # longer prompts come in chunks
     rows = max(1, min(limits.max_batch_size, limits.max_prefill_tokens // longest))
     largest = PrefillBucket(rows, longest)
     plan = BucketPlan(prefill=(largest,), decode=())
@@ -27,7 +38,9 @@ def profile_free_memory(model, adapter, dtype, block_size: int, limits: ServingL
     return adapter.memory_info()[0]
 
 
-def size_kv_cache(free_bytes: int, fraction: float, bytes_per_block: int, block_size: int, limits: ServingLimits) -> int:
+def size_kv_cache(
+    free_bytes: int, fraction: float, bytes_per_block: int, block_size: int, limits: ServingLimits
+) -> int:
     """Blocks for the cache (block 0 included): what memory allows, but no more than the
     max_batch_size longest sequences can ever use at once."""
     per_sequence = blocks_needed(limits.max_total_tokens, block_size)

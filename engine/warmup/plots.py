@@ -1,4 +1,5 @@
 """PNG plots of a warmup profile: step latency over the bucket grid, and each strategy's padding waste."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,8 +21,13 @@ def latency_plot(entries: list[dict], phase: str, size_key: str, path: Path) -> 
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    points = ax.scatter([e[size_key] for e in rows], [e["batch_size"] for e in rows],
-                        c=[e["latency_s"] * 1e3 for e in rows], s=60, cmap="viridis")
+    points = ax.scatter(
+        [e[size_key] for e in rows],
+        [e["batch_size"] for e in rows],
+        c=[e["latency_s"] * 1e3 for e in rows],
+        s=60,
+        cmap="viridis",
+    )
     fig.colorbar(points, ax=ax, label="median step latency (ms)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
@@ -38,11 +44,19 @@ def waste_plot(reports: list[dict], path: Path) -> Path:
     """Grouped bars: prefill token waste, decode row waste and decode block waste per strategy."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    series = [("prefill tokens", lambda r: r["prefill"]["waste"]), ("decode rows", lambda r: r["decode"]["waste"]),
-              ("decode blocks", lambda r: r["decode"]["block_waste"])]
+    series = [
+        ("prefill tokens", lambda r: r["prefill"]["waste"]),
+        ("decode rows", lambda r: r["decode"]["waste"]),
+        ("decode blocks", lambda r: r["decode"]["block_waste"]),
+    ]
     width = 0.8 / len(series)
     for i, (label, value) in enumerate(series):
-        ax.bar([x + i * width for x in range(len(reports))], [100 * value(r) for r in reports], width, label=label)
+        ax.bar(
+            [x + i * width for x in range(len(reports))],
+            [100 * value(r) for r in reports],
+            width,
+            label=label,
+        )
     ax.set_xticks([x + width for x in range(len(reports))])
     ax.set_xticklabels([f"{r['strategy']}\n{r['graphs']} graphs" for r in reports])
     ax.set_ylabel("padding waste on the trace (%)")

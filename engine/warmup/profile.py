@@ -6,6 +6,7 @@ DIR/profile.json` then warms exactly those buckets, skipping planning, and picks
 measured latency. Latencies hold only for the setup they were measured on, so a profile carries
 a fingerprint of it and a shard refuses one measured elsewhere.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,14 +20,22 @@ from engine.buckets.grid import BucketLimits, BucketPlan, DecodeBucket, PrefillB
 PROFILE_VERSION = 1
 
 
-def fingerprint(model_path, adapter, dtype, world_size: int, block_size: int, quantize: str = "none") -> dict:
+def fingerprint(
+    model_path, adapter, dtype, world_size: int, block_size: int, quantize: str = "none"
+) -> dict:
     """The model (its directory name and config.json digest), device, graph mode, dtype, ranks, block size,
     and the weight quantization when there is one (left out otherwise, so older profiles still match)."""
     config = Path(model_path) / "config.json"
     digest = hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.is_file() else None
-    return {"model": Path(model_path).name, "model_config_sha256": digest, "device": adapter.name,
-            "graph_mode": adapter.graph_mode, "dtype": str(dtype).removeprefix("torch."),
-            "world_size": world_size, "block_size": block_size} | ({} if quantize == "none" else {"quantize": quantize})
+    return {
+        "model": Path(model_path).name,
+        "model_config_sha256": digest,
+        "device": adapter.name,
+        "graph_mode": adapter.graph_mode,
+        "dtype": str(dtype).removeprefix("torch."),
+        "world_size": world_size,
+        "block_size": block_size,
+    } | ({} if quantize == "none" else {"quantize": quantize})
 
 
 def read_profile(path: str | Path) -> dict:
@@ -34,19 +43,30 @@ def read_profile(path: str | Path) -> dict:
         data = json.loads(Path(path).read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not a warmup profile (invalid JSON: {err.msg})") from None
-    if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION or "buckets" not in data:
-        raise ValueError(f"{path}: not a warmup profile of version {PROFILE_VERSION} "
-                         "(write one with `python -m engine warmup-profile`)")
+    if (
+        not isinstance(data, dict)
+        or data.get("version") != PROFILE_VERSION
+        or "buckets" not in data
+    ):
+        raise ValueError(
+            f"{path}: not a warmup profile of version {PROFILE_VERSION} "
+            "(write one with `python -m engine warmup-profile`)"
+        )
     return data
 
 
 def check_fingerprint(path, measured: dict, current: dict) -> None:
-    differences = [f"{key}={measured.get(key)!r} (this shard: {current[key]!r})"
-                   for key in current if measured.get(key) != current[key]]
+    differences = [
+        f"{key}={measured.get(key)!r} (this shard: {current[key]!r})"
+        for key in current
+        if measured.get(key) != current[key]
+    ]
     if differences:
-        raise ValueError(f"{path}: the profile was measured on another setup: {'; '.join(differences)}. "
-                         "Its buckets and latencies do not apply here: run `python -m engine warmup-profile` "
-                         "for this setup, or serve without --warmup-profile")
+        raise ValueError(
+            f"{path}: the profile was measured on another setup: {'; '.join(differences)}. "
+            "Its buckets and latencies do not apply here: run `python -m engine warmup-profile` "
+            "for this setup, or serve without --warmup-profile"
+        )
 
 
 def bucket_of(entry: dict) -> PrefillBucket | DecodeBucket:
@@ -62,8 +82,11 @@ def plan_from_profile(path, limits: BucketLimits, current_fingerprint: dict) -> 
     data = read_profile(path)
     check_fingerprint(path, data.get("fingerprint", {}), current_fingerprint)
     buckets = {bucket_of(entry): entry["latency_s"] for entry in data["buckets"]}
-    plan = BucketPlan(tuple(b for b in buckets if isinstance(b, PrefillBucket)),
-                      tuple(b for b in buckets if isinstance(b, DecodeBucket)), latency=buckets)
+    plan = BucketPlan(
+        tuple(b for b in buckets if isinstance(b, PrefillBucket)),
+        tuple(b for b in buckets if isinstance(b, DecodeBucket)),
+        latency=buckets,
+    )
     check_plan(plan, limits, f"{path} (the limits differ from the profile's)")
     return plan
 
@@ -90,11 +113,20 @@ def time_bucket(runner, bucket, runs: int) -> list[float]:
 
 
 def bucket_entry(bucket, warm, seconds: list[float]) -> dict:
-    size = ({"seq_len": bucket.seq_len, "context_blocks": bucket.context_blocks} if isinstance(bucket, PrefillBucket)
-            else {"num_blocks": bucket.num_blocks})
-    return {"phase": "prefill" if isinstance(bucket, PrefillBucket) else "decode", "batch_size": bucket.batch_size,
-            **size, "warm_s": warm.seconds, "latency_s": statistics.median(seconds), "latency_runs_s": seconds,
-            "memory_bytes": warm.free_before - warm.free_after}
+    size = (
+        {"seq_len": bucket.seq_len, "context_blocks": bucket.context_blocks}
+        if isinstance(bucket, PrefillBucket)
+        else {"num_blocks": bucket.num_blocks}
+    )
+    return {
+        "phase": "prefill" if isinstance(bucket, PrefillBucket) else "decode",
+        "batch_size": bucket.batch_size,
+        **size,
+        "warm_s": warm.seconds,
+        "latency_s": statistics.median(seconds),
+        "latency_runs_s": seconds,
+        "memory_bytes": warm.free_before - warm.free_after,
+    }
 
 
 def measure(shard, runs: int) -> list[dict]:
@@ -104,20 +136,38 @@ def measure(shard, runs: int) -> list[dict]:
     entries = []
     with torch.inference_mode():
         for warm in shard.warmup_log.buckets:
-            entries.append(bucket_entry(warm.bucket, warm, time_bucket(shard.runner, warm.bucket, runs)))
+            entries.append(
+                bucket_entry(warm.bucket, warm, time_bucket(shard.runner, warm.bucket, runs))
+            )
     return entries
 
 
 def write_profile(out_dir: Path, shard, entries: list[dict], strategy: str, extra: dict) -> Path:
     limits = shard.limits
-    data = {"version": PROFILE_VERSION, "fingerprint": shard.fingerprint(), "strategy": strategy,
-            "limits": {"max_batch_size": limits.max_batch_size, "max_input_tokens": limits.max_input_tokens,
-                       "max_total_tokens": limits.max_total_tokens, "max_prefill_tokens": limits.max_prefill_tokens},
-            "prefill_buckets": [[e["batch_size"], e["seq_len"], e.get("context_blocks", 0)] for e in entries
-                                if e["phase"] == "prefill"],
-            "decode_buckets": [[e["batch_size"], e["num_blocks"]] for e in entries if e["phase"] == "decode"],
-            "buckets": entries, "warmup_phases": [{"phase": n, "seconds": s, "free_bytes": f}
-                                                  for n, s, f in shard.warmup_log.phases], **extra}
+    data = {
+        "version": PROFILE_VERSION,
+        "fingerprint": shard.fingerprint(),
+        "strategy": strategy,
+        "limits": {
+            "max_batch_size": limits.max_batch_size,
+            "max_input_tokens": limits.max_input_tokens,
+            "max_total_tokens": limits.max_total_tokens,
+            "max_prefill_tokens": limits.max_prefill_tokens,
+        },
+        "prefill_buckets": [
+            [e["batch_size"], e["seq_len"], e.get("context_blocks", 0)]
+            for e in entries
+            if e["phase"] == "prefill"
+        ],
+        "decode_buckets": [
+            [e["batch_size"], e["num_blocks"]] for e in entries if e["phase"] == "decode"
+        ],
+        "buckets": entries,
+        "warmup_phases": [
+            {"phase": n, "seconds": s, "free_bytes": f} for n, s, f in shard.warmup_log.phases
+        ],
+        **extra,
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "profile.json"
     path.write_text(json.dumps(data, indent=1) + "\n")
@@ -127,13 +177,17 @@ def write_profile(out_dir: Path, shard, entries: list[dict], strategy: str, extr
 def summary_table(entries: list[dict]) -> str:
     """One line per bucket. `ctx blocks`: a prefill bucket's context blocks (a prefill that continues
     cached context); without it, buckets that differ only there would look like duplicates."""
-    lines = [f"{'phase':8} {'bs':>4} {'seq/blocks':>10} {'ctx blocks':>10} {'warm s':>8} {'median ms':>10} "
-             f"{'memory MiB':>11}"]
+    lines = [
+        f"{'phase':8} {'bs':>4} {'seq/blocks':>10} {'ctx blocks':>10} {'warm s':>8} {'median ms':>10} "
+        f"{'memory MiB':>11}"
+    ]
     for e in entries:
         size = e.get("seq_len", e.get("num_blocks"))
         context = e.get("context_blocks", 0) if e["phase"] == "prefill" else "-"
-        lines.append(f"{e['phase']:8} {e['batch_size']:>4} {size:>10} {context:>10} {e['warm_s']:>8.2f} "
-                     f"{e['latency_s'] * 1e3:>10.2f} {e['memory_bytes'] / 2**20:>11.1f}")
+        lines.append(
+            f"{e['phase']:8} {e['batch_size']:>4} {size:>10} {context:>10} {e['warm_s']:>8.2f} "
+            f"{e['latency_s'] * 1e3:>10.2f} {e['memory_bytes'] / 2**20:>11.1f}"
+        )
     total_warm = sum(e["warm_s"] for e in entries)
     lines.append(f"{len(entries)} buckets, {total_warm:.1f}s warming in all")
     return "\n".join(lines)

@@ -5,6 +5,7 @@ after each bucket, under the lock that serving holds for a whole step. So a batc
 the device at an unwarmed shape; before a better bucket is warmed it is split over the covering
 ones (more forwards, same tokens).
 """
+
 from __future__ import annotations
 
 import threading
@@ -25,7 +26,7 @@ class DeviceLock:
         self._count = threading.Lock()
         self._waiting = 0
 
-    def __enter__(self) -> "DeviceLock":
+    def __enter__(self) -> DeviceLock:
         with self._count:
             self._waiting += 1
         self._lock.acquire()
@@ -69,28 +70,43 @@ def covering_set(plan: BucketPlan, limits: BucketLimits) -> list:
       generated token, does not run one forward per row while the rest warms;
     - with context buckets (prefix caching), the one for a longest chunk after the most context."""
     top = min(limits.max_batch_size, limits.max_kv_blocks)
-    wanted = [plan.prefill_bucket(1, limits.max_input_tokens),
-              plan.decode_bucket(1, min(limits.blocks_per_sequence, limits.max_kv_blocks)),
-              plan.decode_bucket(top, min(top * limits.blocks_per_sequence, limits.max_kv_blocks))]
+    wanted = [
+        plan.prefill_bucket(1, limits.max_input_tokens),
+        plan.decode_bucket(1, min(limits.blocks_per_sequence, limits.max_kv_blocks)),
+        plan.decode_bucket(top, min(top * limits.blocks_per_sequence, limits.max_kv_blocks)),
+    ]
     top_context = max((b.context_blocks for b in plan.prefill), default=0)
     if top_context:
         wanted.append(plan.prefill_bucket(1, limits.max_input_tokens, top_context))
     if None in wanted:
-        raise ValueError("the bucket plan does not cover the limits: progressive warmup has no covering set")
+        raise ValueError(
+            "the bucket plan does not cover the limits: progressive warmup has no covering set"
+        )
     return list(dict.fromkeys(wanted))
 
 
 def background_order(buckets) -> list:
     """Decode first (a decode forward per generated token: most forwards are decodes), smallest
     batches first within a phase (cheapest to warm, and light load uses them)."""
-    return sorted(buckets, key=lambda b: (not isinstance(b, DecodeBucket), b.batch_size, bucket_size(b)))
+    return sorted(
+        buckets, key=lambda b: (not isinstance(b, DecodeBucket), b.batch_size, bucket_size(b))
+    )
 
 
 class BackgroundWarmup:
     """The thread warming the buckets left after the covering set."""
 
-    def __init__(self, runner, plan: BucketPlan, warmed: set, remaining: list, prompt_logprobs: bool,
-                 show_progress: bool, lock, phases: PhaseLog):
+    def __init__(
+        self,
+        runner,
+        plan: BucketPlan,
+        warmed: set,
+        remaining: list,
+        prompt_logprobs: bool,
+        show_progress: bool,
+        lock,
+        phases: PhaseLog,
+    ):
         self.runner, self.plan, self.warmed, self.remaining = runner, plan, warmed, remaining
         self.total = plan.graphs
         self._stop = threading.Event()
@@ -107,15 +123,29 @@ class BackgroundWarmup:
     def _run(self) -> None:
         prompt_logprobs, show_progress, lock, phases = self._args
         try:
-            phases.buckets += warm_buckets(self.runner, self.remaining, prompt_logprobs, show_progress,
-                                           "background warmup", lock, self._on_warmed, self._stop)
+            phases.buckets += warm_buckets(
+                self.runner,
+                self.remaining,
+                prompt_logprobs,
+                show_progress,
+                "background warmup",
+                lock,
+                self._on_warmed,
+                self._stop,
+            )
         except BaseException as err:  # noqa: BLE001 - serving goes on with the buckets warmed so far
             self.error = err
-            report(f"background warmup failed after {len(self.warmed)}/{self.total} buckets: {err}", True)
+            report(
+                f"background warmup failed after {len(self.warmed)}/{self.total} buckets: {err}",
+                True,
+            )
             return
         if not self._stop.is_set():
             phases.mark("background buckets")
-            report(f"warmup progressive: all {self.total} buckets warm in {phases.summary()}", show_progress)
+            report(
+                f"warmup progressive: all {self.total} buckets warm in {phases.summary()}",
+                show_progress,
+            )
 
     @property
     def done(self) -> bool:
@@ -133,18 +163,37 @@ class BackgroundWarmup:
         self.thread.join(timeout)
 
 
-def start_progressive(runner, plan: BucketPlan, limits: BucketLimits, prompt_logprobs: bool, show_progress: bool,
-                      lock, phases: PhaseLog) -> BackgroundWarmup:
+def start_progressive(
+    runner,
+    plan: BucketPlan,
+    limits: BucketLimits,
+    prompt_logprobs: bool,
+    show_progress: bool,
+    lock,
+    phases: PhaseLog,
+) -> BackgroundWarmup:
     cover = covering_set(plan, limits)
     warmed: set = set()
     runner.plan = plan.subset(warmed)
-    phases.buckets += warm_buckets(runner, cover, prompt_logprobs, show_progress, "warmup (covering set)", lock,
-                                   lambda bucket: (warmed.add(bucket), setattr(runner, "plan", plan.subset(warmed))))
+    phases.buckets += warm_buckets(
+        runner,
+        cover,
+        prompt_logprobs,
+        show_progress,
+        "warmup (covering set)",
+        lock,
+        lambda bucket: (warmed.add(bucket), setattr(runner, "plan", plan.subset(warmed))),
+    )
     phases.mark("covering buckets")
     remaining = background_order([b for b in plan.prefill + plan.decode if b not in warmed])
-    report(f"warmup progressive: {len(cover)} covering buckets in {phases.summary()}; healthy, "
-           f"{len(remaining)} more warming in the background: " + ", ".join(describe(b) for b in cover),
-           show_progress)
-    background = BackgroundWarmup(runner, plan, warmed, remaining, prompt_logprobs, show_progress, lock, phases)
+    report(
+        f"warmup progressive: {len(cover)} covering buckets in {phases.summary()}; healthy, "
+        f"{len(remaining)} more warming in the background: "
+        + ", ".join(describe(b) for b in cover),
+        show_progress,
+    )
+    background = BackgroundWarmup(
+        runner, plan, warmed, remaining, prompt_logprobs, show_progress, lock, phases
+    )
     background.thread.start()
     return background

@@ -8,6 +8,7 @@ lets every shape run eagerly (debugging only: on a graph device every new shape 
 Memory sizing lives in memory.py, warming one bucket after another in warm.py, the background
 warming in progressive.py.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,10 +30,11 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ShardModel:
     """What a shard brings to its warmup: the loaded model and where it runs."""
-    model: object          # its local_kv_heads: this rank's share of the KV heads
-    model_config: object   # engine.models.config.ModelConfig
-    adapter: object        # engine.devices: the device adapter
-    dtype: object          # torch.dtype
+
+    model: object  # its local_kv_heads: this rank's share of the KV heads
+    model_config: object  # engine.models.config.ModelConfig
+    adapter: object  # engine.devices: the device adapter
+    dtype: object  # torch.dtype
     block_size: int
     parallel: Parallel
 
@@ -40,14 +42,21 @@ class ShardModel:
 @dataclass
 class Warmed:
     """A warmed shard's device state."""
-    runner: ModelRunner                   # the model, its KV cache and its bucket plan
-    background: BackgroundWarmup | None   # progressive warmup still warming buckets
-    phases: PhaseLog                      # per-phase and per-bucket times and memory
-    num_blocks: int                       # KV blocks, block 0 (reserved) included
+
+    runner: ModelRunner  # the model, its KV cache and its bucket plan
+    background: BackgroundWarmup | None  # progressive warmup still warming buckets
+    phases: PhaseLog  # per-phase and per-bucket times and memory
+    num_blocks: int  # KV blocks, block 0 (reserved) included
 
 
-def start_up(shard: ShardModel, config: EngineConfig, limits: ServingLimits, fingerprint: dict,
-             show_progress: bool, lock: DeviceLock) -> Warmed:
+def start_up(
+    shard: ShardModel,
+    config: EngineConfig,
+    limits: ServingLimits,
+    fingerprint: dict,
+    show_progress: bool,
+    lock: DeviceLock,
+) -> Warmed:
     """The start-up sequence: the largest prefill measures free memory (the least of all ranks),
     which sizes the KV cache and the graphs' reserve; then the buckets are planned for that cache
     and warmed per --warmup-mode. The caller has dropped its previous runner, so that its cache is
@@ -61,48 +70,88 @@ def start_up(shard: ShardModel, config: EngineConfig, limits: ServingLimits, fin
     cache, graph_bytes = _kv_cache(shard, config, limits, free)
     adapter.graph_budget = GraphBudget(adapter, graph_bytes) if graph_bytes else None
     phases.mark("kv cache")
-    planned = bucket_limits(limits, shard.block_size, cache.num_blocks,
-                            chunked=config.prefix_caching)
+    planned = bucket_limits(
+        limits, shard.block_size, cache.num_blocks, chunked=config.prefix_caching
+    )
     plan = plan_for(config, planned, fingerprint, graphless=not adapter.warm_runs_forward)
     runner = ModelRunner(shard.model, adapter, cache, plan, shard.dtype)
-    background = run_warmup(runner, plan, config.warmup_mode, planned,
-                            config.warmup_prompt_logprobs, show_progress, lock, phases)
+    background = run_warmup(
+        runner,
+        plan,
+        config.warmup_mode,
+        planned,
+        config.warmup_prompt_logprobs,
+        show_progress,
+        lock,
+        phases,
+    )
     return Warmed(runner, background, phases, cache.num_blocks)
 
 
-def _kv_cache(shard: ShardModel, config: EngineConfig, limits: ServingLimits,
-              free: int) -> tuple[KVCache, int]:
+def _kv_cache(
+    shard: ShardModel, config: EngineConfig, limits: ServingLimits, free: int
+) -> tuple[KVCache, int]:
     """The KV cache that `free` bytes hold, and the bytes left for graphs."""
     layers, head_dim = shard.model_config.num_layers, shard.model_config.head_dim
     kv_heads = shard.model.local_kv_heads
     per_block = KVCache.bytes_per_block(layers, shard.block_size, kv_heads, head_dim, shard.dtype)
-    kv_bytes, graph_bytes = split_free_memory(free, config.kv_cache_memory_fraction,
-                                              config.graph_memory_fraction,
-                                              shard.adapter.captures_graphs)
+    kv_bytes, graph_bytes = split_free_memory(
+        free,
+        config.kv_cache_memory_fraction,
+        config.graph_memory_fraction,
+        shard.adapter.captures_graphs,
+    )
     num_blocks = size_kv_cache(kv_bytes, 1.0, per_block, shard.block_size, limits)
-    cache = KVCache(layers, num_blocks, shard.block_size, kv_heads, head_dim, shard.dtype,
-                    shard.adapter.torch_device, shard.adapter.zeros)
+    cache = KVCache(
+        layers,
+        num_blocks,
+        shard.block_size,
+        kv_heads,
+        head_dim,
+        shard.dtype,
+        shard.adapter.torch_device,
+        shard.adapter.zeros,
+    )
     return cache, graph_bytes
 
 
-def bucket_limits(limits: ServingLimits, block_size: int, kv_blocks: int, chunked: bool = False) -> BucketLimits:
+def bucket_limits(
+    limits: ServingLimits, block_size: int, kv_blocks: int, chunked: bool = False
+) -> BucketLimits:
     """The planner's limits for a cache of kv_blocks blocks (block 0 is reserved, not usable).
     `chunked`: prompts beyond the prefill budget run in chunks (engine/serving/chunks.py), so the
     longest prefill is a chunk, and prompts only set how much context a chunk continues."""
     if chunked and limits.max_input_tokens > limits.max_prefill_tokens:
-        return BucketLimits(limits.max_batch_size, limits.max_prefill_tokens, limits.max_total_tokens,
-                            limits.max_prefill_tokens, block_size, kv_blocks - 1, limits.max_input_tokens)
-    return BucketLimits(limits.max_batch_size, limits.max_input_tokens, limits.max_total_tokens,
-                        limits.max_prefill_tokens, block_size, kv_blocks - 1)
+        return BucketLimits(
+            limits.max_batch_size,
+            limits.max_prefill_tokens,
+            limits.max_total_tokens,
+            limits.max_prefill_tokens,
+            block_size,
+            kv_blocks - 1,
+            limits.max_input_tokens,
+        )
+    return BucketLimits(
+        limits.max_batch_size,
+        limits.max_input_tokens,
+        limits.max_total_tokens,
+        limits.max_prefill_tokens,
+        block_size,
+        kv_blocks - 1,
+    )
 
 
-def build_plan(limits: ServingLimits, block_size: int, kv_blocks: int, strategy: str = "exponential") -> BucketPlan:
+def build_plan(
+    limits: ServingLimits, block_size: int, kv_blocks: int, strategy: str = "exponential"
+) -> BucketPlan:
     from engine.buckets.plan import make_plan
 
     return make_plan(strategy, bucket_limits(limits, block_size, kv_blocks))
 
 
-def plan_for(config, limits: BucketLimits, fingerprint: dict, graphless: bool = False) -> BucketPlan:
+def plan_for(
+    config, limits: BucketLimits, fingerprint: dict, graphless: bool = False
+) -> BucketPlan:
     """The shard's buckets: a warmup profile's exactly (with its latencies), else the strategy's;
     `graphless` (a device that compiles nothing) adds a decode bucket for every batch size."""
     from engine.buckets.plan import make_plan, with_every_decode_batch
@@ -116,13 +165,27 @@ def plan_for(config, limits: BucketLimits, fingerprint: dict, graphless: bool = 
         from engine.buckets.shapes import load_shapes
 
         shapes = load_shapes(config.bucket_shapes)
-    plan = make_plan(config.bucket_strategy, limits, shapes, config.bucket_file, config.max_graphs,
-                     prefix_caching=config.prefix_caching)
+    plan = make_plan(
+        config.bucket_strategy,
+        limits,
+        shapes,
+        config.bucket_file,
+        config.max_graphs,
+        prefix_caching=config.prefix_caching,
+    )
     return with_every_decode_batch(plan) if graphless else plan
 
 
-def run_warmup(runner: ModelRunner, plan: BucketPlan, mode: str, limits: BucketLimits, prompt_logprobs: bool,
-               show_progress: bool, lock, phases: PhaseLog):
+def run_warmup(
+    runner: ModelRunner,
+    plan: BucketPlan,
+    mode: str,
+    limits: BucketLimits,
+    prompt_logprobs: bool,
+    show_progress: bool,
+    lock,
+    phases: PhaseLog,
+):
     """Warm per `mode`; returns the background warmup still running (progressive), else None."""
     if mode not in WARMUP_MODES:
         raise ValueError(f"unknown warmup mode {mode!r} (choose from {', '.join(WARMUP_MODES)})")
@@ -130,15 +193,18 @@ def run_warmup(runner: ModelRunner, plan: BucketPlan, mode: str, limits: BucketL
     if mode == "none":
         # Nothing warmed: strict shape checking would refuse every forward, so every shape runs eagerly.
         runner.adapter.shapes.strict = False
-        log.warning("--warmup none: no bucket is warmed; every forward runs eagerly (compiling on graph "
-                    "devices). For debugging only.")
+        log.warning(
+            "--warmup none: no bucket is warmed; every forward runs eagerly (compiling on graph "
+            "devices). For debugging only."
+        )
         report(f"warmup none: {counts} planned, none warmed; {phases.summary()}", show_progress)
         return None
     mode = lockstep_mode(mode, runner.adapter)
     if mode == "progressive":
         return start_progressive(runner, plan, limits, prompt_logprobs, show_progress, lock, phases)
-    phases.buckets += warm_buckets(runner, warmup_order(plan.prefill + plan.decode), prompt_logprobs, show_progress,
-                                   lock=lock)
+    phases.buckets += warm_buckets(
+        runner, warmup_order(plan.prefill + plan.decode), prompt_logprobs, show_progress, lock=lock
+    )
     phases.mark("buckets")
     report(f"warmup full: {counts} ({plan.graphs} graphs) in {phases.summary()}", show_progress)
     return None
@@ -152,9 +218,14 @@ def lockstep_mode(mode: str, adapter) -> str:
     no collective is at stake, so progressive stays."""
     if mode != "progressive" or adapter.world_size == 1 or not adapter.warm_runs_forward:
         return mode
-    log.warning("--warmup progressive with %d shards on %s in %s mode: every bucket is warmed before the shard "
-                "answers (full), since a background warmup forward would run its collectives out of step with "
-                "the other shards' serving steps", adapter.world_size, adapter.name, adapter.graph_mode)
+    log.warning(
+        "--warmup progressive with %d shards on %s in %s mode: every bucket is warmed before the shard "
+        "answers (full), since a background warmup forward would run its collectives out of step with "
+        "the other shards' serving steps",
+        adapter.world_size,
+        adapter.name,
+        adapter.graph_mode,
+    )
     return "full"
 
 
@@ -164,7 +235,11 @@ def preflight(config, fingerprint: dict) -> None:
     if config.warmup_profile:
         from engine.warmup.profile import check_fingerprint, read_profile
 
-        check_fingerprint(config.warmup_profile, read_profile(config.warmup_profile).get("fingerprint", {}), fingerprint)
+        check_fingerprint(
+            config.warmup_profile,
+            read_profile(config.warmup_profile).get("fingerprint", {}),
+            fingerprint,
+        )
     if config.bucket_shapes:
         from engine.buckets.shapes import load_shapes
 

@@ -1,5 +1,6 @@
 """Warming buckets one by one: run each bucket's forward once (compiling or capturing its graph),
 with a progress bar, timing and free memory per bucket and per phase."""
+
 from __future__ import annotations
 
 import logging
@@ -19,9 +20,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class PhaseLog:
     """Time and free device memory at the end of each warmup phase, for the summary line."""
+
     adapter: object
     start: float = field(default_factory=time.perf_counter)
-    phases: list = field(default_factory=list)  # (name, seconds since the previous mark, free bytes)
+    phases: list = field(
+        default_factory=list
+    )  # (name, seconds since the previous mark, free bytes)
     buckets: list = field(default_factory=list)  # BucketWarmup of every bucket warmed, in order
 
     def __post_init__(self) -> None:
@@ -54,6 +58,7 @@ def _gib(delta: int) -> str:
 @dataclass
 class BucketWarmup:
     """One bucket's warmup: its first run (where a graph is compiled or captured) and memory."""
+
     bucket: PrefillBucket | DecodeBucket
     seconds: float
     free_before: int
@@ -62,8 +67,14 @@ class BucketWarmup:
 
 def warmup_order(buckets) -> list:
     """Largest first, so memory peaks early: a bucket that does not fit fails in the first seconds."""
-    return sorted(buckets, key=lambda b: (isinstance(b, DecodeBucket), -b.batch_size * bucket_size(b),
-                                          -getattr(b, "context_blocks", 0)))
+    return sorted(
+        buckets,
+        key=lambda b: (
+            isinstance(b, DecodeBucket),
+            -b.batch_size * bucket_size(b),
+            -getattr(b, "context_blocks", 0),
+        ),
+    )
 
 
 def bucket_size(bucket) -> int:
@@ -77,8 +88,16 @@ def describe(bucket) -> str:
     return f"decode bs={bucket.batch_size} blocks={bucket.num_blocks}"
 
 
-def warm_buckets(runner: ModelRunner, buckets, prompt_logprobs: bool, show_progress: bool, desc: str = "warmup",
-                 lock=None, on_warmed=None, stop: threading.Event | None = None) -> list[BucketWarmup]:
+def warm_buckets(
+    runner: ModelRunner,
+    buckets,
+    prompt_logprobs: bool,
+    show_progress: bool,
+    desc: str = "warmup",
+    lock=None,
+    on_warmed=None,
+    stop: threading.Event | None = None,
+) -> list[BucketWarmup]:
     """Warm `buckets` in order with a progress bar (the bucket being warmed, an ETA). Each bucket
     holds `lock` (progressive warmup shares the device with serving) and then calls on_warmed."""
     lock = lock or threading.Lock()
@@ -102,7 +121,9 @@ def warm_buckets(runner: ModelRunner, buckets, prompt_logprobs: bool, show_progr
     return done
 
 
-def _warm_one(runner: ModelRunner, bucket, prompt_logprobs: bool, graph: bool = True) -> BucketWarmup:
+def _warm_one(
+    runner: ModelRunner, bucket, prompt_logprobs: bool, graph: bool = True
+) -> BucketWarmup:
     adapter = runner.adapter
     free_before, start = adapter.memory_info()[0], time.perf_counter()
     runner.warm(bucket, prompt_logprobs, graph=graph)
@@ -110,7 +131,9 @@ def _warm_one(runner: ModelRunner, bucket, prompt_logprobs: bool, graph: bool = 
     return BucketWarmup(bucket, time.perf_counter() - start, free_before, adapter.memory_info()[0])
 
 
-def warm_all(runner: ModelRunner, plan: BucketPlan, prompt_logprobs: bool = True, show_progress: bool = True) -> float:
+def warm_all(
+    runner: ModelRunner, plan: BucketPlan, prompt_logprobs: bool = True, show_progress: bool = True
+) -> float:
     """Run every bucket once, largest first; returns seconds spent."""
     start = time.perf_counter()
     warm_buckets(runner, warmup_order(plan.prefill + plan.decode), prompt_logprobs, show_progress)

@@ -7,6 +7,7 @@ w = (q - 8) d; Q4_1 = d:f16, m:f16, 16 bytes, w = q d + m. Byte j holds weight j
 and weight j + 16 in its high one. llama.cpp's converter permutes the rows of Llama's q and k
 projections (rotary halves interleaved); rows are whole blocks, so they are permuted back as codes.
 """
+
 from __future__ import annotations
 
 import re
@@ -21,9 +22,15 @@ from engine.weights.integrity import read_gguf_index
 
 BLOCK = 32
 LLAMA_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
 LLAMA_TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 
@@ -31,16 +38,19 @@ LLAMA_TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output"
 @dataclass
 class GgufInt4:
     """w[n, k] = (codes[n, k] - 8) * scale[n, k // 32] + zero[n, k // 32]"""
+
     codes: torch.Tensor  # [N, K] uint8, 0..15
     scale: torch.Tensor  # [N, K // 32] float32
     zero: torch.Tensor
 
-    def rows(self, index) -> "GgufInt4":
+    def rows(self, index) -> GgufInt4:
         return GgufInt4(self.codes[index], self.scale[index], self.zero[index])
 
-    def columns(self, start: int, stop: int) -> "GgufInt4":
+    def columns(self, start: int, stop: int) -> GgufInt4:
         if start % BLOCK or stop % BLOCK:
-            raise ModelLoadError(f"an int4 shard boundary ({start}:{stop}) cuts a block of {BLOCK} weights")
+            raise ModelLoadError(
+                f"an int4 shard boundary ({start}:{stop}) cuts a block of {BLOCK} weights"
+            )
         groups = slice(start // BLOCK, stop // BLOCK)
         return GgufInt4(self.codes[:, start:stop], self.scale[:, groups], self.zero[:, groups])
 
@@ -49,8 +59,10 @@ class GgufInt4:
         return (self.codes.float() - 8) * expand(self.scale) + expand(self.zero)
 
     @staticmethod
-    def cat(pieces: list["GgufInt4"]) -> "GgufInt4":
-        return GgufInt4(*(torch.cat([getattr(p, f) for p in pieces]) for f in ("codes", "scale", "zero")))
+    def cat(pieces: list[GgufInt4]) -> GgufInt4:
+        return GgufInt4(
+            *(torch.cat([getattr(p, f) for p in pieces]) for f in ("codes", "scale", "zero"))
+        )
 
 
 def decode_q4(raw: np.ndarray, rows: int, cols: int, with_min: bool) -> GgufInt4:
@@ -83,9 +95,12 @@ def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
 
 
-def read_weights(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, GgufInt4 | torch.Tensor]:
+def read_weights(
+    path: Path, num_heads: int, num_kv_heads: int
+) -> dict[str, GgufInt4 | torch.Tensor]:
     """Every tensor of a Llama GGUF file by our checkpoint name: GgufInt4 for Q4_0/Q4_1, float32 else."""
-    from gguf import GGMLQuantizationType as Q, GGUFReader
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFReader
     from gguf.quants import dequantize
 
     read_gguf_index(path)  # a truncated or corrupt file gets its one clear error, not the reader's
@@ -102,7 +117,9 @@ def read_weights(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, Ggu
         if tensor.tensor_type in (Q.Q4_0, Q.Q4_1) and len(shape) == 2:
             value = decode_q4(tensor.data, *shape, with_min=tensor.tensor_type == Q.Q4_1)
         else:
-            value = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+            value = torch.from_numpy(
+                np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            )
             value = value.reshape(shape)
         if ".q_proj." in name or ".k_proj." in name:
             heads = num_heads if ".q_proj." in name else num_kv_heads
@@ -110,4 +127,3 @@ def read_weights(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, Ggu
             value = value.rows(order) if isinstance(value, GgufInt4) else value[order]
         weights[name] = value
     return weights
-

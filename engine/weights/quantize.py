@@ -9,32 +9,43 @@ scales and zeros are the kernel's (the scales rounded to the serving dtype). Any
 (Q8_0's 32-weight scales, which the per-row int8 kernel cannot hold, F16, ...) is dequantized and
 quantized to the target form. fp8 checkpoints are engine/layers/fp8.py's.
 """
+
 from __future__ import annotations
 
 import torch
 
 from engine.errors import ModelLoadError
-from engine.weights.gguf import GgufInt4
 from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.quant import Int4Weight, int4_groupwise, int8_per_channel
+from engine.weights.gguf import GgufInt4
 
 QUANTIZE_MODES = ("none", "int8", "int4", "fp8")
 WEIGHT_ONLY = ("int8", "int4")
 
 
-def quantize_model(model: torch.nn.Module, mode: str, dtype: torch.dtype, gguf: dict | None = None) -> None:
+def quantize_model(
+    model: torch.nn.Module, mode: str, dtype: torch.dtype, gguf: dict | None = None
+) -> None:
     """Quantize every linear and vocabulary weight of `model` in place. `gguf`: the file's weights by
     checkpoint name (engine.weights.gguf.read_weights); without it the model's loaded weights are used."""
     names = _checkpoint_names(model) if gguf is not None else {}
     for module_name, module in list(model.named_modules()):
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
-            if module is model.lm_head and model.config.tie_word_embeddings:  # shares the embedding's
+            if (
+                module is model.lm_head and model.config.tie_word_embeddings
+            ):  # shares the embedding's
                 module.quantized = model.embed_tokens.quantized
                 module.register_parameter("weight", None)
                 continue
-            source = _local_source(module, module_name, gguf, names) if gguf is not None else module.weight.detach()
-            module.quantized = _quantized(source, mode, dtype, isinstance(module, VocabParallelEmbedding))
+            source = (
+                _local_source(module, module_name, gguf, names)
+                if gguf is not None
+                else module.weight.detach()
+            )
+            module.quantized = _quantized(
+                source, mode, dtype, isinstance(module, VocabParallelEmbedding)
+            )
             module.register_parameter("weight", None)
 
 
@@ -58,7 +69,9 @@ def _checkpoint_names(model) -> dict[str, dict]:
 
 def _expected_weight_names(model) -> list[str]:
     """The checkpoint names of a Llama-layout model's matrices."""
-    names = ["embed_tokens.weight"] + ([] if model.config.tie_word_embeddings else ["lm_head.weight"])
+    names = ["embed_tokens.weight"] + (
+        [] if model.config.tie_word_embeddings else ["lm_head.weight"]
+    )
     for i in range(model.config.num_layers):
         names += [f"layers.{i}.self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")]
         names += [f"layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
@@ -70,11 +83,19 @@ def _local_source(module, module_name: str, gguf: dict, names: dict):
     parts = names.get(module_name)
     missing = [n for n in (parts or {}).values() if n not in gguf]
     if not parts or missing:
-        raise ModelLoadError(f"the GGUF file lacks the weights of {module_name} ({', '.join(missing) or 'all'})")
+        raise ModelLoadError(
+            f"the GGUF file lacks the weights of {module_name} ({', '.join(missing) or 'all'})"
+        )
     if isinstance(module, ColumnParallelLinear):
-        pieces = [_rows(gguf[parts[part]], slice(start, start + local)) for part, (_, start, local) in module.parts.items()]
-        return GgufInt4.cat(pieces) if all(isinstance(p, GgufInt4) for p in pieces) else \
-            torch.cat([p.dequantize() if isinstance(p, GgufInt4) else p for p in pieces])
+        pieces = [
+            _rows(gguf[parts[part]], slice(start, start + local))
+            for part, (_, start, local) in module.parts.items()
+        ]
+        return (
+            GgufInt4.cat(pieces)
+            if all(isinstance(p, GgufInt4) for p in pieces)
+            else torch.cat([p.dequantize() if isinstance(p, GgufInt4) else p for p in pieces])
+        )
     source = gguf[parts[None]]
     if isinstance(module, RowParallelLinear):
         start = module.parallel.rank * module.local_in
@@ -91,7 +112,9 @@ def _rows(source, index):
     return source.rows(index) if isinstance(source, GgufInt4) else source[index]
 
 
-def fp8_quantize_model(model: torch.nn.Module, fp8: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> int:
+def fp8_quantize_model(
+    model: torch.nn.Module, fp8: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]
+) -> int:
     """Give every linear layer whose checkpoint weights are FP8 (`fp8`, by checkpoint name without
     "model.") an Fp8Weight of this rank's rows or columns, with its `scales` ("...weight_scale")
     per row. Returns the layers converted; the others (and the vocabulary) stay in float."""
@@ -114,7 +137,9 @@ def fp8_quantize_model(model: torch.nn.Module, fp8: dict[str, torch.Tensor], sca
             else:
                 start = module.parallel.rank * module.local_in
                 pieces.append((fp8[name][:, start : start + module.local_in], rows))
-        module.quantized = Fp8Weight(torch.cat([w for w, _ in pieces]), torch.cat([s for _, s in pieces]))
+        module.quantized = Fp8Weight(
+            torch.cat([w for w, _ in pieces]), torch.cat([s for _, s in pieces])
+        )
         module.register_parameter("weight", None)
         converted += 1
     return converted

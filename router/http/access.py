@@ -7,6 +7,7 @@ key is set, answers 401 to a request without `Authorization: Bearer <key>`. `/he
 open, so probes and Prometheus need no key. CORS is Starlette's middleware, outside this one, so preflight
 requests (which carry no key) are answered and 401 answers carry the CORS headers a browser needs to read them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,14 @@ def access_from_args(args: argparse.Namespace) -> AccessConfig:
 def unauthorized_body(path: str) -> dict:
     message = "a valid API key is required: send `Authorization: Bearer <key>`"
     if path.startswith("/v1/"):  # OpenAI's error body, which its clients read
-        return {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                          "code": "invalid_api_key"}}
+        return {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_api_key",
+            }
+        }
     return {"error": message, "error_type": "authentication"}
 
 
@@ -82,18 +89,33 @@ class AccessMiddleware:
         async def send_with_id(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
-                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
+                message = {
+                    **message,
+                    "headers": [
+                        *message.get("headers", []),
+                        (b"x-request-id", request_id.encode()),
+                    ],
+                }
             await send(message)
 
         try:
             if self.allowed(scope):
                 await self.app(scope, receive, send_with_id)
             else:
-                response = JSONResponse(unauthorized_body(scope["path"]), status_code=401,
-                                        headers={"www-authenticate": "Bearer"})
+                response = JSONResponse(
+                    unauthorized_body(scope["path"]),
+                    status_code=401,
+                    headers={"www-authenticate": "Bearer"},
+                )
                 await response(scope, receive, send_with_id)
         finally:
-            log.info("%s %s -> %d in %.3fs", scope["method"], scope["path"], status[0], time.perf_counter() - start)
+            log.info(
+                "%s %s -> %d in %.3fs",
+                scope["method"],
+                scope["path"],
+                status[0],
+                time.perf_counter() - start,
+            )
             REQUEST_ID.reset(token)
 
 
@@ -109,8 +131,13 @@ def install(app: FastAPI, config: AccessConfig) -> None:
     """Add the middlewares; the last added runs first, so CORS wraps the key check."""
     app.add_middleware(AccessMiddleware, api_key=config.api_key)
     if config.cors_allow_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_allow_origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["x-request-id"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.cors_allow_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["x-request-id"],
+        )
 
 
 def log_request_ids(handler: logging.Handler) -> None:

@@ -5,6 +5,7 @@ alternate) is the request's fault: 422 with the template's own message. A templa
 (it never reads `tools`) gets them as text in a system message, so the model still sees what it may call;
 past calls and their results become plain text for it too.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,11 @@ from fastapi.responses import JSONResponse
 from router.http.state import RouterState, error_response
 from router.http.validation import ValidationError, check
 
-TOOLS_INTRO = ("You can call these functions. To call one, answer with JSON: "
-               '{"calls": [{"name": <function name>, "arguments": <its arguments>}]}; '
-               'to answer in words, {"content": <your answer>}.\n')
+TOOLS_INTRO = (
+    "You can call these functions. To call one, answer with JSON: "
+    '{"calls": [{"name": <function name>, "arguments": <its arguments>}]}; '
+    'to answer in words, {"content": <your answer>}.\n'
+)
 
 
 def template_reads_tools(tokenizer) -> bool:
@@ -37,7 +40,9 @@ def render(tokenizer, messages: list[dict], tools: list[dict]) -> str:
             messages = [{"role": "system", "content": TOOLS_INTRO + json.dumps(tools)}, *messages]
     kwargs = {"tools": tools} if tools and native else {}
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **kwargs
+        )
     except Exception as error:  # noqa: BLE001 - jinja2 errors and the template's raise_exception alike
         raise ValidationError(f"the chat template refused the messages: {error}") from None
 
@@ -46,20 +51,38 @@ def as_text(message: dict) -> dict:
     """A message for a template that knows only `role` and `content` (a string)."""
     content = message.get("content") or ""
     if message.get("tool_calls"):
-        content += json.dumps({"calls": [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-                                         for c in message["tool_calls"]]})
+        content += json.dumps(
+            {
+                "calls": [
+                    {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                    for c in message["tool_calls"]
+                ]
+            }
+        )
     return {"role": message["role"], "content": content}
 
 
-def template_message(role: str, content: str, tool_calls: list[dict] | None, tool_call_id: str | None,
-                     name: str | None) -> dict:
+def template_message(
+    role: str,
+    content: str,
+    tool_calls: list[dict] | None,
+    tool_call_id: str | None,
+    name: str | None,
+) -> dict:
     """One OpenAI message as the dict chat templates read; a call's arguments as a dict (HF's convention)."""
     message: dict[str, Any] = {"role": role, "content": content}
     if tool_calls:
-        message["tool_calls"] = [{"id": c.get("id"), "type": "function",
-                                  "function": {"name": c["function"]["name"],
-                                               "arguments": decoded(c["function"].get("arguments"))}}
-                                 for c in tool_calls]
+        message["tool_calls"] = [
+            {
+                "id": c.get("id"),
+                "type": "function",
+                "function": {
+                    "name": c["function"]["name"],
+                    "arguments": decoded(c["function"].get("arguments")),
+                },
+            }
+            for c in tool_calls
+        ]
     if tool_call_id is not None:
         message["tool_call_id"] = tool_call_id
     if name is not None:
@@ -79,18 +102,23 @@ def decoded(arguments: Any) -> Any:
 def chat_tokenize(state: RouterState, prompt: str) -> JSONResponse:
     """TGI's /chat_tokenize: the templated text and its tokens (id, text, character span)."""
     encoding = state.tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
-    tokens = [{"id": token_id, "text": prompt[start:stop], "start": start, "stop": stop}
-              for token_id, (start, stop) in zip(encoding["input_ids"], encoding["offset_mapping"])]
+    tokens = [
+        {"id": token_id, "text": prompt[start:stop], "start": start, "stop": stop}
+        for token_id, (start, stop) in zip(encoding["input_ids"], encoding["offset_mapping"])
+    ]
     return JSONResponse({"tokenize_response": tokens, "templated_text": prompt})
 
 
 def chat_tokenize_route(app: FastAPI, state: RouterState, request_type, prompt_of) -> None:
     """`prompt_of(body)` renders a chat request's prompt (openai_api owns the request's shape)."""
+
     async def route(body):
         try:
             return chat_tokenize(state, prompt_of(body))
         except ValidationError as error:
             return error_response(state, error)
 
-    route.__annotations__["body"] = request_type  # a class, not a string: FastAPI reads the body's schema from it
+    route.__annotations__["body"] = (
+        request_type  # a class, not a string: FastAPI reads the body's schema from it
+    )
     app.post("/chat_tokenize")(route)

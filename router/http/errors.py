@@ -5,38 +5,50 @@ request-size limit (413, 415) and unexpected exceptions (500) all answer through
 every answer is counted in the metrics by its outcome. Messages name the problem, never repeat the
 request's content: a body may be megabytes, or text a log should not hold.
 """
+
 from __future__ import annotations
 
 import logging
 
 import grpc
-from fastapi import FastAPI, Request as HttpRequest
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from router.sched.admission import Overloaded, ShardsUnavailable
 from router.client import ShardError
 from router.config import DEFAULT_PAYLOAD_LIMIT  # noqa: F401 - the --payload-limit knob's default
-from router.sched.streams import RequestCancelled
 from router.http.validation import ValidationError
+from router.sched.admission import Overloaded, ShardsUnavailable
+from router.sched.streams import RequestCancelled
 
 log = logging.getLogger(__name__)
 
 # (exception, HTTP status, TGI error_type, metrics outcome); checked in order.
-ERRORS = [(ValidationError, 422, "validation", "validation"), (Overloaded, 429, "overloaded", "overloaded"),
-          (ShardsUnavailable, 503, "unavailable", "unavailable"),
-          (RequestCancelled, 499, "cancelled", "cancelled")]
+ERRORS = [
+    (ValidationError, 422, "validation", "validation"),
+    (Overloaded, 429, "overloaded", "overloaded"),
+    (ShardsUnavailable, 503, "unavailable", "unavailable"),
+    (RequestCancelled, 499, "cancelled", "cancelled"),
+]
 # FastAPI's and the middleware's refusals: status -> (TGI error_type, metrics outcome).
-HTTP_ERRORS = {400: ("validation", "validation"), 404: ("not_found", "not_found"),
-               405: ("method_not_allowed", "not_found"), 413: ("payload_too_large", "too_large"),
-               415: ("unsupported_media_type", "validation"), 500: ("internal", "error")}
+HTTP_ERRORS = {
+    400: ("validation", "validation"),
+    404: ("not_found", "not_found"),
+    405: ("method_not_allowed", "not_found"),
+    413: ("payload_too_large", "too_large"),
+    415: ("unsupported_media_type", "validation"),
+    500: ("internal", "error"),
+}
 OPENAI_TYPES = {429: "rate_limit_error", 499: "cancelled"}
 
 
 def classify(error: Exception) -> tuple[int, str, str]:
     if isinstance(error, ShardError):
-        if error.code == grpc.StatusCode.INVALID_ARGUMENT:  # e.g. a grammar the shard cannot compile
+        if (
+            error.code == grpc.StatusCode.INVALID_ARGUMENT
+        ):  # e.g. a grammar the shard cannot compile
             return 422, "validation", "validation"
         if error.code == grpc.StatusCode.UNAVAILABLE:
             return 503, "unavailable", "unavailable"
@@ -54,7 +66,9 @@ def error_body(message: str, error_type: str, status: int = 422, openai: bool = 
     """TGI's `{"error", "error_type"}`, or OpenAI's error object (our error_type is its `code`)."""
     if not openai:
         return {"error": message, "error_type": error_type}
-    kind = OPENAI_TYPES.get(status, "server_error" if status >= 500 or status == 424 else "invalid_request_error")
+    kind = OPENAI_TYPES.get(
+        status, "server_error" if status >= 500 or status == 424 else "invalid_request_error"
+    )
     return {"error": {"message": message, "type": kind, "param": None, "code": error_type}}
 
 
@@ -73,7 +87,9 @@ def error_response(metrics, error: Exception, openai: bool = False) -> JSONRespo
     return error_json(metrics, status, error_message(error), error_type, outcome, openai)
 
 
-def error_json(metrics, status: int, message: str, error_type: str, outcome: str, openai: bool) -> JSONResponse:
+def error_json(
+    metrics, status: int, message: str, error_type: str, outcome: str, openai: bool
+) -> JSONResponse:
     metrics.outcome(outcome)
     return JSONResponse(error_body(message, error_type, status, openai), status_code=status)
 
@@ -93,19 +109,34 @@ def schema_message(error: RequestValidationError) -> str:
 def install_error_handlers(app: FastAPI, metrics) -> None:
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: HttpRequest, error: RequestValidationError):
-        return error_json(metrics, 422, schema_message(error), "validation", "validation", is_openai(request.url.path))
+        return error_json(
+            metrics,
+            422,
+            schema_message(error),
+            "validation",
+            "validation",
+            is_openai(request.url.path),
+        )
 
     @app.exception_handler(HTTPException)
     async def refused(request: HttpRequest, error: HTTPException):
         error_type, outcome = HTTP_ERRORS.get(error.status_code, ("http", "error"))
         message = error.detail if isinstance(error.detail, str) else "request refused"
-        return error_json(metrics, error.status_code, message, error_type, outcome, is_openai(request.url.path))
+        return error_json(
+            metrics, error.status_code, message, error_type, outcome, is_openai(request.url.path)
+        )
 
     @app.exception_handler(Exception)
     async def crashed(request: HttpRequest, error: Exception):
         log.exception("unexpected error on %s", request.url.path)
-        return error_json(metrics, 500, f"internal error ({type(error).__name__})", "internal", "error",
-                          is_openai(request.url.path))
+        return error_json(
+            metrics,
+            500,
+            f"internal error ({type(error).__name__})",
+            "internal",
+            "error",
+            is_openai(request.url.path),
+        )
 
 
 # --- the request-body limit (TGI's --payload-limit) ------------------------------------------------
@@ -135,7 +166,9 @@ class BodyLimit:
         headers = dict(scope["headers"])
         content_type, declared = headers.get(b"content-type"), headers.get(b"content-length", b"")
         if content_type is not None and not is_json(content_type):
-            await self._refuse(scope, receive, send, 415, "the body must be JSON (Content-Type: application/json)")
+            await self._refuse(
+                scope, receive, send, 415, "the body must be JSON (Content-Type: application/json)"
+            )
             return
         if declared.isdigit() and int(declared) > self.limit:
             await self._refuse(scope, receive, send, 413, self._too_large())
@@ -168,7 +201,9 @@ class BodyLimit:
 
     async def _refuse(self, scope, receive, send, status: int, message: str) -> None:
         error_type, outcome = HTTP_ERRORS[status]
-        response = error_json(self.metrics, status, message, error_type, outcome, is_openai(scope["path"]))
+        response = error_json(
+            self.metrics, status, message, error_type, outcome, is_openai(scope["path"])
+        )
         await response(scope, receive, send)
 
 

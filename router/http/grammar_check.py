@@ -6,6 +6,7 @@ The compiler is the shard's (engine/grammar.py, xgrammar) over the router's toke
 compiled grammars, so a grammar sent again costs nothing. Without xgrammar the router leaves the
 check to the shard.
 """
+
 from __future__ import annotations
 
 import threading
@@ -33,7 +34,9 @@ class GrammarCheck:
                 if eos is None:  # the compiler needs an end: leave the check to the shard
                     self._failed = True
                     return None
-                self._compiler = GrammarCompiler(self.tokenizer, len(self.tokenizer), frozenset([eos]))
+                self._compiler = GrammarCompiler(
+                    self.tokenizer, len(self.tokenizer), frozenset([eos])
+                )
             return self._compiler
 
     def __call__(self, grammar: str, grammar_type: GrammarType) -> None:

@@ -3,10 +3,11 @@ padding waste and unwarmed shapes (sent by our shards in the `stats` field of ev
 
 Each router gets its own registry, so several routers in one process (tests) never share counters.
 """
+
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -14,7 +15,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from engine.batch import Generation
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-OUTCOMES = ("success", "validation", "overloaded", "unavailable", "error", "cancelled", "not_found", "too_large")
+OUTCOMES = (
+    "success",
+    "validation",
+    "overloaded",
+    "unavailable",
+    "error",
+    "cancelled",
+    "not_found",
+    "too_large",
+)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -32,29 +42,62 @@ class ShardStatsCollector:
         for phase in ("prefill", "decode"):
             real, padded = stats[f"{phase}_real"], stats[f"{phase}_padded"]
             unit = "tokens" if phase == "prefill" else "rows"
-            yield counter(f"bucketserve_shard_{phase}_real_{unit}", f"real {unit} the shard computed", real)
-            yield counter(f"bucketserve_shard_{phase}_padded_{unit}", f"{unit} incl. bucket padding", padded)
-            waste = GaugeMetricFamily(f"bucketserve_shard_{phase}_padding_waste_ratio",
-                                      f"share of the {phase} bucket work that was padding")
+            yield counter(
+                f"bucketserve_shard_{phase}_real_{unit}", f"real {unit} the shard computed", real
+            )
+            yield counter(
+                f"bucketserve_shard_{phase}_padded_{unit}", f"{unit} incl. bucket padding", padded
+            )
+            waste = GaugeMetricFamily(
+                f"bucketserve_shard_{phase}_padding_waste_ratio",
+                f"share of the {phase} bucket work that was padding",
+            )
             waste.add_metric([], 1 - real / padded if padded else 0.0)
             yield waste
-        yield counter("bucketserve_shard_unwarmed_shapes", "forwards at a shape warmup did not run",
-                      stats["unwarmed_shapes"])
+        yield counter(
+            "bucketserve_shard_unwarmed_shapes",
+            "forwards at a shape warmup did not run",
+            stats["unwarmed_shapes"],
+        )
         for phase in ("prefill", "decode"):  # shards of older versions did not count them
             if f"{phase}_forwards" in stats:
-                yield counter(f"bucketserve_shard_{phase}_forwards", f"{phase} bucket runs", stats[f"{phase}_forwards"])
+                yield counter(
+                    f"bucketserve_shard_{phase}_forwards",
+                    f"{phase} bucket runs",
+                    stats[f"{phase}_forwards"],
+                )
         if "copied_prompts" in stats:
-            yield counter("bucketserve_shard_copied_prompts", "prompts whose KV an `n`/`best_of` sibling copied "
-                          "instead of computing them", stats["copied_prompts"])
-        if "chunked_prompts" in stats:  # chunked prefill (issue 15): chunks per prompt = the ratio of these
-            yield counter("bucketserve_shard_chunked_prompts", "prompts computed in several chunks",
-                          stats["chunked_prompts"])
-            yield counter("bucketserve_shard_prefill_chunks", "chunks of those prompts", stats["prefill_chunks"])
-        if "lookahead_runs" in stats:  # async scheduling: runs beyond steps are forwards thrown away
-            yield counter("bucketserve_shard_lookahead_runs", "decode forwards run before their step was asked for",
-                          stats["lookahead_runs"])
-            yield counter("bucketserve_shard_lookahead_steps", "decode steps that used such a forward",
-                          stats["lookahead_steps"])
+            yield counter(
+                "bucketserve_shard_copied_prompts",
+                "prompts whose KV an `n`/`best_of` sibling copied instead of computing them",
+                stats["copied_prompts"],
+            )
+        if (
+            "chunked_prompts" in stats
+        ):  # chunked prefill (issue 15): chunks per prompt = the ratio of these
+            yield counter(
+                "bucketserve_shard_chunked_prompts",
+                "prompts computed in several chunks",
+                stats["chunked_prompts"],
+            )
+            yield counter(
+                "bucketserve_shard_prefill_chunks",
+                "chunks of those prompts",
+                stats["prefill_chunks"],
+            )
+        if (
+            "lookahead_runs" in stats
+        ):  # async scheduling: runs beyond steps are forwards thrown away
+            yield counter(
+                "bucketserve_shard_lookahead_runs",
+                "decode forwards run before their step was asked for",
+                stats["lookahead_runs"],
+            )
+            yield counter(
+                "bucketserve_shard_lookahead_steps",
+                "decode steps that used such a forward",
+                stats["lookahead_steps"],
+            )
 
 
 class KvCollector:
@@ -66,23 +109,56 @@ class KvCollector:
 
     def collect(self):
         stats = self.scheduler.stats
-        yield counter("bucketserve_preemptions", "running requests requeued for lack of KV blocks", stats.preemptions)
-        yield counter("bucketserve_chunked_admissions", "prompts admitted with a chunk_len", stats.chunked_prompts)
+        yield counter(
+            "bucketserve_preemptions",
+            "running requests requeued for lack of KV blocks",
+            stats.preemptions,
+        )
+        yield counter(
+            "bucketserve_chunked_admissions",
+            "prompts admitted with a chunk_len",
+            stats.chunked_prompts,
+        )
         cache = getattr(self.scheduler.allocator, "stats", None)  # None: prefix caching is off
         if cache is None:
             return
-        yield counter("bucketserve_prefix_cache_lookups", "prompts looked up in the prefix cache", cache.requests)
-        yield counter("bucketserve_prefix_cache_hit_requests", "prompts that reused cached blocks", cache.hit_requests)
-        yield counter("bucketserve_prefix_cache_prompt_tokens", "tokens of the prompts looked up", cache.prompt_tokens)
-        yield counter("bucketserve_prefix_cache_hit_tokens", "prompt tokens found cached, not computed",
-                      cache.hit_tokens)
-        yield counter("bucketserve_prefix_cache_evictions", "cached blocks evicted for new ones", cache.evictions)
-        for name, hits, total in (("tokens", cache.hit_tokens, cache.prompt_tokens),
-                                  ("requests", cache.hit_requests, cache.requests)):
-            rate = GaugeMetricFamily(f"bucketserve_prefix_cache_hit_rate_{name}", f"share of {name} that hit")
+        yield counter(
+            "bucketserve_prefix_cache_lookups",
+            "prompts looked up in the prefix cache",
+            cache.requests,
+        )
+        yield counter(
+            "bucketserve_prefix_cache_hit_requests",
+            "prompts that reused cached blocks",
+            cache.hit_requests,
+        )
+        yield counter(
+            "bucketserve_prefix_cache_prompt_tokens",
+            "tokens of the prompts looked up",
+            cache.prompt_tokens,
+        )
+        yield counter(
+            "bucketserve_prefix_cache_hit_tokens",
+            "prompt tokens found cached, not computed",
+            cache.hit_tokens,
+        )
+        yield counter(
+            "bucketserve_prefix_cache_evictions",
+            "cached blocks evicted for new ones",
+            cache.evictions,
+        )
+        for name, hits, total in (
+            ("tokens", cache.hit_tokens, cache.prompt_tokens),
+            ("requests", cache.hit_requests, cache.requests),
+        ):
+            rate = GaugeMetricFamily(
+                f"bucketserve_prefix_cache_hit_rate_{name}", f"share of {name} that hit"
+            )
             rate.add_metric([], hits / total if total else 0.0)
             yield rate
-        cached = GaugeMetricFamily("bucketserve_prefix_cache_blocks", "KV blocks holding a findable prefix")
+        cached = GaugeMetricFamily(
+            "bucketserve_prefix_cache_blocks", "KV blocks holding a findable prefix"
+        )
         cached.add_metric([], self.scheduler.allocator.num_cached)
         yield cached
 
@@ -96,34 +172,62 @@ def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
 class RouterMetrics:
     def __init__(self, scheduler, client):
         self.registry = registry = CollectorRegistry()
-        self.requests = Counter("bucketserve_requests", "requests by outcome", ["outcome"], registry=registry)
+        self.requests = Counter(
+            "bucketserve_requests", "requests by outcome", ["outcome"], registry=registry
+        )
         for outcome in OUTCOMES:
             self.requests.labels(outcome)  # every outcome shows from the start, at 0
-        self.batch_size = Histogram("bucketserve_batch_size", "requests per shard step", ["phase"],
-                                    buckets=BATCH_BUCKETS, registry=registry)
-        self.ttft = Histogram("bucketserve_time_to_first_token_seconds", "from arrival to the first token",
-                              buckets=LATENCY_BUCKETS, registry=registry)
-        self.tpot = Histogram("bucketserve_time_per_output_token_seconds", "after the first token, per token",
-                              buckets=LATENCY_BUCKETS, registry=registry)
-        self.duration = Histogram("bucketserve_request_duration_seconds", "from arrival to the last token",
-                                  buckets=LATENCY_BUCKETS, registry=registry)
-        self.generated = Counter("bucketserve_generated_tokens", "tokens generated", registry=registry)
+        self.batch_size = Histogram(
+            "bucketserve_batch_size",
+            "requests per shard step",
+            ["phase"],
+            buckets=BATCH_BUCKETS,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "bucketserve_time_to_first_token_seconds",
+            "from arrival to the first token",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "bucketserve_time_per_output_token_seconds",
+            "after the first token, per token",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "bucketserve_request_duration_seconds",
+            "from arrival to the last token",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.generated = Counter(
+            "bucketserve_generated_tokens", "tokens generated", registry=registry
+        )
         self._gauges(scheduler)
         registry.register(ShardStatsCollector(client))
         registry.register(KvCollector(scheduler))
 
     def _gauges(self, scheduler) -> None:
         registry = self.registry  # scheduler.allocator is read each time: a recovery may replace it
-        Gauge("bucketserve_queue_size", "requests waiting for admission",
-              registry=registry).set_function(lambda: scheduler.queue_length)
-        Gauge("bucketserve_running_requests", "requests in the shards' batch",
-              registry=registry).set_function(lambda: scheduler.running_count)
-        Gauge("bucketserve_kv_blocks_in_use", "KV cache blocks held by requests",
-              registry=registry).set_function(lambda: scheduler.allocator.num_used)
-        Gauge("bucketserve_kv_blocks_total", "usable KV cache blocks (block 0 is reserved)",
-              registry=registry).set_function(lambda: scheduler.allocator.num_blocks - 1)
-        Gauge("bucketserve_shards_available", "1 while the shards answer",
-              registry=registry).set_function(lambda: float(scheduler.available))
+        Gauge(
+            "bucketserve_queue_size", "requests waiting for admission", registry=registry
+        ).set_function(lambda: scheduler.queue_length)
+        Gauge(
+            "bucketserve_running_requests", "requests in the shards' batch", registry=registry
+        ).set_function(lambda: scheduler.running_count)
+        Gauge(
+            "bucketserve_kv_blocks_in_use", "KV cache blocks held by requests", registry=registry
+        ).set_function(lambda: scheduler.allocator.num_used)
+        Gauge(
+            "bucketserve_kv_blocks_total",
+            "usable KV cache blocks (block 0 is reserved)",
+            registry=registry,
+        ).set_function(lambda: scheduler.allocator.num_blocks - 1)
+        Gauge(
+            "bucketserve_shards_available", "1 while the shards answer", registry=registry
+        ).set_function(lambda: float(scheduler.available))
 
     def on_step(self, phase: str, size: int) -> None:
         self.batch_size.labels(phase).observe(size)
@@ -131,7 +235,9 @@ class RouterMetrics:
     def outcome(self, outcome: str) -> None:
         self.requests.labels(outcome).inc()
 
-    async def timed(self, generations: AsyncIterator[Generation], arrival: float) -> AsyncIterator[Generation]:
+    async def timed(
+        self, generations: AsyncIterator[Generation], arrival: float
+    ) -> AsyncIterator[Generation]:
         """Pass generations through, timing the first token and the ones after it."""
         first, tokens = None, 0
         async for generation in generations:
@@ -140,7 +246,9 @@ class RouterMetrics:
                 first = now
                 self.ttft.observe(now - arrival)
             tokens += len(generation.tokens.ids)
-            self.generated.inc(len(generation.tokens.ids))  # as they come: a cancelled request's count too
+            self.generated.inc(
+                len(generation.tokens.ids)
+            )  # as they come: a cancelled request's count too
             if generation.generated_text is not None:
                 self.duration.observe(now - arrival)
                 if tokens > 1:

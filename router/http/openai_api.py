@@ -4,12 +4,14 @@ Each body is turned into TGI `Parameters` and goes through the same checks and t
 `/generate`; only the request and response shapes differ. Errors keep TGI's body (`error`,
 `error_type`), as TGI's own OpenAI routes do.
 """
+
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from fastapi import FastAPI, Request as HttpRequest
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
@@ -17,13 +19,29 @@ from engine.batch import Generation
 from engine.grammar_schema import UnsupportedSchema, check_schema
 from router.config import TGI_MODEL_ALIAS
 from router.http import chat, tools
-from router.sched import fanout
-from router.http.openai_render import (ChatChunks, ChoiceStreams, CompletionChunks, Envelope, chat_logprobs, finish_reason,
-                                  merged, sse, usage)
+from router.http.openai_render import (
+    ChatChunks,
+    ChoiceStreams,
+    CompletionChunks,
+    Envelope,
+    chat_logprobs,
+    finish_reason,
+    merged,
+    sse,
+    usage,
+)
+from router.http.state import (
+    RouterState,
+    collect_all,
+    error_payload,
+    error_response,
+    events,
+    finite,
+    submit_many,
+)
 from router.http.tools import Tool, ToolChoice, ToolPlan
-from router.http.state import (RouterState, collect_all, error_payload, error_response, events, finite,
-                          submit_many)
 from router.http.validation import Grammar, Parameters, ValidationError, check, check_text
+from router.sched import fanout
 
 MAX_TOP_LOGPROBS = 5
 MAX_MESSAGES = 1024  # per chat request: the template renders every one of them
@@ -48,6 +66,7 @@ class StreamOptions(BaseModel):
 
 class Sampling(BaseModel):
     """The fields both completion APIs share; the others are kept to be refused (`check_implemented`)."""
+
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     max_tokens: int | None = None
@@ -60,10 +79,12 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    logit_bias: dict[int, float] | None = None   # OpenAI sends token ids as strings; pydantic reads them as ints
-    min_tokens: int | None = None                # vLLM's extensions, which serving benchmarks send
+    logit_bias: dict[int, float] | None = (
+        None  # OpenAI sends token ids as strings; pydantic reads them as ints
+    )
+    min_tokens: int | None = None  # vLLM's extensions, which serving benchmarks send
     ignore_eos: bool = False
-    user: str | None = None                      # accepted and not used
+    user: str | None = None  # accepted and not used
 
 
 class ChatRequest(Sampling):
@@ -94,17 +115,34 @@ class CompletionRequest(Sampling):
 # --- requests -> TGI parameters -------------------------------------------------------------------
 
 
-def parameters(state: RouterState, body: Sampling, max_tokens: int | None, top_n: int,
-               grammar: Grammar | None = None) -> Parameters:
+def parameters(
+    state: RouterState,
+    body: Sampling,
+    max_tokens: int | None,
+    top_n: int,
+    grammar: Grammar | None = None,
+) -> Parameters:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     # OpenAI samples at temperature 1 by default; temperature 0 asks for greedy decoding.
     greedy = body.temperature == 0
     adapter = body.model if body.model in state.limits.adapters else None
-    return Parameters(max_new_tokens=max_tokens, temperature=None if greedy else body.temperature,
-                      top_p=None if body.top_p == 1 else body.top_p, do_sample=not greedy, seed=body.seed, stop=stop,
-                      frequency_penalty=body.frequency_penalty, top_n_tokens=top_n or None, details=True,
-                      grammar=grammar, adapter_id=adapter, presence_penalty=body.presence_penalty,
-                      logit_bias=body.logit_bias, min_new_tokens=body.min_tokens, ignore_eos=body.ignore_eos)
+    return Parameters(
+        max_new_tokens=max_tokens,
+        temperature=None if greedy else body.temperature,
+        top_p=None if body.top_p == 1 else body.top_p,
+        do_sample=not greedy,
+        seed=body.seed,
+        stop=stop,
+        frequency_penalty=body.frequency_penalty,
+        top_n_tokens=top_n or None,
+        details=True,
+        grammar=grammar,
+        adapter_id=adapter,
+        presence_penalty=body.presence_penalty,
+        logit_bias=body.logit_bias,
+        min_new_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+    )
 
 
 def check_n(state: RouterState, body: Sampling) -> None:
@@ -122,7 +160,10 @@ def response_grammar(response_format: dict | None) -> Grammar | None:
         return Grammar(type="json_object", value=None)
     if kind == "json_schema":
         schema = (response_format.get("json_schema") or {}).get("schema")
-        check(isinstance(schema, dict), "`response_format.json_schema.schema` must be a JSON schema object")
+        check(
+            isinstance(schema, dict),
+            "`response_format.json_schema.schema` must be a JSON schema object",
+        )
         try:
             check_schema(schema)
         except UnsupportedSchema as error:
@@ -130,22 +171,35 @@ def response_grammar(response_format: dict | None) -> Grammar | None:
         return Grammar(type="json", value=schema)
     if kind in ("json", "regex"):
         return Grammar(type=kind, value=response_format.get("value"))
-    raise ValidationError(f"`response_format.type` {kind!r} is not supported (text, json_object, json_schema)")
+    raise ValidationError(
+        f"`response_format.type` {kind!r} is not supported (text, json_object, json_schema)"
+    )
 
 
 def check_implemented(body: Sampling) -> None:
-    unknown = sorted(name for name, value in (body.model_extra or {}).items()
-                     if name not in LABELS and not any(value == v and type(value) is type(v) for v in NO_OP_VALUES))
-    check(not unknown, f"not implemented: {', '.join(f'`{name}`' for name in unknown)} "
-                       "(leave them out, or send their default)")
+    unknown = sorted(
+        name
+        for name, value in (body.model_extra or {}).items()
+        if name not in LABELS
+        and not any(value == v and type(value) is type(v) for v in NO_OP_VALUES)
+    )
+    check(
+        not unknown,
+        f"not implemented: {', '.join(f'`{name}`' for name in unknown)} "
+        "(leave them out, or send their default)",
+    )
 
 
 def chat_prompt(state: RouterState, body: ChatRequest) -> str:
     """The prompt of a conversation, its tools included (on a validation thread: templating is CPU work)."""
-    check(len(body.messages) <= MAX_MESSAGES,
-          f"`messages` may hold up to {MAX_MESSAGES} messages. Given: {len(body.messages)}")
-    messages = [chat.template_message(m.role, message_text(m), m.tool_calls, m.tool_call_id, m.name)
-                for m in body.messages]
+    check(
+        len(body.messages) <= MAX_MESSAGES,
+        f"`messages` may hold up to {MAX_MESSAGES} messages. Given: {len(body.messages)}",
+    )
+    messages = [
+        chat.template_message(m.role, message_text(m), m.tool_calls, m.tool_call_id, m.name)
+        for m in body.messages
+    ]
     for message in messages:
         check_text("messages", message["role"] + message["content"])
     return chat.render(state.tokenizer, messages, body.tool_plan().tools)
@@ -153,8 +207,13 @@ def chat_prompt(state: RouterState, body: ChatRequest) -> str:
 
 def message_text(message: Message) -> str:
     if isinstance(message.content, list):  # content parts: only text ones are understood
-        check(all(isinstance(p.get("text", ""), str) and p.get("type") == "text" for p in message.content),
-              "only text content parts are supported")
+        check(
+            all(
+                isinstance(p.get("text", ""), str) and p.get("type") == "text"
+                for p in message.content
+            ),
+            "only text content parts are supported",
+        )
         return "".join(p.get("text", "") for p in message.content)
     return message.content or ""
 
@@ -194,26 +253,44 @@ def error_event(error: Exception) -> str:
 
 def chat_parameters(state: RouterState, body: ChatRequest) -> Parameters:
     top = body.top_logprobs or 0
-    check(0 <= top <= MAX_TOP_LOGPROBS, f"`top_logprobs` must be >= 0 and <= {MAX_TOP_LOGPROBS}. Given: {top}")
+    check(
+        0 <= top <= MAX_TOP_LOGPROBS,
+        f"`top_logprobs` must be >= 0 and <= {MAX_TOP_LOGPROBS}. Given: {top}",
+    )
     check(top == 0 or body.logprobs, "`top_logprobs` needs `logprobs: true`")
     plan = body.tool_plan()
-    check(not (plan.active and body.response_format), "`response_format` cannot be combined with `tools`")
-    return parameters(state, body, body.max_completion_tokens or body.max_tokens, top,
-                      plan.grammar or response_grammar(body.response_format))
+    check(
+        not (plan.active and body.response_format),
+        "`response_format` cannot be combined with `tools`",
+    )
+    return parameters(
+        state,
+        body,
+        body.max_completion_tokens or body.max_tokens,
+        top,
+        plan.grammar or response_grammar(body.response_format),
+    )
 
 
 def chat_choice(body: ChatRequest, index: int, generations: list[Generation]) -> dict:
     last = generations[-1]
     logprobs = None
     if body.logprobs:
-        logprobs = {"content": [e for g in generations for e in chat_logprobs(g, bool(body.top_logprobs))]}
-    message, reason = {"role": "assistant", "content": last.generated_text.text}, finish_reason(last)
+        logprobs = {
+            "content": [e for g in generations for e in chat_logprobs(g, bool(body.top_logprobs))]
+        }
+    message, reason = (
+        {"role": "assistant", "content": last.generated_text.text},
+        finish_reason(last),
+    )
     if body.tool_plan().active:
         message, reason = tools.reply_message(last.generated_text.text, reason, body.tool_plan())
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
-def chat_response(envelope: Envelope, body: ChatRequest, sequences: list[list[Generation]], prompt_tokens: int) -> dict:
+def chat_response(
+    envelope: Envelope, body: ChatRequest, sequences: list[list[Generation]], prompt_tokens: int
+) -> dict:
     """One choice per sequence; usage counts the prompt once and every sequence's tokens."""
     choices = [chat_choice(body, i, generations) for i, generations in enumerate(sequences)]
     return envelope.wrap(choices, usage=usage(prompt_tokens, generated_tokens(sequences)))
@@ -231,23 +308,38 @@ async def chat_completions(state: RouterState, body: ChatRequest, http_request: 
         state.scheduler.check_admission()  # before templating
         prompt = await state.offload(chat_prompt, state, body)
         # The chat template already wrote the special tokens the model expects.
-        sequences, length, streams = await submit_many(state, prompt, chat_parameters(state, body), body.n, "n",
-                                                       add_special_tokens=False)
+        sequences, length, streams = await submit_many(
+            state, prompt, chat_parameters(state, body), body.n, "n", add_special_tokens=False
+        )
         if not body.stream:
-            return JSONResponse(chat_response(envelope, body, await collect_all(state, sequences, streams), length))
+            return JSONResponse(
+                chat_response(envelope, body, await collect_all(state, sequences, streams), length)
+            )
     except Exception as error:  # noqa: BLE001 - every failure gets an error body
         return error_response(state, error, openai=True)
     envelope.kind = "chat.completion.chunk"
     renderers = [ChatChunks(envelope, body, index) for index in range(body.n)]
-    return stream_choices(state, http_request, envelope, body, renderers, sequences, streams, length)
+    return stream_choices(
+        state, http_request, envelope, body, renderers, sequences, streams, length
+    )
 
 
-def stream_choices(state: RouterState, http_request: HttpRequest, envelope: Envelope, body: Sampling, renderers,
-                   sequences, streams, prompt_tokens: int) -> StreamingResponse:
+def stream_choices(
+    state: RouterState,
+    http_request: HttpRequest,
+    envelope: Envelope,
+    body: Sampling,
+    renderers,
+    sequences,
+    streams,
+    prompt_tokens: int,
+) -> StreamingResponse:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     render = ChoiceStreams(envelope, renderers, prompt_tokens, include_usage)
-    return StreamingResponse(events(state, http_request, merged(sequences), streams, render, error_event),
-                             media_type="text/event-stream")
+    return StreamingResponse(
+        events(state, http_request, merged(sequences), streams, render, error_event),
+        media_type="text/event-stream",
+    )
 
 
 # --- completions ----------------------------------------------------------------------------------
@@ -263,18 +355,38 @@ def completion_prompt(body: CompletionRequest) -> str:
 def completion_logprobs(generations: list[Generation], top: int) -> dict:
     tokens = [t for g in generations for t in g.tokens.texts]
     logprobs = [finite(lp) for g in generations for lp in g.tokens.logprobs]
-    alternatives = [dict(zip(t.texts, t.logprobs)) for g in generations for t in g.top_tokens] if top else None
+    alternatives = (
+        [dict(zip(t.texts, t.logprobs)) for g in generations for t in g.top_tokens] if top else None
+    )
     offsets, position = [], 0
     for text in tokens:
         offsets.append(position)
         position += len(text)
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": alternatives, "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": logprobs,
+        "top_logprobs": alternatives,
+        "text_offset": offsets,
+    }
 
 
-def completion_choice(body: CompletionRequest, prompt: str, generations: list[Generation], text: str,
-                      reason: str | None, index: int = 0) -> dict:
-    logprobs = completion_logprobs(generations, body.logprobs) if body.logprobs is not None else None
-    return {"index": index, "text": (prompt if body.echo else "") + text, "logprobs": logprobs, "finish_reason": reason}
+def completion_choice(
+    body: CompletionRequest,
+    prompt: str,
+    generations: list[Generation],
+    text: str,
+    reason: str | None,
+    index: int = 0,
+) -> dict:
+    logprobs = (
+        completion_logprobs(generations, body.logprobs) if body.logprobs is not None else None
+    )
+    return {
+        "index": index,
+        "text": (prompt if body.echo else "") + text,
+        "logprobs": logprobs,
+        "finish_reason": reason,
+    }
 
 
 async def completions(state: RouterState, body: CompletionRequest, http_request: HttpRequest):
@@ -283,20 +395,36 @@ async def completions(state: RouterState, body: CompletionRequest, http_request:
         check_implemented(body)
         prompt, top = completion_prompt(body), body.logprobs or 0
         check(not (body.echo and body.stream), "`echo` is not supported with `stream`")
-        check(0 <= top <= MAX_TOP_LOGPROBS, f"`logprobs` must be >= 0 and <= {MAX_TOP_LOGPROBS}. Given: {top}")
+        check(
+            0 <= top <= MAX_TOP_LOGPROBS,
+            f"`logprobs` must be >= 0 and <= {MAX_TOP_LOGPROBS}. Given: {top}",
+        )
         check_n(state, body)
-        sequences, length, streams = await submit_many(state, prompt, parameters(state, body, body.max_tokens, top),
-                                                       body.n, "n")
+        sequences, length, streams = await submit_many(
+            state, prompt, parameters(state, body, body.max_tokens, top), body.n, "n"
+        )
         if not body.stream:
             done = await collect_all(state, sequences, streams)
-            choices = [completion_choice(body, prompt, g, g[-1].generated_text.text, finish_reason(g[-1]), i)
-                       for i, g in enumerate(done)]
+            choices = [
+                completion_choice(
+                    body, prompt, g, g[-1].generated_text.text, finish_reason(g[-1]), i
+                )
+                for i, g in enumerate(done)
+            ]
             return JSONResponse(envelope.wrap(choices, usage=usage(length, generated_tokens(done))))
     except Exception as error:  # noqa: BLE001
         return error_response(state, error, openai=True)
-    renderers = [CompletionChunks(envelope, lambda g, text, reason, i: completion_choice(body, "", g, text, reason, i),
-                                  index) for index in range(body.n)]
-    return stream_choices(state, http_request, envelope, body, renderers, sequences, streams, length)
+    renderers = [
+        CompletionChunks(
+            envelope,
+            lambda g, text, reason, i: completion_choice(body, "", g, text, reason, i),
+            index,
+        )
+        for index in range(body.n)
+    ]
+    return stream_choices(
+        state, http_request, envelope, body, renderers, sequences, streams, length
+    )
 
 
 # --- the routes -----------------------------------------------------------------------------------
@@ -305,8 +433,13 @@ async def completions(state: RouterState, body: CompletionRequest, http_request:
 def models(state: RouterState) -> dict:
     names = [state.info["model_id"], *state.limits.adapters]
     created = int(time.time())
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
-                                        "owned_by": "bucketserve"} for name in names]}
+    return {
+        "object": "list",
+        "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "bucketserve"}
+            for name in names
+        ],
+    }
 
 
 def openai_routes(app: FastAPI, state: RouterState) -> None:

@@ -4,6 +4,7 @@ A stream of `n` choices reads its sequences concurrently (`merged`) and renders 
 generations with its own renderer, which numbers its chunks with the choice's index; the usage chunk
 (when asked) and `[DONE]` come once, after the last choice has finished.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,13 +23,19 @@ def finish_reason(generation: Generation) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def logprob_entry(text: str, logprob: float | None) -> dict:
-    return {"token": text, "logprob": finite(logprob) if logprob is not None else None,
-            "bytes": list(text.encode())}
+    return {
+        "token": text,
+        "logprob": finite(logprob) if logprob is not None else None,
+        "bytes": list(text.encode()),
+    }
 
 
 def chat_logprobs(generation: Generation, top: bool) -> list[dict]:
@@ -36,8 +43,11 @@ def chat_logprobs(generation: Generation, top: bool) -> list[dict]:
     for i, text in enumerate(generation.tokens.texts):
         entry = logprob_entry(text, generation.tokens.logprobs[i])
         alternatives = generation.top_tokens[i] if top and i < len(generation.top_tokens) else None
-        entry["top_logprobs"] = ([logprob_entry(t, lp) for t, lp in zip(alternatives.texts, alternatives.logprobs)]
-                                 if alternatives else [])
+        entry["top_logprobs"] = (
+            [logprob_entry(t, lp) for t, lp in zip(alternatives.texts, alternatives.logprobs)]
+            if alternatives
+            else []
+        )
         entries.append(entry)
     return entries
 
@@ -54,7 +64,7 @@ class StreamedText:
         return text
 
     def rest(self, final_text: str) -> str:
-        return self.add(final_text[len(self.sent):]) if final_text.startswith(self.sent) else ""
+        return self.add(final_text[len(self.sent) :]) if final_text.startswith(self.sent) else ""
 
 
 class Envelope:
@@ -65,8 +75,15 @@ class Envelope:
         self.model, self.kind = model, kind
 
     def wrap(self, choices: list[dict], **extra) -> dict:
-        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
-                "system_fingerprint": "bucketserve", "choices": choices, **extra}
+        return {
+            "id": self.id,
+            "object": self.kind,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": "bucketserve",
+            "choices": choices,
+            **extra,
+        }
 
 
 def sse(payload: Any) -> str:
@@ -82,7 +99,12 @@ class ChatChunks:
         self.text, self.tools = StreamedText(), body.tool_plan().active
 
     def chunk(self, delta: dict, logprobs=None, reason=None) -> str:
-        choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        choice = {
+            "index": self.index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": reason,
+        }
         return sse(self.envelope.wrap([choice]))
 
     def __call__(self, generation: Generation) -> list[str]:
@@ -90,20 +112,31 @@ class ChatChunks:
         self.started = True
         if self.tools:  # a constrained reply is sent once whole, as content or as tool_calls deltas
             return out + self.tool_reply(generation)
-        tokens, logprobs = generation.tokens, chat_logprobs(generation, bool(self.body.top_logprobs))
+        tokens, logprobs = (
+            generation.tokens,
+            chat_logprobs(generation, bool(self.body.top_logprobs)),
+        )
         for i, text in enumerate(tokens.texts):
             content = self.text.add("" if tokens.is_special[i] else text)
-            out.append(self.chunk({"content": content}, {"content": [logprobs[i]]} if self.body.logprobs else None))
+            out.append(
+                self.chunk(
+                    {"content": content}, {"content": [logprobs[i]]} if self.body.logprobs else None
+                )
+            )
         last = generation.generated_text
         if last is not None:
-            out.append(self.chunk({"content": self.text.rest(last.text)}, reason=finish_reason(generation)))
+            out.append(
+                self.chunk({"content": self.text.rest(last.text)}, reason=finish_reason(generation))
+            )
         return out
 
     def tool_reply(self, generation: Generation) -> list[str]:
         last = generation.generated_text
         if last is None:
             return []
-        deltas, reason = tools.reply_deltas(last.text, finish_reason(generation), self.body.tool_plan())
+        deltas, reason = tools.reply_deltas(
+            last.text, finish_reason(generation), self.body.tool_plan()
+        )
         return [self.chunk(delta) for delta in deltas] + [self.chunk({}, reason=reason)]
 
 
@@ -116,8 +149,13 @@ class CompletionChunks:
     def __call__(self, generation: Generation) -> list[str]:
         last = generation.generated_text
         reason = finish_reason(generation) if last is not None else None
-        text = self.text.add("".join(t for t, special in zip(generation.tokens.texts, generation.tokens.is_special)
-                                     if not special))
+        text = self.text.add(
+            "".join(
+                t
+                for t, special in zip(generation.tokens.texts, generation.tokens.is_special)
+                if not special
+            )
+        )
         text += self.text.rest(last.text) if last is not None else ""
         return [sse(self.envelope.wrap([self.choice([generation], text, reason, self.index)]))]
 
@@ -126,7 +164,9 @@ class ChoiceStreams:
     """The events of `n` choices read together: each (index, generation) goes to its choice's
     renderer; once every choice has its last generation, usage (when asked) and `[DONE]`."""
 
-    def __init__(self, envelope: Envelope, renderers: list, prompt_tokens: int, include_usage: bool):
+    def __init__(
+        self, envelope: Envelope, renderers: list, prompt_tokens: int, include_usage: bool
+    ):
         self.envelope, self.renderers, self.prompt_tokens = envelope, renderers, prompt_tokens
         self.include_usage, self.generated, self.open = include_usage, 0, len(renderers)
 
@@ -146,7 +186,9 @@ class ChoiceStreams:
 
 async def merged(streams: list):
     """(index, generation) from every stream as each arrives; the first failure ends it."""
-    if len(streams) == 1:  # n = 1, nearly every request: read it directly, no task and queue hop per token
+    if (
+        len(streams) == 1
+    ):  # n = 1, nearly every request: read it directly, no task and queue hop per token
         async for generation in streams[0]:
             yield 0, generation
         return

@@ -1,6 +1,7 @@
 """What every HTTP route shares: the router's state, and submitting a request to the scheduler and
 collecting or streaming what comes back. The TGI routes (tgi_api.py) and the OpenAI routes
 (openai_api.py) are peers built on this; router/http/errors.py gives every failure its answer."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,22 +9,29 @@ import functools
 import itertools
 import math
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
 from engine.batch import Generation, Request
 from router.http import errors
-from router.sched import fanout
 from router.http.errors import classify, error_body, error_payload  # noqa: F401 - the routes' error helpers
 from router.http.grammar_check import GrammarCheck
 from router.http.metrics import RouterMetrics
-from router.sched.scheduler import Scheduler
 from router.http.tracing import traced
-from router.http.validation import Limits, Parameters, ValidationError, build_request, longest_token_chars
+from router.http.validation import (
+    Limits,
+    Parameters,
+    ValidationError,
+    build_request,
+    longest_token_chars,
+)
+from router.sched import fanout
+from router.sched.scheduler import Scheduler
 
 # Tokenizing and chat templating run here, off the event loop: a long prompt must not stall streams.
 VALIDATION_WORKERS = 2
@@ -37,10 +45,15 @@ class RouterState:
     info: dict
     metrics: RouterMetrics
     ids: itertools.count = field(default_factory=lambda: itertools.count(1))
-    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
-        VALIDATION_WORKERS, thread_name_prefix="validation"))
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(
+            VALIDATION_WORKERS, thread_name_prefix="validation"
+        )
+    )
     grammar_check: GrammarCheck | None = None
-    token_chars: int | None = None  # the longest token's length in characters: bounds a prompt's token count
+    token_chars: int | None = (
+        None  # the longest token's length in characters: bounds a prompt's token count
+    )
 
     def __post_init__(self):
         if self.grammar_check is None:
@@ -50,12 +63,18 @@ class RouterState:
 
     @property
     def limits(self) -> Limits:
-        return Limits(self.info["max_input_tokens"], self.info["max_total_tokens"],
-                      tuple(self.info.get("lora_adapters") or ()), self.token_chars)
+        return Limits(
+            self.info["max_input_tokens"],
+            self.info["max_total_tokens"],
+            tuple(self.info.get("lora_adapters") or ()),
+            self.token_chars,
+        )
 
     async def offload(self, fn, *args, **kwargs):
         """Run `fn` on a validation thread (a CPU-bound call must not block the event loop)."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor, functools.partial(fn, *args, **kwargs)
+        )
 
 
 def error_response(state: RouterState, error: Exception, openai: bool = False) -> JSONResponse:
@@ -65,13 +84,22 @@ def error_response(state: RouterState, error: Exception, openai: bool = False) -
 # --- running a request ------------------------------------------------------------------------------
 
 
-async def submit(state: RouterState, inputs: str, parameters: Parameters, add_special_tokens: bool = True
-                 ) -> tuple[AsyncIterator[Generation], int, Any]:
+async def submit(
+    state: RouterState, inputs: str, parameters: Parameters, add_special_tokens: bool = True
+) -> tuple[AsyncIterator[Generation], int, Any]:
     """Validate and queue; the stream of generations (timed for metrics), the prompt length, and the
     scheduler's stream (to close on a disconnect). An overloaded router refuses before tokenizing."""
     state.scheduler.check_admission()
-    request, ids = await state.offload(build_request, next(state.ids), state.tokenizer, state.limits, inputs,
-                                       parameters, add_special_tokens, state.grammar_check)
+    request, ids = await state.offload(
+        build_request,
+        next(state.ids),
+        state.tokenizer,
+        state.limits,
+        inputs,
+        parameters,
+        add_special_tokens,
+        state.grammar_check,
+    )
     return queue(state, request, len(ids), lookup_ids(state, ids))
 
 
@@ -89,16 +117,30 @@ def queue(state: RouterState, request: Request, length: int, token_ids: list[int
     return traced(state.metrics.timed(stream, arrival), stream, arrival), length, stream
 
 
-async def submit_many(state: RouterState, inputs: str, parameters: Parameters, count: int, name: str,
-                      add_special_tokens: bool = True) -> tuple[list[AsyncIterator[Generation]], int, Any]:
+async def submit_many(
+    state: RouterState,
+    inputs: str,
+    parameters: Parameters,
+    count: int,
+    name: str,
+    add_special_tokens: bool = True,
+) -> tuple[list[AsyncIterator[Generation]], int, Any]:
     """`count` sequences for one prompt that share its prefill (router/sched/fanout.py): their generation
     streams, the prompt length, and one handle that closes them all. `name` is the field asking."""
     problem = fanout.check_count(name, count, state.scheduler.limits.max_batch_size)
     if problem:
         raise ValidationError(problem)
     state.scheduler.check_admission(count)
-    request, ids = await state.offload(build_request, next(state.ids), state.tokenizer, state.limits, inputs,
-                                       parameters, add_special_tokens, state.grammar_check)
+    request, ids = await state.offload(
+        build_request,
+        next(state.ids),
+        state.tokenizer,
+        state.limits,
+        inputs,
+        parameters,
+        add_special_tokens,
+        state.grammar_check,
+    )
     length = len(ids)
     group = fanout.siblings(request, count, lambda: next(state.ids))
     arrival = time.perf_counter()
@@ -110,8 +152,11 @@ async def submit_many(state: RouterState, inputs: str, parameters: Parameters, c
     return timed, length, fanout.Streams(streams)
 
 
-async def collect_all(state: RouterState, generations: list[AsyncIterator[Generation]], streams) -> list[list[Generation]]:
+async def collect_all(
+    state: RouterState, generations: list[AsyncIterator[Generation]], streams
+) -> list[list[Generation]]:
     """Every sequence's generations, read concurrently; one failure closes all of them."""
+
     async def read(iterator):
         return [g async for g in iterator]
 
@@ -123,7 +168,9 @@ async def collect_all(state: RouterState, generations: list[AsyncIterator[Genera
     return list(result)
 
 
-async def collect(state: RouterState, generations: AsyncIterator[Generation], stream) -> list[Generation]:
+async def collect(
+    state: RouterState, generations: AsyncIterator[Generation], stream
+) -> list[Generation]:
     try:
         result = [g async for g in generations]
     finally:
@@ -132,7 +179,9 @@ async def collect(state: RouterState, generations: AsyncIterator[Generation], st
     return result
 
 
-async def events(state: RouterState, http_request: HttpRequest, generations, stream, render, on_error):
+async def events(
+    state: RouterState, http_request: HttpRequest, generations, stream, render, on_error
+):
     """Server-sent events: `render(generation)` gives each generation's events. A client that goes
     away cancels its request and frees its blocks; a failure becomes a last error event."""
     outcome = "cancelled"  # unless the stream reaches its end: the client went away

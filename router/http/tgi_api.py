@@ -6,24 +6,46 @@ Bodies, events and errors follow text-generation-inference's documented schema, 
 work unchanged. The router tokenizes each prompt to count its tokens; the shard tokenizes it again to
 run it.
 """
+
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from fastapi import FastAPI, Request as HttpRequest
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from engine.batch import FinishReason, Generation
 from router.http.metrics import CONTENT_TYPE
+from router.http.state import (
+    VALIDATION_WORKERS,
+    RouterState,
+    collect,
+    collect_all,
+    error_body,
+    error_payload,
+    error_response,
+    events,
+    finite,
+    submit,
+    submit_many,
+)
+from router.http.validation import (
+    MAX_STOP_SEQUENCES,
+    GenerateRequest,
+    Parameters,
+    check,
+    check_text,
+)
 from router.sched import fanout
-from router.http.state import (VALIDATION_WORKERS, RouterState, collect, collect_all, error_body, error_payload,
-                               error_response, events, finite, submit, submit_many)
-from router.http.validation import MAX_STOP_SEQUENCES, GenerateRequest, Parameters, check, check_text
 
-FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "eos_token",
-                  FinishReason.STOP_SEQUENCE: "stop_sequence"}
+FINISH_REASONS = {
+    FinishReason.LENGTH: "length",
+    FinishReason.EOS_TOKEN: "eos_token",
+    FinishReason.STOP_SEQUENCE: "stop_sequence",
+}
 
 
 def sse(payload: Any) -> str:
@@ -50,15 +72,21 @@ def full_text(body: GenerateRequest, text: str) -> str:
 def sequence_details(body: GenerateRequest, generations: list[Generation]) -> dict:
     last, p = generations[-1].generated_text, body.parameters
     prefill = generations[0].prefill_tokens
-    details = {"finish_reason": FINISH_REASONS[last.finish_reason], "generated_tokens": last.generated_tokens,
-               "seed": last.seed, "prefill": token_list(prefill, False) if prefill else [],
-               "tokens": [t for g in generations for t in token_list(g.tokens)]}
+    details = {
+        "finish_reason": FINISH_REASONS[last.finish_reason],
+        "generated_tokens": last.generated_tokens,
+        "seed": last.seed,
+        "prefill": token_list(prefill, False) if prefill else [],
+        "tokens": [t for g in generations for t in token_list(g.tokens)],
+    }
     if p.top_n_tokens:
         details["top_tokens"] = [token_list(t) for g in generations for t in g.top_tokens]
     return details
 
 
-def generate_response(body: GenerateRequest, generations: list[Generation], others: list[list[Generation]] = ()) -> dict:
+def generate_response(
+    body: GenerateRequest, generations: list[Generation], others: list[list[Generation]] = ()
+) -> dict:
     """TGI's answer; `others`: the best_of sequences that lost, listed in details as TGI does."""
     response: dict = {"generated_text": full_text(body, generations[-1].generated_text.text)}
     p = body.parameters
@@ -66,8 +94,12 @@ def generate_response(body: GenerateRequest, generations: list[Generation], othe
         response["details"] = sequence_details(body, generations)
         if others:
             response["details"]["best_of_sequences"] = [
-                {"generated_text": full_text(body, g[-1].generated_text.text), **sequence_details(body, g)}
-                for g in others]
+                {
+                    "generated_text": full_text(body, g[-1].generated_text.text),
+                    **sequence_details(body, g),
+                }
+                for g in others
+            ]
     return response
 
 
@@ -80,10 +112,15 @@ def info(state: RouterState) -> dict:
     """TGI's /info: what the wiring found (router/app.py), with the limits as the routes enforce
     them, so that a client reading them meets no other limit. `max_input_length` is the name
     TGI's routers before 2.0 gave `max_input_tokens`."""
-    return {**state.info, "max_best_of": max_best_of(state), "max_stop_sequences": MAX_STOP_SEQUENCES,
-            "max_input_length": state.info["max_input_tokens"], "max_batch_size": state.scheduler.limits.max_batch_size,
-            "validation_workers": VALIDATION_WORKERS,
-            "max_client_batch_size": 1}  # `inputs` is one string: TGI's batched inputs are not accepted
+    return {
+        **state.info,
+        "max_best_of": max_best_of(state),
+        "max_stop_sequences": MAX_STOP_SEQUENCES,
+        "max_input_length": state.info["max_input_tokens"],
+        "max_batch_size": state.scheduler.limits.max_batch_size,
+        "validation_workers": VALIDATION_WORKERS,
+        "max_client_batch_size": 1,
+    }  # `inputs` is one string: TGI's batched inputs are not accepted
 
 
 def check_best_of(state: RouterState, p: Parameters, stream: bool) -> int:
@@ -93,7 +130,9 @@ def check_best_of(state: RouterState, p: Parameters, stream: bool) -> int:
         check(not stream, "`best_of` != 1 is not supported when streaming tokens")
         problem = fanout.check_count("best_of", best_of, state.scheduler.limits.max_batch_size)
         check(problem is None, problem)
-        sampling = p.do_sample or any(v is not None for v in (p.temperature, p.top_k, p.top_p, p.typical_p))
+        sampling = p.do_sample or any(
+            v is not None for v in (p.temperature, p.top_k, p.top_p, p.typical_p)
+        )
         check(sampling, "you must use sampling when `best_of` is > 1")
         check(p.seed is None, "`seed` must not be set when `best_of` > 1")
     return best_of
@@ -117,11 +156,20 @@ class TgiEvents:
             self.index += 1
             final = last is not None and i == len(tokens) - 1
             top = token_list(generation.top_tokens[i]) if i < len(generation.top_tokens) else []
-            event = {"index": self.index, "token": token, "top_tokens": top, "generated_text": None, "details": None}
+            event = {
+                "index": self.index,
+                "token": token,
+                "top_tokens": top,
+                "generated_text": None,
+                "details": None,
+            }
             if final:
                 event["generated_text"] = full_text(self.body, last.text)
-                event["details"] = {"finish_reason": FINISH_REASONS[last.finish_reason],
-                                    "generated_tokens": last.generated_tokens, "seed": last.seed}
+                event["details"] = {
+                    "finish_reason": FINISH_REASONS[last.finish_reason],
+                    "generated_tokens": last.generated_tokens,
+                    "seed": last.seed,
+                }
             out.append(sse(event))
         return out
 
@@ -137,10 +185,16 @@ async def generate(state: RouterState, body: GenerateRequest) -> JSONResponse:
     try:
         best_of = check_best_of(state, body.parameters, stream=False)
         if best_of > 1:
-            sequences, _, streams = await submit_many(state, body.inputs, body.parameters, best_of, "best_of")
+            sequences, _, streams = await submit_many(
+                state, body.inputs, body.parameters, best_of, "best_of"
+            )
             done = await collect_all(state, sequences, streams)
-            best = max(range(best_of), key=lambda i: mean_logprob(done[i]))  # the first of equals, as TGI
-            return JSONResponse(generate_response(body, done[best], [g for i, g in enumerate(done) if i != best]))
+            best = max(
+                range(best_of), key=lambda i: mean_logprob(done[i])
+            )  # the first of equals, as TGI
+            return JSONResponse(
+                generate_response(body, done[best], [g for i, g in enumerate(done) if i != best])
+            )
         generations, _, stream = await submit(state, body.inputs, body.parameters)
         return JSONResponse(generate_response(body, await collect(state, generations, stream)))
     except Exception as error:  # noqa: BLE001 - every failure gets TGI's error body
@@ -153,8 +207,10 @@ async def generate_stream(state: RouterState, body: GenerateRequest, http_reques
         generations, _, stream = await submit(state, body.inputs, body.parameters)
     except Exception as error:  # noqa: BLE001
         return error_response(state, error)
-    return StreamingResponse(events(state, http_request, generations, stream, TgiEvents(body), tgi_error_event),
-                             media_type="text/event-stream")
+    return StreamingResponse(
+        events(state, http_request, generations, stream, TgiEvents(body), tgi_error_event),
+        media_type="text/event-stream",
+    )
 
 
 class TokenizeRequest(BaseModel):
@@ -175,8 +231,10 @@ async def tokenize(state: RouterState, body: TokenizeRequest) -> JSONResponse:
 
 def token_spans(tokenizer, text: str) -> list[dict]:
     encoding = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
-    return [{"id": token_id, "text": text[start:stop], "start": start, "stop": stop}
-            for token_id, (start, stop) in zip(encoding["input_ids"], encoding["offset_mapping"])]
+    return [
+        {"id": token_id, "text": text[start:stop], "start": start, "stop": stop}
+        for token_id, (start, stop) in zip(encoding["input_ids"], encoding["offset_mapping"])
+    ]
 
 
 def tgi_routes(app: FastAPI, state: RouterState) -> None:

@@ -19,6 +19,7 @@ validate is not returned as a call (its text comes back as content, and a warnin
 reply cut by the token limit returns the calls that were complete before the cut, with
 `finish_reason: "length"`.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,9 +37,9 @@ from router.http.validation import Grammar, ValidationError, check
 
 log = logging.getLogger(__name__)
 
-NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")   # OpenAI's rule for function names
-MAX_PARALLEL_CALLS = 8                        # bounds the reply (and the grammar) when calls may repeat
-CALLS_START = '{"calls": ['                   # how a list of calls begins (compact separators)
+NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+MAX_PARALLEL_CALLS = 8  # bounds the reply (and the grammar) when calls may repeat
+CALLS_START = '{"calls": ['  # how a list of calls begins (compact separators)
 
 
 class Function(BaseModel):
@@ -70,10 +71,11 @@ ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
 @dataclass(frozen=True)
 class ToolPlan:
     """What a chat request's tools mean for its prompt, its grammar and its reply."""
-    tools: list[dict]             # OpenAI tool dicts for the chat template ([] when `none`)
-    grammar: Grammar | None       # the reply's grammar (None: free text)
-    allows_text: bool             # `auto`: the reply may be `{"content": ...}`
-    schemas: dict | None = None   # name -> parameters schema of each function the reply may call
+
+    tools: list[dict]  # OpenAI tool dicts for the chat template ([] when `none`)
+    grammar: Grammar | None  # the reply's grammar (None: free text)
+    allows_text: bool  # `auto`: the reply may be `{"content": ...}`
+    schemas: dict | None = None  # name -> parameters schema of each function the reply may call
 
     @property
     def active(self) -> bool:
@@ -95,24 +97,35 @@ def plan(tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | N
     allowed = tools
     if isinstance(choice, NamedToolChoice):
         allowed = [t for t in tools if t.function.name == choice.function.name]
-        check(bool(allowed), f"`tool_choice` names {choice.function.name!r}, which is not in `tools`")
+        check(
+            bool(allowed), f"`tool_choice` names {choice.function.name!r}, which is not in `tools`"
+        )
     if isinstance(choice, NamedToolChoice):
         schema = named_schema(allowed[0])
     else:
         schema = calls_schema(allowed, parallel is not False, text=choice == "auto")
-    return ToolPlan([t.model_dump(exclude_none=True) for t in tools], Grammar(type="json", value=schema),
-                    choice == "auto", {t.function.name: parameters(t) for t in allowed})
+    return ToolPlan(
+        [t.model_dump(exclude_none=True) for t in tools],
+        Grammar(type="json", value=schema),
+        choice == "auto",
+        {t.function.name: parameters(t) for t in allowed},
+    )
 
 
 def check_tools(tools: list[Tool]) -> None:
     names = [t.function.name for t in tools]
     for tool in tools:
         name = tool.function.name
-        check(NAME.match(name) is not None, f"tool name {name!r} must be 1 to 64 of a-z, A-Z, 0-9, _ and -")
+        check(
+            NAME.match(name) is not None,
+            f"tool name {name!r} must be 1 to 64 of a-z, A-Z, 0-9, _ and -",
+        )
         try:
             jsonschema.validators.validator_for(parameters(tool)).check_schema(parameters(tool))
         except jsonschema.SchemaError as error:
-            raise ValidationError(f"tool {name!r}: `parameters` is not a valid JSON schema: {error.message}") from None
+            raise ValidationError(
+                f"tool {name!r}: `parameters` is not a valid JSON schema: {error.message}"
+            ) from None
         try:
             check_schema(parameters(tool))
         except UnsupportedSchema as error:
@@ -126,13 +139,20 @@ def parameters(tool: Tool) -> dict:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
-TEXT_SCHEMA = {"type": "object", "properties": {"content": {"type": "string"}}, "required": ["content"]}
+TEXT_SCHEMA = {
+    "type": "object",
+    "properties": {"content": {"type": "string"}},
+    "required": ["content"],
+}
 
 
 def call_schema(tool: Tool, arguments: dict | None = None) -> dict:
     arguments = parameters(tool) if arguments is None else arguments
-    return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": arguments},
-            "required": ["name", "arguments"]}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.function.name}, "arguments": arguments},
+        "required": ["name", "arguments"],
+    }
 
 
 def with_definitions(tools: list[Tool], schema_for) -> dict:
@@ -157,7 +177,12 @@ def calls_schema(tools: list[Tool], parallel: bool, text: bool = False) -> dict:
     def schema_for(arguments: list[dict]) -> dict:
         calls = [call_schema(t, a) for t, a in zip(tools, arguments)]
         one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        items = {"type": "array", "items": one, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if parallel else 1}
+        items = {
+            "type": "array",
+            "items": one,
+            "minItems": 1,
+            "maxItems": MAX_PARALLEL_CALLS if parallel else 1,
+        }
         schema = {"type": "object", "properties": {"calls": items}, "required": ["calls"]}
         return {"anyOf": [schema, TEXT_SCHEMA]} if text else schema
 
@@ -170,7 +195,7 @@ def calls_schema(tools: list[Tool], parallel: bool, text: bool = False) -> dict:
 @dataclass(frozen=True)
 class Reply:
     content: str | None
-    tool_calls: list[dict]    # OpenAI's shape: id, type, function {name, arguments (a JSON string)}
+    tool_calls: list[dict]  # OpenAI's shape: id, type, function {name, arguments (a JSON string)}
 
     @property
     def finish_reason(self) -> str:
@@ -187,7 +212,7 @@ def parse_reply(text: str) -> Reply | None:
         return None
     if "calls" in value:
         return Reply(None, [tool_call(c["name"], c["arguments"]) for c in value["calls"]])
-    if "name" in value:   # a named tool_choice: one call
+    if "name" in value:  # a named tool_choice: one call
         return Reply(None, [tool_call(value["name"], value["arguments"])])
     return Reply(value.get("content"), [])
 
@@ -212,8 +237,11 @@ def complete_calls(text: str) -> list[dict]:
 
 
 def tool_call(name: str, arguments: Any) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments)}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments)},
+    }
 
 
 def invalid_call(call: dict, schemas: dict | None) -> str | None:
@@ -225,7 +253,9 @@ def invalid_call(call: dict, schemas: dict | None) -> str | None:
         return f"it calls {name!r}, which the request does not allow"
     error = jsonschema.exceptions.best_match(
         jsonschema.validators.validator_for(schemas[name])(schemas[name]).iter_errors(
-            json.loads(call["function"]["arguments"])))
+            json.loads(call["function"]["arguments"])
+        )
+    )
     return None if error is None else f"its arguments for {name!r} do not validate: {error.message}"
 
 
@@ -241,8 +271,13 @@ def reply_message(text: str, length_reason: str, plan: ToolPlan | None = None) -
     schemas = plan.schemas if plan is not None else None
     problems = [p for p in (invalid_call(c, schemas) for c in reply.tool_calls) if p]
     if problems:
-        log.warning("a constrained reply does not validate, so it is returned as text: %s", problems[0])
-        return {"role": "assistant", "content": text}, length_reason if reason == length_reason else "stop"
+        log.warning(
+            "a constrained reply does not validate, so it is returned as text: %s", problems[0]
+        )
+        return {
+            "role": "assistant",
+            "content": text,
+        }, length_reason if reason == length_reason else "stop"
     if not reply.tool_calls and reply.content is None:
         return {"role": "assistant", "content": text}, reason
     message = {"role": "assistant", "content": reply.content}
@@ -251,9 +286,13 @@ def reply_message(text: str, length_reason: str, plan: ToolPlan | None = None) -
     return message, reason
 
 
-def reply_deltas(text: str, length_reason: str, plan: ToolPlan | None = None) -> tuple[list[dict], str]:
+def reply_deltas(
+    text: str, length_reason: str, plan: ToolPlan | None = None
+) -> tuple[list[dict], str]:
     """The same reply as stream deltas: the content, or one `tool_calls` delta per call (with its index)."""
     message, reason = reply_message(text, length_reason, plan)
     if not message.get("tool_calls"):
         return [{"content": message["content"]}], reason
-    return [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(message["tool_calls"])], reason
+    return [
+        {"tool_calls": [{"index": i, **call}]} for i, call in enumerate(message["tool_calls"])
+    ], reason

@@ -9,6 +9,7 @@ the step request's `traceparents` field holds `{request_id: W3C traceparent}`, a
 them (router/client.py sends both). A request's `prefill` span runs from the Prefill that admits it
 to the step that answers its first token, its `decode` span from there to its last.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,7 +26,8 @@ MAX_TRACED_PER_STEP = 64
 @dataclass
 class RequestTrace:
     """The spans of one traced request; what is still open when its stream ends is ended there."""
-    parent: object            # the request's span
+
+    parent: object  # the request's span
     prefill: object = None
     decode: object = None
     tokens: int = 0
@@ -37,7 +39,9 @@ class TracedClient:
 
     def __init__(self, client, tracer):
         self.client, self.tracer = client, tracer
-        self.requests: dict[int, RequestTrace] = {}  # filled by router.http.tracing.traced, emptied by its stream
+        self.requests: dict[
+            int, RequestTrace
+        ] = {}  # filled by router.http.tracing.traced, emptied by its stream
 
     def __getattr__(self, name):
         return getattr(self.client, name)
@@ -47,7 +51,9 @@ class TracedClient:
         for trace in traced.values():
             trace.prefill = trace.prefill or self._start("prefill", trace.parent)
         extra = (resume,) if resume else ()
-        result = await self._call(self.client.prefill, {i: t.prefill for i, t in traced.items()}, batch, cached, *extra)
+        result = await self._call(
+            self.client.prefill, {i: t.prefill for i, t in traced.items()}, batch, cached, *extra
+        )
         self._advance(traced, result[0])
         return result
 
@@ -55,9 +61,15 @@ class TracedClient:
         """A decode step; a chunked prompt's later chunks run here too, under its still open `prefill`."""
         ids = [i for b in batches for i in b.request_ids]
         traced = {i: self.requests[i] for i in ids if i in self.requests}
-        spans = {i: t.decode or t.prefill for i, t in traced.items() if (t.decode or t.prefill) is not None}
+        spans = {
+            i: t.decode or t.prefill
+            for i, t in traced.items()
+            if (t.decode or t.prefill) is not None
+        }
         extra = (grown,) if grown else ()
-        result = await self._call(functools.partial(self.client.decode, **options), spans, batches, *extra)
+        result = await self._call(
+            functools.partial(self.client.decode, **options), spans, batches, *extra
+        )
         self._advance(traced, result[0])
         return result
 
@@ -80,7 +92,9 @@ class TracedClient:
                 trace.decode = self._start("decode", trace.parent)
             if generation.generated_text is not None:
                 end(trace, "decode")
-                self.requests.pop(generation.request_id, None)  # its stream may never be read to its end
+                self.requests.pop(
+                    generation.request_id, None
+                )  # its stream may never be read to its end
 
     def _start(self, name: str, parent):
         from opentelemetry import trace

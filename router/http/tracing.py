@@ -9,11 +9,12 @@ nest under them, as TGI's do.
 Off, it costs nothing: opentelemetry is not imported, no middleware is installed, the scheduler's client
 is not wrapped, and `traced` hands the stream back untouched after one context-variable read.
 """
+
 from __future__ import annotations
 
 import contextvars
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from router.http.access import REQUEST_ID
 
@@ -31,7 +32,9 @@ class Tracing:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        return cls.with_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True)))
+        return cls.with_processor(
+            BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True))
+        )
 
     @classmethod
     def with_processor(cls, processor) -> Tracing:
@@ -90,12 +93,18 @@ def traced(generations: AsyncIterator, stream, arrival: float) -> AsyncIterator:
 
     parent, tracing = current
     trace = RequestTrace(parent)
-    if tracing.client is not None:  # its steps open and close the prefill and decode spans; registered now,
-        tracing.client.requests[stream._entry.id] = trace  # before the scheduler can admit the request
+    if (
+        tracing.client is not None
+    ):  # its steps open and close the prefill and decode spans; registered now,
+        tracing.client.requests[stream._entry.id] = (
+            trace  # before the scheduler can admit the request
+        )
     return _phases(generations, stream, arrival, trace, tracing)
 
 
-async def _phases(generations: AsyncIterator, stream, arrival: float, trace, tracing: Tracing) -> AsyncIterator:
+async def _phases(
+    generations: AsyncIterator, stream, arrival: float, trace, tracing: Tracing
+) -> AsyncIterator:
     from router.http.trace_steps import end
 
     parent = trace.parent
@@ -108,14 +117,19 @@ async def _phases(generations: AsyncIterator, stream, arrival: float, trace, tra
         admitted = getattr(stream._entry, "admitted", None)
         if admitted is not None:
             _queue_span(parent, tracing.tracer, arrival, admitted)
-        for phase in ("prefill", "decode"):  # a cancelled or failed request's open span ends with it
+        for phase in (
+            "prefill",
+            "decode",
+        ):  # a cancelled or failed request's open span ends with it
             end(trace, phase)
 
 
 def _queue_span(parent, tracer, arrival: float, admitted: float) -> None:
     from opentelemetry import trace
 
-    span = tracer.start_span("queue", context=trace.set_span_in_context(parent), start_time=_epoch_ns(arrival))
+    span = tracer.start_span(
+        "queue", context=trace.set_span_in_context(parent), start_time=_epoch_ns(arrival)
+    )
     span.end(end_time=_epoch_ns(admitted))
 
 

@@ -3,6 +3,7 @@
 The OpenAI endpoints build the same `Parameters` from their own fields, so every request, whichever
 API it came through, passes the same checks with TGI's messages.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,11 +14,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from engine.batch import GrammarType, NextTokenChooserParameters, Request, StoppingCriteriaParameters
+from engine.batch import (
+    GrammarType,
+    NextTokenChooserParameters,
+    Request,
+    StoppingCriteriaParameters,
+)
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_N_TOKENS = 5
-MAX_STOP_CHARS = 512       # per stop sequence: each is matched against the text after every token
+MAX_STOP_CHARS = 512  # per stop sequence: each is matched against the text after every token
 U32_MAX = 2**32 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -69,6 +75,7 @@ class GenerateRequest(BaseModel):
 @dataclass(frozen=True)
 class Limits:
     """What the shards were warmed for, and what the router serves (from /info)."""
+
     max_input_tokens: int
     max_total_tokens: int
     adapters: tuple[str, ...] = ()
@@ -85,7 +92,9 @@ def check_text(name: str, text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise ValidationError(f"`{name}` is not valid Unicode text (it has an unpaired surrogate)") from None
+        raise ValidationError(
+            f"`{name}` is not valid Unicode text (it has an unpaired surrogate)"
+        ) from None
 
 
 def check_wire_ranges(p: Parameters) -> None:
@@ -95,42 +104,68 @@ def check_wire_ranges(p: Parameters) -> None:
         check(value is None or value <= U32_MAX, f"`{name}` must be <= {U32_MAX}. Given: {value}")
     for name in ("temperature", "top_p", "typical_p", "repetition_penalty", "frequency_penalty"):
         value = getattr(p, name)
-        check(value is None or (math.isfinite(value) and abs(value) <= FLOAT32_MAX),
-              f"`{name}` must be a finite number. Given: {value}")
+        check(
+            value is None or (math.isfinite(value) and abs(value) <= FLOAT32_MAX),
+            f"`{name}` must be a finite number. Given: {value}",
+        )
 
 
 def check_stop(stop: list[str]) -> None:
-    check(len(stop) <= MAX_STOP_SEQUENCES,
-          f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(stop)}")
+    check(
+        len(stop) <= MAX_STOP_SEQUENCES,
+        f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(stop)}",
+    )
     for text in stop:
         check_text("stop", text)
-        check(0 < len(text) <= MAX_STOP_CHARS,
-              f"each `stop` sequence must have 1 to {MAX_STOP_CHARS} characters. Given: {len(text)}")
+        check(
+            0 < len(text) <= MAX_STOP_CHARS,
+            f"each `stop` sequence must have 1 to {MAX_STOP_CHARS} characters. Given: {len(text)}",
+        )
 
 
 def check_sampling(p: Parameters) -> None:
     check_wire_ranges(p)
-    check(p.best_of is None or p.best_of > 0, f"`best_of` must be > 0. Given: {p.best_of}")  # > 1: tgi_api.py
+    check(
+        p.best_of is None or p.best_of > 0, f"`best_of` must be > 0. Given: {p.best_of}"
+    )  # > 1: tgi_api.py
     check(p.temperature is None or p.temperature > 0, "`temperature` must be strictly positive")
-    check(p.repetition_penalty is None or p.repetition_penalty > 0, "`repetition_penalty` must be strictly positive")
-    check(p.frequency_penalty is None or -2 <= p.frequency_penalty <= 2, "`frequency_penalty` must be >= -2.0 and <= 2.0")
+    check(
+        p.repetition_penalty is None or p.repetition_penalty > 0,
+        "`repetition_penalty` must be strictly positive",
+    )
+    check(
+        p.frequency_penalty is None or -2 <= p.frequency_penalty <= 2,
+        "`frequency_penalty` must be >= -2.0 and <= 2.0",
+    )
     check(p.top_p is None or 0 < p.top_p <= 1, "`top_p` must be > 0.0 and <= 1.0")
     check(p.typical_p is None or 0 < p.typical_p <= 1, "`typical_p` must be > 0.0 and <= 1.0")
     check(p.top_k is None or p.top_k > 0, "`top_k` must be strictly positive")
     check(p.seed is None or 0 <= p.seed < 2**64, "`seed` must be in [0, 2**64)")
     check_stop(p.stop)
-    check(p.presence_penalty is None or -2 <= p.presence_penalty <= 2, "`presence_penalty` must be >= -2.0 and <= 2.0")
-    check(all(-100 <= v <= 100 for v in (p.logit_bias or {}).values()), "`logit_bias` values must be >= -100 and <= 100")
+    check(
+        p.presence_penalty is None or -2 <= p.presence_penalty <= 2,
+        "`presence_penalty` must be >= -2.0 and <= 2.0",
+    )
+    check(
+        all(-100 <= v <= 100 for v in (p.logit_bias or {}).values()),
+        "`logit_bias` values must be >= -100 and <= 100",
+    )
     check(p.min_new_tokens is None or p.min_new_tokens >= 0, "`min_tokens` must be >= 0")
     top_n = p.top_n_tokens or 0
-    check(0 <= top_n <= MAX_TOP_N_TOKENS, f"`top_n_tokens` must be >= 0 and <= {MAX_TOP_N_TOKENS}. Given: {top_n}")
+    check(
+        0 <= top_n <= MAX_TOP_N_TOKENS,
+        f"`top_n_tokens` must be >= 0 and <= {MAX_TOP_N_TOKENS}. Given: {top_n}",
+    )
 
 
 def check_adapter(adapter_id: str | None, limits: Limits) -> None:
     if not adapter_id:  # none, or "" as TGI's clients send: the base model
         return
     loaded = ", ".join(limits.adapters) or "none"
-    check(adapter_id in limits.adapters, f"unknown adapter_id {adapter_id!r} (loaded adapters: {loaded})")
+    check(
+        adapter_id in limits.adapters,
+        f"unknown adapter_id {adapter_id!r} (loaded adapters: {loaded})",
+    )
 
 
 def grammar_fields(grammar: Grammar | None) -> tuple[str, GrammarType]:
@@ -138,7 +173,10 @@ def grammar_fields(grammar: Grammar | None) -> tuple[str, GrammarType]:
     if grammar is None:
         return "", GrammarType.NONE
     if grammar.type == "regex":
-        check(isinstance(grammar.value, str) and grammar.value != "", "`grammar.value` must be a non-empty regex")
+        check(
+            isinstance(grammar.value, str) and grammar.value != "",
+            "`grammar.value` must be a non-empty regex",
+        )
         return grammar.value, GrammarType.REGEX
     if grammar.type == "json_object":  # any JSON object
         return json.dumps({"type": "object"}), GrammarType.JSON
@@ -162,18 +200,25 @@ def longest_token_chars(tokenizer) -> int | None:
         return None
 
 
-def prompt_ids(tokenizer, limits: Limits, inputs: str, truncate: int | None,
-               add_special_tokens: bool) -> list[int]:
+def prompt_ids(
+    tokenizer, limits: Limits, inputs: str, truncate: int | None, add_special_tokens: bool
+) -> list[int]:
     """The prompt's token ids as the shard computes them (truncation keeps the last `truncate`),
     checked against max_input_tokens: the one tokenization a request gets in the router."""
     max_input = limits.max_input_tokens
     check(inputs != "", "`inputs` cannot be empty")
     check_text("inputs", inputs)
-    check(truncate is None or 0 < truncate <= max_input,
-          f"`truncate` must be strictly positive and less than {max_input}. Given: {truncate}")
-    if truncate is None and limits.token_chars:  # cheap: refuse a surely too long prompt before tokenizing it
-        check(len(inputs) <= max_input * limits.token_chars,
-              f"`inputs` must have at most {max_input} tokens. Given: {len(inputs)} characters, more tokens than that")
+    check(
+        truncate is None or 0 < truncate <= max_input,
+        f"`truncate` must be strictly positive and less than {max_input}. Given: {truncate}",
+    )
+    if (
+        truncate is None and limits.token_chars
+    ):  # cheap: refuse a surely too long prompt before tokenizing it
+        check(
+            len(inputs) <= max_input * limits.token_chars,
+            f"`inputs` must have at most {max_input} tokens. Given: {len(inputs)} characters, more tokens than that",
+        )
     ids = tokenizer(inputs, add_special_tokens=add_special_tokens)["input_ids"]
     if truncate is not None:
         ids = ids[-truncate:]
@@ -185,13 +230,23 @@ def new_tokens(limits: Limits, p: Parameters, length: int) -> int:
     max_total = limits.max_total_tokens
     new = p.max_new_tokens if p.max_new_tokens is not None else max_total - length
     check(new > 0, "`max_new_tokens` must be strictly positive")
-    check(length + new <= max_total, f"`inputs` tokens + `max_new_tokens` must be <= {max_total}. "
-                                     f"Given: {length} `inputs` tokens and {new} `max_new_tokens`")
+    check(
+        length + new <= max_total,
+        f"`inputs` tokens + `max_new_tokens` must be <= {max_total}. "
+        f"Given: {length} `inputs` tokens and {new} `max_new_tokens`",
+    )
     return new
 
 
-def build_request(request_id: int, tokenizer, limits: Limits, inputs: str, p: Parameters,
-                  add_special_tokens: bool = True, grammar_check=None) -> tuple[Request, list[int]]:
+def build_request(
+    request_id: int,
+    tokenizer,
+    limits: Limits,
+    inputs: str,
+    p: Parameters,
+    add_special_tokens: bool = True,
+    grammar_check=None,
+) -> tuple[Request, list[int]]:
     """The protocol request for `inputs` with TGI parameters `p`, and its prompt's token ids.
     `grammar_check(text, type)` compiles a grammar as the shard will (router/http/grammar_check.py)."""
     check_sampling(p)
@@ -207,14 +262,31 @@ def build_request(request_id: int, tokenizer, limits: Limits, inputs: str, p: Pa
     check(not bad, f"`logit_bias` token ids must be in [0, {vocab}). Given: {bad[:5]}")
     check((p.min_new_tokens or 0) <= new, f"`min_tokens` must be <= the tokens to generate ({new})")
     params = NextTokenChooserParameters(
-        temperature=p.temperature or 1.0, top_k=p.top_k or 0, top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
-        do_sample=p.do_sample, seed=p.seed if p.seed is not None else secrets.randbits(64),
-        repetition_penalty=p.repetition_penalty or 1.0, watermark=p.watermark,
-        frequency_penalty=p.frequency_penalty or 0.0, grammar=grammar, grammar_type=grammar_type,
-        presence_penalty=p.presence_penalty or 0.0, logit_bias=dict(p.logit_bias or {}))
-    request = Request(request_id, inputs, truncate=p.truncate or 0, parameters=params,
-                      stopping_parameters=StoppingCriteriaParameters(new, list(p.stop), p.ignore_eos,
-                                                                     p.min_new_tokens or 0),
-                      prefill_logprobs=p.decoder_input_details, top_n_tokens=p.top_n_tokens or 0,
-                      adapter_id=p.adapter_id or None, add_special_tokens=add_special_tokens)
+        temperature=p.temperature or 1.0,
+        top_k=p.top_k or 0,
+        top_p=p.top_p or 1.0,
+        typical_p=p.typical_p or 1.0,
+        do_sample=p.do_sample,
+        seed=p.seed if p.seed is not None else secrets.randbits(64),
+        repetition_penalty=p.repetition_penalty or 1.0,
+        watermark=p.watermark,
+        frequency_penalty=p.frequency_penalty or 0.0,
+        grammar=grammar,
+        grammar_type=grammar_type,
+        presence_penalty=p.presence_penalty or 0.0,
+        logit_bias=dict(p.logit_bias or {}),
+    )
+    request = Request(
+        request_id,
+        inputs,
+        truncate=p.truncate or 0,
+        parameters=params,
+        stopping_parameters=StoppingCriteriaParameters(
+            new, list(p.stop), p.ignore_eos, p.min_new_tokens or 0
+        ),
+        prefill_logprobs=p.decoder_input_details,
+        top_n_tokens=p.top_n_tokens or 0,
+        adapter_id=p.adapter_id or None,
+        add_special_tokens=add_special_tokens,
+    )
     return request, ids

@@ -2,6 +2,7 @@
 carry. Both are checked for each request alone, before it can share a batch with others: a value
 that fails to serialize inside a Prefill would otherwise fail every request of that batch.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,11 +25,23 @@ class ShardsUnavailable(Exception):
 
 
 FLOAT32_MAX = 3.4028234663852886e38
-FLOAT_FIELDS = ("temperature", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "typical_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
 
 
-def check_request(request: Request, input_length: int, limits: ServingLimits, allocator: BlockAllocator,
-                  chunking: bool = False) -> None:
+def check_request(
+    request: Request,
+    input_length: int,
+    limits: ServingLimits,
+    allocator: BlockAllocator,
+    chunking: bool = False,
+) -> None:
     """Refuse what could never run: such a request would otherwise wait at the head forever.
     `chunking`: the shards compute a prompt beyond the prefill budget in chunks."""
     max_new = request.stopping_parameters.max_new_tokens
@@ -36,12 +49,20 @@ def check_request(request: Request, input_length: int, limits: ServingLimits, al
         raise ValueError(f"request {request.id}: blocks and slots are the scheduler's to assign")
     if input_length < 1 or max_new < 1:
         raise ValueError(f"request {request.id}: need input_length >= 1 and max_new_tokens >= 1")
-    longest = limits.max_input_tokens if chunking else min(limits.max_input_tokens, limits.max_prefill_tokens)
+    longest = (
+        limits.max_input_tokens
+        if chunking
+        else min(limits.max_input_tokens, limits.max_prefill_tokens)
+    )
     if input_length > longest:
-        raise ValueError(f"request {request.id}: {input_length} input tokens exceed the limit of {longest}")
+        raise ValueError(
+            f"request {request.id}: {input_length} input tokens exceed the limit of {longest}"
+        )
     if input_length + max_new > limits.max_total_tokens:
-        raise ValueError(f"request {request.id}: {input_length} + {max_new} tokens exceed "
-                         f"max_total_tokens={limits.max_total_tokens}")
+        raise ValueError(
+            f"request {request.id}: {input_length} + {max_new} tokens exceed "
+            f"max_total_tokens={limits.max_total_tokens}"
+        )
     needed = allocator.blocks_for(kv_tokens(input_length, max_new))
     usable = allocator.num_blocks - 1
     if needed > usable:  # block 0 is reserved
@@ -57,14 +78,20 @@ def check_wire(request: Request) -> None:
     for name in FLOAT_FIELDS:
         value = getattr(request.parameters, name)
         if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
-            raise ValueError(f"request {request.id}: parameters.{name} must be a finite float32, got {value}")
+            raise ValueError(
+                f"request {request.id}: parameters.{name} must be a finite float32, got {value}"
+            )
     problem = wire_problem(request) or _logit_bias_problem(request.parameters.logit_bias)
     if problem:
         raise ValueError(f"request {request.id} cannot be sent to the shards: {problem}")
 
 
-INT_RANGES = {F.TYPE_UINT32: (0, 2**32), F.TYPE_UINT64: (0, 2**64), F.TYPE_INT32: (-2**31, 2**31),
-              F.TYPE_INT64: (-2**63, 2**63)}
+INT_RANGES = {
+    F.TYPE_UINT32: (0, 2**32),
+    F.TYPE_UINT64: (0, 2**64),
+    F.TYPE_INT32: (-(2**31), 2**31),
+    F.TYPE_INT64: (-(2**63), 2**63),
+}
 
 
 def wire_problem(message, kind=pb.Request, prefix: str = "") -> str:

@@ -4,6 +4,7 @@ A v3 router owns the shards' KV cache layout: every request carries its `blocks`
 (slot = block * block_size + offset), one slot per token. Block 0 is never handed out: the shards
 send padding there, and the router's health probe prefills on it.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -25,7 +26,9 @@ class BlockAllocator:
 
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
+            raise ValueError(
+                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}"
+            )
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free = list(range(RESERVED_BLOCK + 1, num_blocks))  # sorted, hence already a heap
         self._used: set[int] = set()
@@ -61,7 +64,9 @@ class BlockAllocator:
             raise ValueError(f"cannot allocate {tokens} tokens")
         needed = self.blocks_for(tokens)
         if needed > len(self._free):
-            raise CapacityError(f"KV cache full: {tokens} tokens need {needed} blocks, {len(self._free)} free")
+            raise CapacityError(
+                f"KV cache full: {tokens} tokens need {needed} blocks, {len(self._free)} free"
+            )
         blocks = tuple(heapq.heappop(self._free) for _ in range(needed))
         self._used.update(blocks)
         size = self.block_size

@@ -7,6 +7,7 @@ chunk_len = that room: the shard computes the rest in the following steps, next 
 The members of an `n`/`best_of` group (router/sched/fanout.py) are admitted together, sharing one
 prefill, when their prompt fits the budget; a longer one splits them into lone requests.
 """
+
 from __future__ import annotations
 
 import time
@@ -24,14 +25,16 @@ from router.sched.streams import Entry
 @dataclass(frozen=True)
 class Room:
     """What the next Prefill may hold, as the scheduler sees it at this step."""
+
     limits: ServingLimits
-    running: int                # rows the running batch already takes
-    chunking: bool              # the shards compute a long prompt in chunks (Info.support_chunking)
+    running: int  # rows the running batch already takes
+    chunking: bool  # the shards compute a long prompt in chunks (Info.support_chunking)
     longest_resume: int | None  # the longest prefill the shards resume (None: they resume nothing)
 
 
-def next_batch(queue: deque[Entry], allocator: BlockAllocator, room: Room,
-               stats: SchedulerStats) -> list[Entry]:
+def next_batch(
+    queue: deque[Entry], allocator: BlockAllocator, room: Room, stats: SchedulerStats
+) -> list[Entry]:
     """The entries admitted now, taken off the head of `queue`, each holding its blocks."""
     limits, taken, tokens = room.limits, [], 0
     while queue:
@@ -51,8 +54,9 @@ def next_batch(queue: deque[Entry], allocator: BlockAllocator, room: Room,
         for head in group:
             queue.popleft()
             head.admitted = time.perf_counter()
-        tokens += (_chunk(group[0], budget, stats) if len(group) == 1
-                   else fanout.prefill_tokens(group))
+        tokens += (
+            _chunk(group[0], budget, stats) if len(group) == 1 else fanout.prefill_tokens(group)
+        )
         taken += group
     return taken
 
@@ -84,8 +88,21 @@ def _chunk(head: Entry, budget: int, stats: SchedulerStats) -> int:
 def make_batch(batch_id: int, entries: list[Entry]) -> Batch:
     # Copies: the caller's Request stays as it was submitted.
     # A resumed request's prompt logprobs were sent with its first prefill already.
-    requests = [replace(e.request, blocks=list(e.allocation.blocks), slots=list(e.allocation.slots),
-                        cache_len=e.allocation.cache_len, chunk_len=e.chunk_len,
-                        prefill_logprobs=e.request.prefill_logprobs and not e.generated) for e in entries]
-    return Batch(batch_id, requests, size=len(requests), max_tokens=sum(e.tokens for e in entries),
-                 max_blocks=sum(len(e.allocation.blocks) for e in entries))
+    requests = [
+        replace(
+            e.request,
+            blocks=list(e.allocation.blocks),
+            slots=list(e.allocation.slots),
+            cache_len=e.allocation.cache_len,
+            chunk_len=e.chunk_len,
+            prefill_logprobs=e.request.prefill_logprobs and not e.generated,
+        )
+        for e in entries
+    ]
+    return Batch(
+        batch_id,
+        requests,
+        size=len(requests),
+        max_tokens=sum(e.tokens for e in entries),
+        max_blocks=sum(len(e.allocation.blocks) for e in entries),
+    )

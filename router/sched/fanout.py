@@ -9,6 +9,7 @@ becomes the source whose prompt the shard computes, and every other member names
 instead of computing it again (engine/serving/siblings.py). Each member keeps its own allocation,
 stream and finish; a cancelled member leaves the others running.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -20,7 +21,9 @@ from router.sched.admission import check_request
 from router.sched.allocator import BlockAllocator
 from router.sched.streams import Entry
 
-MAX_SIBLINGS = 8  # sequences per request (`n`, `best_of`): each holds a batch row and its own KV blocks
+MAX_SIBLINGS = (
+    8  # sequences per request (`n`, `best_of`): each holds a batch row and its own KV blocks
+)
 SEED_SPACE = 2**64
 
 
@@ -32,19 +35,29 @@ def check_count(name: str, count: int, max_batch_size: int) -> str | None:
     return None
 
 
-def check_group(requests: list[Request], input_length: int, limits: ServingLimits, allocator: BlockAllocator,
-                in_use, chunking: bool = False) -> None:
+def check_group(
+    requests: list[Request],
+    input_length: int,
+    limits: ServingLimits,
+    allocator: BlockAllocator,
+    in_use,
+    chunking: bool = False,
+) -> None:
     """Refuse (ValueError) a group that could never run: each request on its own, and all of them
     in the KV cache at once (they are admitted together)."""
     for request in requests:
         if request.id in in_use:
             raise ValueError(f"request id {request.id} is already in use")
         check_request(request, input_length, limits, allocator, chunking)
-    needed = sum(allocator.blocks_for(kv_tokens(input_length, r.stopping_parameters.max_new_tokens))
-                 for r in requests)
+    needed = sum(
+        allocator.blocks_for(kv_tokens(input_length, r.stopping_parameters.max_new_tokens))
+        for r in requests
+    )
     if needed > allocator.num_blocks - 1:  # block 0 is reserved
-        raise ValueError(f"{len(requests)} sequences of {input_length} prompt tokens need {needed} KV blocks, "
-                         f"the cache has {allocator.num_blocks - 1}")
+        raise ValueError(
+            f"{len(requests)} sequences of {input_length} prompt tokens need {needed} KV blocks, "
+            f"the cache has {allocator.num_blocks - 1}"
+        )
 
 
 def siblings(request: Request, count: int, next_id) -> list[Request]:
@@ -54,7 +67,9 @@ def siblings(request: Request, count: int, next_id) -> list[Request]:
     group = [request]
     for k in range(1, count):
         parameters = replace(request.parameters, seed=(seed + k) % SEED_SPACE)
-        group.append(replace(request, id=next_id(), parameters=parameters, prefill_source=request.id))
+        group.append(
+            replace(request, id=next_id(), parameters=parameters, prefill_source=request.id)
+        )
     return group
 
 
@@ -77,7 +92,9 @@ def share_prompt(members: list[Entry]) -> None:
     own generated tokens, is computed by the shard on its own whatever it names)."""
     source = members[0].id if len(members) > 1 else None
     for entry in members:
-        entry.request = replace(entry.request, prefill_source=None if entry.id == source else source)
+        entry.request = replace(
+            entry.request, prefill_source=None if entry.id == source else source
+        )
 
 
 def prefill_tokens(members: list[Entry]) -> int:

@@ -1,5 +1,6 @@
 """The scheduler's dealings with the KV blocks of one request: what it asks the allocator for at
 admission (reusing cached prefix blocks), and what it tells the prefix cache the shard now holds."""
+
 from __future__ import annotations
 
 from router.sched.allocator import Allocation
@@ -22,7 +23,11 @@ def admit(allocator, entry: Entry, longest_prefill: int | None) -> Allocation | 
     With `longest_prefill` (the shards resume requests: router/sched/preemption.py), blocks for what it
     prefills only, more coming as it decodes, if it could be resumed at any point (its prompt and
     generated tokens always fit one prefill); otherwise blocks for all of max_new_tokens at once."""
-    ids, adapter, tokens = _lookup_ids(entry), entry.request.adapter_id, _tokens_now(entry, longest_prefill)
+    ids, adapter, tokens = (
+        _lookup_ids(entry),
+        entry.request.adapter_id,
+        _tokens_now(entry, longest_prefill),
+    )
     if not allocator.fits(tokens, ids, adapter):
         return None
     return allocator.allocate(tokens, ids, adapter)
@@ -32,8 +37,12 @@ def group_fits(allocator, group: list[Entry], longest_prefill: int | None) -> bo
     """Whether every member of an n/best_of group (one prompt, one budget) would be admitted now.
     Asked before any member allocates, so a group that has to wait counts no prefix-cache lookups."""
     head = group[0]
-    return allocator.fits(_tokens_now(head, longest_prefill), _lookup_ids(head), head.request.adapter_id,
-                          copies=len(group))
+    return allocator.fits(
+        _tokens_now(head, longest_prefill),
+        _lookup_ids(head),
+        head.request.adapter_id,
+        copies=len(group),
+    )
 
 
 def _tokens_now(entry: Entry, longest_prefill: int | None) -> int:
@@ -48,7 +57,11 @@ def prefilled(allocator, entries: list[Entry]) -> None:
     for entry in entries:
         ids = prefill_ids(entry)
         if ids is not None and entry.allocation is not None:
-            end = entry.allocation.cache_len + entry.chunk_len if entry.chunk_len is not None else len(ids)
+            end = (
+                entry.allocation.cache_len + entry.chunk_len
+                if entry.chunk_len is not None
+                else len(ids)
+            )
             allocator.register(entry.allocation, ids[:end], entry.request.adapter_id)
 
 
@@ -63,4 +76,6 @@ def finished(allocator, entry: Entry) -> None:
     """Before its blocks go back: what the cache holds of a request that decoded (its prompt and
     every generated token but the last, which was never fed back): the next turn of a chat finds it."""
     if entry.token_ids is not None and entry.allocation is not None and entry.generated:
-        allocator.register(entry.allocation, entry.token_ids + entry.generated[:-1], entry.request.adapter_id)
+        allocator.register(
+            entry.allocation, entry.token_ids + entry.generated[:-1], entry.request.adapter_id
+        )

@@ -7,6 +7,7 @@ head of the queue. Readmitted, it is prefilled again from its prompt and the tok
 This module decides who gets a block and who gives theirs back; the scheduler owns the queue and
 the shard's batches, and asks it with what it holds (`grow`, `park`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,8 +52,9 @@ def park(allocator: BlockAllocator, victim: Entry, stats: SchedulerStats) -> boo
     should wait at the head of the queue, False when it is done with (cancelled or finished)."""
     if not (victim.live and victim.allocation is not None):
         return False
-    log.info("KV cache full: preempting request %d after %d tokens", victim.id,
-             len(victim.generated))
+    log.info(
+        "KV cache full: preempting request %d after %d tokens", victim.id, len(victim.generated)
+    )
     stats.preemptions += 1
     kv_blocks.finished(allocator, victim)  # its prefix stays cached for its return
     allocator.free(victim.allocation)

@@ -7,6 +7,7 @@ cache_len = their tokens: the shard computes only the rest. A block whose last u
 cached, and is evicted least recently used only when a new block is needed. Same public face as
 router.sched.allocator.BlockAllocator, which serves when prefix caching is off.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -20,22 +21,24 @@ from router.sched.allocator import Allocation
 
 @dataclass
 class PrefixStats:
-    requests: int = 0        # allocations that could look for a prefix
-    hit_requests: int = 0    # of them, those that reused at least one block
-    prompt_tokens: int = 0   # tokens those allocations had to prefill
-    hit_tokens: int = 0      # of them, tokens found in the cache (not computed)
-    evictions: int = 0       # cached blocks given to a new request
+    requests: int = 0  # allocations that could look for a prefix
+    hit_requests: int = 0  # of them, those that reused at least one block
+    prompt_tokens: int = 0  # tokens those allocations had to prefill
+    hit_tokens: int = 0  # of them, tokens found in the cache (not computed)
+    evictions: int = 0  # cached blocks given to a new request
 
 
 class PrefixCache:
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
+            raise ValueError(
+                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}"
+            )
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free = list(range(RESERVED_BLOCK + 1, num_blocks))  # never held a cached prefix
-        self._refs: dict[int, int] = {}              # block -> requests using it
-        self._by_hash: dict[int, int] = {}           # chain hash -> the block holding it
-        self._hash_of: dict[int, int] = {}           # block -> its chain hash
+        self._refs: dict[int, int] = {}  # block -> requests using it
+        self._by_hash: dict[int, int] = {}  # chain hash -> the block holding it
+        self._hash_of: dict[int, int] = {}  # block -> its chain hash
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unused: oldest use first
         self.stats = PrefixStats()
 
@@ -64,22 +67,30 @@ class PrefixCache:
     def can_allocate(self, tokens: int) -> bool:
         return tokens >= 0 and self.blocks_for(tokens) <= self.num_free
 
-    def allocate(self, tokens: int, token_ids: list[int] | None = None, adapter: str | None = None) -> Allocation:
+    def allocate(
+        self, tokens: int, token_ids: list[int] | None = None, adapter: str | None = None
+    ) -> Allocation:
         """Room for `tokens` tokens; with `token_ids` (the tokens to prefill), the longest cached
         prefix of whole blocks is reused, leaving at least the last token to compute."""
         matched = self._match(token_ids, adapter) if token_ids else []
         needed = self.blocks_for(tokens) - len(matched)
         if needed > self.num_free - sum(block in self._evictable for block in matched):
-            raise CapacityError(f"KV cache full: {tokens} tokens need {needed} more blocks, {self.num_free} free")
+            raise CapacityError(
+                f"KV cache full: {tokens} tokens need {needed} more blocks, {self.num_free} free"
+            )
         for block in matched:
             self._use(block)
         blocks = tuple(matched) + tuple(self._take() for _ in range(needed))
         if token_ids is not None:
             self._count(len(token_ids), len(matched))
-        slots = tuple(b * self.block_size + o for b in blocks for o in range(self.block_size))[:tokens]
+        slots = tuple(b * self.block_size + o for b in blocks for o in range(self.block_size))[
+            :tokens
+        ]
         return Allocation(blocks, slots, len(matched) * self.block_size)
 
-    def fits(self, tokens: int, token_ids: list[int] | None, adapter: str | None, copies: int = 1) -> bool:
+    def fits(
+        self, tokens: int, token_ids: list[int] | None, adapter: str | None, copies: int = 1
+    ) -> bool:
         """Whether `copies` calls of allocate() would succeed now (counting the blocks they would
         reuse, which all of them share). Counts no lookup."""
         matched = self._match(token_ids, adapter) if token_ids else []
@@ -90,7 +101,9 @@ class PrefixCache:
         """The allocation with one more block (KV on demand), or None when none is left."""
         if not self.num_free:
             return None
-        return Allocation(allocation.blocks + (self._take(),), allocation.slots, allocation.cache_len)
+        return Allocation(
+            allocation.blocks + (self._take(),), allocation.slots, allocation.cache_len
+        )
 
     def free(self, allocation: Allocation) -> None:
         blocks = set(allocation.blocks)
@@ -112,7 +125,9 @@ class PrefixCache:
         """`token_ids` are in the allocation's blocks now (a prefill or decode completed): its full
         blocks become findable. A hash already held by another block keeps that block."""
         full = min(len(token_ids) // self.block_size, len(allocation.blocks))
-        for block, value in zip(allocation.blocks[:full], chain_hashes(token_ids, self.block_size, adapter, full)):
+        for block, value in zip(
+            allocation.blocks[:full], chain_hashes(token_ids, self.block_size, adapter, full)
+        ):
             if value in self._by_hash or block in self._hash_of:
                 continue
             self._by_hash[value] = block

@@ -9,24 +9,25 @@ does, so the same loop drives our shards in process or over gRPC.
 The scheduler owns KV blocks too (router/sched/kv_blocks.py): a request gets blocks for its prompt and its
 new tokens at admission, reusing cached prefix blocks, and gives them back once no shard batch lists it.
 """
+
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
 from collections import deque
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
 from engine.batch import Batch, CachedBatch, Generation, Request
 from engine.config import ServingLimits
+from router.client import ShardClient, ShardError
 from router.sched import batching, fanout, kv_blocks, preemption
 from router.sched.admission import Overloaded, ShardsUnavailable  # noqa: F401 - raised by submit
 from router.sched.allocator import BlockAllocator
-from router.client import ShardClient, ShardError
-from router.sched.streams import RequestCancelled, RequestStream, Entry
 from router.sched.scheduler_stats import SchedulerStats
+from router.sched.streams import Entry, RequestCancelled, RequestStream
 
 log = logging.getLogger(__name__)
 RECOVERY_POLL_S = 0.5
@@ -43,10 +44,16 @@ class Scheduler:
     (a restarted shard has lost its warmed graphs and batches) and answers their KV capacity in
     tokens; `on_step(phase, batch_size)` is called for every prefill and decode, for metrics."""
 
-    def __init__(self, client: ShardClient, allocator: BlockAllocator, limits: ServingLimits,
-                 rewarm: Callable[[], Awaitable[int | None]] | None = None,
-                 on_step: Callable[[str, int], None] | None = None, chunking: bool = False,
-                 lookahead: bool = True):
+    def __init__(
+        self,
+        client: ShardClient,
+        allocator: BlockAllocator,
+        limits: ServingLimits,
+        rewarm: Callable[[], Awaitable[int | None]] | None = None,
+        on_step: Callable[[str, int], None] | None = None,
+        chunking: bool = False,
+        lookahead: bool = True,
+    ):
         self.client, self.allocator, self.limits = client, allocator, limits
         # Async scheduling: a Decode sent while nothing waits asks the shards to run the batch's next
         # forward right after answering (engine/serving/lookahead.py); the next iteration then decodes
@@ -55,7 +62,9 @@ class Scheduler:
         self.chunking = chunking  # the shards chunk long prompts (Info.support_chunking)
         self.rewarm, self.on_step = rewarm, on_step
         self.stats = SchedulerStats()
-        self.available = True  # False from a failed step whose shards were unreachable until they answer again
+        self.available = (
+            True  # False from a failed step whose shards were unreachable until they answer again
+        )
         self._queue: deque[Entry] = deque()
         self._entries: dict[int, Entry] = {}  # submitted and not yet released, by request id
         self._running: CachedBatch | None = None
@@ -89,15 +98,20 @@ class Scheduler:
         self._task = None
         await self._abandon_all(RequestCancelled("the scheduler stopped"))
 
-    def submit(self, request: Request, input_length: int, token_ids: list[int] | None = None) -> RequestStream:
+    def submit(
+        self, request: Request, input_length: int, token_ids: list[int] | None = None
+    ) -> RequestStream:
         """Queue a request (without blocks: the scheduler allocates them) and return its stream.
         Raises ValueError for a request that can never run, Overloaded or ShardsUnavailable."""
         return self.submit_group([request], input_length, token_ids)[0]
 
-    def submit_group(self, requests: list[Request], input_length: int,
-                     token_ids: list[int] | None = None) -> list[RequestStream]:
+    def submit_group(
+        self, requests: list[Request], input_length: int, token_ids: list[int] | None = None
+    ) -> list[RequestStream]:
         """Queue requests with one prompt, admitted together to share its prefill (router/sched/fanout.py)."""
-        fanout.check_group(requests, input_length, self.limits, self.allocator, self._entries, self.chunking)
+        fanout.check_group(
+            requests, input_length, self.limits, self.allocator, self._entries, self.chunking
+        )
         self.check_admission(len(requests))
         group = requests[0].id if len(requests) > 1 else None
         entries = [Entry(r, input_length, token_ids=token_ids, group=group) for r in requests]
@@ -111,7 +125,9 @@ class Scheduler:
         if not self.available:
             raise ShardsUnavailable("the shards are unavailable (restarting?): retry later")
         if len(self._entries) + count > self.limits.max_concurrent_requests:
-            raise Overloaded(f"Model is overloaded: {len(self._entries)} requests are queued or running")
+            raise Overloaded(
+                f"Model is overloaded: {len(self._entries)} requests are queued or running"
+            )
 
     def cancel(self, request_id: int) -> None:
         entry = self._entries.get(request_id)
@@ -166,7 +182,9 @@ class Scheduler:
 
     async def _recover(self) -> None:
         """Hold the queue until every shard answers Health again, re-warm them, then serve on."""
-        await self._abandon_running(ShardsUnavailable("the shards became unavailable during generation"))
+        await self._abandon_running(
+            ShardsUnavailable("the shards became unavailable during generation")
+        )
         while True:
             try:
                 await self.client.health()
@@ -175,7 +193,11 @@ class Scheduler:
             except ShardError as error:
                 log.debug("shards still unavailable: %s", error)
                 await asyncio.sleep(RECOVERY_POLL_S)
-        self._resize(capacity if capacity is not None else (self.allocator.num_blocks - 1) * self.allocator.block_size)
+        self._resize(
+            capacity
+            if capacity is not None
+            else (self.allocator.num_blocks - 1) * self.allocator.block_size
+        )
         log.warning("the shards answer again: serving the %d queued request(s)", len(self._queue))
         self.available = True
 
@@ -185,8 +207,14 @@ class Scheduler:
         size, blocks = self.allocator.block_size, capacity_tokens // self.allocator.block_size + 1
         assert self.allocator.idle, "resizing an allocator with blocks in use"
         if blocks != self.allocator.num_blocks:
-            log.warning("the shards' KV capacity is now %d blocks (was %d)", blocks, self.allocator.num_blocks)
-        self.allocator = type(self.allocator)(blocks, size)  # restarted shards hold no cached prefix either
+            log.warning(
+                "the shards' KV capacity is now %d blocks (was %d)",
+                blocks,
+                self.allocator.num_blocks,
+            )
+        self.allocator = type(self.allocator)(
+            blocks, size
+        )  # restarted shards hold no cached prefix either
 
     async def _idle(self) -> None:
         # Nothing running and nothing admissible: sleep until a submit or a cancel changes that.
@@ -218,8 +246,9 @@ class Scheduler:
     async def _prefill(self, batch: Batch, entries: list[Entry], alone: bool) -> list[CachedBatch]:
         resume = {e.id: list(e.generated) for e in entries if e.generated}
         try:
-            generations, cached = await (self.client.prefill(batch, resume=resume) if resume
-                                         else self.client.prefill(batch))
+            generations, cached = await (
+                self.client.prefill(batch, resume=resume) if resume else self.client.prefill(batch)
+            )
         except ShardError as error:
             if error.code == grpc.StatusCode.UNAVAILABLE:
                 self._requeue(entries, error)
@@ -232,8 +261,15 @@ class Scheduler:
         kept = await self._settle(generations, cached, entries)
         return [kept] if kept is not None else []
 
-    async def _prefill_one_by_one(self, batch: Batch, entries: list[Entry], error: ShardError) -> list[CachedBatch]:
-        log.warning("prefill of batch %d refused (%s): trying its %d requests one by one", batch.id, error, len(entries))
+    async def _prefill_one_by_one(
+        self, batch: Batch, entries: list[Entry], error: ShardError
+    ) -> list[CachedBatch]:
+        log.warning(
+            "prefill of batch %d refused (%s): trying its %d requests one by one",
+            batch.id,
+            error,
+            len(entries),
+        )
         await self._clear([batch.id])
         prefilled = []
         for entry in entries:
@@ -250,8 +286,12 @@ class Scheduler:
         the shards to come back (nothing is lost in a restart). One that had generated tokens is
         resumed then: its prompt and those tokens are prefilled again, and its stream goes on."""
         started = sum(bool(e.generated) for e in entries if e.live)
-        log.warning("the shards are unavailable (%s): holding %d new request(s) and %d to resume", error,
-                    len(entries) - started, started)
+        log.warning(
+            "the shards are unavailable (%s): holding %d new request(s) and %d to resume",
+            error,
+            len(entries) - started,
+            started,
+        )
         self.available = False
         for entry in reversed(entries):
             if entry.allocation is not None:
@@ -273,18 +313,24 @@ class Scheduler:
         """The longest prompt + generated tokens the shards can resume (None: they resume nothing)."""
         if not getattr(self.client, "resumes", False):
             return None
-        return self.limits.max_input_tokens if self.chunking else min(self.limits.max_input_tokens,
-                                                                      self.limits.max_prefill_tokens)
+        return (
+            self.limits.max_input_tokens
+            if self.chunking
+            else min(self.limits.max_input_tokens, self.limits.max_prefill_tokens)
+        )
 
-    async def _decode(self, batches: list[CachedBatch], grown: dict | None = None) -> CachedBatch | None:
+    async def _decode(
+        self, batches: list[CachedBatch], grown: dict | None = None
+    ) -> CachedBatch | None:
         entries = self._entries_of(batches)
         self.stats.decode_sizes[sum(b.size for b in batches)] += 1
         self._notify("decode", sum(b.size for b in batches))
         look_ahead = self.lookahead and not self._queue
         self._ahead_pending = False
         try:
-            generations, cached = await self.client.decode(batches, *([grown] if grown else []),
-                                                           **({"look_ahead": True} if look_ahead else {}))
+            generations, cached = await self.client.decode(
+                batches, *([grown] if grown else []), **({"look_ahead": True} if look_ahead else {})
+            )
         except ShardError as error:
             await self._fail([b.id for b in batches], entries, error)
             return None
@@ -295,7 +341,7 @@ class Scheduler:
         """The batches to decode (preemption may drop requests) and the blocks each request
         gained (request id -> blocks)."""
         grown: dict[int, list[int]] = {}
-        while (victim := preemption.grow(self.allocator, self._entries_of(batches), grown)):
+        while victim := preemption.grow(self.allocator, self._entries_of(batches), grown):
             batches = await self._drop(victim, batches)
             grown.pop(victim.id, None)
             if preemption.park(self.allocator, victim, self.stats):
@@ -330,8 +376,9 @@ class Scheduler:
 
     # --- after a step ---------------------------------------------------------------------------
 
-    async def _settle(self, generations: list[Generation], cached: CachedBatch | None,
-                      entries: list[Entry]) -> CachedBatch | None:
+    async def _settle(
+        self, generations: list[Generation], cached: CachedBatch | None, entries: list[Entry]
+    ) -> CachedBatch | None:
         self._dispatch(generations)
         return await self._keep(cached, entries)
 
@@ -352,8 +399,13 @@ class Scheduler:
         for entry in entries:
             if entry.id not in listed:
                 if entry.live:  # the shard dropped it without a last generation
-                    self._finish(entry, ShardError(grpc.StatusCode.INTERNAL,
-                                                   f"the shard dropped request {entry.id} unfinished"))
+                    self._finish(
+                        entry,
+                        ShardError(
+                            grpc.StatusCode.INTERNAL,
+                            f"the shard dropped request {entry.id} unfinished",
+                        ),
+                    )
                 self._release(entry)
         return kept
 
@@ -377,7 +429,9 @@ class Scheduler:
         self.stats.failed_steps += 1
         log.warning("shard step on batches %s failed: %s", batch_ids, error)
         if getattr(error, "code", None) == grpc.StatusCode.UNAVAILABLE:
-            self._requeue(entries, error)  # the next iteration waits for them; queued requests wait too
+            self._requeue(
+                entries, error
+            )  # the next iteration waits for them; queued requests wait too
             return
         await self._clear(batch_ids)
         for entry in entries:

@@ -1,4 +1,5 @@
 """One request's life in the scheduler: its queue entry, and the stream its caller reads."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,17 +16,26 @@ class RequestCancelled(Exception):
 @dataclass(eq=False)
 class Entry:
     """One submitted request, from submit until its blocks are back in the allocator."""
+
     request: Request
     input_length: int
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     allocation: Allocation | None = None
-    finished: bool = False   # its last generation or its error has been handed to the stream
+    finished: bool = False  # its last generation or its error has been handed to the stream
     cancelled: bool = False
-    admitted: float | None = None   # perf_counter when it left the queue (for tracing)
-    generated: list[int] = field(default_factory=list)  # token ids handed to the stream: what a resume re-prefills
-    group: int | None = None  # siblings sharing one prompt (router/sched/fanout.py): the first one's id
-    token_ids: list[int] | None = None  # the prompt's, where the router tokenized it: prefix-cache lookups
-    chunk_len: int | None = None        # its first prefill computes only this many tokens (chunked prefill)
+    admitted: float | None = None  # perf_counter when it left the queue (for tracing)
+    generated: list[int] = field(
+        default_factory=list
+    )  # token ids handed to the stream: what a resume re-prefills
+    group: int | None = (
+        None  # siblings sharing one prompt (router/sched/fanout.py): the first one's id
+    )
+    token_ids: list[int] | None = (
+        None  # the prompt's, where the router tokenized it: prefix-cache lookups
+    )
+    chunk_len: int | None = (
+        None  # its first prefill computes only this many tokens (chunked prefill)
+    )
 
     @property
     def id(self) -> int:

@@ -3,6 +3,7 @@ torch.cuda.CUDAGraph does (pytorch/pytorch v2.7.1, torch/cuda/graphs.py): a repl
 whatever the static input buffers hold now, so a caller that forgets to copy fresh inputs in gets
 stale results, and a host synchronisation during capture (`.item()`) fails.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -13,7 +14,7 @@ from tests.fakes.recording import RecordedOps, recording
 
 
 class FakeCUDAGraph(RecordedOps):
-    instances: list["FakeCUDAGraph"] = []
+    instances: list[FakeCUDAGraph] = []
 
     def __init__(self):
         super().__init__()
@@ -39,10 +40,15 @@ def install(monkeypatch, devices: int = 2, hip: str | None = None) -> dict:
     FakeCUDAGraph.instances.clear()
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
     monkeypatch.setattr(torch.version, "hip", hip)
-    for name, value in dict(is_available=lambda: True, device_count=lambda: devices,
-                            set_device=calls["set_device"].append, synchronize=lambda index=None: None,
-                            mem_get_info=lambda index=None: (40 << 30, 80 << 30), CUDAGraph=FakeCUDAGraph,
-                            graph=fake_graph, graph_pool_handle=pool_handle).items():
+    for name, value in dict(
+        is_available=lambda: True,
+        device_count=lambda: devices,
+        set_device=calls["set_device"].append,
+        synchronize=lambda index=None: None,
+        mem_get_info=lambda index=None: (40 << 30, 80 << 30),
+        CUDAGraph=FakeCUDAGraph,
+        graph=fake_graph,
+        graph_pool_handle=pool_handle,
+    ).items():
         monkeypatch.setattr(torch.cuda, name, value)
     return calls
-

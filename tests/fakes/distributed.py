@@ -6,6 +6,7 @@ getBackend(DeviceType::CPU) on a group with only a device backend raises "No bac
 associated with device type cpu" (pytorch/pytorch v2.6.0, c10d ProcessGroup::getBackend). A group
 made with new_group(backend="gloo") takes CPU tensors.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -26,7 +27,9 @@ class StrictBackend:
     def __init__(self, declared: str):
         self.declared = declared
         self.gloo_groups: list = []
-        self.real = {name: getattr(dist, name) for name in ("init_process_group", "new_group", *COLLECTIVES)}
+        self.real = {
+            name: getattr(dist, name) for name in ("init_process_group", "new_group", *COLLECTIVES)
+        }
 
     def apply(self) -> None:
         dist.init_process_group = self.init_process_group
@@ -35,8 +38,12 @@ class StrictBackend:
             setattr(dist, name, self._checked(name))
 
     def init_process_group(self, backend=None, **kwargs):
-        assert backend == self.declared, f"init_process_group({backend!r}), this process runs {self.declared!r}"
-        kwargs.setdefault("timeout", timedelta(seconds=60))  # a rank that failed must not hang the other
+        assert backend == self.declared, (
+            f"init_process_group({backend!r}), this process runs {self.declared!r}"
+        )
+        kwargs.setdefault(
+            "timeout", timedelta(seconds=60)
+        )  # a rank that failed must not hang the other
         return self.real["init_process_group"](backend="gloo", **kwargs)
 
     def new_group(self, ranks=None, backend=None, **kwargs):
@@ -50,7 +57,13 @@ class StrictBackend:
 
         def collective(*args, group=None, **kwargs):
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+            tensors += [
+                t
+                for a in args
+                if isinstance(a, (list, tuple))
+                for t in a
+                if isinstance(t, torch.Tensor)
+            ]
             if self.declared != "gloo" and not any(group is g for g in self.gloo_groups):
                 if any(t.device.type == "cpu" for t in tensors):
                     raise RuntimeError("No backend type associated with device type cpu")
@@ -77,13 +90,17 @@ def _rank_main(fn, rank, world_size, backend, port, results):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, backend: str, timeout: float = 120) -> dict[int, tuple[str, object]]:
+def run_ranks(
+    fn, world_size: int, backend: str, timeout: float = 120
+) -> dict[int, tuple[str, object]]:
     """fn(rank, world_size, backend, port) in `world_size` fresh processes; rank -> ("ok", value) or
     ("error", message). `fn` must be importable (a module-level function)."""
     context = multiprocessing.get_context("spawn")
     results, port = context.Queue(), free_port()
-    processes = [context.Process(target=_rank_main, args=(fn, r, world_size, backend, port, results))
-                 for r in range(world_size)]
+    processes = [
+        context.Process(target=_rank_main, args=(fn, r, world_size, backend, port, results))
+        for r in range(world_size)
+    ]
     for process in processes:
         process.start()
     out = {}

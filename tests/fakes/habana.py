@@ -14,6 +14,7 @@ commit of):
   `htorch.utils.internal.is_lazy()` answers what was read then.
 - `habana_frameworks.torch.distributed.hccl` registers the "hccl" backend when it is imported.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,7 +38,9 @@ def input_hash(value):
 
 def copy_to(dst, src) -> None:
     """As graphs.copy_to: the fresh inputs into the captured ones, structure for structure."""
-    assert type(dst) is type(src), f"graph input was {type(dst).__name__} at capture, now {type(src).__name__}"
+    assert type(dst) is type(src), (
+        f"graph input was {type(dst).__name__} at capture, now {type(src).__name__}"
+    )
     if isinstance(dst, dict):
         for (dk, dv), (sk, sv) in zip(dst.items(), src.items()):
             assert dk == sk
@@ -49,7 +52,9 @@ def copy_to(dst, src) -> None:
         if any(stride == 0 and size > 1 for stride, size in zip(dst.stride(), dst.shape)):
             # An expanded input cannot be copied into; with disable_tensor_cache the real wrapper
             # reads the caller's tensor instead, which this fake can stand in for only when equal.
-            assert torch.equal(dst, src), "an expanded graph input changed between capture and replay"
+            assert torch.equal(dst, src), (
+                "an expanded graph input changed between capture and replay"
+            )
         else:
             dst.copy_(src)
 
@@ -60,13 +65,15 @@ class Captured:
 
 
 class FakeHabana:
-    def __init__(self, devices: int = 8, memory: tuple[int, int] = (60 << 30, 96 << 30), graph_bytes: int = 0):
+    def __init__(
+        self, devices: int = 8, memory: tuple[int, int] = (60 << 30, 96 << 30), graph_bytes: int = 0
+    ):
         self.devices, self.memory = devices, memory
         self.graph_bytes = graph_bytes  # device memory each captured graph holds (0: free)
-        self.lazy: bool | None = None   # PT_HPU_LAZY_MODE as read at import
-        self.trace: list = []           # "mark_step" and whatever a test appends, in order
-        self.wraps: list = []           # (module, kwargs) of each wrap_in_hpu_graph
-        self.caches: list[dict] = []    # each wrapped module's graphs, by input hash
+        self.lazy: bool | None = None  # PT_HPU_LAZY_MODE as read at import
+        self.trace: list = []  # "mark_step" and whatever a test appends, in order
+        self.wraps: list = []  # (module, kwargs) of each wrap_in_hpu_graph
+        self.caches: list[dict] = []  # each wrapped module's graphs, by input hash
         self.captures: list = []
         self.replays: list = []
         self.bypasses: list = []
@@ -79,8 +86,9 @@ class FakeHabana:
     def mark_step(self) -> None:
         self.trace.append("mark_step")
 
-    def wrap_in_hpu_graph(self, module, asynchronous=False, disable_tensor_cache=False, dry_run=False,
-                          max_graphs=None):
+    def wrap_in_hpu_graph(
+        self, module, asynchronous=False, disable_tensor_cache=False, dry_run=False, max_graphs=None
+    ):
         self.wraps.append((module, dict(disable_tensor_cache=disable_tensor_cache)))
         original, cache = module.forward, {}
         self.caches.append(cache)
@@ -115,8 +123,10 @@ class FakeHabana:
     def _allocate(self, size: int) -> None:
         free, total = self.memory
         if size > free:
-            raise RuntimeError(f"[Rank:0] FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed for size::{size} "
-                               f"({free} free): device out of memory")
+            raise RuntimeError(
+                f"[Rank:0] FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed for size::{size} "
+                f"({free} free): device out of memory"
+            )
         self.memory = (free - size, total)
 
     def _release(self, size: int) -> None:
@@ -126,20 +136,34 @@ class FakeHabana:
     def install(self, monkeypatch) -> None:
         """Import time: the lazy mode is read now, from the environment as it is."""
         self.lazy = os.environ.get("PT_HPU_LAZY_MODE", "0") == "1"
-        hpu = fake_module("habana_frameworks.torch.hpu", wrap_in_hpu_graph=self.wrap_in_hpu_graph,
-                          synchronize=lambda: None, is_available=lambda: self.devices > 0,
-                          device_count=lambda: self.devices, mem_get_info=lambda: self.memory)
+        hpu = fake_module(
+            "habana_frameworks.torch.hpu",
+            wrap_in_hpu_graph=self.wrap_in_hpu_graph,
+            synchronize=lambda: None,
+            is_available=lambda: self.devices > 0,
+            device_count=lambda: self.devices,
+            mem_get_info=lambda: self.memory,
+        )
         internal = fake_module("habana_frameworks.torch.utils.internal", is_lazy=lambda: self.lazy)
-        install(monkeypatch, {
-            "habana_frameworks": fake_module("habana_frameworks"),
-            "habana_frameworks.torch": fake_module("habana_frameworks.torch"),
-            "habana_frameworks.torch.core": fake_module("habana_frameworks.torch.core", mark_step=self.mark_step),
-            "habana_frameworks.torch.hpu": hpu,
-            "habana_frameworks.torch.utils": fake_module("habana_frameworks.torch.utils"),
-            "habana_frameworks.torch.utils.internal": internal,
-            "habana_frameworks.torch.distributed": fake_module("habana_frameworks.torch.distributed"),
-        })
-        install_on_import(monkeypatch, "habana_frameworks.torch.distributed.hccl", self._register_hccl)
+        install(
+            monkeypatch,
+            {
+                "habana_frameworks": fake_module("habana_frameworks"),
+                "habana_frameworks.torch": fake_module("habana_frameworks.torch"),
+                "habana_frameworks.torch.core": fake_module(
+                    "habana_frameworks.torch.core", mark_step=self.mark_step
+                ),
+                "habana_frameworks.torch.hpu": hpu,
+                "habana_frameworks.torch.utils": fake_module("habana_frameworks.torch.utils"),
+                "habana_frameworks.torch.utils.internal": internal,
+                "habana_frameworks.torch.distributed": fake_module(
+                    "habana_frameworks.torch.distributed"
+                ),
+            },
+        )
+        install_on_import(
+            monkeypatch, "habana_frameworks.torch.distributed.hccl", self._register_hccl
+        )
         # Importing the real habana_frameworks.torch registers torch.hpu.
         monkeypatch.setattr(torch, "hpu", hpu, raising=False)
 

@@ -1,11 +1,12 @@
 """Installing fake modules where `import` and `importlib.util.find_spec` will find them."""
+
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
 import sys
 import types
-from typing import Callable
+from collections.abc import Callable
 
 
 def fake_module(name: str, **attrs) -> types.ModuleType:
@@ -47,6 +48,8 @@ class _OnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def install_on_import(monkeypatch, name: str, body: Callable[[types.ModuleType], None]) -> None:
     """`import name` runs body(module) (which may raise, as a failing import does)."""
-    monkeypatch.setitem(sys.modules, name, None)  # so that undoing leaves it absent, even once imported
+    monkeypatch.setitem(
+        sys.modules, name, None
+    )  # so that undoing leaves it absent, even once imported
     monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(sys, "meta_path", [_OnImport(name, body), *sys.meta_path])

@@ -11,6 +11,7 @@ interface (v1.19.1 does not). Calling it twice patches again (upstream has no gu
 `importable=False` mirrors what v1.19.1 does under transformers 5: its import fails on a module that
 transformers removed (`transformers.modeling_attn_mask_utils`).
 """
+
 from __future__ import annotations
 
 import sys
@@ -31,21 +32,40 @@ class FakeOptimumHabana:
     def install(self, importable: bool = True) -> None:
         name = "optimum.habana.transformers.modeling_utils"
         if not importable:
+
             def fail(module):
-                raise ModuleNotFoundError("No module named 'transformers.modeling_attn_mask_utils'",
-                                          name="transformers.modeling_attn_mask_utils")
-            install(self.monkeypatch, {"optimum": fake_module("optimum"), "optimum.habana": fake_module("optimum.habana"),
-                                       "optimum.habana.transformers": fake_module("optimum.habana.transformers")})
+                raise ModuleNotFoundError(
+                    "No module named 'transformers.modeling_attn_mask_utils'",
+                    name="transformers.modeling_attn_mask_utils",
+                )
+
+            install(
+                self.monkeypatch,
+                {
+                    "optimum": fake_module("optimum"),
+                    "optimum.habana": fake_module("optimum.habana"),
+                    "optimum.habana.transformers": fake_module("optimum.habana.transformers"),
+                },
+            )
             install_on_import(self.monkeypatch, name, fail)
             return
-        for cls in (optimum_habana_llama.GaudiLlamaAttention, optimum_habana_llama.GaudiLlamaForCausalLM,
-                    optimum_habana_llama.KVCache):
+        for cls in (
+            optimum_habana_llama.GaudiLlamaAttention,
+            optimum_habana_llama.GaudiLlamaForCausalLM,
+            optimum_habana_llama.KVCache,
+        ):
             self.monkeypatch.setattr(cls, "__module__", UPSTREAM_LLAMA)
-        install(self.monkeypatch, {
-            "optimum": fake_module("optimum"), "optimum.habana": fake_module("optimum.habana"),
-            "optimum.habana.transformers": fake_module("optimum.habana.transformers"),
-            name: fake_module(name, adapt_transformers_to_gaudi=self.adapt_transformers_to_gaudi),
-        })
+        install(
+            self.monkeypatch,
+            {
+                "optimum": fake_module("optimum"),
+                "optimum.habana": fake_module("optimum.habana"),
+                "optimum.habana.transformers": fake_module("optimum.habana.transformers"),
+                name: fake_module(
+                    name, adapt_transformers_to_gaudi=self.adapt_transformers_to_gaudi
+                ),
+            },
+        )
         self.monkeypatch.setitem(sys.modules, UPSTREAM_LLAMA, optimum_habana_llama)
 
     def adapt_transformers_to_gaudi(self):

@@ -9,10 +9,15 @@ modeling_llama.LlamaAttention (LlamaDecoderLayer looks the name up in its module
 The classes' __module__ is set to the upstream module path by tests/fakes/optimum_habana.py, which
 also registers this file's module under that name (so its source is what inspect reads).
 """
+
 from __future__ import annotations
 
 import torch
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaForCausalLM, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    apply_rotary_pos_emb,
+)
 
 
 class KVCache(torch.nn.Module):
@@ -32,7 +37,9 @@ class GaudiLlamaAttention(LlamaAttention):
         super().__init__(config, layer_idx)
         self.k_cache, self.v_cache = KVCache(), KVCache()
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+    def forward(
+        self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs
+    ):
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
         k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
@@ -41,8 +48,12 @@ class GaudiLlamaAttention(LlamaAttention):
         k, v = self.k_cache.update(k), self.v_cache.update(v)
         groups = self.num_key_value_groups
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=q.shape[-2] > 1,
-            scale=self.scaling)
+            q,
+            k.repeat_interleave(groups, 1),
+            v.repeat_interleave(groups, 1),
+            is_causal=q.shape[-2] > 1,
+            scale=self.scaling,
+        )
         return self.o_proj(out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)), None
 
 

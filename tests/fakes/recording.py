@@ -6,6 +6,7 @@ at capture. As with a real device graph, a replay computes from whatever the cap
 now: inputs nobody copied fresh values into, and module attributes (a KV cache) swapped since the
 capture, give stale results. A host synchronisation during capture (`.item()`) fails, as on a device.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -32,7 +33,9 @@ def _refresh(recorded, fresh) -> None:
         for r, f in zip(recorded, fresh):
             _refresh(r, f)
     elif isinstance(recorded, torch.Tensor) and fresh is not recorded and not recorded._is_view():
-        recorded.copy_(fresh)  # views alias a refreshed tensor already; in-place ops re-ran in place
+        recorded.copy_(
+            fresh
+        )  # views alias a refreshed tensor already; in-place ops re-ran in place
 
 
 class _Recorder(TorchDispatchMode):
@@ -42,7 +45,9 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in SYNCS:
-            raise RuntimeError("operation not permitted when stream is capturing (a host sync in the graph)")
+            raise RuntimeError(
+                "operation not permitted when stream is capturing (a host sync in the graph)"
+            )
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.graph.ops.append((func, args, kwargs, out))

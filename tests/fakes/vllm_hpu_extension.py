@@ -22,6 +22,7 @@ FusedSDPA mirrors habana_frameworks.torch.hpex.kernels.FusedSDPA.apply (position
 an autograd Function): q, k, v [batch, heads, seq, dim] (k, v may have fewer heads), with
 valid_sequence_lengths masking the keys past each row's length on the padding side.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,69 +49,173 @@ class FakeExtension:
     def ops_functions(self) -> dict:
         fake = self
 
-        def flat_pa_v1_21_0(query, key_cache, value_cache, block_list, block_mapping, block_bias, block_groups,
-                            scale, matmul_qk_op, matmul_av_op, batch2block_matmul_op, block2batch_matmul_op,
-                            keys_fetch_func, values_fetch_func, **ignored_args):
+        def flat_pa_v1_21_0(
+            query,
+            key_cache,
+            value_cache,
+            block_list,
+            block_mapping,
+            block_bias,
+            block_groups,
+            scale,
+            matmul_qk_op,
+            matmul_av_op,
+            batch2block_matmul_op,
+            block2batch_matmul_op,
+            keys_fetch_func,
+            values_fetch_func,
+            **ignored_args,
+        ):
             _, _, kv_heads, head_size = key_cache.shape  # 4-D, as this release unpacks it
-            return fake._flat_pa(query, keys_fetch_func(key_cache, block_list),
-                                 values_fetch_func(value_cache, block_list), block_mapping, block_bias, block_groups,
-                                 scale, head_size)
+            return fake._flat_pa(
+                query,
+                keys_fetch_func(key_cache, block_list),
+                values_fetch_func(value_cache, block_list),
+                block_mapping,
+                block_bias,
+                block_groups,
+                scale,
+                head_size,
+            )
 
-        def flat_pa_v1_21_3(query, key_cache, value_cache, block_list, block_mapping, block_bias, block_groups,
-                            block_size, scale, matmul_qk_op, matmul_av_op, batch2block_matmul_op,
-                            block2batch_matmul_op, keys_fetch_func, values_fetch_func, **ignored_args):
+        def flat_pa_v1_21_3(
+            query,
+            key_cache,
+            value_cache,
+            block_list,
+            block_mapping,
+            block_bias,
+            block_groups,
+            block_size,
+            scale,
+            matmul_qk_op,
+            matmul_av_op,
+            batch2block_matmul_op,
+            block2batch_matmul_op,
+            keys_fetch_func,
+            values_fetch_func,
+            **ignored_args,
+        ):
             _, kv_heads, head_size = key_cache.shape  # 3-D slots
-            return fake._flat_pa(query, keys_fetch_func(key_cache.unflatten(0, (-1, block_size)), block_list),
-                                 values_fetch_func(value_cache.unflatten(0, (-1, block_size)), block_list),
-                                 block_mapping, block_bias, block_groups, scale, head_size)
+            return fake._flat_pa(
+                query,
+                keys_fetch_func(key_cache.unflatten(0, (-1, block_size)), block_list),
+                values_fetch_func(value_cache.unflatten(0, (-1, block_size)), block_list),
+                block_mapping,
+                block_bias,
+                block_groups,
+                scale,
+                head_size,
+            )
 
-        def flat_pa_v1_22_0(query, key_cache, value_cache, block_list, block_mapping, block_bias, block_groups,
-                            block_size, scale, matmul_qk_op, position_bias, matmul_av_op, batch2block_matmul_op,
-                            block2batch_matmul_op, keys_fetch_func, values_fetch_func, **ignored_args):
+        def flat_pa_v1_22_0(
+            query,
+            key_cache,
+            value_cache,
+            block_list,
+            block_mapping,
+            block_bias,
+            block_groups,
+            block_size,
+            scale,
+            matmul_qk_op,
+            position_bias,
+            matmul_av_op,
+            batch2block_matmul_op,
+            block2batch_matmul_op,
+            keys_fetch_func,
+            values_fetch_func,
+            **ignored_args,
+        ):
             _, kv_heads, head_size = key_cache.shape
             fake.get_config()
             assert position_bias is None, "the fake computes no position bias (ALiBi)"
-            return fake._flat_pa(query, keys_fetch_func(key_cache.unflatten(0, (-1, block_size)), block_list),
-                                 values_fetch_func(value_cache.unflatten(0, (-1, block_size)), block_list),
-                                 block_mapping, block_bias, block_groups, scale, head_size)
+            return fake._flat_pa(
+                query,
+                keys_fetch_func(key_cache.unflatten(0, (-1, block_size)), block_list),
+                values_fetch_func(value_cache.unflatten(0, (-1, block_size)), block_list),
+                block_mapping,
+                block_bias,
+                block_groups,
+                scale,
+                head_size,
+            )
 
-        def flat_pa_vllm_gaudi(query, key_cache, value_cache, block_list, block_mapping, block_bias, block_groups,
-                               block_size, scale, matmul_qk_op, position_bias, matmul_av_op, batch2block_matmul_op,
-                               block2batch_matmul_op, keys_fetch_func, values_fetch_func, sinks, k_scales, v_scales,
-                               **ignored_args):
+        def flat_pa_vllm_gaudi(
+            query,
+            key_cache,
+            value_cache,
+            block_list,
+            block_mapping,
+            block_bias,
+            block_groups,
+            block_size,
+            scale,
+            matmul_qk_op,
+            position_bias,
+            matmul_av_op,
+            batch2block_matmul_op,
+            block2batch_matmul_op,
+            keys_fetch_func,
+            values_fetch_func,
+            sinks,
+            k_scales,
+            v_scales,
+            **ignored_args,
+        ):
             _, kv_heads, head_size = key_cache.shape
             fake.get_config()
             assert position_bias is None and sinks is None and k_scales is None and v_scales is None
-            return fake._flat_pa(query, keys_fetch_func(key_cache.unflatten(0, (-1, block_size)), blocks=block_list),
-                                 values_fetch_func(value_cache.unflatten(0, (-1, block_size)), blocks=block_list),
-                                 block_mapping, block_bias, block_groups, scale, head_size)
+            return fake._flat_pa(
+                query,
+                keys_fetch_func(key_cache.unflatten(0, (-1, block_size)), blocks=block_list),
+                values_fetch_func(value_cache.unflatten(0, (-1, block_size)), blocks=block_list),
+                block_mapping,
+                block_bias,
+                block_groups,
+                scale,
+                head_size,
+            )
 
-        flat_pa = {"v1.21.0": flat_pa_v1_21_0, "v1.21.3": flat_pa_v1_21_3, "v1.22.0": flat_pa_v1_22_0,
-                   "vllm-gaudi": flat_pa_vllm_gaudi}[self.version]
+        flat_pa = {
+            "v1.21.0": flat_pa_v1_21_0,
+            "v1.21.3": flat_pa_v1_21_3,
+            "v1.22.0": flat_pa_v1_22_0,
+            "vllm-gaudi": flat_pa_vllm_gaudi,
+        }[self.version]
         return {"flat_pa": flat_pa, "prompt_attention": self.prompt_attention}
 
-    def _flat_pa(self, query, keys, values, block_mapping, block_bias, block_groups, scale, head_size):
+    def _flat_pa(
+        self, query, keys, values, block_mapping, block_bias, block_groups, scale, head_size
+    ):
         """query [batch, 1, heads * dim]; keys, values [blocks, block_size, kv_heads, dim] as fetched.
         Static shapes throughout, as the real op: it is captured in HPU graphs."""
         self.calls["flat_pa"] += 1
         batch, one, hidden = query.shape
         num_blocks, block_size, kv_heads, _ = keys.shape
         with _not_recorded():  # the contract, checked when the op is called (not on a graph replay)
-            assert one == 1 and block_mapping.shape == (num_blocks, batch) == (len(block_groups), batch)
+            assert one == 1 and block_mapping.shape == (num_blocks, batch) == (
+                len(block_groups),
+                batch,
+            )
             assert block_bias.shape == (num_blocks, block_size)
             padding = block_mapping.sum(1) == 0
-            assert bool((block_groups[padding] == batch).all()), "padding blocks share a real row's group: 0/0"
+            assert bool((block_groups[padding] == batch).all()), (
+                "padding blocks share a real row's group: 0/0"
+            )
             assert bool((block_groups[~padding] < batch).all())
         heads = hidden // head_size
         group = heads // kv_heads
         q = query.view(batch, heads, head_size) * scale
-        k = keys.flatten(0, 1).repeat_interleave(group, 1)    # [tokens, heads, dim]
+        k = keys.flatten(0, 1).repeat_interleave(group, 1)  # [tokens, heads, dim]
         v = values.flatten(0, 1).repeat_interleave(group, 1)
         scores = torch.einsum("bhd,thd->bht", q, k) + block_bias.flatten().to(q.dtype)
         owner = block_groups.repeat_interleave(block_size)
         mine = owner.view(1, 1, -1) == torch.arange(batch, device=owner.device).view(batch, 1, 1)
         probs = torch.softmax(scores.masked_fill(~mine, float("-inf")), dim=-1).nan_to_num(0.0)
-        return torch.einsum("bht,thd->bhd", probs, v)  # as block2batch(...).squeeze(-2).flatten(1, 2) leaves it
+        return torch.einsum(
+            "bht,thd->bhd", probs, v
+        )  # as block2batch(...).squeeze(-2).flatten(1, 2) leaves it
 
     def prompt_attention(self, impl, **args):
         self.calls["prompt_attention"] += 1
@@ -122,15 +227,19 @@ class FakeExtension:
 
     def set_vllm_config(self, cfg) -> None:
         model_config = cfg.model_config
-        self.model_type = (model_config.hf_config if hasattr(model_config, "hf_config") else model_config).model_type
+        self.model_type = (
+            model_config.hf_config if hasattr(model_config, "hf_config") else model_config
+        ).model_type
         assert isinstance(cfg.cache_config.enable_prefix_caching, bool)
 
     def get_config(self):
         # The real get_config() computes the configuration once and keeps it: read before
         # set_vllm_config, it keeps a missing model type (qwen2's fp32 softmax is then lost).
         if self.model_type is None:
-            raise AssertionError("runtime.get_config() read before environment.set_vllm_config(): "
-                                 "the configuration would be frozen without a model type")
+            raise AssertionError(
+                "runtime.get_config() read before environment.set_vllm_config(): "
+                "the configuration would be frozen without a model type"
+            )
         self.config_read = True
 
     # --- FusedSDPA ---------------------------------------------------------------------------
@@ -139,45 +248,68 @@ class FakeExtension:
         assert not kwargs, "FusedSDPA.apply takes positional arguments only (an autograd Function)"
         defaults = [None, 0.0, False, None, "None", None, None, "left"]
         q, k, v, mask, dropout, is_causal, scale, softmax_mode, recompute, lengths, side = (
-            list(args) + defaults[len(args) - 3:])[:11]
+            list(args) + defaults[len(args) - 3 :]
+        )[:11]
         self.calls["fused_sdpa"] += 1
         self.fused_lengths.append(None if lengths is None else lengths.tolist())
-        assert softmax_mode in ("None", "fast", "fp32") and side in ("left", "right") and dropout == 0.0
+        assert (
+            softmax_mode in ("None", "fast", "fp32")
+            and side in ("left", "right")
+            and dropout == 0.0
+        )
         batch, _, seq, _ = q.shape
-        allowed = torch.ones(batch, 1, seq, seq, dtype=torch.bool).tril() if is_causal else \
-            torch.ones(batch, 1, seq, seq, dtype=torch.bool)
+        allowed = (
+            torch.ones(batch, 1, seq, seq, dtype=torch.bool).tril()
+            if is_causal
+            else torch.ones(batch, 1, seq, seq, dtype=torch.bool)
+        )
         if lengths is not None:
             assert lengths.shape == (batch,) and not lengths.is_floating_point()
             positions = torch.arange(seq)
-            valid = positions < lengths.view(batch, 1) if side == "right" else positions >= seq - lengths.view(batch, 1)
+            valid = (
+                positions < lengths.view(batch, 1)
+                if side == "right"
+                else positions >= seq - lengths.view(batch, 1)
+            )
             allowed = allowed & valid.view(batch, 1, 1, seq) & valid.view(batch, 1, seq, 1)
         if mask is not None:
             allowed = allowed & mask.bool()
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
-        return torch.where(allowed.any(-1, keepdim=True), out, torch.zeros_like(out))  # empty rows: no NaN
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True
+        )
+        return torch.where(
+            allowed.any(-1, keepdim=True), out, torch.zeros_like(out)
+        )  # empty rows: no NaN
 
     # --- installing ----------------------------------------------------------------------------
 
     def install(self, monkeypatch) -> None:
         fused = type("FusedSDPA", (), {"apply": staticmethod(self.fused_sdpa)})
-        install(monkeypatch, {
-            "habana_frameworks.torch.hpex": fake_module("habana_frameworks.torch.hpex"),
-            "habana_frameworks.torch.hpex.kernels": fake_module("habana_frameworks.torch.hpex.kernels",
-                                                                FusedSDPA=fused),
-        })
+        install(
+            monkeypatch,
+            {
+                "habana_frameworks.torch.hpex": fake_module("habana_frameworks.torch.hpex"),
+                "habana_frameworks.torch.hpex.kernels": fake_module(
+                    "habana_frameworks.torch.hpex.kernels", FusedSDPA=fused
+                ),
+            },
+        )
         package = "vllm_gaudi.extension" if self.version == "vllm-gaudi" else "vllm_hpu_extension"
         parents = {"vllm_gaudi": fake_module("vllm_gaudi")} if self.version == "vllm-gaudi" else {}
         modules = {**parents, package: fake_module(package)}
         if self.version not in ("v1.21.0", "v1.21.3"):
-            modules[f"{package}.environment"] = fake_module(f"{package}.environment",
-                                                            set_vllm_config=self.set_vllm_config)
+            modules[f"{package}.environment"] = fake_module(
+                f"{package}.environment", set_vllm_config=self.set_vllm_config
+            )
         install(monkeypatch, modules)
         install_on_import(monkeypatch, f"{package}.ops", self._exec_ops)
 
     def _exec_ops(self, module) -> None:
         needs_vllm = self.version in ("v1.21.0", "vllm-gaudi")
         if needs_vllm and not self.with_vllm:
-            raise ModuleNotFoundError("No module named 'vllm'", name="vllm")  # ops.py: from vllm.logger import ...
+            raise ModuleNotFoundError(
+                "No module named 'vllm'", name="vllm"
+            )  # ops.py: from vllm.logger import ...
         module.__dict__.update(self.ops_functions())
 
 

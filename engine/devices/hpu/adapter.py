@@ -10,6 +10,7 @@ In the lazy modes a step marker cuts the graph after each decoder layer; graph i
 to be tensors only. The bridge reads PT_HPU_LAZY_MODE once, when torch is imported, so the
 launcher puts it in each shard's environment (engine/devices/hpu/env.py); here we only check it.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -17,10 +18,10 @@ import os
 
 import torch
 
-from engine.devices.hpu import attention as hpu_attention
 from engine.devices.base import DeviceAdapter, kind_of
 from engine.devices.cpu import compile_static
 from engine.devices.graph_inputs import check_tensor_inputs
+from engine.devices.hpu import attention as hpu_attention
 from engine.devices.hpu.env import apply_environment, check_bridge_mode
 from engine.devices.hpu.vars import hpu_environment
 from engine.devices.probe import require
@@ -81,10 +82,14 @@ class HPUAdapter(DeviceAdapter):
     def forward(self, shape, fn, args, warming):
         check_tensor_inputs(args)
         self.kernels.configure(fn)
-        graphed = (warming or shape in self.shapes.warmed) and shape not in self.shapes.without_graph
+        graphed = (
+            warming or shape in self.shapes.warmed
+        ) and shape not in self.shapes.without_graph
         self.mark_step()  # the inputs' host-to-device copies stay out of the model's graph
         if self.graph_mode == "graphs":
-            self.stats[(("capture" if warming else "replay") if graphed else "bypass", kind_of(shape))] += 1
+            self.stats[
+                (("capture" if warming else "replay") if graphed else "bypass", kind_of(shape))
+            ] += 1
             out = self._wrapped(fn)(*args, bypass_hpu_graphs=not graphed)
             if graphed:
                 # A graph returns the same static output tensor every time: the next replay of this
@@ -107,7 +112,9 @@ class HPUAdapter(DeviceAdapter):
         if model not in self._graphed:
             # disable_tensor_cache: intermediate tensors are not kept alive between replays,
             # which leaves the memory to the KV cache.
-            self._graphed[model] = self.htorch.hpu.wrap_in_hpu_graph(model, disable_tensor_cache=True)
+            self._graphed[model] = self.htorch.hpu.wrap_in_hpu_graph(
+                model, disable_tensor_cache=True
+            )
         return self._graphed[model]
 
     def _compiled(self, model):

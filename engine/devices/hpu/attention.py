@@ -1,6 +1,7 @@
 """Gaudi attention kernels behind our attention contracts: Habana's FusedSDPA for prefill and
 vllm-hpu-extension's flat_pa (any supported release, engine/devices/hpu/ops.py) for decode.
 Whatever is missing runs in pure torch, said once as a WARNING with the reason."""
+
 from __future__ import annotations
 
 import logging
@@ -39,13 +40,20 @@ def load_kernels() -> HPUKernels:
     fused = load_fused_sdpa()
     flat_pa, reasons = load_flat_pa()
     if flat_pa is None:
-        _warn_once("decode attention runs in pure torch: no usable vllm-hpu-extension ("
-                   + "; ".join(reasons) + ")")
+        _warn_once(
+            "decode attention runs in pure torch: no usable vllm-hpu-extension ("
+            + "; ".join(reasons)
+            + ")"
+        )
     if fused is None and flat_pa is None:
         return HPUKernels(None, None)
     prefill = partial(fused_prefill, fused) if fused else prompt_attention
     decode = partial(flat_pa_decode, flat_pa) if flat_pa else flat_attention
-    name = "+".join(filter(None, ["fusedsdpa" if fused else "", f"flat_pa {flat_pa.release}" if flat_pa else ""]))
+    name = "+".join(
+        filter(
+            None, ["fusedsdpa" if fused else "", f"flat_pa {flat_pa.release}" if flat_pa else ""]
+        )
+    )
     _info_once(f"attention: {name}")
     return HPUKernels(AttentionBackend(name, prefill, decode), flat_pa)
 
@@ -59,7 +67,9 @@ def load_fused_sdpa():
     return FusedSDPA
 
 
-def fused_prefill(fused, q, k, v, scale: float, lengths: torch.Tensor | None = None) -> torch.Tensor:
+def fused_prefill(
+    fused, q, k, v, scale: float, lengths: torch.Tensor | None = None
+) -> torch.Tensor:
     """q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim], right-padded prompts (the kernel
     takes grouped kv heads as they are). `lengths`, each row's real length, lets the kernel skip the
     padding's work, as TGI passes valid_seq_lengths; without them every row counts as full (causality
@@ -67,15 +77,38 @@ def fused_prefill(fused, q, k, v, scale: float, lengths: torch.Tensor | None = N
     batch, seq = q.shape[:2]
     if lengths is None:
         lengths = torch.full((batch,), seq, dtype=torch.int32, device=q.device)
-    out = fused.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, 0.0, True, scale,
-                      "None", None, lengths.to(torch.int32), "right")  # FusedSDPA is an autograd Function: positional only
+    out = fused.apply(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        None,
+        0.0,
+        True,
+        scale,
+        "None",
+        None,
+        lengths.to(torch.int32),
+        "right",
+    )  # FusedSDPA is an autograd Function: positional only
     return out.transpose(1, 2)
 
 
-def flat_pa_decode(flat_pa: FlatPA, q, key_cache, value_cache, block_list, block_mapping, block_groups, block_bias,
-                   scale, masked=None) -> torch.Tensor:
+def flat_pa_decode(
+    flat_pa: FlatPA,
+    q,
+    key_cache,
+    value_cache,
+    block_list,
+    block_mapping,
+    block_groups,
+    block_bias,
+    scale,
+    masked=None,
+) -> torch.Tensor:
     """flat_attention's contract (`masked` is pure torch's own precomputation, unused here)."""
-    return flat_pa(q, key_cache, value_cache, block_list, block_mapping, block_groups, block_bias, scale)
+    return flat_pa(
+        q, key_cache, value_cache, block_list, block_mapping, block_groups, block_bias, scale
+    )
 
 
 def _warn_once(message: str) -> None:

@@ -10,6 +10,7 @@ The op's contract changed between releases (see tests/fakes/vllm_hpu_extension.p
 A release whose flat_pa needs an argument we do not know is refused, with the reason, rather than
 called wrongly.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -20,10 +21,28 @@ from types import ModuleType, SimpleNamespace
 import torch
 
 PACKAGES = ("vllm_hpu_extension", "vllm_gaudi.extension")
-ALWAYS = {"query", "key_cache", "value_cache", "block_list", "block_mapping", "block_bias", "block_groups", "scale",
-          "matmul_qk_op", "matmul_av_op", "batch2block_matmul_op", "block2batch_matmul_op", "keys_fetch_func",
-          "values_fetch_func"}
-OPTIONAL_NONE = ("position_bias", "sinks", "k_scales", "v_scales")  # passed as None: no ALiBi, sinks, fp8 scales
+ALWAYS = {
+    "query",
+    "key_cache",
+    "value_cache",
+    "block_list",
+    "block_mapping",
+    "block_bias",
+    "block_groups",
+    "scale",
+    "matmul_qk_op",
+    "matmul_av_op",
+    "batch2block_matmul_op",
+    "block2batch_matmul_op",
+    "keys_fetch_func",
+    "values_fetch_func",
+}
+OPTIONAL_NONE = (
+    "position_bias",
+    "sinks",
+    "k_scales",
+    "v_scales",
+)  # passed as None: no ALiBi, sinks, fp8 scales
 
 
 class UnsupportedRelease(Exception):
@@ -34,7 +53,7 @@ class UnsupportedRelease(Exception):
 class FlatPA:
     package: str
     op: object
-    with_block_size: bool                  # v1.21.3 on: 3-D cache and block_size
+    with_block_size: bool  # v1.21.3 on: 3-D cache and block_size
     extra: dict = field(default_factory=dict)
     environment: ModuleType | None = None  # v1.22.0 on: set_vllm_config before the first call
     configured: bool = False
@@ -49,12 +68,17 @@ class FlatPA:
         """Set the extension's runtime config once, before any op reads it (and outside any graph)."""
         if self.configured or self.environment is None:
             return
-        self.environment.set_vllm_config(SimpleNamespace(
-            model_config=SimpleNamespace(model_type=model_type),
-            cache_config=SimpleNamespace(enable_prefix_caching=False)))
+        self.environment.set_vllm_config(
+            SimpleNamespace(
+                model_config=SimpleNamespace(model_type=model_type),
+                cache_config=SimpleNamespace(enable_prefix_caching=False),
+            )
+        )
         self.configured = True
 
-    def __call__(self, q, key_cache, value_cache, block_list, block_mapping, block_groups, block_bias, scale):
+    def __call__(
+        self, q, key_cache, value_cache, block_list, block_mapping, block_groups, block_bias, scale
+    ):
         batch, heads, dim = q.shape
         block_size, kv_heads = block_bias.shape[1], key_cache.shape[1]
         if self.with_block_size:
@@ -66,11 +90,24 @@ class FlatPA:
         # Padding blocks (no owner) go to a group of their own, index `batch`: the op's block merge
         # divides by their zero weight otherwise, and 0/0 would spoil the row they were put in.
         groups = block_groups.masked_fill(block_mapping.sum(dim=1) == 0, batch)
-        out = self.op(query=q.reshape(batch, 1, heads * dim), key_cache=key_cache, value_cache=value_cache,
-                      block_list=block_list, block_mapping=block_mapping, block_bias=block_bias, block_groups=groups,
-                      scale=scale, matmul_qk_op=torch.matmul, matmul_av_op=torch.matmul,
-                      batch2block_matmul_op=torch.matmul, block2batch_matmul_op=torch.matmul,
-                      keys_fetch_func=fetch_blocks, values_fetch_func=fetch_blocks, **sizes, **self.extra)
+        out = self.op(
+            query=q.reshape(batch, 1, heads * dim),
+            key_cache=key_cache,
+            value_cache=value_cache,
+            block_list=block_list,
+            block_mapping=block_mapping,
+            block_bias=block_bias,
+            block_groups=groups,
+            scale=scale,
+            matmul_qk_op=torch.matmul,
+            matmul_av_op=torch.matmul,
+            batch2block_matmul_op=torch.matmul,
+            block2batch_matmul_op=torch.matmul,
+            keys_fetch_func=fetch_blocks,
+            values_fetch_func=fetch_blocks,
+            **sizes,
+            **self.extra,
+        )
         return out.reshape(batch, heads, dim)
 
 
@@ -94,11 +131,18 @@ def load_flat_pa() -> tuple[FlatPA | None, list[str]]:
 def from_package(package: str) -> FlatPA:
     ops = importlib.import_module(f"{package}.ops")
     params = inspect.signature(ops.flat_pa).parameters
-    required = {name for name, p in params.items()
-                if p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    required = {
+        name
+        for name, p in params.items()
+        if p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    }
     unknown = required - ALWAYS - {"block_size", *OPTIONAL_NONE}
     if unknown:
-        raise UnsupportedRelease(f"its flat_pa requires {', '.join(sorted(unknown))}, which this engine does not pass")
+        raise UnsupportedRelease(
+            f"its flat_pa requires {', '.join(sorted(unknown))}, which this engine does not pass"
+        )
     extra = {name: None for name in OPTIONAL_NONE if name in params}
-    environment = importlib.import_module(f"{package}.environment") if "position_bias" in params else None
+    environment = (
+        importlib.import_module(f"{package}.environment") if "position_bias" in params else None
+    )
     return FlatPA(package, ops.flat_pa, "block_size" in params, extra, environment)

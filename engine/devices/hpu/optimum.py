@@ -19,6 +19,7 @@ transformers >= 4.56, and v1.19.1 cannot be imported with transformers 5 (68 of 
 gone, e.g. transformers.modeling_attn_mask_utils). An import that fails is reported once and the
 fallback runs un-adapted.
 """
+
 from __future__ import annotations
 
 import ast
@@ -27,7 +28,10 @@ import logging
 import sys
 
 log = logging.getLogger(__name__)
-PINNED = ("1.19.1", "1.22")  # the optimum-habana release Dockerfile_gaudi pins, and the Gaudi software it is for
+PINNED = (
+    "1.19.1",
+    "1.22",
+)  # the optimum-habana release Dockerfile_gaudi pins, and the Gaudi software it is for
 INTERFACE = "ALL_ATTENTION_FUNCTIONS"
 _state = {"adapted": False, "reported": False}
 
@@ -45,16 +49,24 @@ def adapt_for_fallback(cls):
         _state["adapted"] = True
     variant = getattr(module, original.__name__)
     if not _is_gaudi(variant):
-        log.info("optimum-habana has no Gaudi variant of %s: its process-wide adaptations apply", original.__name__)
+        log.info(
+            "optimum-habana has no Gaudi variant of %s: its process-wide adaptations apply",
+            original.__name__,
+        )
         return original
     if routes_through_interface(variant):
-        log.info("serving optimum-habana's %s: its attention goes through transformers' attention interface",
-                 variant.__name__)
+        log.info(
+            "serving optimum-habana's %s: its attention goes through transformers' attention interface",
+            variant.__name__,
+        )
         return variant
     _restore(module, before)
-    log.warning("optimum-habana's %s keeps its own KV cache and attention (it never calls transformers' attention "
-                "interface), which would bypass bucketserve's paged KV cache: serving the un-adapted %s",
-                variant.__name__, original.__name__)
+    log.warning(
+        "optimum-habana's %s keeps its own KV cache and attention (it never calls transformers' attention "
+        "interface), which would bypass bucketserve's paged KV cache: serving the un-adapted %s",
+        variant.__name__,
+        original.__name__,
+    )
     return original
 
 
@@ -65,8 +77,11 @@ def routes_through_interface(variant) -> bool:
         tree = ast.parse(inspect.getsource(sys.modules[variant.__module__]))
     except (OSError, TypeError, KeyError, SyntaxError):
         return False
-    names = {getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "name", None)
-             for node in ast.walk(tree) if isinstance(node, (ast.Name, ast.Attribute, ast.alias))}
+    names = {
+        getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "name", None)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Name, ast.Attribute, ast.alias))
+    }
     return INTERFACE in names
 
 
@@ -77,10 +92,14 @@ def _adapt_function():
         if (err.name or "").startswith("optimum"):
             _report("optimum-habana is not installed: the transformers fallback runs un-adapted")
         else:
-            _report(f"optimum-habana cannot be imported with this transformers ({err}): the fallback runs un-adapted")
+            _report(
+                f"optimum-habana cannot be imported with this transformers ({err}): the fallback runs un-adapted"
+            )
         return None
     except Exception as err:  # noqa: BLE001 - its imports of transformers internals fail in many ways
-        _report(f"optimum-habana cannot be imported with this transformers ({err}): the fallback runs un-adapted")
+        _report(
+            f"optimum-habana cannot be imported with this transformers ({err}): the fallback runs un-adapted"
+        )
         return None
     return adapt_transformers_to_gaudi
 
