@@ -328,3 +328,24 @@ def test_the_readme_generate_example_prints_what_it_shows():
     printed = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [p["prompt"] for p in printed] == [s["prompt"] for s in shown]
     assert all(set(p) == set(s) and p["text"] for p, s in zip(printed, shown))
+
+
+def test_the_metrics_page_lists_every_request_outcome():
+    from router.http.metrics import OUTCOMES
+
+    api = (DOCS / "api.md").read_text()
+    assert [o for o in OUTCOMES if f"`{o}`" not in api] == []
+
+
+def test_the_dtype_line_shown_is_the_one_the_cpu_adapter_writes(monkeypatch):
+    """The example start-up line in docs/models.md is the adapter's own wording for a CPU with
+    AVX512-BF16 and no AMX (this machine's kind); AMX appears only where torch reports it."""
+    import torch
+
+    from engine.devices.cpu import CPUAdapter
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    dtype, why = CPUAdapter.auto_dtype(CPUAdapter.__new__(CPUAdapter))
+    shown = re.search(r"^dtype auto: (.*)$", (DOCS / "models.md").read_text(), re.M).group(1)
+    assert shown == f"{str(dtype).removeprefix('torch.')} ({why})"
