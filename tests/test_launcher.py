@@ -15,6 +15,8 @@ from pathlib import Path
 import grpc
 import psutil
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from engine.devices.probe import DeviceError, Probe, probe_in_child, resolve_device
 from engine.wire import generate_pb2 as pb
@@ -278,10 +280,31 @@ def test_restart_on_failure_brings_the_group_back(launched):
 
 
 @pytest.mark.slow
-def test_a_shard_that_dies_at_start_up_stops_the_launch(launched, tiny_model_dirs, tmp_path):
+def test_a_corrupt_weight_file_is_refused_before_any_shard_starts(
+    launched, tiny_model_dirs, tmp_path
+):
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model_dirs["llama"], broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    folder = short_socket_dir()
+    launch = launched("--device", "cpu", "--uds-path", f"{folder}/s", "--model-id", str(broken))
+    code = launch.wait(STARTUP_S)
+    err = launch.stderr()
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"{broken / 'model.safetensors'} is corrupt" in errors[0], err
+    assert "shard" not in err and "Traceback" not in err
+    assert_nothing_left(launch, f"{folder}/s")
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_shard_that_dies_at_start_up_stops_the_launch(launched, tiny_model_dirs, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dirs["llama"], broken)
+    # A well-formed file that holds none of the model's weights: the launcher's checks read only
+    # its header (a file that is not safetensors at all is refused before any shard starts), so
+    # it is the shards that fail, loading it.
+    save_file({"unrelated.weight": torch.zeros(2)}, broken / "model.safetensors")
     folder = short_socket_dir()
     launch = launched(
         "--num-shard",
@@ -299,9 +322,7 @@ def test_a_shard_that_dies_at_start_up_stops_the_launch(launched, tiny_model_dir
     assert re.search(
         r"error: shard [01] exited with code 2 during start-up; its last \d+ log line\(s\):", err
     )
-    assert (
-        "is corrupt or unreadable" in err.split("during start-up")[1]
-    )  # the shard's own error, reported
+    assert "weights missing from" in err.split("during start-up")[1]  # the shard's own error
     assert_nothing_left(launch, f"{folder}/s")
     shutil.rmtree(folder, ignore_errors=True)
 

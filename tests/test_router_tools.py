@@ -214,7 +214,7 @@ def replies_at_temperature_1(client, tool_choice, seeds=range(12)) -> list:
 
     def one(seed):
         return client.chat.completions.create(
-            model="m",
+            model="tgi",
             messages=ASK,
             tools=TWO_TOOLS,
             tool_choice=tool_choice,
@@ -241,7 +241,7 @@ def test_a_cut_list_returns_the_calls_complete_before_the_cut(client):
     }
     seed = next(s for s, choice in whole.items() if len(choice.message.tool_calls) >= 2)
     full = client.chat.completions.create(
-        model="m",
+        model="tgi",
         messages=ASK,
         tools=TWO_TOOLS,
         tool_choice="required",
@@ -250,7 +250,7 @@ def test_a_cut_list_returns_the_calls_complete_before_the_cut(client):
         max_tokens=120,
     )
     cut = client.chat.completions.create(
-        model="m",
+        model="tgi",
         messages=ASK,
         tools=TWO_TOOLS,
         tool_choice="required",
@@ -286,11 +286,11 @@ def test_a_schema_keyword_the_grammar_cannot_enforce_is_a_422_naming_it(client):
         },
     }
     with pytest.raises(openai.UnprocessableEntityError) as raised:
-        client.chat.completions.create(model="m", messages=ASK, tools=[unique], max_tokens=8)
+        client.chat.completions.create(model="tgi", messages=ASK, tools=[unique], max_tokens=8)
     assert "`uniqueItems`" in raised.value.response.json()["error"]["message"]
     with pytest.raises(openai.UnprocessableEntityError) as raised:
         client.chat.completions.create(
-            model="m",
+            model="tgi",
             messages=ASK,
             max_tokens=8,
             response_format={

@@ -157,7 +157,8 @@ def test_the_router_progress_line_has_no_dangling_separator():
     process.console, process.log = Console(stream), QuietLog()
     process.raise_if_exited = lambda when: None
     process._healthy = lambda: next(answers)
-    process.config = type("Config", (), {"hostname": "127.0.0.1", "port": 8080})()
+    router = type("RouterConfig", (), {"hostname": "127.0.0.1", "port": 8080})()
+    process.config = type("LauncherConfig", (), {"router": router})()
     assert process.wait_ready(threading.Event(), timeout=60)
     status = [line for line in stream.getvalue().splitlines() if "warming up" in line]
     assert len(status) == 1 and status[0].endswith(
