@@ -205,6 +205,11 @@ class RouterMetrics:
         self.generated = Counter(
             "bucketserve_generated_tokens", "tokens generated", registry=registry
         )
+        self.invalid_replies = Counter(
+            "bucketserve_invalid_replies",
+            "finished response_format replies that do not match their schema (returned as they are)",
+            registry=registry,
+        )
         self._gauges(scheduler)
         registry.register(ShardStatsCollector(client))
         registry.register(KvCollector(scheduler))

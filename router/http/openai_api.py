@@ -24,6 +24,7 @@ from router.http.openai_render import (
     ChoiceStreams,
     CompletionChunks,
     Envelope,
+    ReplyCheck,
     chat_logprobs,
     finish_reason,
     merged,
@@ -289,11 +290,25 @@ def chat_choice(body: ChatRequest, index: int, generations: list[Generation]) ->
 
 
 def chat_response(
-    envelope: Envelope, body: ChatRequest, sequences: list[list[Generation]], prompt_tokens: int
+    envelope: Envelope,
+    body: ChatRequest,
+    sequences: list[list[Generation]],
+    prompt_tokens: int,
+    check: ReplyCheck | None = None,
 ) -> dict:
     """One choice per sequence; usage counts the prompt once and every sequence's tokens."""
     choices = [chat_choice(body, i, generations) for i, generations in enumerate(sequences)]
+    if check is not None:
+        for choice in choices:
+            check(choice["message"]["content"], choice["finish_reason"])
     return envelope.wrap(choices, usage=usage(prompt_tokens, generated_tokens(sequences)))
+
+
+def reply_check(state: RouterState, envelope: Envelope, body: ChatRequest) -> ReplyCheck | None:
+    """The check of finished replies, for a request with a JSON `response_format`."""
+    if not body.response_format:
+        return None
+    return ReplyCheck(body.response_format, envelope.id, state.metrics.invalid_replies.inc)
 
 
 def generated_tokens(sequences: list[list[Generation]]) -> int:
@@ -311,14 +326,14 @@ async def chat_completions(state: RouterState, body: ChatRequest, http_request: 
         sequences, length, streams = await submit_many(
             state, prompt, chat_parameters(state, body), body.n, "n", add_special_tokens=False
         )
+        check = reply_check(state, envelope, body)
         if not body.stream:
-            return JSONResponse(
-                chat_response(envelope, body, await collect_all(state, sequences, streams), length)
-            )
+            done = await collect_all(state, sequences, streams)
+            return JSONResponse(chat_response(envelope, body, done, length, check))
     except Exception as error:  # noqa: BLE001 - every failure gets an error body
         return error_response(state, error, openai=True)
     envelope.kind = "chat.completion.chunk"
-    renderers = [ChatChunks(envelope, body, index) for index in range(body.n)]
+    renderers = [ChatChunks(envelope, body, index, check) for index in range(body.n)]
     return stream_choices(
         state, http_request, envelope, body, renderers, sequences, streams, length
     )

@@ -9,17 +9,69 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
+
+import jsonschema
 
 from engine.batch import FinishReason, Generation
 from router.http import tools
 from router.http.state import finite
 
+log = logging.getLogger(__name__)
+
 
 def finish_reason(generation: Generation) -> str:
     return "length" if generation.generated_text.finish_reason == FinishReason.LENGTH else "stop"
+
+
+def reply_problem(response_format: dict | None, text: str) -> str | None:
+    """Why a finished reply does not match its `response_format` (None: it does, or the format
+    asks for no JSON): json_object wants a JSON object, json_schema (and TGI's `json`) its schema."""
+    kind = (response_format or {}).get("type")
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+    elif kind == "json":
+        schema = response_format.get("value")
+    elif kind == "json_object":
+        schema = {"type": "object"}
+    else:
+        return None
+    try:
+        reply = json.loads(text)
+    except ValueError as error:
+        return f"it is not JSON ({error})"
+    if not isinstance(schema, dict):  # TGI's `json` may send a schema the grammar reads otherwise
+        return None
+    error = jsonschema.exceptions.best_match(
+        jsonschema.validators.validator_for(schema)(schema).iter_errors(reply)
+    )
+    return None if error is None else f"it does not validate against its schema: {error.message}"
+
+
+class ReplyCheck:
+    """Checks a finished reply against its `response_format`. The grammar builds replies that match,
+    so a mismatch is a fault worth seeing: it is logged, naming the request, and counted; the text
+    is still returned as it is. A reply cut by the token limit is not checked: it may be unfinished.
+    """
+
+    def __init__(self, response_format: dict | None, request_id: str, count: Callable[[], None]):
+        self.response_format, self.request_id, self.count = response_format, request_id, count
+
+    def __call__(self, text: str, reason: str | None) -> None:
+        if reason != "stop":
+            return
+        problem = reply_problem(self.response_format, text)
+        if problem is not None:
+            self.count()
+            log.warning(
+                "request %s: its finished reply does not match its response_format: %s",
+                self.request_id,
+                problem,
+            )
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -94,9 +146,9 @@ class ChatChunks:
     """Renders one choice's generations as `chat.completion.chunk` events: the role first, a chunk
     per token, the finish reason on the last (ChoiceStreams adds usage and `[DONE]`)."""
 
-    def __init__(self, envelope: Envelope, body, index: int = 0):
+    def __init__(self, envelope: Envelope, body, index: int = 0, check: ReplyCheck | None = None):
         self.envelope, self.body, self.index, self.started = envelope, body, index, False
-        self.text, self.tools = StreamedText(), body.tool_plan().active
+        self.text, self.tools, self.check = StreamedText(), body.tool_plan().active, check
 
     def chunk(self, delta: dict, logprobs=None, reason=None) -> str:
         choice = {
@@ -125,9 +177,10 @@ class ChatChunks:
             )
         last = generation.generated_text
         if last is not None:
-            out.append(
-                self.chunk({"content": self.text.rest(last.text)}, reason=finish_reason(generation))
-            )
+            reason = finish_reason(generation)
+            out.append(self.chunk({"content": self.text.rest(last.text)}, reason=reason))
+            if self.check is not None:
+                self.check(last.text, reason)
         return out
 
     def tool_reply(self, generation: Generation) -> list[str]:
