@@ -153,8 +153,8 @@ def _load_one(model, name: str, source) -> list[tuple[str, object]]:
     try:
         module = model.get_submodule(module_name)
         param = getattr(module, kind)
-    except AttributeError:
-        param = None
+    except AttributeError:  # a tensor of no module of ours (an unrelated checkpoint)
+        module = param = None
     if kind == "weight" and getattr(module, "quantized", None) is not None:
         return []  # filled from the GGUF file's own blocks (engine.weights.quantize)
     if not isinstance(param, torch.nn.Parameter):
