@@ -10,6 +10,7 @@ import pytest
 from engine.weights.paths import embedded_gguf_path
 
 ROOT = Path(__file__).resolve().parent.parent
+ROUTER_ARGS = ("--master-shard-uds-path", "unix:///nowhere", "--cache-dir")
 
 # The router as `python -m router` runs it, with a stand-in for the shards that answers the
 # connection: the router then goes on to find its tokenizer.
@@ -41,7 +42,7 @@ def truncated_gguf(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("flag", ["--model-id", "--tokenizer"])
 def test_a_truncated_gguf_is_one_error_line(truncated_gguf, tmp_path, flag):
     result = subprocess.run(
-        [sys.executable, "-c", RUN_ROUTER, flag, str(truncated_gguf), "--cache-dir", str(tmp_path)],
+        [sys.executable, "-c", RUN_ROUTER, flag, str(truncated_gguf), *ROUTER_ARGS, str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
