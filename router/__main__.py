@@ -5,7 +5,9 @@ import logging
 import sys
 
 from engine.cli.logs import configure_logging
+from engine.errors import BucketserveError
 from router.app import build_parser, config_from_args, serve
+from router.client import ShardError
 from router.http.access import log_request_ids
 
 
@@ -16,6 +18,11 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve(config))
     except KeyboardInterrupt:
         pass
+    except (BucketserveError, ShardError, OSError) as err:
+        # one line, as the engine's and the launcher's commands print (a corrupt model file, the
+        # shards unreachable): the launcher shows it beside the shard's own
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -14,7 +14,6 @@ import os
 
 import uvicorn
 from fastapi import FastAPI
-from transformers import AutoTokenizer
 
 from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCriteriaParameters
 from engine.cli.flags import add_knob_flags
@@ -169,7 +168,7 @@ def create_app(
 
 
 async def build_state(config: RouterConfig, client: ShardClient) -> RouterState:
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(config))
+    tokenizer = load_tokenizer(config)
     limits, allocator, info = await warm_up(client, config)
 
     async def capacity_after_rewarm() -> int | None:
@@ -192,7 +191,11 @@ async def build_state(config: RouterConfig, client: ShardClient) -> RouterState:
 
 async def serve(config: RouterConfig) -> None:
     client = await GrpcShardClient.connect(config.master_url, wait=config.wait_for_shards or None)
-    state = await build_state(config, client)
+    try:
+        state = await build_state(config, client)
+    except BaseException:  # a model file that cannot be read, the shards gone during warmup
+        await client.close()
+        raise
     traces = tracing.Tracing.to_otlp(config.otlp_endpoint) if config.otlp_endpoint else None
     app: FastAPI = create_app(state, config.access, traces, config.payload_limit)
     server = uvicorn.Server(
@@ -220,11 +223,21 @@ async def watch_parent(parent_pid: int, server: uvicorn.Server) -> None:
     server.should_exit = True
 
 
+def load_tokenizer(config: RouterConfig):
+    """The model's tokenizer. transformers is imported here, not at the top: it imports torch,
+    which the router never needs (a test keeps torch out of `import router.app`)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir(config))
+
+
 def tokenizer_dir(config: RouterConfig) -> str:
-    """--tokenizer, else the directory of --model-id (a GGUF model's converted one)."""
-    if config.tokenizer:
+    """--tokenizer, else the directory of --model-id; a GGUF file, either way, gives its converted
+    directory (a file that cannot be read raises ModelLoadError, naming it)."""
+    if config.tokenizer and not config.tokenizer.endswith(".gguf"):
         return config.tokenizer
-    return str(resolve_model_dir(config.model_id, config.cache_dir or default_cache_dir()))
+    model = config.tokenizer or config.model_id
+    return str(resolve_model_dir(model, config.cache_dir or default_cache_dir()))
 
 
 def build_parser() -> argparse.ArgumentParser:

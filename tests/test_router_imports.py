@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 # Packages of the shard's model stack, each of which imports torch.
 MODEL_STACK = (
     "engine.weights.loader",
@@ -16,18 +18,9 @@ MODEL_STACK = (
     "engine.runner",
 )
 
-# transformers 5 imports torch for AutoTokenizer (transformers/configuration_utils.py); a stand-in
-# shows that nothing else the router imports does.
-STUB_TRANSFORMERS = """
-import sys, types
-stub = types.ModuleType("transformers")
-stub.AutoTokenizer = object
-sys.modules["transformers"] = stub
-"""
 
-
-def imported_after(code: str) -> set[str]:
-    check = code + "\nimport router.app, sys\nprint('\\n'.join(sys.modules))"
+def imported_after(module: str = "router.app") -> set[str]:
+    check = f"import {module}, sys\nprint('\\n'.join(sys.modules))"
     result = subprocess.run(
         [sys.executable, "-c", check],
         capture_output=True,
@@ -39,11 +32,16 @@ def imported_after(code: str) -> set[str]:
 
 
 def test_router_app_imports_none_of_the_model_stack():
-    modules = imported_after("")
+    modules = imported_after()
     loaded = sorted(m for m in modules if m.startswith(MODEL_STACK))
     assert loaded == []
     assert "engine.weights.paths" in modules
 
 
-def test_router_app_imports_torch_only_through_transformers():
-    assert "torch" not in imported_after(STUB_TRANSFORMERS)
+@pytest.mark.parametrize("module", ["router.app", "router.__main__"])
+def test_the_router_does_not_import_torch(module):
+    # transformers 5 imports torch for AutoTokenizer (transformers/configuration_utils.py): the
+    # router imports it only when it loads the tokenizer (router/app.py load_tokenizer).
+    modules = imported_after(module)
+    assert "torch" not in modules
+    assert "transformers" not in modules

@@ -243,9 +243,9 @@ def test_shard_error_fails_its_batch_and_the_loop_carries_on(shard, warmed, expe
 
 def test_requests_that_can_never_fit_are_refused():
     scheduler = Scheduler(None, BlockAllocator(4, 16), LIMITS)  # 3 usable blocks: 48 tokens
-    with pytest.raises(ValueError, match="input tokens"):
+    with pytest.raises(ValueError, match="`inputs` tokens must be <="):
         scheduler.submit(make_request(0, 1), 65)
-    with pytest.raises(ValueError, match="max_total_tokens"):
+    with pytest.raises(ValueError, match="`inputs` tokens \\+ `max_new_tokens` must be <="):
         scheduler.submit(make_request(0, 100), 40)
     with pytest.raises(ValueError, match="KV blocks"):
         scheduler.submit(make_request(0, 30), 20)  # 50 tokens: 4 blocks

@@ -20,6 +20,7 @@ from engine.batch import (
     Request,
     StoppingCriteriaParameters,
 )
+from router.sched.admission import check_lengths
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_N_TOKENS = 5
@@ -203,8 +204,9 @@ def longest_token_chars(tokenizer) -> int | None:
 def prompt_ids(
     tokenizer, limits: Limits, inputs: str, truncate: int | None, add_special_tokens: bool
 ) -> list[int]:
-    """The prompt's token ids as the shard computes them (truncation keeps the last `truncate`),
-    checked against max_input_tokens: the one tokenization a request gets in the router."""
+    """The prompt's token ids as the shard computes them (truncation keeps the last `truncate`):
+    the one tokenization a request gets in the router. Their count is checked, with
+    max_new_tokens, by `new_tokens`."""
     max_input = limits.max_input_tokens
     check(inputs != "", "`inputs` cannot be empty")
     check_text("inputs", inputs)
@@ -222,19 +224,18 @@ def prompt_ids(
     ids = tokenizer(inputs, add_special_tokens=add_special_tokens)["input_ids"]
     if truncate is not None:
         ids = ids[-truncate:]
-    check(len(ids) <= max_input, f"`inputs` tokens must be <= {max_input}. Given: {len(ids)}")
     return ids
 
 
 def new_tokens(limits: Limits, p: Parameters, length: int) -> int:
+    """The tokens to generate (by default, up to max_total_tokens), checked with the prompt's
+    `length` by the router's one length check (router/sched/admission.py)."""
     max_total = limits.max_total_tokens
     new = p.max_new_tokens if p.max_new_tokens is not None else max_total - length
-    check(new > 0, "`max_new_tokens` must be strictly positive")
-    check(
-        length + new <= max_total,
-        f"`inputs` tokens + `max_new_tokens` must be <= {max_total}. "
-        f"Given: {length} `inputs` tokens and {new} `max_new_tokens`",
-    )
+    try:
+        check_lengths(length, new, limits.max_input_tokens, max_total)
+    except ValueError as error:
+        raise ValidationError(str(error)) from None
     return new
 
 

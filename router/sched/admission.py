@@ -35,6 +35,25 @@ FLOAT_FIELDS = (
 )
 
 
+def check_lengths(
+    input_length: int, max_new_tokens: int, max_input_tokens: int, max_total_tokens: int
+) -> None:
+    """The length rules, in TGI's words (its clients parse them): the one place the router checks
+    them, called by the HTTP validation and by the scheduler at submit (so the offline path, which
+    skips HTTP, is checked the same). Raises ValueError."""
+    if input_length < 1:
+        raise ValueError("`inputs` cannot be empty")
+    if input_length > max_input_tokens:
+        raise ValueError(f"`inputs` tokens must be <= {max_input_tokens}. Given: {input_length}")
+    if max_new_tokens < 1:
+        raise ValueError("`max_new_tokens` must be strictly positive")
+    if input_length + max_new_tokens > max_total_tokens:
+        raise ValueError(
+            f"`inputs` tokens + `max_new_tokens` must be <= {max_total_tokens}. "
+            f"Given: {input_length} `inputs` tokens and {max_new_tokens} `max_new_tokens`"
+        )
+
+
 def check_request(
     request: Request,
     input_length: int,
@@ -47,22 +66,12 @@ def check_request(
     max_new = request.stopping_parameters.max_new_tokens
     if request.blocks or request.slots:
         raise ValueError(f"request {request.id}: blocks and slots are the scheduler's to assign")
-    if input_length < 1 or max_new < 1:
-        raise ValueError(f"request {request.id}: need input_length >= 1 and max_new_tokens >= 1")
     longest = (
         limits.max_input_tokens
         if chunking
         else min(limits.max_input_tokens, limits.max_prefill_tokens)
     )
-    if input_length > longest:
-        raise ValueError(
-            f"request {request.id}: {input_length} input tokens exceed the limit of {longest}"
-        )
-    if input_length + max_new > limits.max_total_tokens:
-        raise ValueError(
-            f"request {request.id}: {input_length} + {max_new} tokens exceed "
-            f"max_total_tokens={limits.max_total_tokens}"
-        )
+    check_lengths(input_length, max_new, longest, limits.max_total_tokens)
     needed = allocator.blocks_for(kv_tokens(input_length, max_new))
     usable = allocator.num_blocks - 1
     if needed > usable:  # block 0 is reserved
