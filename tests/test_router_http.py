@@ -237,8 +237,7 @@ def test_disconnect_mid_stream_cancels_the_request(served):
         seen = len(rpc_lines(base))
     deadline = time.monotonic() + 10
     while not any(
-        " DEBUG engine.serving.server: ClearCache" in line
-        for line in rpc_lines(base)[seen:]
+        " DEBUG engine.serving.server: ClearCache" in line for line in rpc_lines(base)[seen:]
     ):
         assert time.monotonic() < deadline, "the shard never dropped the abandoned request"
         time.sleep(0.05)
