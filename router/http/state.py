@@ -90,7 +90,15 @@ async def submit(
     """Validate and queue; the stream of generations (timed for metrics), the prompt length, and the
     scheduler's stream (to close on a disconnect). An overloaded router refuses before tokenizing."""
     state.scheduler.check_admission()
-    request, ids = await state.offload(
+    request, ids = await validated(state, inputs, parameters, add_special_tokens)
+    return queue(state, request, len(ids), lookup_ids(state, ids))
+
+
+async def validated(
+    state: RouterState, inputs: str, parameters: Parameters, add_special_tokens: bool
+) -> tuple[Request, list[int]]:
+    """The protocol request and its prompt ids, tokenized once, off the event loop."""
+    return await state.offload(
         build_request,
         next(state.ids),
         state.tokenizer,
@@ -100,7 +108,6 @@ async def submit(
         add_special_tokens,
         state.grammar_check,
     )
-    return queue(state, request, len(ids), lookup_ids(state, ids))
 
 
 def lookup_ids(state: RouterState, ids: list[int]) -> list[int] | None:
@@ -131,16 +138,7 @@ async def submit_many(
     if problem:
         raise ValidationError(problem)
     state.scheduler.check_admission(count)
-    request, ids = await state.offload(
-        build_request,
-        next(state.ids),
-        state.tokenizer,
-        state.limits,
-        inputs,
-        parameters,
-        add_special_tokens,
-        state.grammar_check,
-    )
+    request, ids = await validated(state, inputs, parameters, add_special_tokens)
     length = len(ids)
     group = fanout.siblings(request, count, lambda: next(state.ids))
     arrival = time.perf_counter()
