@@ -171,3 +171,55 @@ def test_the_fakes_keep_the_pinned_signatures():
     for version, names in expected.items():
         params = inspect.signature(FakeExtension(version).ops_functions()["flat_pa"]).parameters
         assert [n for n, p in params.items() if p.kind != p.VAR_KEYWORD] == names, version
+
+
+@pytest.mark.parametrize("version, with_vllm", [("v1.21.0", True), ("v1.21.3", False)])
+def test_v1_21_gets_the_model_type_before_its_flags_are_first_read(
+    habana, monkeypatch, version, with_vllm
+):
+    """The 1.21 flat_pa reads enabled_flags(), which asserts "Missing values for parameters:
+    {'model_type'}" unless environment.set_model_config ran first, and then keeps its answer."""
+    extension = FakeExtension(version, with_vllm=with_vllm)
+    serve(extension, monkeypatch, habana)
+    assert extension.runtime_params == {"model_type": "llama"}
+    assert extension.detected is not None and "fp32_softmax" not in extension.detected
+
+
+def test_the_fakes_1_21_flags_refuse_a_missing_model_type():
+    extension = FakeExtension("v1.21.3")
+    with pytest.raises(AssertionError, match=r"Missing values for parameters: \{'model_type'\}"):
+        extension.enabled_flags()
+
+
+def test_model_type_of_native_and_fallback_models_keeps_qwen2s_fp32_softmax():
+    from types import SimpleNamespace as NS
+
+    native = NS(config=NS(architecture="Qwen2MoeForCausalLM"))
+    fallback = NS(hf_model=NS(config=NS(model_type="qwen2")), config=NS(architecture="Gaudi"))
+    assert hpu_attention.model_type(native) == "qwen2_moe"
+    assert hpu_attention.model_type(NS(config=NS(architecture="Qwen2ForCausalLM"))) == "qwen2"
+    assert hpu_attention.model_type(fallback) == "qwen2"
+    extension = FakeExtension("v1.21.3")
+    extension.set_model_config(NS(hf_config=NS(model_type=hpu_attention.model_type(fallback))))
+    assert "fp32_softmax" in extension.enabled_flags()
+
+
+def test_padding_groups_are_derived_once_per_forward(habana, monkeypatch):
+    extension = FakeExtension("v1.22.0")
+    original, seen = extension.ops_functions, []
+
+    def recording_groups():
+        functions = original()
+        base = functions["flat_pa"]
+
+        def flat_pa(*args, block_groups, **kwargs):
+            seen.append(block_groups)
+            return base(*args, block_groups=block_groups, **kwargs)
+
+        flat_pa.__signature__ = inspect.signature(base)
+        return {**functions, "flat_pa": flat_pa}
+
+    extension.ops_functions = recording_groups
+    serve(extension, monkeypatch, habana)  # its last forward: one decode step
+    last = seen[-CONFIG.num_layers :]
+    assert all(groups is last[0] for groups in last), "derived again in every layer"

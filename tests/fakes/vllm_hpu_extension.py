@@ -8,6 +8,12 @@ release's layout fails or gets wrong numbers:
   ops.py imports vLLM at module level, so without vLLM `import vllm_hpu_extension.ops` fails.
 - v1.21.3 (@6c4fe39ea63ead53ac618d00ca3084b0bc117630): a required block_size and a 3-D cache
   [slots, kv_heads, dim], unflattened to blocks before the fetch functions see it.
+- Both v1.21 releases: flat_pa reads `flags.enabled_flags()` (vllm_hpu_extension/flags.py), which
+  evaluates every feature test against `environment.get_environment()` once and keeps the result;
+  a test whose parameter is None asserts `Missing values for parameters: {'model_type'}!`, so
+  `environment.set_model_config(cfg)` must come first (v1.21.0 reads cfg.hf_config.model_type,
+  v1.21.3 also takes cfg.model_type). "fp32_softmax" is on for qwen2 unless VLLM_FP32_SOFTMAX
+  says otherwise.
 - v1.22.0 (@8211e0ba420e976cca07be323328e41fa8a1a9da; main @7717587d178061aaab7498c077b41501944bb288
   has the same ops signatures): also a required position_bias, impls 'fsdpa_impl'/'naive_impl'/
   'flex_impl', and the ops read runtime.get_config(), which must come after
@@ -24,6 +30,8 @@ valid_sequence_lengths masking the keys past each row's length on the padding si
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +51,9 @@ class FakeExtension:
         self.fused_lengths: list = []  # valid_sequence_lengths of each FusedSDPA call
         self.model_type = None  # set by environment.set_vllm_config (v1.22.0 on)
         self.config_read = False
+        self.runtime_params: dict = {}  # environment.runtime_params (v1.21.x)
+        self.detected = None  # flags.enabled_flags()'s frozen result (v1.21.x)
+        self.hw, self.build = "gaudi2", "1.21.3.57"  # what get_hw() and get_build() answer here
 
     # --- flat_pa, one signature per release --------------------------------------------------
 
@@ -67,6 +78,7 @@ class FakeExtension:
             **ignored_args,
         ):
             _, _, kv_heads, head_size = key_cache.shape  # 4-D, as this release unpacks it
+            fake.enabled_flags()  # 'fp32_softmax' in enabled_flags()
             return fake._flat_pa(
                 query,
                 keys_fetch_func(key_cache, block_list),
@@ -97,6 +109,7 @@ class FakeExtension:
             **ignored_args,
         ):
             _, kv_heads, head_size = key_cache.shape  # 3-D slots
+            fake.enabled_flags()  # 'fp32_softmax' in enabled_flags()
             return fake._flat_pa(
                 query,
                 keys_fetch_func(key_cache.unflatten(0, (-1, block_size)), block_list),
@@ -223,6 +236,46 @@ class FakeExtension:
         assert impl in names, f"Unsupported implementation: {impl}"
         raise NotImplementedError("the adapter calls FusedSDPA directly for prefill")
 
+    # --- the runtime parameters and flags (v1.21.x) -------------------------------------------
+
+    def set_model_config(self, cfg) -> None:
+        if self.version == "v1.21.0":
+            self.runtime_params["model_type"] = cfg.hf_config.model_type
+        elif hasattr(cfg, "hf_config"):
+            self.runtime_params["model_type"] = cfg.hf_config.model_type
+        else:
+            self.runtime_params["model_type"] = cfg.model_type
+
+    def get_environment(self, **overrides) -> dict:
+        environment = {
+            "build": self.build,
+            "hw": self.hw,
+            "model_type": self.runtime_params.get("model_type", None),
+        }
+        return environment | overrides
+
+    def enabled_flags(self) -> set:
+        """As flags.enabled_flags: computed once (kept even if the model type changes later)."""
+        if self.detected:
+            return self.detected
+        environment = self.get_environment()
+        features = {  # name -> (the parameters its test needs, the test)
+            "gaudi2": ({"hw"}, lambda env: env["hw"] == "gaudi2"),
+            "gaudi3": ({"hw"}, lambda env: env["hw"] == "gaudi3"),
+            "fp32_softmax": (
+                {"model_type"},
+                lambda env: _env_flag("VLLM_FP32_SOFTMAX", env["model_type"] == "qwen2"),
+            ),
+        }
+        enabled = set()
+        for name, (needed, check) in features.items():
+            missing = {k for k in needed if environment[k] is None}
+            assert len(missing) == 0, f"Missing values for parameters: {missing}!"
+            if check(environment):
+                enabled.add(name)
+        self.detected = enabled
+        return enabled
+
     # --- the runtime configuration (v1.22.0 on) ----------------------------------------------
 
     def set_vllm_config(self, cfg) -> None:
@@ -301,6 +354,16 @@ class FakeExtension:
             modules[f"{package}.environment"] = fake_module(
                 f"{package}.environment", set_vllm_config=self.set_vllm_config
             )
+        else:  # no set_vllm_config in these releases: the model type goes in by set_model_config
+            modules[f"{package}.environment"] = fake_module(
+                f"{package}.environment",
+                set_model_config=self.set_model_config,
+                get_environment=self.get_environment,
+                runtime_params=self.runtime_params,
+            )
+            modules[f"{package}.flags"] = fake_module(
+                f"{package}.flags", enabled_flags=self.enabled_flags
+            )
         install(monkeypatch, modules)
         install_on_import(monkeypatch, f"{package}.ops", self._exec_ops)
 
@@ -311,6 +374,11 @@ class FakeExtension:
                 "No module named 'vllm'", name="vllm"
             )  # ops.py: from vllm.logger import ...
         module.__dict__.update(self.ops_functions())
+
+
+def _env_flag(flag: str, default: bool) -> bool:
+    """As flags.EnvFlag: the variable if set, else the default, read as 'true'/'1'."""
+    return os.environ.get(flag, str(default)).lower() in ["true", "1"]
 
 
 def _not_recorded():

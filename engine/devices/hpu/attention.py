@@ -5,6 +5,7 @@ Whatever is missing runs in pure torch, said once as a WARNING with the reason."
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from functools import partial
 
@@ -25,15 +26,25 @@ class HPUKernels:
     flat_pa: FlatPA | None
 
     def configure(self, model) -> None:
-        """Before the first forward: the extension's runtime config needs the model type."""
+        """Before each forward: the extension's runtime config needs the model type (set once),
+        and what the layers share is derived afresh (the runner may refill the same buffers)."""
         if self.flat_pa is not None:
             self.flat_pa.configure(model_type(model))
+            self.flat_pa.new_forward()
 
 
 def model_type(model) -> str:
-    """HF's model_type from our architecture name ("Qwen2ForCausalLM" -> "qwen2")."""
-    architecture = getattr(getattr(model, "config", None), "architecture", "")
-    return architecture.removesuffix("ForCausalLM").lower() or "unknown"
+    """HF's model_type, which the extension's flags read (qwen2: fp32 softmax). The transformers
+    fallback has transformers' own config; a native model's comes from its architecture name
+    ("Qwen2ForCausalLM" -> "qwen2", "Qwen2MoeForCausalLM" -> "qwen2_moe")."""
+    hf_config = getattr(getattr(model, "hf_model", None), "config", None)
+    for config in (hf_config, getattr(model, "config", None)):
+        kind = getattr(config, "model_type", None)
+        if isinstance(kind, str) and kind:
+            return kind
+    architecture = getattr(getattr(model, "config", None), "architecture", "") or ""
+    name = architecture.removeprefix("Gaudi").removesuffix("ForCausalLM")
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower() or "unknown"
 
 
 def load_kernels() -> HPUKernels:

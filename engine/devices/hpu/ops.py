@@ -3,6 +3,8 @@
 The op's contract changed between releases (see tests/fakes/vllm_hpu_extension.py for the commits):
 - v1.21.0: the cache as [blocks, block_size, kv_heads, dim], no block_size; its ops.py imports vLLM.
 - v1.21.3: the cache as [slots, kv_heads, dim] plus a required block_size (our own layout).
+- Both v1.21 releases: flat_pa reads flags.enabled_flags(), which asserts on a missing model type
+  and keeps its first answer: environment.set_model_config must come before the first call.
 - v1.22.0 and main: also a required position_bias, and the ops read the extension's runtime config,
   which must be set (environment.set_vllm_config) before its first read, or it is frozen without
   the model type.
@@ -55,8 +57,9 @@ class FlatPA:
     op: object
     with_block_size: bool  # v1.21.3 on: 3-D cache and block_size
     extra: dict = field(default_factory=dict)
-    environment: ModuleType | None = None  # v1.22.0 on: set_vllm_config before the first call
+    environment: ModuleType | None = None  # its runtime config, set before the first call
     configured: bool = False
+    _groups: tuple = ()  # (block_groups, block_mapping, groups with padding apart) of this forward
 
     @property
     def release(self) -> str:
@@ -68,12 +71,16 @@ class FlatPA:
         """Set the extension's runtime config once, before any op reads it (and outside any graph)."""
         if self.configured or self.environment is None:
             return
-        self.environment.set_vllm_config(
-            SimpleNamespace(
-                model_config=SimpleNamespace(model_type=model_type),
-                cache_config=SimpleNamespace(enable_prefix_caching=False),
+        model_config = SimpleNamespace(hf_config=SimpleNamespace(model_type=model_type))
+        if hasattr(self.environment, "set_vllm_config"):  # v1.22.0 on, vllm-gaudi
+            self.environment.set_vllm_config(
+                SimpleNamespace(
+                    model_config=SimpleNamespace(model_type=model_type),
+                    cache_config=SimpleNamespace(enable_prefix_caching=False),
+                )
             )
-        )
+        else:  # v1.21.x: v1.21.0 reads cfg.hf_config.model_type, v1.21.3 either form
+            self.environment.set_model_config(model_config)
         self.configured = True
 
     def __call__(
@@ -87,9 +94,7 @@ class FlatPA:
             sizes = {}
             key_cache = key_cache.view(-1, block_size, kv_heads, dim)
             value_cache = value_cache.view(-1, block_size, kv_heads, dim)
-        # Padding blocks (no owner) go to a group of their own, index `batch`: the op's block merge
-        # divides by their zero weight otherwise, and 0/0 would spoil the row they were put in.
-        groups = block_groups.masked_fill(block_mapping.sum(dim=1) == 0, batch)
+        groups = self.padding_apart(block_groups, block_mapping, batch)
         out = self.op(
             query=q.reshape(batch, 1, heads * dim),
             key_cache=key_cache,
@@ -109,6 +114,19 @@ class FlatPA:
             **self.extra,
         )
         return out.reshape(batch, heads, dim)
+
+    def new_forward(self) -> None:
+        self._groups = ()
+
+    def padding_apart(self, block_groups, block_mapping, batch: int) -> torch.Tensor:
+        """Padding blocks (no owner) in a group of their own, index `batch`: the op's block merge
+        divides by their zero weight otherwise, and 0/0 would spoil the row they were put in.
+        Every layer of a forward passes the same metadata tensors: computed once per forward."""
+        if self._groups and self._groups[0] is block_groups and self._groups[1] is block_mapping:
+            return self._groups[2]
+        groups = block_groups.masked_fill(block_mapping.sum(dim=1) == 0, batch)
+        self._groups = (block_groups, block_mapping, groups)  # held: their ids stay unique
+        return groups
 
 
 def fetch_blocks(cache: torch.Tensor, blocks: torch.Tensor, **_scales) -> torch.Tensor:
@@ -142,7 +160,10 @@ def from_package(package: str) -> FlatPA:
             f"its flat_pa requires {', '.join(sorted(unknown))}, which this engine does not pass"
         )
     extra = {name: None for name in OPTIONAL_NONE if name in params}
-    environment = (
-        importlib.import_module(f"{package}.environment") if "position_bias" in params else None
-    )
+    environment = importlib.import_module(f"{package}.environment")
+    if not hasattr(environment, "set_vllm_config") and not hasattr(environment, "set_model_config"):
+        raise UnsupportedRelease(
+            "its environment module has neither set_vllm_config nor set_model_config, so the "
+            "model type its kernels read cannot be set"
+        )
     return FlatPA(package, ops.flat_pa, "block_size" in params, extra, environment)
