@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine.devices.hooks import mark_step
+
 
 @dataclass(frozen=True)
 class Parallel:
@@ -48,6 +50,10 @@ def init_distributed(parallel: Parallel, backend: str, master_addr: str, master_
 
 def all_reduce_sum(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
     if parallel.world_size > 1:
+        # HPU lazy mode: the Habana bridge crashes on an all_reduce inside a lazy graph with
+        # PT_HPU_ENABLE_LAZY_COLLECTIVES=1 (which tensor-parallel HPU graphs need) unless the graph
+        # is cut first, as vllm-fork (1fd06cc5), vllm-gaudi and TGI do. A no-op elsewhere.
+        mark_step()
         dist.all_reduce(x)
     return x
 

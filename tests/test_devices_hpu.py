@@ -177,15 +177,15 @@ def test_one_rank_marks_a_step_after_each_layer(habana, monkeypatch, mode):
 
 
 @pytest.mark.parametrize("mode", ["graphs", "lazy"])
-def test_collectives_stay_inside_the_layer_graph(habana, monkeypatch, mode):
-    # Finding 10: lazy collectives (PT_HPU_ENABLE_LAZY_COLLECTIVES) run inside the lazy graph; a
-    # mark_step before each one cut every layer's graph three times.
+def test_a_step_is_marked_before_every_all_reduce(habana, monkeypatch, mode):
+    # With PT_HPU_ENABLE_LAZY_COLLECTIVES=1 (tensor-parallel HPU graphs need it) the bridge crashes
+    # on an all_reduce inside a lazy graph: vllm-fork cut the graph before it (commit 1fd06cc5,
+    # vllm/distributed/communication_op.py), and vllm-gaudi's HpuCommunicator.all_reduce and TGI's
+    # Gaudi backend keep that mark_step.
     trace = traced_forward(habana, monkeypatch, hpu(graph_mode=mode, world_size=2), Parallel(0, 2))
     assert trace.count("layer") == 3 and "all_reduce" in trace and "all_gather" in trace
-    assert [e for e in trace if e in ("layer", "mark_step")] == ["mark_step"] + [
-        "layer",
-        "mark_step",
-    ] * 3 + ["mark_step"]
+    before = [trace[i - 1] for i, event in enumerate(trace) if event == "all_reduce"]
+    assert before and set(before) == {"mark_step"}
 
 
 def test_no_step_markers_in_compile_mode_or_on_other_devices(habana, monkeypatch):
