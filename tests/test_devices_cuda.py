@@ -170,3 +170,28 @@ def test_compile_mode_without_a_c_compiler_is_refused_at_start(gpus, monkeypatch
     ):
         get_adapter("cuda", graph_mode="compile")
     get_adapter("cuda", graph_mode="graphs")  # needs none
+
+
+def test_a_second_warmup_frees_the_old_cache_before_sizing_the_new_one(gpus, tiny_model_dirs):
+    """The caching allocator keeps a dropped KV cache reserved, and mem_get_info counts it as
+    used: without empty_cache (and the model letting go of the cache) a second Warmup RPC in the
+    same process sizes its cache from what the old one still holds."""
+    from engine.kv_cache import KVCache
+    from tests.helpers import tiny_shard
+
+    shard = tiny_shard(tiny_model_dirs["llama"], warmup=False, device="cuda", graph_mode="eager")
+    allocator, config = gpus["allocator"], shard.model_config
+    per_block = KVCache.bytes_per_block(
+        config.num_layers,
+        shard.block_size,
+        shard.model.local_kv_heads,
+        config.head_dim,
+        shard.dtype,
+    )
+    # Room for about 60 of the 129 blocks the limits could use, after the weights (what loading
+    # left cached is handed back first, as a freshly started process would have it).
+    allocator.empty_cache()
+    allocator.total = allocator.elsewhere + allocator.reserved + 70 * per_block
+    first = shard.warmup().max_supported_total_tokens
+    second = shard.warmup().max_supported_total_tokens
+    assert first == second and 0 < first < 129 * shard.block_size

@@ -86,3 +86,20 @@ def test_no_visible_xpu_is_one_clear_error(xpus, monkeypatch):
         DeviceError, match=r"^--device xpu is not usable here: no Intel XPU device is visible"
     ):
         get_adapter("xpu")
+
+
+def test_releasing_memory_hands_the_cached_blocks_back_before_a_new_cache_is_sized(
+    xpus, monkeypatch
+):
+    # torch/xpu/memory.py (v2.5.1): empty_cache() releases the unoccupied cached memory that
+    # memory_reserved() counts, and with it what a dropped KV cache left reserved.
+    reserved = {"bytes": RESERVED}
+    monkeypatch.setattr(torch.xpu, "memory_reserved", lambda index=None: reserved["bytes"])
+    monkeypatch.setattr(torch.xpu, "empty_cache", lambda: reserved.update(bytes=1 << 30))
+    adapter = get_adapter("xpu")
+    model = SimpleNamespace(
+        layers=[1, 2], config=None, bind_kv_cache=lambda caches: bound.append(caches)
+    )
+    bound = []
+    adapter.release_memory(model)
+    assert bound == [[None, None]] and adapter.memory_info() == (TOTAL - (1 << 30), TOTAL)

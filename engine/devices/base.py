@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Hashable
@@ -136,6 +137,19 @@ class DeviceAdapter(ABC):
     def reset(self) -> None:
         """Forget the warmed shapes (and graphs): a new KV cache was bound, so they must be warmed again."""
         self.shapes.clear()
+
+    def release_memory(self, model) -> None:
+        """Before a new KV cache is sized (a second Warmup): nothing may still hold the old one, or
+        the new one is sized from memory the old one still takes. The model lets go of it, the
+        graphs captured on it are dropped, and the allocator hands back what it had cached."""
+        layers = len(getattr(model, "layers", ())) or model.config.num_layers
+        model.bind_kv_cache([None] * layers)
+        self.reset()
+        gc.collect()
+        self.empty_cache()
+
+    def empty_cache(self) -> None:
+        """Return the memory the device allocator caches for reuse (CUDA, XPU); a no-op here."""
 
     @contextmanager
     def profiling(self):

@@ -66,6 +66,11 @@ class CUDAAdapter(DeviceAdapter):
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.index)
 
+    def empty_cache(self) -> None:
+        """The caching allocator keeps freed blocks reserved, and mem_get_info counts them as used."""
+        self.synchronize()
+        torch.cuda.empty_cache()
+
     @property
     def captures_graphs(self) -> bool:
         return self.graph_mode == "graphs"

@@ -58,6 +58,12 @@ class XPUAdapter(CompiledGraphs, DeviceAdapter):
     def synchronize(self) -> None:
         torch.xpu.synchronize(self.index)
 
+    def empty_cache(self) -> None:
+        """memory_info counts what this process reserved: a freed KV cache stays reserved until
+        the caching allocator hands it back."""
+        self.synchronize()
+        torch.xpu.empty_cache()
+
 
 def distributed_backend() -> str:
     """ "ccl" when the oneCCL bindings are installed (importing them registers it), else torch's

@@ -200,6 +200,7 @@ class Shard:
         self.clear()
         self._stop_background_warmup()
         self.runner = None  # drop the previous cache before measuring free memory
+        self.adapter.release_memory(self.model)  # and what still holds it or caches its memory
         self.adapter.shapes.clear()  # new limits, new cache: only what this warmup runs counts as warm
         parts = ShardModel(
             self.model, self.model_config, self.adapter, self.dtype, self.block_size, self.parallel
