@@ -28,12 +28,12 @@ import torch
 from engine.serving.sampling import (
     WATERMARK_DELTA,
     Choice,
-    choose,
     SamplingState,
     _check_batch,
     _green_list,
     _Rows,
     _top_tokens,
+    choose,
 )
 
 TOP_N_WIDTH = 16  # the router allows top_n <= 5; the rest holds the ties of the n-th

@@ -27,7 +27,7 @@ from engine.serving.detokenize import decode_next
 from engine.serving.lookahead import Ahead, logits_using, run_ahead
 from engine.serving.prefix import BlockContents, check_cache_len
 from engine.serving.resume import check_resumed, replay
-from engine.serving.sampling import choose, is_sampling, new_sampling_state, validate_parameters
+from engine.serving.sampling import is_sampling, new_sampling_state, validate_parameters
 from engine.serving.sequence import Sequence
 from engine.serving.static_sampling import choose_next
 
