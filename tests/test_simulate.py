@@ -11,6 +11,7 @@ from engine.batch import NextTokenChooserParameters
 from engine.devices.simulate.adapter import SimulatedHPUAdapter, simulated_adapter
 from engine.devices.simulate.lazy import Float64Error, LazyGraphs, on_device
 from engine.errors import UnwarmedShapeError
+from engine.runner import first_rows
 from engine.serving import static_sampling
 from engine.serving.sampling import choose, new_sampling_state
 
@@ -110,11 +111,12 @@ def _sample(adapter, logits, rows):
 def test_the_static_sampler_compiles_once_per_row_count_and_matches_greedy():
     adapter = SimulatedHPUAdapter()
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0))
-    _sample(adapter, adapter.to_device(logits[:3]), 4)
+    bucket = adapter.to_device(logits)  # a decode bucket's output: 4 rows, the real ones first
+    _sample(adapter, first_rows(bucket, 3), 4)
     compiles = adapter.graphs.counts()["graph_compiles_warmup"]
     adapter.graphs.serving = True
     for n in (1, 2, 3):  # any mix of rows and processors: one graph at 4 rows
-        choice = _sample(adapter, adapter.to_device(logits[:n]), 4)
+        choice = _sample(adapter, first_rows(bucket, n), 4)
     assert adapter.graphs.counts()["graph_compiles_warmup"] == compiles
     assert adapter.graphs.counts()["graph_breaks_serving"] == 0
     eager = choose(logits[:1], _states(PARAMS[:1]), [[1, 2, 3]], [1], [2])
