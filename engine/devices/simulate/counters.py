@@ -19,6 +19,8 @@ def start_serving(adapter) -> None:
     """Warmup is over: from here a new graph is a serving compile (refused in strict mode)."""
     if hasattr(adapter, "graphs"):
         adapter.graphs.serving = True
+        # --warmup none (or strict shapes off): every first shape compiles, counted, not refused
+        adapter.graphs.strict = adapter.shapes.strict
     adapter._graph_base = _device_compiles(adapter)
 
 
