@@ -128,10 +128,17 @@ def test_unpadded_sampling_would_be_caught():
     """sampling.choose() runs on the real rows: a batch of another size is a serving compile."""
     graphs = LazyGraphs(strict=True)
     logits = torch.randn(3, VOCAB)
+    penalized = _states([PARAMS[1], PARAMS[1]])
     with graphs.tracking():
-        choose(on_device(logits[:2].clone()), _states(PARAMS[1:]), [[3, 3], [5]], [1, 1], [0, 0])
+        choose(on_device(logits[:2].clone()), penalized, [[3, 3], [5]], [1, 1], [0, 0])
         graphs.mark_step()
         graphs.serving = True
         with pytest.raises(UnwarmedShapeError):
-            choose(on_device(logits[:1].clone()), _states(PARAMS[1:2]), [[3]], [1], [0])
+            choose(on_device(logits[:1].clone()), penalized[:1], [[3]], [1], [0])
             graphs.mark_step()
+
+
+def test_the_eager_samplers_float64_draw_would_be_refused():
+    """sampling.choose() builds its CDF in float64: right on the CPU, refused on the device."""
+    with LazyGraphs().tracking(), pytest.raises(Float64Error, match="_draw"):
+        choose(on_device(torch.randn(1, VOCAB)), _states(PARAMS[2:]), [[5]], [1], [0])

@@ -52,7 +52,7 @@ RECORDS = st.lists(
             "top_n_tokens": st.integers(1, 5),
             "stop": st.just(["the"]),
             "grammar": st.sampled_from(
-                [{"type": "regex", "value": "[a-z ]+"}, {"type": "json", "value": ""}]
+                [{"type": "regex", "value": "[a-z ]+"}, {"type": "json", "value": "{\"type\": \"string\"}"}]
             ),
         },
     ),
