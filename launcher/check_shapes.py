@@ -94,20 +94,26 @@ def check(shard, records: list) -> list[str]:
     return replay_shapes(shard, records)
 
 
-def _events(shard, since: int) -> list[dict]:
-    return [e for e in shard.adapter.graphs.events[since:] if e["phase"] == "serving"]
+def _events(shard) -> list[dict]:
+    """The simulator's compiles and breaks so far (none on a device that is not simulated)."""
+    graphs = getattr(shard.adapter, "graphs", None)
+    return graphs.events if graphs is not None else []
 
 
 def _step(shard, what: str, features: str, run) -> list[str]:
     """Run one step; a line per compile or break it caused (or the refusal it met)."""
-    since = len(shard.adapter.graphs.events)
+    since = len(_events(shard))
     unwarmed = sum(shard.adapter.shapes.unwarmed.values())
     try:
         with shard.adapter.device_scope():
             run()
     except (BucketserveError, ValueError) as err:
         return [f"{what} [{features}]: refused: {err}"]
-    lines = [f"{what} [{features}]: {e['event']}: {e['cause']}" for e in _events(shard, since)]
+    lines = [
+        f"{what} [{features}]: {e['event']}: {e['cause']}"
+        for e in _events(shard)[since:]
+        if e["phase"] == "serving"
+    ]
     if sum(shard.adapter.shapes.unwarmed.values()) > unwarmed:
         lines.append(f"{what} [{features}]: a bucket warmup did not run")
     return lines
