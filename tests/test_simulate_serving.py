@@ -52,7 +52,10 @@ RECORDS = st.lists(
             "top_n_tokens": st.integers(1, 5),
             "stop": st.just(["the"]),
             "grammar": st.sampled_from(
-                [{"type": "regex", "value": "[a-z ]+"}, {"type": "json", "value": "{\"type\": \"string\"}"}]
+                [
+                    {"type": "regex", "value": "[a-z ]+"},
+                    {"type": "json", "value": '{"type": "string"}'},
+                ]
             ),
         },
     ),
@@ -134,10 +137,14 @@ def test_check_shapes_names_a_shape_outside_the_plan(tiny_model_dirs, tmp_path):
     assert "line 1 " not in result.stdout and "line 2 " not in result.stdout
 
 
-def test_check_shapes_passes_the_chat_example(tiny_model_dirs):
+def test_check_shapes_passes_the_chat_example(smollm_dir, tmp_path):
+    """The example's first steps, at the limits it was recorded for (a tiny model long enough)."""
+    from tests.models import build_tiny_model
+
+    model = build_tiny_model("llama", tmp_path / "long", smollm_dir, max_position_embeddings=2048)
     trace = REPO / "examples" / "shapes_chat_mixed.jsonl"
     result = _check_shapes(
-        tiny_model_dirs["llama"],
+        model,
         trace,
         "--max-batch-size=32",
         "--max-input-tokens=1024",
