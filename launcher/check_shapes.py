@@ -148,7 +148,7 @@ def replay_shapes(shard, shapes) -> list[str]:
                 sampler_rows(runner, rows), shard.adapter,
             )  # fmt: skip
 
-        problems += _step(shard, f"line {number}", f"{shape.as_json()}", run)
+        problems += _step(shard, f"line {number}", json.dumps(shape.as_json()), run)
     return problems
 
 
