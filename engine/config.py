@@ -235,7 +235,17 @@ class EngineConfig(SharedKnobs):
         "graphs or eager or compile; xpu, cpu: eager or compile)",
         choices=("eager", "graphs", "lazy", "compile"),
     )
-    strict_shapes: bool = knob(True, "on (default): a forward at an unwarmed shape raises")
+    strict_shapes: bool = knob(
+        True,
+        "on (default): a forward at an unwarmed shape raises (with --simulate: also a step that "
+        "would compile a new device graph)",
+    )
+    simulate: str | None = knob(
+        None,
+        "hpu: on the CPU, plan and pad as the HPU adapter does and count the lazy-mode graph "
+        "compiles and breaks each step would cause; float64 is refused (docs/devices.md)",
+        choices=("hpu",),
+    )
     warmup_prompt_logprobs: bool = knob(
         True, "on (default): also warm the prefill variant behind prefill_logprobs"
     )

@@ -90,6 +90,9 @@ class ModelRunner:
                 self._prefill_scoring_prompts(bucket, group, members, output)
                 continue
             logits = self._run(("prefill", bucket), *self._prefill_tensors(bucket, members))
+            if group == list(range(len(seqs))):
+                output.logits = first_rows(logits, len(seqs))
+                return output
             for row, index in enumerate(group):
                 output.logits[index] = logits[row]
         output.logits = torch.stack(output.logits)
@@ -146,6 +149,8 @@ class ModelRunner:
             bucket = self.plan.decode_bucket(len(members), sum(len(s.blocks) for s in members))
             self.padding.record("decode", len(members), bucket.batch_size, bucket)
             out = self._run(("decode", bucket), *self._decode_tensors(bucket, members))
+            if group == list(range(len(seqs))):
+                return first_rows(out, len(seqs))
             for row, index in enumerate(group):
                 logits[index] = out[row]
         return torch.stack(logits)
@@ -304,7 +309,15 @@ class ModelRunner:
         return self._to_device(torch.tensor(values, dtype=torch.long))
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.adapter.torch_device, non_blocking=True)
+        return self.adapter.to_device(tensor)
+
+
+def first_rows(out: torch.Tensor, count: int) -> torch.Tensor:
+    """The real rows of a bucket's output, as a view that keeps the whole padded output at hand
+    (`bucket_output`): a static sampler runs on the bucket's rows (engine/serving/static_sampling.py)."""
+    rows = out[:count]
+    rows.bucket_output = out
+    return rows
 
 
 def _dummy_decode_rows(bucket: DecodeBucket) -> list[DecodeInput]:

@@ -28,7 +28,7 @@ from launcher.logs import Console
 from launcher.supervisor import supervise
 
 # EXIT_CONFIG, as `python -m engine`: the command line or the host is wrong, nothing was started
-ENGINE_COMMANDS = ("generate", "bench", "serve", "buckets", "warmup-profile")
+ENGINE_COMMANDS = ("generate", "bench", "serve", "buckets", "warmup-profile", "check-shapes")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -115,3 +115,6 @@ def add_offline_commands(commands) -> None:
         "--repeat", type=int, default=3, help="timed runs per engine (the median is reported)"
     )
     ben.set_defaults(func=cmd_bench)
+    from launcher.check_shapes import add_check_shapes_command
+
+    add_check_shapes_command(commands)

@@ -160,10 +160,17 @@ PLAN_FIELDS = (
     "warmup_buckets",
     "buckets_used",
 )
+GRAPH_COUNTERS = (
+    "graph_compiles_warmup",
+    "graph_compiles_serving",
+    "graph_breaks_warmup",
+    "graph_breaks_serving",
+)
 EXTENSION_MESSAGES = {
     "ServingStats": [Field(n, i, "", "uint64") for i, n in enumerate(STATS_COUNTERS, 1)]
     + [Field(n, i, "", "uint32") for i, n in enumerate(PLAN_FIELDS, len(STATS_COUNTERS) + 1)]
-    + [Field("buckets", 18, "repeated", "BucketUse")],
+    + [Field("buckets", 18, "repeated", "BucketUse")]
+    + [Field(n, i, "", "uint64") for i, n in enumerate(GRAPH_COUNTERS, 1000)],
     "BucketUse": [
         Field("phase", 1, "", "string"),
         Field("batch_size", 2, "", "uint32"),

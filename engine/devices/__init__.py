@@ -38,9 +38,15 @@ def choose_device(requested: str, world_size: int = 1, probe=None) -> str:
 def get_adapter(
     name: str, graph_mode: str | None = None, strict_shapes: bool = True, **options
 ) -> DeviceAdapter:
-    """The adapter for device `name` (or "auto"). `options`: rank, world_size, cache_dir.
-    A device whose library or hardware is missing raises DeviceError naming what is missing."""
+    """The adapter for device `name` (or "auto"). `options`: rank, world_size, cache_dir, simulate
+    (a device simulated on the CPU: engine/devices/simulate/). A device whose library or hardware
+    is missing raises DeviceError naming what is missing."""
+    simulate = options.pop("simulate", None)
     name = choose_device(name, options.get("world_size", 1))
+    if simulate:
+        from engine.devices.simulate.adapter import simulated_adapter
+
+        return simulated_adapter(simulate, name, graph_mode, strict_shapes, **options)
     if name not in _ADAPTERS:
         raise ValueError(f"unknown device {name!r} (available: {', '.join(available_devices())})")
     module, cls = _ADAPTERS[name]

@@ -6,7 +6,7 @@ import gc
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Hashable
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -112,6 +112,14 @@ class DeviceAdapter(ABC):
 
     def synchronize(self) -> None:
         """Wait for queued device work (no-op where execution is synchronous)."""
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor copied to this device (the runner's inputs)."""
+        return tensor.to(self.torch_device, non_blocking=True)
+
+    def device_scope(self):
+        """Entered around each shard step (the lazy-graph simulator tracks device ops in it)."""
+        return nullcontext()
 
     @property
     def captures_graphs(self) -> bool:

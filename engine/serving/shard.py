@@ -14,6 +14,7 @@ from engine.batch import Batch, CachedBatch, Generation, InfoResponse, StepTimin
 from engine.buckets.grid import PaddingStats, PrefillBucket
 from engine.config import EngineConfig, ServingLimits, distributed_address, torch_dtype
 from engine.devices import get_adapter
+from engine.devices.simulate.counters import graph_counts, start_serving, start_warmup
 from engine.distributed import Parallel, broadcast_int, init_distributed
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.kv_cache import ShardBlockPool
@@ -23,6 +24,7 @@ from engine.serving.lookahead import Ahead
 from engine.serving.prefix import BlockContents
 from engine.serving.recompute import check_recompute_fits, recompute_position
 from engine.serving.sequence import Sequence
+from engine.serving.static_sampling import warm_sampler
 from engine.serving.steps import (
     StepContext,
     admit_requests,
@@ -44,7 +46,7 @@ def _exclusive(method):
 
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
-        with self.device_lock:
+        with self.device_lock, self.adapter.device_scope():
             return method(self, *args, **kwargs)
 
     return locked
@@ -67,6 +69,7 @@ class Shard:
             rank=rank,
             world_size=world_size,
             cache_dir=config.resolved_cache_dir,
+            simulate=config.simulate,
         )
         self.dtype = self._choose_dtype(config)
         self.block_size = config.block_size or self.adapter.default_block_size
@@ -197,6 +200,7 @@ class Shard:
             max_input_tokens, max_prefill_tokens, max_total_tokens, max_batch_size
         )
         check_recompute_fits(self.model, limits)
+        start_warmup(self.adapter)
         self.clear()
         self._stop_background_warmup()
         self.runner = None  # drop the previous cache before measuring free memory
@@ -205,9 +209,10 @@ class Shard:
         parts = ShardModel(
             self.model, self.model_config, self.adapter, self.dtype, self.block_size, self.parallel
         )
-        warmed = start_up(
-            parts, self.config, limits, self.fingerprint(), self.show_progress, self.device_lock
-        )
+        with self.adapter.device_scope():
+            warmed = start_up(
+                parts, self.config, limits, self.fingerprint(), self.show_progress, self.device_lock
+            )
         self.runner, self.background = warmed.runner, warmed.background
         self.warmup_log = warmed.phases  # per-phase and per-bucket times and memory
         self.allocator, self.limits = ShardBlockPool(warmed.num_blocks), limits
@@ -215,6 +220,10 @@ class Shard:
         if batch is not None and batch.requests and self.adapter.warm_runs_forward:
             self.prefill(batch)
             self.clear(batch.id)
+        if self.config.warmup_mode != "none":
+            with self.device_lock, self.adapter.device_scope():
+                warm_sampler(self.runner, self.model_config.vocab_size)
+        start_serving(self.adapter)
         self._start_recording()
         self.runner.padding = PaddingStats()  # serving_stats counts served traffic, not warmup
         self.chunk_stats.update(chunked_prompts=0, prefill_chunks=0)
@@ -287,6 +296,7 @@ class Shard:
             "copied_prompts": self.runner.kv_cache.copied_prompts,
             **self.chunk_stats,
             **self.lookahead_stats,
+            **graph_counts(self.adapter),
         }
 
     @_exclusive

@@ -27,8 +27,9 @@ from engine.serving.detokenize import decode_next
 from engine.serving.lookahead import Ahead, logits_using, run_ahead
 from engine.serving.prefix import BlockContents, check_cache_len
 from engine.serving.resume import check_resumed, replay
-from engine.serving.sampling import choose, is_sampling, new_sampling_state, validate_parameters
+from engine.serving.sampling import is_sampling, new_sampling_state, validate_parameters
 from engine.serving.sequence import Sequence
+from engine.serving.static_sampling import choose_next
 
 
 @dataclass(kw_only=True)
@@ -234,7 +235,7 @@ def prefill_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation
     rows = [(planned[row][0], row) for row in finished.values()]
     rows += [(sequences[i], finished[sequences[j].id]) for i, j in copies.items()]
     generations = (
-        _advance(ctx, [s for s, _ in rows], output.logits[[r for _, r in rows]]) if rows else []
+        _advance(ctx, [s for s, _ in rows], output.logits, [r for _, r in rows]) if rows else []
     )
     by_id = {g.request_id: g for g in generations}
     for seq, row in rows:
@@ -311,14 +312,16 @@ def record_contents(ctx: StepContext, sequences: list[Sequence]) -> None:
             ctx.contents.record(seq.blocks, seq.token_ids, seq.request.adapter_id, seq.computed)
 
 
-def _advance(ctx: StepContext, sequences: list[Sequence], logits) -> list[Generation]:
-    """Choose and append the next token of every sequence; generations for this rank's requests."""
-    choice = choose(
+def _advance(
+    ctx: StepContext, sequences: list[Sequence], logits, rows: list[int] | None = None
+) -> list[Generation]:
+    """Choose and append the next token of every sequence (from logits[rows[i]]: rows None, the
+    first ones); generations for this rank's requests."""
+    choice = choose_next(
+        ctx.runner,
         logits,
-        [s.sampling for s in sequences],
-        [s.token_ids for s in sequences],
-        [s.prompt_len for s in sequences],
-        [s.request.top_n_tokens for s in sequences],
+        rows or list(range(len(sequences))),
+        sequences,
         allowed_tokens(ctx, sequences, logits),
     )
     generations = []
@@ -350,7 +353,7 @@ def allowed_tokens(ctx: StepContext, sequences: list[Sequence], logits):
     if all(s.grammar is None for s in sequences) and not early:
         return None
     if all(s.grammar is None for s in sequences):
-        allowed = torch.ones(logits.shape, dtype=torch.bool)
+        allowed = torch.ones(len(sequences), logits.shape[1], dtype=torch.bool)
     else:
         from engine.grammar import allowed_masks  # xgrammar is imported only when a grammar is used
 

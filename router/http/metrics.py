@@ -85,6 +85,7 @@ class ShardStatsCollector:
                 "chunks of those prompts",
                 stats["prefill_chunks"],
             )
+        yield from graph_counters(stats)
         if (
             "lookahead_runs" in stats
         ):  # async scheduling: runs beyond steps are forwards thrown away
@@ -98,6 +99,20 @@ class ShardStatsCollector:
                 "decode steps that used such a forward",
                 stats["lookahead_steps"],
             )
+
+
+def graph_counters(stats: dict):
+    """Device graphs compiled and cut, by phase (engine/devices/simulate/counters.py)."""
+    for kind, text in (
+        ("compiles", "device graphs compiled (or captured)"),
+        ("breaks", "device graphs cut by a host read or a data-dependent shape"),
+    ):
+        if f"graph_{kind}_warmup" not in stats:  # a shard of an older version
+            continue
+        family = CounterMetricFamily(f"bucketserve_graph_{kind}", text, labels=["phase"])
+        for phase in ("warmup", "serving"):
+            family.add_metric([phase], stats[f"graph_{kind}_{phase}"])
+        yield family
 
 
 class KvCollector:
