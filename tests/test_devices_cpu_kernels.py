@@ -4,6 +4,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.attention import windowed_metadata
 from engine.attention.backend import TORCH
@@ -112,9 +113,32 @@ def test_rms_norm_matches_the_torch_module(dtype, rows):
         torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+def test_the_gemv_projection_multiplies_as_f_linear_does(rows):
+    if not cpu_kernels.load().gemv_supported():
+        pytest.skip("built without AVX512-BF16")
+    torch.manual_seed(rows)
+    weight, x = torch.randn(72, 96).bfloat16(), torch.randn(rows, 1, 96).bfloat16()
+    out = cpu_kernels.Bf16Gemv(weight).linear(x)
+    assert out.shape == (rows, 1, 72) and out.dtype == torch.bfloat16
+    exact = F.linear(x.double(), weight.double())
+    torch.testing.assert_close(out.double(), exact, atol=0.05, rtol=0.01)  # bfloat16's rounding
+
+
+def test_the_gemv_refuses_what_it_cannot_multiply():
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_kernels.load().gemv_bf16(torch.ones(1, 40).bfloat16(), torch.ones(8, 40).bfloat16())
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        cpu_kernels.load().gemv_bf16(torch.ones(9, 32).bfloat16(), torch.ones(8, 32).bfloat16())
+
+
 def test_an_eager_bfloat16_shard_uses_the_kernels_and_float32_keeps_pure_torch(tiny_model_dirs):
     model = tiny_model_dirs["llama"]
     shard = Shard(tiny_config(model, dtype="bfloat16"), show_progress=False)
+    if cpu_kernels.load().gemv_supported():
+        lm_head = shard.model.lm_head
+        assert isinstance(lm_head.quantized, cpu_kernels.Bf16Gemv)
+        assert lm_head.weight is not None  # a tied embedding still looks rows up in it
     norms = [m for m in shard.model.modules() if isinstance(m, RMSNorm)]
     assert shard.adapter.attention_backend.name == "cpu-kernels"
     assert norms and all(

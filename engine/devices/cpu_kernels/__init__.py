@@ -3,7 +3,9 @@
 Eager PyTorch spends a decode step of the embedded model on hundreds of small aten calls, and its
 decode attention first gathers every row's KV blocks into a copy. kernels.cpp holds what replaces
 them: attention that reads the paged cache in place (the contract of
-engine.attention.flat.flat_attention, without softcap), SiLU-and-multiply, and RMS norm. Each is
+engine.attention.flat.flat_attention, without softcap), RMS norm, and a bfloat16 GEMV for decode
+batches of up to 8 rows (AVX512-BF16 dot products; oneDNN's product reads a lone row's weights at
+half the rate). Each is
 tested against the pure-torch path, which stays the reference, the fallback where the build fails
 (no compiler), and the path of every graph device.
 
@@ -31,11 +33,13 @@ def enabled() -> bool:
     return os.environ.get("BUCKETSERVE_CPU_KERNELS", "1") != "0"
 
 
-@cache
 def load():
     """The compiled module, or None (disabled, or the build failed: logged once)."""
-    if not enabled():
-        return None
+    return _build() if enabled() else None
+
+
+@cache
+def _build():
     from torch.utils import cpp_extension
 
     from engine.config import default_cache_dir
@@ -84,6 +88,64 @@ def attention_backend():
     from engine.attention.prompt import prompt_attention
 
     return AttentionBackend("cpu-kernels", prompt_attention, decode_attention)
+
+
+GEMV_MAX_ROWS = 8  # the kernel's limit; at 8 rows it still beat oneDNN's packed product
+
+
+class Bf16Gemv(torch.nn.Module):
+    """A bfloat16 projection whose small batches (decode) go through gemv_bf16, which streams the
+    weight once with AVX512-BF16 dot products, and larger ones through F.linear. The 120 decoder
+    matrices of SmolLM2 at one row: 22.8 ms against 39.7 ms packed for oneDNN and 30.2 ms by
+    torch.mv (cold, 2 threads, a loaded machine); at 4 rows 24.8 against 43.2, at 8 34.3 / 36.8."""
+
+    kind = "gemv-bf16"
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.detach().contiguous())
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] > GEMV_MAX_ROWS or x.dtype != torch.bfloat16:
+            return torch.nn.functional.linear(x, self.weight)
+        return load().gemv_bf16(flat, self.weight).reshape(*x.shape[:-1], self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:  # as an embedding, should one ask
+        return torch.nn.functional.embedding(ids, self.weight)
+
+
+def gemv_fits(weight: torch.Tensor | None) -> bool:
+    return (
+        weight is not None
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.shape[1] % 32 == 0
+        and load() is not None
+        and load().gemv_supported()
+    )
+
+
+def install_gemv(model: torch.nn.Module) -> int:
+    """Every plain bfloat16 decoder projection and the LM head of `model` through Bf16Gemv (the
+    decoder weights move into it; the LM head keeps its weight, which a tied embedding shares).
+    The number of matrices."""
+    from engine.layers.embedding import ParallelLMHead
+    from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    count = 0
+    for module in model.modules():
+        projection = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+        if not (projection or isinstance(module, ParallelLMHead)):
+            continue
+        if module.quantized is not None or not gemv_fits(module.weight):
+            continue
+        module.quantized = Bf16Gemv(module.weight)
+        if projection:
+            module.register_parameter("weight", None)
+        count += 1
+    return count
 
 
 def install(model: torch.nn.Module) -> int:

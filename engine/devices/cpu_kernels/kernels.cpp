@@ -101,6 +101,83 @@ inline void accumulate_position(const float* weights, const T* value, int64_t gr
   }
 }
 
+#if defined(__AVX512F__)
+// Both phases of one (row, kv head) with the group and head size known at compile time, so the
+// queries (phase 1) and the accumulators (phase 2) stay in registers across all positions.
+template <typename T, int G, int D>
+void scores_fixed(const float* query, const T* keys, const int64_t* offsets, int64_t n,
+                  float* scores) {
+  constexpr int C = D / 16;
+  __m512 qv[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(query + g * D + c * 16);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 k[C];
+    for (int c = 0; c < C; ++c) k[c] = load16(keys + offsets[j] + c * 16);
+    for (int g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(qv[g][0], k[0]);
+      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], k[c], acc);
+      scores[j * G + g] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+template <typename T, int G, int D>
+void accumulate_fixed(const float* weights, const T* values, const int64_t* offsets, int64_t n,
+                      float* out) {
+  constexpr int C = D / 16;
+  __m512 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(values + offsets[j] + c * 16);
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(weights[j * G + g]);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * D + c * 16, acc[g][c]);
+}
+
+template <typename T, int D>
+bool attend_fixed_dim(int64_t group, bool scores_phase, const float* in, const T* cache,
+                      const int64_t* offsets, int64_t n, float* out) {
+  switch (group) {
+#define BUCKETSERVE_GROUP(G)                                        \
+  case G:                                                           \
+    if (scores_phase)                                               \
+      scores_fixed<T, G, D>(in, cache, offsets, n, out);            \
+    else                                                            \
+      accumulate_fixed<T, G, D>(in, cache, offsets, n, out);        \
+    return true;
+    BUCKETSERVE_GROUP(1)
+    BUCKETSERVE_GROUP(2)
+    BUCKETSERVE_GROUP(3)
+    BUCKETSERVE_GROUP(4)
+    BUCKETSERVE_GROUP(5)
+    BUCKETSERVE_GROUP(6)
+    BUCKETSERVE_GROUP(7)
+    BUCKETSERVE_GROUP(8)
+#undef BUCKETSERVE_GROUP
+    default:
+      return false;
+  }
+}
+#endif
+
+// One phase over a row's valid positions with a compiled-in shape: false where none fits.
+template <typename T>
+bool attend_fixed(int64_t group, int64_t dim, bool scores_phase, const float* in, const T* cache,
+                  const int64_t* offsets, int64_t n, float* out) {
+#if defined(__AVX512F__)
+  if (dim == 64) return attend_fixed_dim<T, 64>(group, scores_phase, in, cache, offsets, n, out);
+  if (dim == 128) return attend_fixed_dim<T, 128>(group, scores_phase, in, cache, offsets, n, out);
+#endif
+  return false;
+}
+
 // out[b, h] = softmax(q[b, h] . K[row b's positions, h / group]) V[...], over every position of
 // row b's blocks whose bias is not negative (the blocks of block_list owned by b, in order).
 template <typename T>
@@ -144,18 +221,17 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cach
         load_row(qp + row * q_row + (kv_head * group + g) * q_head, &query[g * dim], dim);
         for (int64_t d = 0; d < dim; ++d) query[g * dim + d] *= static_cast<float>(scale);
       }
-      for (size_t b = 0; b < mine.size(); ++b) {
+      for (size_t b = 0; b < mine.size(); ++b) {  // element offsets of the valid positions
         const int64_t block = blocks[mine[b]];
         for (int64_t p = 0; p < block_size; ++p) {
           if (bias[mine[b] * block_size + p] < 0.f) continue;  // past the row's length, or windowed
-          const int64_t slot = block * block_size + p;
-          const int64_t j = static_cast<int64_t>(valid.size());
-          score_position(query.data(), kp + slot * slot_stride + kv_head * head_stride, group, dim,
-                         kv.data(), &scores[j * group]);
-          valid.push_back(slot);
+          valid.push_back((block * block_size + p) * slot_stride + kv_head * head_stride);
         }
       }
       const int64_t n = static_cast<int64_t>(valid.size());
+      if (!attend_fixed(group, dim, true, query.data(), kp, valid.data(), n, scores.data()))
+        for (int64_t j = 0; j < n; ++j)
+          score_position(query.data(), kp + valid[j], group, dim, kv.data(), &scores[j * group]);
       std::vector<float> maxima(group, -INFINITY), sums(group, 0.f);
       for (int64_t j = 0; j < n; ++j)
         for (int64_t g = 0; g < group; ++g) maxima[g] = std::max(maxima[g], scores[j * group + g]);
@@ -165,10 +241,11 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cach
           s = std::exp(s - maxima[g]);
           sums[g] += s;
         }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < n; ++j)
-        accumulate_position(&scores[j * group], vp + valid[j] * slot_stride + kv_head * head_stride,
-                            group, dim, kv.data(), acc.data());
+      if (!attend_fixed(group, dim, false, scores.data(), vp, valid.data(), n, acc.data())) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t j = 0; j < n; ++j)
+          accumulate_position(&scores[j * group], vp + valid[j], group, dim, kv.data(), acc.data());
+      }
       for (int64_t g = 0; g < group; ++g) {  // a row with no valid position (padding) gets zeros
         const float inv = n > 0 ? 1.f / sums[g] : 0.f;
         T* o = op + (row * heads + kv_head * group + g) * dim;
@@ -245,9 +322,85 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
+
+#if defined(__AVX512BF16__)
+// y[m, n..n+R) = x[m] . w[n..n+R) for M rows of x: each weight row is read once for all M rows,
+// R independent rows keep the dot-product units busy. K is a multiple of 32.
+template <int M, int R>
+inline void gemv_block(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y,
+                       int64_t n, int64_t N, int64_t K) {
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (n + r) * K + k);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) y[m * N + n + r] = c10::BFloat16(_mm512_reduce_add_ps(acc[r][m]));
+}
+
+template <int M>
+void gemv_rows(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y, int64_t N,
+               int64_t K) {
+  constexpr int R = M <= 2 ? 4 : 2;
+  at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t begin, int64_t end) {
+    const int64_t last = std::min(end * 64, N);
+    int64_t n = begin * 64;
+    for (; n + R <= last; n += R) gemv_block<M, R>(x, w, y, n, N, K);
+    for (; n < last; ++n) gemv_block<M, 1>(x, w, y, n, N, K);
+  });
+}
+#endif
+
+bool gemv_supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] @ w[N, K].T in bfloat16 for M <= 8 rows and K a multiple of 32, float32 accumulation
+// (AVX512-BF16 dot products): a small-batch decode projection that streams its weight once.
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(gemv_supported(), "built without AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16,
+              "bfloat16 expected");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8 && x.size(1) % 32 == 0,
+              "1 to 8 rows and a multiple of 32 columns expected");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  auto y = torch::empty({x.size(0), N}, x.options());
+#if defined(__AVX512BF16__)
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* wp = w.data_ptr<c10::BFloat16>();
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  switch (x.size(0)) {
+    case 1: gemv_rows<1>(xp, wp, yp, N, K); break;
+    case 2: gemv_rows<2>(xp, wp, yp, N, K); break;
+    case 3: gemv_rows<3>(xp, wp, yp, N, K); break;
+    case 4: gemv_rows<4>(xp, wp, yp, N, K); break;
+    case 5: gemv_rows<5>(xp, wp, yp, N, K); break;
+    case 6: gemv_rows<6>(xp, wp, yp, N, K); break;
+    case 7: gemv_rows<7>(xp, wp, yp, N, K); break;
+    default: gemv_rows<8>(xp, wp, yp, N, K); break;
+  }
+#endif
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention, blocks read in place");
+  m.def("gemv_supported", &gemv_supported, "whether gemv_bf16 was built");
+  m.def("gemv_bf16", &gemv_bf16, "small-batch bfloat16 projection");
   m.def("rms_norm", &rms_norm, "RMS norm as engine.layers.norm.RMSNorm");
 }
