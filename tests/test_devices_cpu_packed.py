@@ -15,6 +15,13 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def without_fused_kernels(monkeypatch):
+    """Packing is the path of a CPU without the fused kernels (engine/devices/cpu_kernels), whose
+    GEMV otherwise takes the projections first."""
+    monkeypatch.setenv("BUCKETSERVE_CPU_KERNELS", "0")
+
+
 @pytest.mark.parametrize("rows", [1, 3, 32, 100])
 def test_a_packed_weight_multiplies_as_f_linear_does(rows):
     torch.manual_seed(rows)

@@ -58,12 +58,24 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
         return torch.float32, "this CPU has neither AVX512-BF16 nor AMX"
 
     def prepare_model(self, model, dtype: torch.dtype) -> None:
-        """Eager bfloat16: the decoder projections prepacked for oneDNN (compile mode leaves the
-        weights to inductor)."""
+        """Eager bfloat16: the fused C++ kernels (engine.devices.cpu_kernels) for decode attention,
+        the norms and the projections (those the GEMV kernel cannot take, or all without the
+        kernels, prepacked for oneDNN). Compile mode leaves the weights to inductor; float32 keeps
+        the pure-torch path, whose greedy output is exact."""
+        from engine.devices import cpu_kernels
         from engine.devices.cpu_packed import pack_linear_weights, packing_available
 
-        if self.graph_mode == "eager" and dtype == torch.bfloat16 and packing_available():
+        if self.graph_mode != "eager" or dtype != torch.bfloat16:
+            return
+        if cpu_kernels.load() is not None:
+            log.info(
+                "%d bfloat16 matrices through the GEMV kernel", cpu_kernels.install_gemv(model)
+            )
+        if packing_available():  # what the GEMV kernel does not take
             log.info("packed %d bfloat16 projections for oneDNN", pack_linear_weights(model))
+        if cpu_kernels.load() is not None:
+            self.attention_backend = cpu_kernels.attention_backend()
+            log.info("fused CPU kernels: decode attention, %d norms", cpu_kernels.install(model))
 
     @property
     def warm_runs_forward(self) -> bool:

@@ -1,0 +1,406 @@
+// Fused CPU kernels for eager decode: attention over the paged KV cache read in place, and RMS
+// norm. Each matches a pure-torch function of the engine (the
+// reference in the tests); float32 and bfloat16, computed in float32 and rounded where the torch
+// path rounds.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+template <typename T>
+inline T from_float(float x) {
+  return static_cast<T>(x);  // BFloat16: round to nearest even, as torch's casts do
+}
+
+template <typename T>
+inline float round_as(float x) {  // x rounded to T and back: where the torch path stores a T
+  return to_float(from_float<T>(x));
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 is float32's upper half
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+// scores[g] = query[g] . key for the `group` query rows of one kv head (dim floats each)
+template <typename T>
+inline void score_position(const float* query, const T* key, int64_t group, int64_t dim,
+                           float* kv, float* scores) {
+#if defined(__AVX512F__)
+  if (dim % 16 == 0 && group <= 8) {
+    __m512 acc[8];
+    for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m512 k = load16(key + d);
+      for (int64_t g = 0; g < group; ++g)
+        acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(query + g * dim + d), k, acc[g]);
+    }
+    for (int64_t g = 0; g < group; ++g) scores[g] = _mm512_reduce_add_ps(acc[g]);
+    return;
+  }
+#endif
+  load_row(key, kv, dim);
+  for (int64_t g = 0; g < group; ++g) scores[g] = dot(query + g * dim, kv, dim);
+}
+
+// acc[g] += weights[g] * value for the `group` query rows of one kv head
+template <typename T>
+inline void accumulate_position(const float* weights, const T* value, int64_t group, int64_t dim,
+                                float* kv, float* acc) {
+#if defined(__AVX512F__)
+  if (dim % 16 == 0) {
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m512 v = load16(value + d);
+      for (int64_t g = 0; g < group; ++g) {
+        float* a = acc + g * dim + d;
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(weights[g]), v, _mm512_loadu_ps(a)));
+      }
+    }
+    return;
+  }
+#endif
+  load_row(value, kv, dim);
+  for (int64_t g = 0; g < group; ++g) {
+    float* a = acc + g * dim;
+    for (int64_t d = 0; d < dim; ++d) a[d] += weights[g] * kv[d];
+  }
+}
+
+#if defined(__AVX512F__)
+// Both phases of one (row, kv head) with the group and head size known at compile time, so the
+// queries (phase 1) and the accumulators (phase 2) stay in registers across all positions.
+template <typename T, int G, int D>
+void scores_fixed(const float* query, const T* keys, const int64_t* offsets, int64_t n,
+                  float* scores) {
+  constexpr int C = D / 16;
+  __m512 qv[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(query + g * D + c * 16);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 k[C];
+    for (int c = 0; c < C; ++c) k[c] = load16(keys + offsets[j] + c * 16);
+    for (int g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(qv[g][0], k[0]);
+      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], k[c], acc);
+      scores[j * G + g] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+template <typename T, int G, int D>
+void accumulate_fixed(const float* weights, const T* values, const int64_t* offsets, int64_t n,
+                      float* out) {
+  constexpr int C = D / 16;
+  __m512 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(values + offsets[j] + c * 16);
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(weights[j * G + g]);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * D + c * 16, acc[g][c]);
+}
+
+template <typename T, int D>
+bool attend_fixed_dim(int64_t group, bool scores_phase, const float* in, const T* cache,
+                      const int64_t* offsets, int64_t n, float* out) {
+  switch (group) {
+#define BUCKETSERVE_GROUP(G)                                        \
+  case G:                                                           \
+    if (scores_phase)                                               \
+      scores_fixed<T, G, D>(in, cache, offsets, n, out);            \
+    else                                                            \
+      accumulate_fixed<T, G, D>(in, cache, offsets, n, out);        \
+    return true;
+    BUCKETSERVE_GROUP(1)
+    BUCKETSERVE_GROUP(2)
+    BUCKETSERVE_GROUP(3)
+    BUCKETSERVE_GROUP(4)
+    BUCKETSERVE_GROUP(5)
+    BUCKETSERVE_GROUP(6)
+    BUCKETSERVE_GROUP(7)
+    BUCKETSERVE_GROUP(8)
+#undef BUCKETSERVE_GROUP
+    default:
+      return false;
+  }
+}
+#endif
+
+// One phase over a row's valid positions with a compiled-in shape: false where none fits.
+template <typename T>
+bool attend_fixed(int64_t group, int64_t dim, bool scores_phase, const float* in, const T* cache,
+                  const int64_t* offsets, int64_t n, float* out) {
+#if defined(__AVX512F__)
+  if (dim == 64) return attend_fixed_dim<T, 64>(group, scores_phase, in, cache, offsets, n, out);
+  if (dim == 128) return attend_fixed_dim<T, 128>(group, scores_phase, in, cache, offsets, n, out);
+#endif
+  return false;
+}
+
+// out[b, h] = softmax(q[b, h] . K[row b's positions, h / group]) V[...], over every position of
+// row b's blocks whose bias is not negative (the blocks of block_list owned by b, in order).
+template <typename T>
+void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cache,
+                           const torch::Tensor& value_cache, const torch::Tensor& block_list,
+                           const torch::Tensor& block_groups, const torch::Tensor& block_bias,
+                           double scale, torch::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = key_cache.size(1), group = heads / kv_heads;
+  const int64_t num_blocks = block_bias.size(0), block_size = block_bias.size(1);
+  const auto blocks = block_list.accessor<int64_t, 1>();
+  const auto groups = block_groups.accessor<int64_t, 1>();
+  std::vector<std::vector<int64_t>> owned(batch);  // flat indices of each row's blocks
+  for (int64_t i = 0; i < num_blocks; ++i) {
+    const int64_t row = groups[i];
+    TORCH_CHECK(row >= 0 && row < batch, "block ", i, " belongs to row ", row, " of ", batch);
+    owned[row].push_back(i);
+  }
+  const int64_t slots = key_cache.size(0);
+  for (int64_t i = 0; i < num_blocks; ++i)
+    TORCH_CHECK(blocks[i] >= 0 && (blocks[i] + 1) * block_size <= slots, "block ", blocks[i],
+                " is outside the cache");
+  const T* qp = q.data_ptr<T>();
+  const T* kp = key_cache.data_ptr<T>();
+  const T* vp = value_cache.data_ptr<T>();
+  const float* bias = block_bias.data_ptr<float>();
+  T* op = out.data_ptr<T>();
+  const int64_t q_row = q.stride(0), q_head = q.stride(1);
+  const int64_t slot_stride = key_cache.stride(0), head_stride = key_cache.stride(1);
+
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(group * dim), acc(group * dim), kv(dim), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row = item / kv_heads, kv_head = item % kv_heads;
+      const auto& mine = owned[row];
+      const int64_t positions = static_cast<int64_t>(mine.size()) * block_size;
+      scores.assign(group * positions, 0.f);
+      std::vector<int64_t> valid;
+      valid.reserve(positions);
+      for (int64_t g = 0; g < group; ++g) {
+        load_row(qp + row * q_row + (kv_head * group + g) * q_head, &query[g * dim], dim);
+        for (int64_t d = 0; d < dim; ++d) query[g * dim + d] *= static_cast<float>(scale);
+      }
+      for (size_t b = 0; b < mine.size(); ++b) {  // element offsets of the valid positions
+        const int64_t block = blocks[mine[b]];
+        for (int64_t p = 0; p < block_size; ++p) {
+          if (bias[mine[b] * block_size + p] < 0.f) continue;  // past the row's length, or windowed
+          valid.push_back((block * block_size + p) * slot_stride + kv_head * head_stride);
+        }
+      }
+      const int64_t n = static_cast<int64_t>(valid.size());
+      if (!attend_fixed(group, dim, true, query.data(), kp, valid.data(), n, scores.data()))
+        for (int64_t j = 0; j < n; ++j)
+          score_position(query.data(), kp + valid[j], group, dim, kv.data(), &scores[j * group]);
+      std::vector<float> maxima(group, -INFINITY), sums(group, 0.f);
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t g = 0; g < group; ++g) maxima[g] = std::max(maxima[g], scores[j * group + g]);
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t g = 0; g < group; ++g) {
+          float& s = scores[j * group + g];
+          s = std::exp(s - maxima[g]);
+          sums[g] += s;
+        }
+      if (!attend_fixed(group, dim, false, scores.data(), vp, valid.data(), n, acc.data())) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t j = 0; j < n; ++j)
+          accumulate_position(&scores[j * group], vp + valid[j], group, dim, kv.data(), acc.data());
+      }
+      for (int64_t g = 0; g < group; ++g) {  // a row with no valid position (padding) gets zeros
+        const float inv = n > 0 ? 1.f / sums[g] : 0.f;
+        T* o = op + (row * heads + kv_head * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] = from_float<T>(acc[g * dim + d] * inv);
+      }
+    }
+  });
+}
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+                               torch::Tensor block_list, torch::Tensor block_groups,
+                               torch::Tensor block_bias, double scale) {
+  TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 3 && value_cache.dim() == 3,
+              "q [batch, heads, dim] and caches [slots, kv_heads, dim] expected");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ in shape");
+  TORCH_CHECK(q.scalar_type() == key_cache.scalar_type() &&
+                  q.scalar_type() == value_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(q.size(2) == key_cache.size(2) && q.size(1) % key_cache.size(1) == 0,
+              "q's heads must be a multiple of the cache's kv heads, with the same head dim");
+  TORCH_CHECK(key_cache.stride(2) == 1 && value_cache.stride(2) == 1 &&
+                  key_cache.strides() == value_cache.strides(),
+              "caches must be contiguous in their last dimension, with equal strides");
+  TORCH_CHECK(block_bias.dim() == 2 && block_list.size(0) == block_bias.size(0) &&
+                  block_groups.size(0) == block_bias.size(0),
+              "block_list, block_groups and block_bias must have one entry per block");
+  q = q.stride(2) == 1 ? q : q.contiguous();
+  auto blocks = block_list.to(torch::kLong).contiguous();
+  auto groups = block_groups.to(torch::kLong).contiguous();
+  auto bias = block_bias.to(torch::kFloat).contiguous();
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (q.scalar_type() == torch::kFloat) {
+    decode_attention_impl<float>(q, key_cache, value_cache, blocks, groups, bias, scale, out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "float32 or bfloat16 expected");
+    decode_attention_impl<c10::BFloat16>(q, key_cache, value_cache, blocks, groups, bias, scale,
+                                         out);
+  }
+  return out;
+}
+
+// engine.layers.norm.RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)) with x in float32, the
+// normalized row stored as T before the product.
+template <typename T>
+void rms_norm_impl(const T* x, const T* weight, T* out, int64_t rows, int64_t hidden, float eps) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(hidden);
+    for (int64_t r = begin; r < end; ++r) {
+      load_row(x + r * hidden, row.data(), hidden);
+      const float mean = dot(row.data(), row.data(), hidden) / static_cast<float>(hidden);
+      const float inv = 1.f / std::sqrt(mean + eps);
+      T* o = out + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i)
+        o[i] = from_float<T>(to_float(weight[i]) * round_as<T>(row[i] * inv));
+    }
+  });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(weight.dim() == 1 && x.size(-1) == weight.size(0), "weight must match x's last dim");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must share a dtype");
+  x = x.contiguous();
+  weight = weight.contiguous();
+  const int64_t hidden = x.size(-1), rows = x.numel() / std::max<int64_t>(hidden, 1);
+  auto out = torch::empty_like(x);
+  if (x.scalar_type() == torch::kFloat) {
+    rms_norm_impl(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), rows,
+                  hidden, static_cast<float>(eps));
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "float32 or bfloat16 expected");
+    rms_norm_impl(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),
+                  out.data_ptr<c10::BFloat16>(), rows, hidden, static_cast<float>(eps));
+  }
+  return out;
+}
+
+
+#if defined(__AVX512BF16__)
+// y[m, n..n+R) = x[m] . w[n..n+R) for M rows of x: each weight row is read once for all M rows,
+// R independent rows keep the dot-product units busy. K is a multiple of 32.
+template <int M, int R>
+inline void gemv_block(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y,
+                       int64_t n, int64_t N, int64_t K) {
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (n + r) * K + k);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) y[m * N + n + r] = c10::BFloat16(_mm512_reduce_add_ps(acc[r][m]));
+}
+
+template <int M>
+void gemv_rows(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y, int64_t N,
+               int64_t K) {
+  constexpr int R = M <= 2 ? 4 : 2;
+  at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t begin, int64_t end) {
+    const int64_t last = std::min(end * 64, N);
+    int64_t n = begin * 64;
+    for (; n + R <= last; n += R) gemv_block<M, R>(x, w, y, n, N, K);
+    for (; n < last; ++n) gemv_block<M, 1>(x, w, y, n, N, K);
+  });
+}
+#endif
+
+bool gemv_supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] @ w[N, K].T in bfloat16 for M <= 8 rows and K a multiple of 32, float32 accumulation
+// (AVX512-BF16 dot products): a small-batch decode projection that streams its weight once.
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(gemv_supported(), "built without AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16,
+              "bfloat16 expected");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8 && x.size(1) % 32 == 0,
+              "1 to 8 rows and a multiple of 32 columns expected");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  auto y = torch::empty({x.size(0), N}, x.options());
+#if defined(__AVX512BF16__)
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* wp = w.data_ptr<c10::BFloat16>();
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  switch (x.size(0)) {
+    case 1: gemv_rows<1>(xp, wp, yp, N, K); break;
+    case 2: gemv_rows<2>(xp, wp, yp, N, K); break;
+    case 3: gemv_rows<3>(xp, wp, yp, N, K); break;
+    case 4: gemv_rows<4>(xp, wp, yp, N, K); break;
+    case 5: gemv_rows<5>(xp, wp, yp, N, K); break;
+    case 6: gemv_rows<6>(xp, wp, yp, N, K); break;
+    case 7: gemv_rows<7>(xp, wp, yp, N, K); break;
+    default: gemv_rows<8>(xp, wp, yp, N, K); break;
+  }
+#endif
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "paged decode attention, blocks read in place");
+  m.def("gemv_supported", &gemv_supported, "whether gemv_bf16 was built");
+  m.def("gemv_bf16", &gemv_bf16, "small-batch bfloat16 projection");
+  m.def("rms_norm", &rms_norm, "RMS norm as engine.layers.norm.RMSNorm");
+}

@@ -1,0 +1,149 @@
+"""The CPU adapter's fused C++ kernels (engine/devices/cpu_kernels), against the pure-torch path."""
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import windowed_metadata
+from engine.attention.backend import TORCH
+from engine.attention.flat import flat_attention, flat_block_tensors, flat_mask
+from engine.devices import cpu_kernels
+from engine.layers.norm import GemmaRMSNorm, RMSNorm
+from engine.serving.shard import Shard
+from tests.conftest import tiny_config
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+
+
+def test_the_kernels_build_where_a_compiler_is():
+    assert cpu_kernels.load() is not None
+
+
+def paged_case(lengths, dtype, heads=6, kv_heads=2, dim=64, block_size=4, padding=(0, 0)):
+    """q, caches and flat decode tensors for rows of `lengths` tokens over shuffled cache blocks;
+    padding: (extra padding blocks, extra padding rows)."""
+    generator = torch.Generator().manual_seed(sum(lengths) + dim)
+    blocks_of = [-(-length // block_size) for length in lengths]
+    order = (torch.randperm(sum(blocks_of) + 8, generator=generator) + 1).tolist()
+    row_blocks, start = [], 0
+    for count in blocks_of:
+        row_blocks.append(order[start : start + count])
+        start += count
+    batch = len(lengths) + padding[1]
+    slots = (len(order) + 2) * block_size
+    block_list, groups, usage = flat_block_tensors(
+        row_blocks, list(lengths), sum(blocks_of) + padding[0], block_size
+    )
+    mapping, owners, bias = flat_mask(groups, usage, batch, block_size, dtype)
+    key_cache = torch.randn(slots, kv_heads, dim, generator=generator).to(dtype)
+    value_cache = torch.randn(slots, kv_heads, dim, generator=generator).to(dtype)
+    q = torch.randn(batch, heads, dim, generator=generator).to(dtype)
+    return q, key_cache, value_cache, block_list, mapping, owners, bias
+
+
+CASES = {
+    "rows of different lengths": ([5, 17, 9, 1], (0, 0)),
+    "odd block counts, padding blocks and rows": ([13, 3, 21], (3, 2)),
+    "a single block": ([3], (0, 0)),
+    "one row over many blocks": ([37], (1, 0)),
+}
+
+
+@pytest.mark.parametrize("dim", [64, 24])  # vectorized, and the plain loop for other head sizes
+@pytest.mark.parametrize("case", CASES)
+def test_decode_attention_reads_the_paged_cache_as_flat_attention_does(case, dim):
+    lengths, padding = CASES[case]
+    args = paged_case(lengths, torch.float32, dim=dim, padding=padding)
+    expected = flat_attention(*args, 0.125)
+    out = cpu_kernels.decode_attention(*args, 0.125)
+    torch.testing.assert_close(out[: len(lengths)], expected[: len(lengths)], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[len(lengths) :], torch.zeros_like(out[len(lengths) :]))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_decode_attention_in_bfloat16_is_within_bfloat16s_rounding(case):
+    lengths, padding = CASES[case]
+    args = paged_case(lengths, torch.bfloat16, padding=padding)
+    exact = flat_attention(*(a.double() if a.is_floating_point() else a for a in args), 0.125)
+    out = cpu_kernels.decode_attention(*args, 0.125)
+    rows = len(lengths)
+    torch.testing.assert_close(out[:rows].double(), exact[:rows], atol=1e-2, rtol=1e-2)
+
+
+def test_decode_attention_keeps_a_sliding_windows_mask():
+    lengths = [14, 9]
+    args = paged_case(lengths, torch.float32)
+    q, key_cache, value_cache, block_list, mapping, owners, bias = args
+    from engine.attention import DecodeMetadata
+
+    meta = DecodeMetadata(torch.zeros(2, dtype=torch.long), block_list, mapping, owners, bias)
+    positions = torch.tensor([length - 1 for length in lengths])
+    windowed = windowed_metadata(meta, positions, window=5, kv_heads=2)
+    call = (q, key_cache, value_cache, block_list, mapping, owners, windowed.block_bias, 0.125)
+    torch.testing.assert_close(
+        cpu_kernels.decode_attention(*call), flat_attention(*call), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_decode_attention_refuses_a_block_outside_the_cache():
+    q, key_cache, value_cache, block_list, mapping, owners, bias = paged_case([5], torch.float32)
+    block_list = block_list.clone()
+    block_list[0] = key_cache.shape[0]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernels.decode_attention(
+            q, key_cache, value_cache, block_list, mapping, owners, bias, 1
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_rms_norm_matches_the_torch_module(dtype, rows):
+    torch.manual_seed(rows)
+    norm = RMSNorm(40, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(40).to(dtype)
+    x = (torch.randn(rows, 3, 40) * 4).to(dtype)
+    expected = norm(x)
+    out = cpu_kernels.rms_norm(x, norm.weight, norm.eps)
+    assert out.dtype == dtype and out.shape == x.shape
+    if dtype == torch.bfloat16:  # the same roundings: the same bits
+        assert torch.equal(out, expected)
+    else:
+        torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+def test_the_gemv_projection_multiplies_as_f_linear_does(rows):
+    if not cpu_kernels.load().gemv_supported():
+        pytest.skip("built without AVX512-BF16")
+    torch.manual_seed(rows)
+    weight, x = torch.randn(72, 96).bfloat16(), torch.randn(rows, 1, 96).bfloat16()
+    out = cpu_kernels.Bf16Gemv(weight).linear(x)
+    assert out.shape == (rows, 1, 72) and out.dtype == torch.bfloat16
+    exact = F.linear(x.double(), weight.double())
+    torch.testing.assert_close(out.double(), exact, atol=0.05, rtol=0.01)  # bfloat16's rounding
+
+
+def test_the_gemv_refuses_what_it_cannot_multiply():
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_kernels.load().gemv_bf16(torch.ones(1, 40).bfloat16(), torch.ones(8, 40).bfloat16())
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        cpu_kernels.load().gemv_bf16(torch.ones(9, 32).bfloat16(), torch.ones(8, 32).bfloat16())
+
+
+def test_an_eager_bfloat16_shard_uses_the_kernels_and_float32_keeps_pure_torch(tiny_model_dirs):
+    model = tiny_model_dirs["llama"]
+    shard = Shard(tiny_config(model, dtype="bfloat16"), show_progress=False)
+    if cpu_kernels.load().gemv_supported():
+        lm_head = shard.model.lm_head
+        assert isinstance(lm_head.quantized, cpu_kernels.Bf16Gemv)
+        assert lm_head.weight is not None  # a tied embedding still looks rows up in it
+    norms = [m for m in shard.model.modules() if isinstance(m, RMSNorm)]
+    assert shard.adapter.attention_backend.name == "cpu-kernels"
+    assert norms and all(
+        m.fused is cpu_kernels.rms_norm for m in norms if not isinstance(m, GemmaRMSNorm)
+    )
+    plain = Shard(tiny_config(model), show_progress=False)
+    assert plain.adapter.attention_backend in (None, TORCH)
+    assert all(m.fused is None for m in plain.model.modules() if isinstance(m, RMSNorm))
