@@ -8,6 +8,7 @@ import torch
 
 from engine.errors import CorruptFileError
 from engine.weights import loader, paths
+from engine.weights.integrity import read_gguf_index as read_index
 from launcher.cli import bucketserve
 
 CPU = torch.device("cpu")
@@ -72,6 +73,18 @@ def test_a_changed_file_gets_a_new_entry_and_its_old_content_the_old_one(tmp_pat
     assert len(fake_conversion) == 2 and len(list((cache / "models").iterdir())) == 2
     restored = gguf_copy(tmp_path, "a/model.gguf")  # the first content again, written anew
     assert loader.resolve_model_dir(str(restored), cache) == original and len(fake_conversion) == 2
+
+
+def test_an_unchanged_file_is_read_once_per_process(tmp_path, fake_conversion, monkeypatch):
+    """Its header and tensor index are read again only when the file changes (size, times, inode)."""
+    reads = []
+    monkeypatch.setattr(paths, "_content_keys", {})
+    monkeypatch.setattr(paths, "read_gguf_index", lambda p: reads.append(p) or read_index(p))
+    cache, gguf = tmp_path / "cache", gguf_copy(tmp_path, "a/model.gguf")
+    entry = loader.resolve_model_dir(str(gguf), cache)
+    assert loader.resolve_model_dir(str(gguf), cache) == entry and len(reads) == 1
+    rewritten = gguf_copy(tmp_path, "a/model.gguf")  # the same content, written anew
+    assert loader.resolve_model_dir(str(rewritten), cache) == entry and len(reads) == 2
 
 
 def test_cache_list_and_clear(tmp_path, fake_conversion, capsys):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -66,7 +67,7 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     file's content (engine/weights/convert_cache.py): one copy per model, wherever the file lies."""
     from engine.weights import convert_cache
 
-    key = convert_cache.content_key(read_gguf_index(gguf))  # a truncated or corrupt file stops here
+    key = _content_key(gguf)
     if (found := convert_cache.find_entry(cache_dir, key)) is not None:
         convert_cache.record_source(found, gguf)
         return found
@@ -84,6 +85,30 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
         shutil.rmtree(scratch, ignore_errors=True)
     convert_cache.record_source(target, gguf)
     return target
+
+
+# (path, size, mtime, ctime, inode) -> content key: reading the header and tensor index of the
+# embedded model costs ~0.2 s, and one process resolves its model several times (the router's
+# tokenizer, the launcher's checks, the shard's load).
+_content_keys: dict[tuple, str] = {}
+
+
+def _content_key(gguf: Path) -> str:
+    """The file's conversion-cache key, read once per process while the file is unchanged."""
+    stat = os.stat(gguf)
+    seen = (
+        str(Path(gguf).resolve()),
+        stat.st_size,
+        stat.st_mtime_ns,
+        stat.st_ctime_ns,
+        stat.st_ino,
+    )
+    if seen not in _content_keys:
+        from engine.weights import convert_cache
+
+        index = read_gguf_index(gguf)  # a truncated or corrupt file stops here
+        _content_keys[seen] = convert_cache.content_key(index)
+    return _content_keys[seen]
 
 
 def _write_hf_dir(gguf: Path, out: Path) -> None:
