@@ -110,6 +110,25 @@ def _strategies() -> tuple[str, ...]:
 
 
 WARMUP_MODES = ("full", "progressive", "none")  # engine/warmup/run.py
+SPECULATORS = ("ngram",)  # engine/spec/: the proposers built so far
+MAX_SPECULATIVE_TOKENS = 16
+
+
+def speculative_tokens(text: str) -> int:
+    """--num-speculative-tokens: 1..16 proposed tokens per row and step (each is a verify width)."""
+    import argparse  # the flag's own error, in every parser that reads it
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 1 <= value <= MAX_SPECULATIVE_TOKENS:
+        raise argparse.ArgumentTypeError(
+            f"must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {value}"
+        )
+    return value
+
+
 QUANTIZE_MODES = ("none", "int8", "int4", "fp8")
 
 
@@ -168,6 +187,19 @@ class SharedKnobs:
         env="LORA_ADAPTERS",
         parse=parse_lora_adapters,
         text=format_lora_adapters,
+    )
+    speculate: str | None = knob(
+        None,
+        "speculative decoding: ngram proposes the tokens that followed the latest "
+        "n-gram earlier in the prompt or output, verified in one forward (default: off)",
+        choices=SPECULATORS,
+    )
+    num_speculative_tokens: int = knob(
+        4,
+        f"with --speculate: the most tokens proposed per sequence and step (1 to "
+        f"{MAX_SPECULATIVE_TOKENS}; the verify buckets are K + 1 tokens wide)",
+        parse=speculative_tokens,
+        metavar="K",
     )
     otlp_endpoint: str | None = knob(
         None,

@@ -11,7 +11,13 @@ import torch
 from engine.attention import DecodeMetadata, PrefillMetadata
 from engine.attention.flat import flat_block_tensors, flat_mask
 from engine.attention.rows import row_block_tensors
-from engine.buckets.grid import BucketPlan, DecodeBucket, PaddingStats, PrefillBucket
+from engine.buckets.grid import (
+    BucketPlan,
+    DecodeBucket,
+    PaddingStats,
+    PrefillBucket,
+    VerifyBucket,
+)
 from engine.devices.base import DeviceAdapter
 from engine.kv_cache import RESERVED_BLOCK, KVCache
 from engine.layers.lora import NO_ADAPTER
@@ -155,6 +161,40 @@ class ModelRunner:
                 logits[index] = out[row]
         return torch.stack(logits)
 
+    @torch.inference_mode()
+    def verify(self, bucket: VerifyBucket, seqs: list[PrefillInput]) -> torch.Tensor:
+        """Speculative decoding's verify forward (engine/spec/): each row's latest token and its
+        proposals after its cached context, padded to the bucket; logits [rows, width, vocab] at
+        every position of every real row."""
+        if self.recorder is not None:
+            self.recorder.verify(
+                len(seqs),
+                max(len(s.token_ids) for s in seqs),
+                max(self._context_blocks(s) for s in seqs),
+            )
+        self.padding.record("decode", len(seqs), bucket.batch_size, bucket)
+        ids, positions, meta, _, *lora = self._prefill_tensors(bucket.as_prefill, seqs)
+        everywhere = self._to_device(torch.arange(bucket.batch_size * bucket.width))
+        logits = self._run(("verify", bucket), ids, positions, meta, everywhere, *lora)
+        return logits.view(bucket.batch_size, bucket.width, -1)[: len(seqs)]
+
+    def _warm_verify(self, bucket: VerifyBucket, graph: bool) -> None:
+        context = [RESERVED_BLOCK] * (bucket.context_blocks * self.block_size)
+        dummy = [
+            PrefillInput(
+                [0] * bucket.width,
+                [RESERVED_BLOCK] * bucket.width,
+                adapter=self._warm_adapter(row),
+                context_slots=context,
+            )
+            for row in range(bucket.batch_size)
+        ]
+        ids, positions, meta, _, *lora = self._prefill_tensors(bucket.as_prefill, dummy)
+        everywhere = self._to_device(torch.arange(bucket.batch_size * bucket.width))
+        self.adapter.warm(
+            ("verify", bucket), self.model, ids, positions, meta, everywhere, *lora, graph=graph
+        )
+
     def _run(self, shape, *inputs) -> torch.Tensor:
         """One forward at a bucket shape, timed to its end (asynchronous devices are synchronized)."""
         start = time.perf_counter_ns()
@@ -166,13 +206,15 @@ class ModelRunner:
     @torch.inference_mode()
     def warm(
         self,
-        bucket: PrefillBucket | DecodeBucket,
+        bucket: PrefillBucket | DecodeBucket | VerifyBucket,
         prompt_logprobs: bool = False,
         graph: bool = True,
     ) -> None:
         """Run one bucket on dummy rows that read and write only the reserved block (graph=False: warmed
         to run without a device graph, as when the graph memory budget is spent)."""
-        if isinstance(bucket, PrefillBucket):
+        if isinstance(bucket, VerifyBucket):
+            self._warm_verify(bucket, graph)
+        elif isinstance(bucket, PrefillBucket):
             context = [RESERVED_BLOCK] * (bucket.context_blocks * self.block_size)
             dummy = [
                 PrefillInput(

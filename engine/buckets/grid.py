@@ -62,6 +62,25 @@ class DecodeBucket:
 
 
 @dataclass(frozen=True)
+class VerifyBucket:
+    """Speculative decoding's verify step (engine/spec/): `width` query tokens per row (a row's
+    latest token and its proposals, padded) over at most `context_blocks` cached KV blocks a row."""
+
+    batch_size: int
+    width: int
+    context_blocks: int
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "width", "context_blocks"):
+            _require_positive(name, getattr(self, name))
+
+    @property
+    def as_prefill(self) -> PrefillBucket:
+        """The prefill-with-context shape its tensors take (engine/attention/context.py)."""
+        return PrefillBucket(self.batch_size, self.width, self.context_blocks)
+
+
+@dataclass(frozen=True)
 class BucketLimits:
     max_batch_size: int  # most sequences in one forward
     max_input_tokens: int  # longest prompt
@@ -138,16 +157,24 @@ class BucketPlan:
     # splitting minimise time instead of padded tokens: on a real device a bigger bucket can be as
     # fast as a smaller one (memory-bound decode), which token counts cannot see.
     latency: Mapping | None = field(default=None, compare=False, repr=False)
+    # Speculative decoding's verify buckets (engine/spec/buckets.py); none without --speculate.
+    verify: tuple[VerifyBucket, ...] = ()
 
     def __post_init__(self) -> None:
         # Tuples keep the frozen plan hashable and immune to a caller's list edits.
         object.__setattr__(self, "prefill", tuple(self.prefill))
         object.__setattr__(self, "decode", tuple(self.decode))
+        object.__setattr__(self, "verify", tuple(self.verify))
 
     @property
     def graphs(self) -> int:
         """Buckets to warm (one graph each, not counting the prompt-logprobs variant)."""
-        return len(self.prefill) + len(self.decode)
+        return len(self.prefill) + len(self.decode) + len(self.verify)
+
+    @property
+    def buckets(self) -> tuple:
+        """Every bucket warmup runs: prefill, decode and verify."""
+        return self.prefill + self.decode + self.verify
 
     def subset(self, keep: Iterable) -> BucketPlan:
         """The plan restricted to the buckets in `keep` (e.g. those warmed so far), same latencies."""
@@ -156,6 +183,23 @@ class BucketPlan:
             tuple(b for b in self.prefill if b in keep),
             tuple(b for b in self.decode if b in keep),
             self.latency,
+            tuple(b for b in self.verify if b in keep),
+        )
+
+    def verify_bucket(self, batch_size: int, width: int, context_blocks: int):
+        """The smallest verify bucket holding the rows (fewest padded rows, then tokens, then
+        context), or None: the step then decodes without speculation."""
+        holding = [
+            b
+            for b in self.verify
+            if b.batch_size >= batch_size
+            and b.width >= width
+            and b.context_blocks >= context_blocks
+        ]
+        return min(
+            holding,
+            key=lambda b: (self._seconds(b), b.batch_size, b.width, b.context_blocks),
+            default=None,
         )
 
     def _seconds(self, bucket) -> float:

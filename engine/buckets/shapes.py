@@ -4,6 +4,8 @@ One line per forward request the runner received, before any bucket padding or s
   {"phase": "prefill", "batch_size": b, "seq_len": s}      s: the longest prompt of the batch
   {"phase": "prefill", "batch_size": b, "seq_len": s, "context_blocks": c}   s new tokens after c cached blocks
   {"phase": "decode", "batch_size": b, "num_blocks": k}    k: KV blocks of the whole batch
+  {"phase": "verify", "batch_size": b, "width": w, "context_blocks": c}   speculative decoding:
+      w tokens a row (its latest and its proposals) after at most c cached blocks (engine/spec/)
 Standard library only: the `buckets` command reads traces without importing torch.
 """
 
@@ -15,12 +17,12 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-SIZE_KEY = {"prefill": "seq_len", "decode": "num_blocks"}
+SIZE_KEY = {"prefill": "seq_len", "decode": "num_blocks", "verify": "width"}
 
 
 @dataclass(frozen=True)
 class Shape:
-    phase: str  # "prefill" or "decode"
+    phase: str  # "prefill", "decode" or "verify"
     batch_size: int  # real rows of the batch
     size: int  # prefill: longest prompt in tokens; decode: KV blocks of the whole batch
     context_blocks: int = 0  # prefill: most cached context blocks of a row (prefix cache, chunks)
@@ -47,7 +49,7 @@ def parse_shape(text: str) -> Shape:
     except json.JSONDecodeError as err:
         raise ValueError(f"not JSON ({err.msg})") from None
     if not isinstance(record, dict) or record.get("phase") not in SIZE_KEY:
-        raise ValueError('expected {"phase": "prefill"|"decode", ...}')
+        raise ValueError('expected {"phase": "prefill"|"decode"|"verify", ...}')
     phase = record["phase"]
     key = SIZE_KEY[phase]
     for name in ("batch_size", key):
@@ -55,8 +57,8 @@ def parse_shape(text: str) -> Shape:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{phase} record needs a positive integer {name!r}, got {value!r}")
     context = record.get("context_blocks", 0)
-    if phase != "prefill" and "context_blocks" in record:
-        raise ValueError("context_blocks belongs to prefill records only")
+    if phase == "decode" and "context_blocks" in record:
+        raise ValueError("context_blocks belongs to verify and prefill records only")
     if not isinstance(context, int) or isinstance(context, bool) or context < 0:
         raise ValueError(
             f"prefill record needs a non-negative integer 'context_blocks', got {context!r}"
@@ -104,6 +106,9 @@ class ShapeRecorder:
 
     def decode(self, batch_size: int, num_blocks: int) -> None:
         self.record(Shape("decode", batch_size, num_blocks))
+
+    def verify(self, batch_size: int, width: int, context_blocks: int) -> None:
+        self.record(Shape("verify", batch_size, width, context_blocks))
 
     def close(self) -> None:
         self._file.close()

@@ -11,7 +11,7 @@ import time
 import torch
 
 from engine.batch import Batch, CachedBatch, Generation, InfoResponse, StepTimings, WarmupResult
-from engine.buckets.grid import PaddingStats, PrefillBucket
+from engine.buckets.grid import PaddingStats, PrefillBucket, VerifyBucket
 from engine.config import EngineConfig, ServingLimits, distributed_address, torch_dtype
 from engine.devices import get_adapter
 from engine.devices.simulate.counters import graph_counts, start_serving, start_warmup
@@ -136,6 +136,20 @@ class Shard:
         self.device_lock = DeviceLock()  # a step, or one bucket of background warmup (steps first)
         self.background = None  # progressive warmup's BackgroundWarmup while it runs
         self.recorder = None  # ShapeRecorder of --record-shapes
+        self.speculator = self._speculator(config)  # --speculate (engine/spec/); None: off
+
+    def _speculator(self, config: EngineConfig):
+        if not config.speculate:
+            return None
+        if recompute_position(self.model) is not None:
+            raise ModelLoadError(
+                f"--speculate does not combine with {self.model_config.architecture}'s rope "
+                "switch yet (its cache is recomputed at one position, engine/serving/recompute.py)"
+            )
+        from engine.spec.buckets import SPECULATE_MAX_BATCH
+        from engine.spec.step import Speculator
+
+        return Speculator(config.speculate, config.num_speculative_tokens, SPECULATE_MAX_BATCH)
 
     def _without_unsound_prefix_caching(self, config: EngineConfig) -> EngineConfig:
         """A model whose keys' rotation depends on the sequence's final length (Phi-3's longrope:
@@ -173,7 +187,7 @@ class Shard:
             dtype=str(self.dtype).removeprefix("torch."),
             device_type=self.adapter.device_type,
             window_size=self.model_config.sliding_window,
-            speculate=0,
+            speculate=self.speculator.num_tokens if self.speculator is not None else 0,
             support_chunking=self.config.prefix_caching,
             use_prefix_caching=self.config.prefix_caching,
             block_size=self.block_size,
@@ -228,6 +242,8 @@ class Shard:
         self.runner.padding = PaddingStats()  # serving_stats counts served traffic, not warmup
         self.chunk_stats.update(chunked_prompts=0, prefill_chunks=0)
         self.lookahead_stats.update(lookahead_runs=0, lookahead_steps=0)
+        if self.speculator is not None:
+            self.speculator.reset_stats()
         return WarmupResult(
             self.runner.kv_cache.capacity_tokens, limits.max_input_tokens, limits.max_total_tokens
         )
@@ -252,8 +268,10 @@ class Shard:
         if self.runner is None:
             return {"warmed": 0, "total": 0, "done": False}
         plan, warmed = self.runner.plan, self.adapter.shapes.warmed
-        count = sum(("prefill", b) in warmed for b in plan.prefill) + sum(
-            ("decode", b) in warmed for b in plan.decode
+        count = (
+            sum(("prefill", b) in warmed for b in plan.prefill)
+            + sum(("decode", b) in warmed for b in plan.decode)
+            + sum(("verify", b) in warmed for b in plan.verify)
         )
         return {"warmed": count, "total": plan.graphs, "done": count == plan.graphs}
 
@@ -425,6 +443,7 @@ class Shard:
             vocab_size=self.model_config.vocab_size,
             contents=self.contents,
             chunk_stats=self.chunk_stats,
+            speculator=self.speculator,
         )
 
     def _unset_seed(self, request_id: int) -> int:
@@ -507,7 +526,18 @@ REPORTED_BUCKETS = 32
 
 def bucket_counts(bucket, forwards: int, real: int, padded: int) -> list:
     """One bucket's use, compact: ["prefill", batch, seq_len, context_blocks, forwards, real tokens,
-    padded tokens] or ["decode", batch, num_blocks, forwards, real rows, padded rows]."""
+    padded tokens] or ["decode", batch, num_blocks, forwards, real rows, padded rows]; a verify bucket
+    (engine/spec/) as ["verify", batch, width, context_blocks, forwards, real rows, padded rows]."""
+    if isinstance(bucket, VerifyBucket):
+        return [
+            "verify",
+            bucket.batch_size,
+            bucket.width,
+            bucket.context_blocks,
+            forwards,
+            real,
+            padded,
+        ]
     if isinstance(bucket, PrefillBucket):
         return [
             "prefill",

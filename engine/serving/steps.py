@@ -30,6 +30,7 @@ from engine.serving.resume import check_resumed, replay
 from engine.serving.sampling import is_sampling, new_sampling_state, validate_parameters
 from engine.serving.sequence import Sequence
 from engine.serving.static_sampling import choose_next
+from engine.spec.step import speculative_step
 
 
 @dataclass(kw_only=True)
@@ -55,6 +56,7 @@ class StepContext:
     chunk_stats: dict | None = (
         None  # "chunked_prompts", "prefill_chunks": counted for the router's metrics
     )
+    speculator: object = None  # engine.spec.step.Speculator with --speculate; None: off
 
 
 def adapter_slot(ctx: StepContext, request: Request) -> int:
@@ -266,6 +268,16 @@ def decode_step(
             raise InvalidRequestError(
                 f"request {seq.id}: its KV blocks are full at position {len(seq.token_ids) - 1}"
             )
+    if ctx.speculator is not None and not (ahead is not None and ahead.covers(sequences)):
+        speculated = speculative_step(
+            ctx,
+            sequences,
+            [adapter_slot(ctx, s.request) for s in sequences],
+            _advance,
+            record_contents,
+        )
+        if speculated is not None:  # None: this step decodes plainly (engine/spec/step.py)
+            return generations + speculated
     # Phi-3 recomputes at its rope switch (decode_logits, under logits_using).
     logits = logits_using(ahead, ctx.runner, sequences, _decode_inputs(ctx, sequences))
     for seq in sequences:
@@ -281,6 +293,8 @@ def look_ahead_step(ctx: StepContext, sequences: list[Sequence]) -> Ahead | None
     still prefilling, or one whose next position needs a KV block the router has not added."""
     if not sequences or any(s.prefilling or not _has_next_slot(ctx, s) for s in sequences):
         return None
+    if ctx.speculator is not None and len(sequences) <= ctx.speculator.max_batch:
+        return None  # the step speculates: its forward is a verify, run at the step itself
     return run_ahead(ctx.runner, sequences, _decode_inputs(ctx, sequences))
 
 

@@ -15,7 +15,7 @@ import statistics
 import time
 from pathlib import Path
 
-from engine.buckets.grid import BucketLimits, BucketPlan, DecodeBucket, PrefillBucket
+from engine.buckets.grid import BucketLimits, BucketPlan, DecodeBucket, PrefillBucket, VerifyBucket
 
 PROFILE_VERSION = 1
 
@@ -69,7 +69,9 @@ def check_fingerprint(path, measured: dict, current: dict) -> None:
         )
 
 
-def bucket_of(entry: dict) -> PrefillBucket | DecodeBucket:
+def bucket_of(entry: dict) -> PrefillBucket | DecodeBucket | VerifyBucket:
+    if entry["phase"] == "verify":
+        return VerifyBucket(entry["batch_size"], entry["width"], entry["context_blocks"])
     if entry["phase"] == "prefill":
         return PrefillBucket(entry["batch_size"], entry["seq_len"], entry.get("context_blocks", 0))
     return DecodeBucket(entry["batch_size"], entry["num_blocks"])
@@ -86,6 +88,7 @@ def plan_from_profile(path, limits: BucketLimits, current_fingerprint: dict) -> 
         tuple(b for b in buckets if isinstance(b, PrefillBucket)),
         tuple(b for b in buckets if isinstance(b, DecodeBucket)),
         latency=buckets,
+        verify=tuple(b for b in buckets if isinstance(b, VerifyBucket)),
     )
     check_plan(plan, limits, f"{path} (the limits differ from the profile's)")
     return plan
@@ -113,13 +116,15 @@ def time_bucket(runner, bucket, runs: int) -> list[float]:
 
 
 def bucket_entry(bucket, warm, seconds: list[float]) -> dict:
-    size = (
-        {"seq_len": bucket.seq_len, "context_blocks": bucket.context_blocks}
-        if isinstance(bucket, PrefillBucket)
-        else {"num_blocks": bucket.num_blocks}
-    )
+    if isinstance(bucket, VerifyBucket):
+        phase, size = "verify", {"width": bucket.width, "context_blocks": bucket.context_blocks}
+    elif isinstance(bucket, PrefillBucket):
+        phase = "prefill"
+        size = {"seq_len": bucket.seq_len, "context_blocks": bucket.context_blocks}
+    else:
+        phase, size = "decode", {"num_blocks": bucket.num_blocks}
     return {
-        "phase": "prefill" if isinstance(bucket, PrefillBucket) else "decode",
+        "phase": phase,
         "batch_size": bucket.batch_size,
         **size,
         "warm_s": warm.seconds,
@@ -182,8 +187,8 @@ def summary_table(entries: list[dict]) -> str:
         f"{'memory MiB':>11}"
     ]
     for e in entries:
-        size = e.get("seq_len", e.get("num_blocks"))
-        context = e.get("context_blocks", 0) if e["phase"] == "prefill" else "-"
+        size = e.get("seq_len", e.get("num_blocks", e.get("width")))
+        context = e.get("context_blocks", 0) if e["phase"] != "decode" else "-"
         lines.append(
             f"{e['phase']:8} {e['batch_size']:>4} {size:>10} {context:>10} {e['warm_s']:>8.2f} "
             f"{e['latency_s'] * 1e3:>10.2f} {e['memory_bytes'] / 2**20:>11.1f}"

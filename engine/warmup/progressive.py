@@ -185,7 +185,7 @@ def start_progressive(
         lambda bucket: (warmed.add(bucket), setattr(runner, "plan", plan.subset(warmed))),
     )
     phases.mark("covering buckets")
-    remaining = background_order([b for b in plan.prefill + plan.decode if b not in warmed])
+    remaining = background_order([b for b in plan.buckets if b not in warmed])
     report(
         f"warmup progressive: {len(cover)} covering buckets in {phases.summary()}; healthy, "
         f"{len(remaining)} more warming in the background: "

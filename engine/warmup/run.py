@@ -155,6 +155,7 @@ def plan_for(
     """The shard's buckets: a warmup profile's exactly (with its latencies), else the strategy's;
     `graphless` (a device that compiles nothing) adds a decode bucket for every batch size."""
     from engine.buckets.plan import make_plan, with_every_decode_batch
+    from engine.spec.buckets import graph_budget_left, verify_buckets, with_verify
 
     if config.warmup_profile:
         from engine.warmup.profile import plan_from_profile
@@ -165,15 +166,16 @@ def plan_for(
         from engine.buckets.shapes import load_shapes
 
         shapes = load_shapes(config.bucket_shapes)
+    verify = verify_buckets(limits, config.num_speculative_tokens) if config.speculate else []
     plan = make_plan(
         config.bucket_strategy,
         limits,
         shapes,
         config.bucket_file,
-        config.max_graphs,
+        graph_budget_left(config.max_graphs, verify),
         prefix_caching=config.prefix_caching,
     )
-    return with_every_decode_batch(plan) if graphless else plan
+    return with_verify(with_every_decode_batch(plan) if graphless else plan, verify)
 
 
 def run_warmup(
@@ -190,6 +192,7 @@ def run_warmup(
     if mode not in WARMUP_MODES:
         raise ValueError(f"unknown warmup mode {mode!r} (choose from {', '.join(WARMUP_MODES)})")
     counts = f"{len(plan.prefill)} prefill + {len(plan.decode)} decode buckets"
+    counts += f" + {len(plan.verify)} verify" if plan.verify else ""
     if mode == "none":
         # Nothing warmed: strict shape checking would refuse every forward, so every shape runs eagerly.
         runner.adapter.shapes.strict = False
@@ -203,7 +206,7 @@ def run_warmup(
     if mode == "progressive":
         return start_progressive(runner, plan, limits, prompt_logprobs, show_progress, lock, phases)
     phases.buckets += warm_buckets(
-        runner, warmup_order(plan.prefill + plan.decode), prompt_logprobs, show_progress, lock=lock
+        runner, warmup_order(plan.buckets), prompt_logprobs, show_progress, lock=lock
     )
     phases.mark("buckets")
     report(f"warmup full: {counts} ({plan.graphs} graphs) in {phases.summary()}", show_progress)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from engine.buckets.grid import BucketPlan, DecodeBucket, PrefillBucket
+from engine.buckets.grid import BucketPlan, DecodeBucket, PrefillBucket, VerifyBucket
 from engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def _gib(delta: int) -> str:
 class BucketWarmup:
     """One bucket's warmup: its first run (where a graph is compiled or captured) and memory."""
 
-    bucket: PrefillBucket | DecodeBucket
+    bucket: PrefillBucket | DecodeBucket | VerifyBucket
     seconds: float
     free_before: int
     free_after: int
@@ -78,10 +78,14 @@ def warmup_order(buckets) -> list:
 
 
 def bucket_size(bucket) -> int:
+    if isinstance(bucket, VerifyBucket):
+        return bucket.width
     return bucket.seq_len if isinstance(bucket, PrefillBucket) else bucket.num_blocks
 
 
 def describe(bucket) -> str:
+    if isinstance(bucket, VerifyBucket):
+        return f"verify bs={bucket.batch_size} width={bucket.width} context={bucket.context_blocks}"
     if isinstance(bucket, PrefillBucket):
         context = f" context={bucket.context_blocks}" if bucket.context_blocks else ""
         return f"prefill bs={bucket.batch_size} seq={bucket.seq_len}{context}"
@@ -136,7 +140,7 @@ def warm_all(
 ) -> float:
     """Run every bucket once, largest first; returns seconds spent."""
     start = time.perf_counter()
-    warm_buckets(runner, warmup_order(plan.prefill + plan.decode), prompt_logprobs, show_progress)
+    warm_buckets(runner, warmup_order(plan.buckets), prompt_logprobs, show_progress)
     return time.perf_counter() - start
 
 

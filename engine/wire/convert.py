@@ -251,7 +251,7 @@ def stats_to_pb(stats: dict) -> pb.ServingStats:
 
 def bucket_use_to_pb(entry: list) -> pb.BucketUse:
     """Shard.bucket_counts' compact row: a prefill row names its context blocks, a decode row not."""
-    if entry[0] == "prefill":
+    if entry[0] in ("prefill", "verify"):  # verify: its width is the length
         phase, batch, length, context, forwards, real, padded = entry
     else:
         (phase, batch, length, forwards, real, padded), context = entry, 0

@@ -1,0 +1,8 @@
+"""Speculative decoding: proposers guess a sequence's next tokens, one verify forward of the target
+checks them all, and acceptance keeps exactly the tokens plain decoding would have chosen.
+
+ngram.py    prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
+            newest n-gram (CPU-side, no weights)
+buckets.py  the verify buckets `(batch, K + 1, context blocks)`, planned and warmed with the others
+step.py     a decode step that proposes, verifies in one forward and accepts token by token
+"""

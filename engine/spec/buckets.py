@@ -1,0 +1,51 @@
+"""The verify buckets: `(batch, K + 1, context blocks)`, one graph each, warmed with the others.
+
+A verify forward is a prefill that continues cached context (engine/attention/context.py): each
+row's latest token and its proposals are its new tokens, everything before them its context. Rows
+that propose fewer than K tokens are padded to the width, so one width serves every step; the
+context dimension ranges like the context buckets' (exponential, one block at the finest) up to a
+whole sequence. Only small batches get verify buckets (SPECULATE_MAX_BATCH): there a step is bound
+by reading the weights and K + 1 tokens cost about what one does; larger batches decode plainly.
+"""
+
+from __future__ import annotations
+
+from engine.buckets.grid import (
+    BucketLimits,
+    BucketPlan,
+    VerifyBucket,
+    exponential_range,
+    small_decode_batches,
+)
+
+SPECULATE_MAX_BATCH = 4  # the largest batch that speculates (docs/speculative.md: measured)
+
+
+def verify_buckets(limits: BucketLimits, num_speculative_tokens: int) -> list[VerifyBucket]:
+    """Every verify bucket of a plan speculating `num_speculative_tokens` tokens a row."""
+    top_batch = min(SPECULATE_MAX_BATCH, limits.max_batch_size, limits.max_kv_blocks)
+    contexts = exponential_range(1, 1, limits.blocks_per_sequence)
+    return [
+        VerifyBucket(batch, num_speculative_tokens + 1, context)
+        for batch in small_decode_batches(top_batch)
+        for context in contexts
+        if batch * context <= limits.max_kv_blocks
+    ]
+
+
+def with_verify(plan: BucketPlan, buckets: list[VerifyBucket]) -> BucketPlan:
+    return BucketPlan(plan.prefill, plan.decode, plan.latency, tuple(buckets))
+
+
+def graph_budget_left(max_graphs: int | None, verify: list[VerifyBucket]) -> int | None:
+    """--max-graphs counts the verify buckets too: what is left for prefill and decode."""
+    if max_graphs is None or not verify:
+        return max_graphs
+    left = max_graphs - len(verify)
+    if left < 2:
+        raise ValueError(
+            f"--max-graphs {max_graphs} leaves no room for prefill and decode buckets beside "
+            f"the {len(verify)} verify buckets of --speculate (raise it, or lower "
+            "--max-total-tokens)"
+        )
+    return left
