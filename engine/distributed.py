@@ -5,7 +5,7 @@ With one rank every collective is the identity, so single-device code pays nothi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -13,8 +13,12 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class Parallel:
+    """The tensor-parallel group: this rank's place in it, and (with pipeline stages) the
+    torch.distributed group of its stage's ranks; None: the whole world."""
+
     rank: int = 0
     world_size: int = 1
+    group: object = field(default=None, compare=False)
 
     def split(self, total: int, what: str) -> int:
         """This rank's share of `total` items that must divide evenly."""
@@ -32,7 +36,8 @@ _host_group = None
 
 
 def init_distributed(parallel: Parallel, backend: str, master_addr: str, master_port: int) -> None:
-    """Join the shard group (every rank calls this with the same address)."""
+    """Join the shard group (every rank calls this with the same address); `parallel`: this
+    rank's place in the whole world (pipeline stages then split it: engine/pipeline/)."""
     if parallel.world_size == 1 or dist.is_initialized():
         return
     global _host_group
@@ -48,7 +53,7 @@ def init_distributed(parallel: Parallel, backend: str, master_addr: str, master_
 
 def all_reduce_sum(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
     if parallel.world_size > 1:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=parallel.group)
     return x
 
 
@@ -57,7 +62,7 @@ def all_gather_last_dim(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
     if parallel.world_size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(parallel.world_size)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=parallel.group)
     return torch.cat(parts, dim=-1)
 
 
@@ -77,3 +82,12 @@ def broadcast_int(value: int, parallel: Parallel) -> int:
     tensor = torch.tensor([value], dtype=torch.int64)
     dist.broadcast(tensor, src=0, group=_host_group)
     return int(tensor.item())
+
+
+def gather_objects(value, parallel: Parallel) -> list:
+    """Every rank's picklable `value`, in rank order (over the host group)."""
+    if parallel.world_size == 1:
+        return [value]
+    values = [None] * parallel.world_size
+    dist.all_gather_object(values, value, group=_host_group)
+    return values
