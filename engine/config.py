@@ -33,6 +33,15 @@ def distributed_address() -> tuple[str, int]:
     return os.environ.get("MASTER_ADDR", "127.0.0.1"), env_int("MASTER_PORT") or 29500
 
 
+def node_environment() -> dict[str, int | None]:
+    """This process's place in a multi-node group, as the launcher sets it (torchrun's names)."""
+    return {
+        "local_rank": env_int("LOCAL_RANK"),
+        "local_world_size": env_int("LOCAL_WORLD_SIZE"),
+        "node_rank": env_int("GROUP_RANK"),
+    }
+
+
 def parse_lora_adapters(text: str | None) -> tuple[tuple[str, str], ...]:
     """`name=path[,name=path...]` (--lora-adapters, or TGI's LORA_ADAPTERS) as (name, path) pairs.
     A bare `path` is served under that same string, as TGI names an adapter by its id."""
@@ -201,6 +210,14 @@ class SharedKnobs:
         parse=speculative_tokens,
         metavar="K",
     )
+    shard_secret: str | None = knob(
+        None,
+        "the secret every shard RPC over TCP must carry (multi-node: shards of other nodes "
+        "listen on TCP; default: $BUCKETSERVE_SHARD_SECRET); a launcher passes it in the "
+        "environment, never on a command line",
+        env="BUCKETSERVE_SHARD_SECRET",
+        secret=True,
+    )
     otlp_endpoint: str | None = knob(
         None,
         "send OpenTelemetry spans to this OTLP gRPC collector, "
@@ -307,6 +324,12 @@ class EngineConfig(SharedKnobs):
         "MoE experts (default: the device's: dense, every expert over "
         "every token, on CPU and HPU; gather on CUDA)",
         choices=("dense", "gather"),
+    )
+
+    pipeline_parallel_size: int = knob(
+        1,
+        "pipeline stages: the world's ranks split into this many stages of consecutive "
+        "layers, each stage tensor-parallel over world size / stages ranks (docs/multinode.md)",
     )
 
     @property

@@ -5,7 +5,7 @@ With one rank every collective is the identity, so single-device code pays nothi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -15,8 +15,12 @@ from engine.devices.hooks import mark_step
 
 @dataclass(frozen=True)
 class Parallel:
+    """The tensor-parallel group: this rank's place in it, and (with pipeline stages) the
+    torch.distributed group of its stage's ranks; None: the whole world."""
+
     rank: int = 0
     world_size: int = 1
+    group: object = field(default=None, compare=False)
 
     def split(self, total: int, what: str) -> int:
         """This rank's share of `total` items that must divide evenly."""
@@ -34,7 +38,8 @@ _host_group = None
 
 
 def init_distributed(parallel: Parallel, backend: str, master_addr: str, master_port: int) -> None:
-    """Join the shard group (every rank calls this with the same address)."""
+    """Join the shard group (every rank calls this with the same address); `parallel`: this
+    rank's place in the whole world (pipeline stages then split it: engine/pipeline/)."""
     if parallel.world_size == 1 or dist.is_initialized():
         return
     global _host_group
@@ -54,7 +59,7 @@ def all_reduce_sum(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
         # PT_HPU_ENABLE_LAZY_COLLECTIVES=1 (which tensor-parallel HPU graphs need) unless the graph
         # is cut first, as vllm-fork (1fd06cc5), vllm-gaudi and TGI do. A no-op elsewhere.
         mark_step()
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=parallel.group)
     return x
 
 
@@ -63,7 +68,7 @@ def all_gather_last_dim(x: torch.Tensor, parallel: Parallel) -> torch.Tensor:
     if parallel.world_size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(parallel.world_size)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=parallel.group)
     return torch.cat(parts, dim=-1)
 
 
@@ -83,3 +88,12 @@ def broadcast_int(value: int, parallel: Parallel) -> int:
     tensor = torch.tensor([value], dtype=torch.int64)
     dist.broadcast(tensor, src=0, group=_host_group)
     return int(tensor.item())
+
+
+def gather_objects(value, parallel: Parallel) -> list:
+    """Every rank's picklable `value`, in rank order (over the host group)."""
+    if parallel.world_size == 1:
+        return [value]
+    values = [None] * parallel.world_size
+    dist.all_gather_object(values, value, group=_host_group)
+    return values

@@ -28,7 +28,9 @@ def split_problem(heads: int, kv_heads: int, num_shard: int) -> str | None:
     return None
 
 
-def check_split(model_id: str | None, num_shard: int) -> None:
+def check_split(model_id: str | None, num_shard: int, what: str = "") -> None:
+    """`what`: how the command line made these `num_shard` tensor-parallel ranks (default:
+    --num-shard)."""
     # Resolving here also converts a GGUF model once, before N shards would race to convert it.
     # One shard splits nothing and races no other shard: the launcher then never imports torch or
     # transformers, and starts its shard seconds sooner (the shard converts, atomically, if needed).
@@ -42,7 +44,23 @@ def check_split(model_id: str | None, num_shard: int) -> None:
     problem = split_problem(config.num_heads, config.num_kv_heads, num_shard)
     if problem:
         raise ConfigError(
-            f"--num-shard {num_shard} cannot split the model in {model_dir}: {problem}"
+            f"{what or f'--num-shard {num_shard}'} cannot split the model in {model_dir}: {problem}"
+        )
+
+
+def check_stages(model_id: str | None, stages: int) -> None:
+    """Every pipeline stage needs a layer at least."""
+    if stages == 1:
+        return
+    from engine.config import default_cache_dir
+    from engine.weights.loader import read_config, resolve_model_dir
+
+    model_dir = resolve_model_dir(model_id, default_cache_dir())
+    layers = read_config(model_dir).num_layers
+    if stages > layers:
+        raise ConfigError(
+            f"--pipeline-parallel-size {stages} is larger than the {layers} layers of the "
+            f"model in {model_dir}"
         )
 
 

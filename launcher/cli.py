@@ -21,8 +21,10 @@ from launcher.checks import (
     check_port,
     check_socket_base,
     check_split,
+    check_stages,
     unique_socket_base,
 )
+from launcher.cluster import check_grid, resolve_cluster
 from launcher.config import ROUTER_SET_BY_LAUNCHER, LauncherConfig
 from launcher.logs import Console
 from launcher.supervisor import supervise
@@ -51,6 +53,7 @@ def config_from_args(args: argparse.Namespace) -> LauncherConfig:
 
 def resolve(config: LauncherConfig, console: Console) -> tuple[LauncherConfig, DevicePlan]:
     """Check everything that can be checked before a shard starts; the concrete config and device."""
+    config = resolve_cluster(config, os.environ)
     engine, router = config.engine, config.router
     check_limits(
         engine.max_input_tokens,
@@ -67,7 +70,8 @@ def resolve(config: LauncherConfig, console: Console) -> tuple[LauncherConfig, D
     if config.master_port is not None:
         if config.master_port == router.port:
             raise ConfigError(f"--master-port {config.master_port} is also the --port")
-        check_port("--master-port", config.master_port)
+        if config.node_rank == 0:  # the other nodes' master is node 0's rank 0
+            check_port("--master-port", config.master_port)
     device = resolve_device(
         engine.device,
         config.num_shard,
@@ -75,10 +79,24 @@ def resolve(config: LauncherConfig, console: Console) -> tuple[LauncherConfig, D
         list_adapters,
         warn=lambda message: console.line(f"warning: {message}"),
     )
-    check_split(engine.model_id, config.num_shard)
+    stages = engine.pipeline_parallel_size
+    check_grid(
+        config.world_size, stages, lambda tp: check_split(engine.model_id, tp, tp_what(config, tp))
+    )
+    check_stages(engine.model_id, stages)
     base = config.uds_path or unique_socket_base()
     check_socket_base(base, config.num_shard)
     return replace(config, engine=replace(engine, device=device.name), uds_path=base), device
+
+
+def tp_what(config: LauncherConfig, tp: int) -> str:
+    """How a launch's flags made `tp` tensor-parallel ranks per stage, for its error line."""
+    if tp == config.num_shard and config.world_size == config.num_shard:
+        return ""
+    return (
+        f"{tp} tensor-parallel ranks per stage (--num-shard {config.num_shard} x --nnodes "
+        f"{config.nnodes} / --pipeline-parallel-size {config.engine.pipeline_parallel_size})"
+    )
 
 
 def list_adapters() -> list[str]:

@@ -32,7 +32,24 @@ class LauncherConfig:
     uds_path: str | None = knob(
         None, "socket base: rank r listens on BASE-r (default: a unique path per launch)"
     )
-    master_port: int | None = knob(None, "torch.distributed rendezvous port (default: a free one)")
+    master_port: int | None = knob(
+        None,
+        "torch.distributed rendezvous port (default: one node: a free one; several: "
+        "$MASTER_PORT, else 29500)",
+    )
+    nnodes: int | None = knob(
+        None, "nodes in the group (default: $NNODES, else $LWS_GROUP_SIZE, else 1)"
+    )
+    node_rank: int | None = knob(
+        None,
+        "this node's place, 0..nnodes-1; node 0 runs the router, the others are headless "
+        "(default: $NODE_RANK, else $LWS_WORKER_INDEX, else 0)",
+    )
+    master_addr: str | None = knob(
+        None,
+        "node 0's address, where rank 0 holds the rendezvous (default: $MASTER_ADDR, else "
+        "$LWS_LEADER_ADDRESS, else 127.0.0.1)",
+    )
     no_router: bool = knob(False, "start the shards only and print the master socket", switch=True)
     restart_on_failure: bool = knob(
         False,
@@ -48,8 +65,22 @@ class LauncherConfig:
         10.0, "seconds a shard may take to stop gracefully before it is killed"
     )
 
+    @property
+    def world_size(self) -> int:
+        """Ranks in the whole group: this node's shards times the nodes."""
+        return self.num_shard * (self.nnodes or 1)
+
+    @property
+    def first_rank(self) -> int:
+        return self.num_shard * (self.node_rank or 0)
+
     def socket_path(self, rank: int) -> str:
         return f"{self.uds_path}-{rank}"
+
+    def local_socket_path(self, local_rank: int) -> str:
+        """Where this node's `local_rank`-th shard listens (a shard names its socket by its rank
+        in the whole group)."""
+        return self.socket_path(self.first_rank + local_rank)
 
     def shard_args(self) -> list[str]:
         """The `engine serve` arguments every rank gets (its rank comes from the environment): the

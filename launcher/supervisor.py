@@ -20,14 +20,16 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.cli.flags import knob_environment_names
+from engine.cli.flags import knob_environment_names, secret_environment
 from engine.config import EngineConfig
 from engine.devices.probe import DevicePlan
 from engine.wire import generate_pb2 as pb
 from engine.wire import generate_pb2_grpc as pb_grpc
 from launcher.checks import pick_free_port
+from launcher.cluster import LOOPBACK
 from launcher.config import LauncherConfig, child_environment
 from launcher.logs import Console, LogTail
+from launcher.peers import PeerWatch
 from launcher.router_process import RouterFailure, RouterProcess
 
 POLL_S = 0.5  # how soon a dead shard is noticed
@@ -35,7 +37,6 @@ HEALTH_RPC_TIMEOUT_S = 2.0
 FAILURE_GRACE_S = 3.0  # survivors of a failed group: its requests are lost anyway, and a rank
 # blocked in a collective with the dead one would never stop by itself
 REPORT_LINES = 20
-MASTER_ADDR = "127.0.0.1"  # every rank runs on this host
 # Reconnect quickly: the socket appears the moment a shard has loaded, and gRPC's default backoff
 # would otherwise leave a ready shard unasked for up to two minutes.
 CHANNEL_OPTIONS = [
@@ -51,6 +52,8 @@ INHERITED_VARS_DROPPED = (
     "LOCAL_RANK",
     "MASTER_ADDR",
     "MASTER_PORT",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
     *sorted(knob_environment_names(EngineConfig)),
 )
 
@@ -114,20 +117,25 @@ class ShardGroup:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        forward = lambda text, rank=rank: self.console.line(f"[shard {rank}] {text}")  # noqa: E731
+        label = self.config.first_rank + rank  # its rank in the whole group
+        forward = lambda text, label=label: self.console.line(f"[shard {label}] {text}")  # noqa: E731
         return ShardProcess(rank, process, LogTail(process.stdout, forward))
 
     def _env(self, rank: int) -> dict[str, str]:
         env = child_environment(os.environ, drop=INHERITED_VARS_DROPPED)
         # BUCKETSERVE_PARENT_PID: a shard stops by itself once this launcher is gone (even SIGKILLed).
+        # RANK: in the whole group (launcher/cluster.py); LOCAL_*, GROUP_RANK: torchrun's names.
         env.update(
-            RANK=str(rank),
+            RANK=str(self.config.first_rank + rank),
             LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(self.config.num_shard),
+            WORLD_SIZE=str(self.config.world_size),
+            LOCAL_WORLD_SIZE=str(self.config.num_shard),
+            GROUP_RANK=str(self.config.node_rank or 0),
             BUCKETSERVE_PARENT_PID=str(os.getpid()),
-            MASTER_ADDR=MASTER_ADDR,
+            MASTER_ADDR=self.config.master_addr or LOOPBACK,
             MASTER_PORT=str(self.master_port),
         )
+        env.update(secret_environment(self.config.engine))  # the shard secret, never a flag
         env.update(self.device.env(rank))
         return env
 
@@ -153,7 +161,7 @@ class ShardGroup:
             stop.wait(POLL_S)
 
     def _healthy(self, rank: int) -> bool:
-        path = self.config.socket_path(rank)
+        path = self.config.local_socket_path(rank)
         if not os.path.exists(path):  # a shard binds its socket only once its model is loaded
             return False
         if rank not in self.channels:
@@ -245,7 +253,7 @@ class ShardGroup:
     def _remove_sockets(self) -> None:
         """A killed shard leaves its socket file behind; a later launch must not find it."""
         for rank in range(self.config.num_shard):
-            path = self.config.socket_path(rank)
+            path = self.config.local_socket_path(rank)
             try:
                 if stat.S_ISSOCK(os.lstat(path).st_mode):
                     os.unlink(path)
@@ -284,6 +292,14 @@ def announce(config: LauncherConfig, device: DevicePlan, router: RouterProcess |
             f"ready: {config.num_shard} shard(s) on {device.name}; the router serves {router.url} "
             f"(try: curl {router.url}/generate -X POST -H 'Content-Type: application/json' "
             """-d '{"inputs": "What is deep learning?", "parameters": {"max_new_tokens": 20}}')""",
+            flush=True,
+        )
+        return
+    if (config.node_rank or 0) > 0:
+        first, last = config.first_rank, config.first_rank + config.num_shard - 1
+        print(
+            f"ready: node {config.node_rank} of {config.nnodes}: ranks {first}..{last} of "
+            f"{config.world_size} on {device.name}, headless (node 0 runs the router)",
             flush=True,
         )
         return
@@ -331,11 +347,13 @@ def _supervise(
             if starting_router:
                 if not routers[0].wait_ready(stop, config.startup_timeout):
                     return 0
-            elif served and config.no_router:
-                group.warm_up()  # with a router, the router re-warms the shards it finds restarted
+            elif served and config.no_router and config.world_size == config.num_shard:
+                # with a router, the router re-warms the shards it finds restarted (the other
+                # nodes' too)
+                group.warm_up()
             announce(config, device, routers[0] if routers else None)
             served = True
-            watch(group, routers[0] if routers else None, stop)
+            watch(group, routers[0] if routers else None, stop, PeerWatch.of(group))
             return 0
         except LaunchFailure as failure:
             report(console, failure)
@@ -351,15 +369,27 @@ def _supervise(
         )
 
 
-def watch(group: ShardGroup, router: RouterProcess | None, stop: threading.Event) -> None:
-    """Return on a stop; raise when a shard or the router exits."""
-    while not stop.is_set():
-        exited = group.poll()
-        if exited is not None:
-            raise exited.failure("while serving")
-        if router is not None:
-            router.raise_if_exited("while serving")
-        stop.wait(POLL_S)
+def watch(
+    group: ShardGroup,
+    router: RouterProcess | None,
+    stop: threading.Event,
+    peers: PeerWatch | None = None,
+) -> None:
+    """Return on a stop; raise when a shard or the router exits, or another node's shard is gone."""
+    try:
+        while not stop.is_set():
+            exited = group.poll()
+            if exited is not None:
+                raise exited.failure("while serving")
+            if router is not None:
+                router.raise_if_exited("while serving")
+            gone = peers.gone() if peers is not None else None
+            if gone is not None:
+                raise LaunchFailure(gone)
+            stop.wait(POLL_S)
+    finally:
+        if peers is not None:
+            peers.close()
 
 
 def may_restart(

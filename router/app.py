@@ -190,7 +190,9 @@ async def build_state(config: RouterConfig, client: ShardClient) -> RouterState:
 
 
 async def serve(config: RouterConfig) -> None:
-    client = await GrpcShardClient.connect(config.master_url, wait=config.wait_for_shards or None)
+    client = await GrpcShardClient.connect(
+        config.master_url, wait=config.wait_for_shards or None, secret=config.shard_secret
+    )
     try:
         state = await build_state(config, client)
     except BaseException:  # a model file that cannot be read, the shards gone during warmup

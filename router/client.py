@@ -22,7 +22,12 @@ from engine.batch import Batch, CachedBatch, Generation, InfoResponse, WarmupRes
 from engine.wire import convert
 from engine.wire import generate_pb2 as pb
 from engine.wire import generate_pb2_grpc as pb_grpc
-from engine.wire.contract import MAX_MESSAGE_BYTES, TRACEPARENT_METADATA_KEY, status_for
+from engine.wire.contract import (
+    MAX_MESSAGE_BYTES,
+    TRACEPARENT_METADATA_KEY,
+    shard_secret_metadata,
+    status_for,
+)
 
 StepResult = tuple[list[Generation], CachedBatch | None]
 # The traced requests of the current step: request id -> the W3C traceparent of its open phase span
@@ -115,8 +120,10 @@ class GrpcShardClient:
     step, so a shard that got the RPC waits for the ones that did not. Each request's generation
     comes from exactly one rank, so the generations of all shards are concatenated."""
 
-    def __init__(self, urls: list[str], timeout: float | None = None):
+    def __init__(self, urls: list[str], timeout: float | None = None, secret: str | None = None):
         self.urls, self.timeout = list(urls), timeout
+        # A multi-node group's shards of other nodes take calls with its secret only.
+        self.secret_metadata = shard_secret_metadata(secret)
         self.channels = [
             grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS) for url in self.urls
         ]
@@ -127,7 +134,11 @@ class GrpcShardClient:
 
     @classmethod
     async def connect(
-        cls, master_url: str, timeout: float | None = None, wait: float | None = None
+        cls,
+        master_url: str,
+        timeout: float | None = None,
+        wait: float | None = None,
+        secret: str | None = None,
     ) -> GrpcShardClient:
         """`wait`: seconds to wait for the master shard to come up (gRPC's wait_for_ready retries the
         connection), as when the router starts while the shards are still loading the model."""
@@ -143,12 +154,13 @@ class GrpcShardClient:
                 raise ShardError(
                     error.code(), f"ServiceDiscovery on {master_url}: {error.details()}"
                 ) from None
-        return cls(list(response.urls), timeout)
+        return cls(list(response.urls), timeout, secret)
 
     async def _all(self, method: str, request, metadata=None) -> list:
         """The responses of every shard, in rank order; the first shard's error if any failed.
 
         All calls run to their end before an error is raised, so no RPC is left in flight."""
+        metadata = (*(metadata or ()), *self.secret_metadata) or None
         calls = [
             getattr(stub, method)(request, timeout=self.timeout, metadata=metadata)
             for stub in self.stubs

@@ -11,7 +11,7 @@ import sys
 
 from engine.cli.flags import add_knob_flags, config_from_args
 from engine.cli.logs import configure_logging
-from engine.config import EngineConfig, env_int
+from engine.config import EngineConfig, distributed_address, env_int, node_environment
 from engine.errors import BucketserveError
 
 EXIT_USAGE = 2
@@ -58,19 +58,29 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def server_config(args: argparse.Namespace):
     """Server settings: the flags, then what TGI's launcher puts in the environment (RANK,
     WORLD_SIZE; MAX_BATCH_SIZE is the --max-batch-size knob's), then defaults."""
+    from engine.serving.remote import outbound_address
     from engine.serving.server import ServerConfig
 
     rank, world_size = env_int("RANK"), env_int("WORLD_SIZE")
     config = engine_config(args)
+    node = node_environment()
+    world_size = 1 if world_size is None else world_size
+    # More ranks than this node runs: the other nodes' ranks call this one over TCP.
+    multi_node = world_size > (node["local_world_size"] or world_size)
     return ServerConfig(
         uds_path=args.uds_path or ServerConfig.uds_path,
         port=args.port,
         rank=0 if rank is None else rank,
-        world_size=1 if world_size is None else world_size,
+        world_size=world_size,
         max_batch_size=config.max_batch_size,
         hostname=args.hostname,
         parent_pid=env_int("BUCKETSERVE_PARENT_PID"),
         otlp_endpoint=config.otlp_endpoint,
+        remote_address=outbound_address(distributed_address()[0]) if multi_node else None,
+        # stable across restarts (a router keeps the URLs it found), distinct on one host
+        remote_port=distributed_address()[1] + 1 + (rank or 0) if multi_node else 0,
+        secret=config.shard_secret,
+        node_rank=node["node_rank"] or 0,
     )
 
 

@@ -125,6 +125,7 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
     decoder_layer = LlamaDecoderLayer
+    stage = None  # engine.pipeline.stage.PipelineStage when this model is one stage of a pipeline
 
     def __init__(
         self,
@@ -160,12 +161,21 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Logits (float32, full vocabulary) of the tokens at `logits_indices` of the flattened batch.
         `lora_index`: each token's adapter slot (-1: none), shaped like input_ids; None without adapters."""
-        hidden = self.embed(input_ids)
+        if self.stage is not None:  # one stage of a pipeline (engine/pipeline/stage.py)
+            return self.stage.forward(self, input_ids, positions, meta, logits_indices, lora_index)
+        hidden = self.run_layers(self.embed(input_ids), positions, meta, lora_index)
+        return self.final_logits(hidden, logits_indices)
+
+    def run_layers(self, hidden, positions, meta: AttentionMetadata, lora_index=None):
+        """The decoder layers over the embedded tokens (or a previous stage's output)."""
         contexts = self.layer_contexts(positions, meta, hidden.dtype)
         lora = None if lora_index is None else self.lora_set.selector(lora_index, hidden.dtype)
         for layer, kind in zip(self.layers, self.config.layer_types or (FULL,) * len(self.layers)):
             hidden = layer(contexts[kind], hidden, lora)
             mark_step()  # HPU lazy mode: a graph per layer compiles far faster than one per model
+        return hidden
+
+    def final_logits(self, hidden, logits_indices) -> torch.Tensor:
         hidden = (
             self.norm(hidden).reshape(-1, self.config.hidden_size).index_select(0, logits_indices)
         )

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import grpc
 
 from engine.errors import BucketserveError
+from engine.serving.remote import caller_refusal, group_urls, tcp_target
 from engine.wire import convert
 from engine.wire import generate_pb2 as pb
 from engine.wire import generate_pb2_grpc as pb_grpc
@@ -50,6 +51,12 @@ class ServerConfig:
     otlp_endpoint: str | None = (
         None  # record step spans (engine/serving/tracing.py); None: no tracing
     )
+    # Multi-node (engine/serving/remote.py): also listen on this address for the other nodes,
+    # whose calls must carry `secret`; `node_rank`: which node this rank runs on.
+    remote_address: str | None = None
+    remote_port: int = 0  # 0: one the OS picks
+    secret: str | None = None
+    node_rank: int = 0
 
     def __post_init__(self):
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -70,6 +77,10 @@ def rpc(handler):
     @functools.wraps(handler)
     async def wrapper(self, request, context):
         name, start = handler.__name__, time.perf_counter()
+        refusal = caller_refusal(self.config.secret, context)
+        if refusal is not None:
+            log.warning("%s refused from %s: no valid shard secret", name, context.peer())
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal)
         try:
             response = await handler(self, request, context)
         except Exception as error:  # noqa: BLE001 - every error becomes a status, none ends the server
@@ -105,6 +116,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         self.shard, self.config, self.tracer = shard, config, tracer
         # One worker: shard calls run one at a time, in arrival order, off the event loop.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard")
+        self.urls = config.urls()  # every rank's, as this one reaches it (multi-node: remote.py)
 
     async def call(self, fn, *args, **kwargs):
         loop = asyncio.get_running_loop()
@@ -136,7 +148,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
 
     @rpc
     async def ServiceDiscovery(self, request, context):
-        return pb.ServiceDiscoveryResponse(urls=self.config.urls())
+        return pb.ServiceDiscoveryResponse(urls=self.urls)
 
     @rpc
     async def ClearCache(self, request, context):
@@ -220,7 +232,7 @@ class ShardServer:
     """A grpc.aio server for one shard: bound on start, its socket removed on stop."""
 
     def __init__(self, shard, config: ServerConfig, tracer=None):
-        self.config = config
+        self.config, self.shard = config, shard
         if tracer is None and config.otlp_endpoint:
             from engine.serving.tracing import StepTracer
 
@@ -244,6 +256,8 @@ class ShardServer:
             self._listen(
                 f"[{host}]:{self.config.port}" if ":" in host else f"{host}:{self.config.port}"
             )
+        if self.config.remote_address is not None:
+            self._listen_for_other_nodes(f"unix://{path}")
         await self.server.start()
         log.info(
             "shard %d/%d serving generate.v3 on unix://%s%s",
@@ -255,13 +269,29 @@ class ShardServer:
             else "",
         )
 
-    def _listen(self, address: str) -> None:
+    def _listen(self, address: str) -> int:
         try:
             bound = self.server.add_insecure_port(address)
         except RuntimeError as error:  # grpc raises on a failed bind; older versions returned 0
             raise BucketserveError(f"cannot listen on {address}: {error}") from None
         if not bound:
             raise BucketserveError(f"cannot listen on {address}")
+        return bound
+
+    def _listen_for_other_nodes(self, unix_url: str) -> None:
+        """A TCP port of the OS's choosing, and every rank's URL learnt from the others (every
+        rank of the group gets here once, after its model loaded)."""
+        if not self.config.secret:
+            raise BucketserveError(
+                "a multi-node shard listens on TCP for the other nodes: give the group a "
+                "--shard-secret (or $BUCKETSERVE_SHARD_SECRET)"
+            )
+        address = self.config.remote_address
+        port = self._listen(tcp_target(address, self.config.remote_port))
+        self.servicer.urls = group_urls(
+            self.shard.world, self.config.node_rank, unix_url, tcp_target(address, port)
+        )
+        log.info("shard %d: the other nodes reach it on TCP %s", self.config.rank, port)
 
     async def stop(self) -> None:
         """Let in-flight RPCs finish (up to the grace period), then drop the socket file."""

@@ -18,6 +18,8 @@ from engine.devices.simulate.counters import graph_counts, start_serving, start_
 from engine.distributed import Parallel, broadcast_int, init_distributed
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.kv_cache import ShardBlockPool
+from engine.pipeline.grid import join_grid
+from engine.pipeline.identity import check_same_model
 from engine.runner import ModelRunner
 from engine.serving.checks import check_decode, check_grown, check_prefill
 from engine.serving.lookahead import Ahead
@@ -73,10 +75,14 @@ class Shard:
         )
         self.dtype = self._choose_dtype(config)
         self.block_size = config.block_size or self.adapter.default_block_size
-        self.parallel = Parallel(rank, world_size)
-        init_distributed(self.parallel, self.adapter.dist_backend, *distributed_address())
+        # The whole group (host values agree across it), and this rank's tensor-parallel group
+        # and pipeline stage within it (engine/pipeline/grid.py).
+        self.world = Parallel(rank, world_size)
+        init_distributed(self.world, self.adapter.dist_backend, *distributed_address())
+        self.parallel, self.pipe = join_grid(rank, world_size, config.pipeline_parallel_size)
+        check_same_model(config, self.world)
         # Requests without a seed get one derived from this, which rank 0 picks for the whole group.
-        self.group_seed = broadcast_int(secrets.randbits(62), self.parallel)
+        self.group_seed = broadcast_int(secrets.randbits(62), self.world)
         loaded = loader.load(
             config.model_id,
             config.resolved_cache_dir,
@@ -87,6 +93,7 @@ class Shard:
             implementation=config.implementation,
             prepare_fallback=self.adapter.prepare_transformers,
             quantize=config.quantize,
+            pipe=self.pipe,
         )
         self.model, self.model_config, self.tokenizer = (
             loaded.model,
@@ -221,7 +228,7 @@ class Shard:
         self.adapter.release_memory(self.model)  # and what still holds it or caches its memory
         self.adapter.shapes.clear()  # new limits, new cache: only what this warmup runs counts as warm
         parts = ShardModel(
-            self.model, self.model_config, self.adapter, self.dtype, self.block_size, self.parallel
+            self.model, self.model_config, self.adapter, self.dtype, self.block_size, self.world
         )
         with self.adapter.device_scope():
             warmed = start_up(

@@ -102,6 +102,9 @@ def _kv_cache(
         shard.adapter.captures_graphs,
     )
     num_blocks = size_kv_cache(kv_bytes, 1.0, per_block, shard.block_size, limits)
+    # Pipeline stages of different layer counts would size different caches: all take the least,
+    # so that they plan and warm the same buckets.
+    num_blocks = min_across_ranks(num_blocks, shard.parallel)
     cache = KVCache(
         layers,
         num_blocks,

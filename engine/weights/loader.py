@@ -16,6 +16,9 @@ from engine.layers.linear import STACKED, copy_checked
 from engine.layers.moe import MOE_IMPLS
 from engine.models import has_native, model_class
 from engine.models.config import ModelConfig
+from engine.pipeline.grid import Pipe
+from engine.pipeline.split import split_for_stage, trim_to_stage
+from engine.pipeline.stage import PipelineStage
 from engine.weights.fallback import load_transformers_model
 from engine.weights.paths import (  # noqa: F401 - the loader's callers find the paths here too
     EMBEDDED_GGUF,
@@ -79,10 +82,15 @@ def build_model(
     max_positions: int,
     parallel: Parallel = SINGLE,
     moe_impl: str = "dense",
+    pipe: Pipe | None = None,
 ):
     """Our module for `config` (this rank's part of it), allocated without a random init.
-    `moe_impl`: how MoE experts run (engine/layers/moe.py), for the models that have them."""
+    `moe_impl`: how MoE experts run (engine/layers/moe.py), for the models that have them.
+    `pipe`: this rank's pipeline stage; the model then holds the stage's layers only."""
     cls = model_class(config.architecture)
+    stage_weights = None
+    if pipe is not None:
+        config, stage_weights = split_for_stage(config, pipe.stage, pipe.stages)
     if moe_impl not in MOE_IMPLS:
         raise ModelLoadError(
             f"unknown MoE implementation {moe_impl!r} (choose from {', '.join(MOE_IMPLS)})"
@@ -94,23 +102,31 @@ def build_model(
         raise ModelLoadError(
             f"{config.architecture} cannot be sharded {parallel.world_size} ways: {err}"
         ) from None
+    if stage_weights is not None:
+        trim_to_stage(model, stage_weights)
     model.to_empty(device=device)
-    if config.tie_word_embeddings:  # to_empty may give the tied parameter two storages
+    # to_empty may give the tied parameter two storages
+    if config.tie_word_embeddings and model.lm_head is not None:
         model.lm_head.weight = model.embed_tokens.weight
     model.rebuild_rotary(max_positions, device)
+    if stage_weights is not None:
+        model.stage_weights = stage_weights
+        model.stage = PipelineStage(pipe, config.hidden_size, config.vocab_size, dtype)
     return model.eval()
 
 
 def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
     """Fill the model from safetensors files, each rank reading only its own slices."""
     unfilled = _expected_pieces(model)
+    stage = getattr(model, "stage_weights", None)  # a pipeline stage reads its own tensors only
     for file in files:
         try:
             with safe_open(file, framework="pt") as reader:
                 for name in reader.keys():
-                    unfilled.difference_update(
-                        _load_one(model, name.removeprefix("model."), reader.get_slice(name))
-                    )
+                    short = name.removeprefix("model.")
+                    local = short if stage is None else stage.local_name(short)
+                    if local is not None:
+                        unfilled.difference_update(_load_one(model, local, reader.get_slice(name)))
         except ModelLoadError:
             raise
         except Exception as err:  # safetensors reports corruption with its own error types
@@ -247,6 +263,18 @@ def load_fp8(
     return model
 
 
+def check_pipeline_supported(architecture: str, fallback: bool, quantize: str) -> None:
+    """Pipeline stages are native float models (the fallback's and the quantized loaders' models
+    are whole)."""
+    if fallback:
+        raise ModelLoadError(
+            f"--pipeline-parallel-size needs a native model; {architecture or 'this model'} "
+            "is served by the transformers fallback"
+        )
+    if quantize != "none":
+        raise ModelLoadError("--pipeline-parallel-size does not combine with --quantize yet")
+
+
 def eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer) -> frozenset[int]:
     ids = set(config.eos_token_ids)
     generation = model_dir / "generation_config.json"
@@ -268,6 +296,7 @@ def load(
     implementation: str = "auto",
     prepare_fallback=None,
     quantize: str = "none",
+    pipe: Pipe | None = None,
 ) -> LoadedModel:
     """`implementation`: native (ours), transformers (the fallback) or auto (native when we have one).
     `prepare_fallback(cls)`: the device's hook before the fallback builds its class (DeviceAdapter.prepare_transformers).
@@ -280,9 +309,12 @@ def load(
         raise ModelLoadError(
             f"unknown implementation {implementation!r} (choose from {', '.join(IMPLEMENTATIONS)})"
         )
-    if implementation == "transformers" or (
+    fallback = implementation == "transformers" or (
         implementation == "auto" and not has_native(architecture)
-    ):
+    )
+    if pipe is not None:
+        check_pipeline_supported(architecture, fallback, quantize)
+    if fallback:
         model, config = load_transformers_model(
             model_dir, dtype, device, parallel, prepare_fallback
         )
@@ -294,8 +326,9 @@ def load(
     else:
         config = read_config(model_dir)
         model = build_model(
-            config, dtype, device, config.max_position_embeddings, parallel, moe_impl
+            config, dtype, device, config.max_position_embeddings, parallel, moe_impl, pipe
         )
+        config = model.config  # a pipeline stage's: its layers only (the KV cache's size)
         load_weights(model, weight_files(model_dir))
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -23,6 +23,14 @@ RESERVED_BLOCK = 0
 # reads it, TGI's shards included. Our shards read the per-request contexts of the step requests'
 # `traceparents` field instead, since one step carries many traced requests.
 TRACEPARENT_METADATA_KEY = "traceparent"
+# A multi-node group's shard secret, as gRPC's standard `authorization: Bearer SECRET` on every
+# call to a shard's TCP port (engine/serving/remote.py): authentication, not a protocol extension
+SHARD_SECRET_HEADER = "authorization"
+
+
+def shard_secret_metadata(secret: str | None) -> tuple[tuple[str, str], ...]:
+    return ((SHARD_SECRET_HEADER, f"Bearer {secret}"),) if secret else ()
+
 
 # Checked in order: InvalidRequestError is a ValueError, and a subclass must win over its base.
 ERROR_STATUS = (
