@@ -34,6 +34,7 @@ from launcher.router_process import RouterFailure, RouterProcess
 
 POLL_S = 0.5  # how soon a dead shard is noticed
 HEALTH_RPC_TIMEOUT_S = 2.0
+ROUTER_EXIT_S = 5.0  # after its drain (--drain-timeout), for the router to close and exit
 FAILURE_GRACE_S = 3.0  # survivors of a failed group: its requests are lost anyway, and a rank
 # blocked in a collective with the dead one would never stop by itself
 REPORT_LINES = 20
@@ -325,8 +326,9 @@ def supervise(
                 f"{getattr(stop, 'reason', '') or 'stop requested'}: stopping the router and the shards "
                 f"(SIGTERM, SIGKILL after {config.shutdown_timeout:g}s)"
             )
-        for router in routers:
-            router.stop(config.shutdown_timeout)
+        drain = config.router.drain_timeout + ROUTER_EXIT_S if stop.is_set() else 0.0
+        for router in routers:  # asked to stop, a router first drains its admitted requests
+            router.stop(max(config.shutdown_timeout, drain))
         group.stop(config.shutdown_timeout if stop.is_set() else FAILURE_GRACE_S)
 
 

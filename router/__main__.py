@@ -14,6 +14,12 @@ from router.http.access import log_request_ids
 def main(argv: list[str] | None = None) -> int:
     log_request_ids(configure_logging(logging.INFO))  # a request's lines name its request id
     config = config_from_args(build_parser().parse_args(argv))
+    if config.drain_timeout < 0:
+        print(
+            f"error: --drain-timeout must be at least 0, not {config.drain_timeout:g}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         asyncio.run(serve(config))
     except KeyboardInterrupt:

@@ -14,11 +14,13 @@ import os
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCriteriaParameters
 from engine.cli.flags import add_knob_flags
 from engine.cli.flags import config_from_args as knobs_from_args
 from engine.config import ServingLimits, default_cache_dir
+from engine.errors import BucketserveError
 from engine.weights.paths import resolve_model_dir
 from router.client import GrpcShardClient, ShardClient
 
@@ -28,6 +30,7 @@ from router.http import tracing
 from router.http.access import install
 from router.http.errors import BodyLimit, install_error_handlers
 from router.http.front_page import front_page_routes
+from router.http.lifecycle import DrainGate, DrainingServer, Lifecycle
 from router.http.metrics import RouterMetrics
 from router.http.openai_api import openai_routes
 from router.http.state import RouterState
@@ -148,12 +151,14 @@ def create_app(
     access: AccessConfig = AccessConfig(),
     traces: tracing.Tracing | None = None,
     payload_limit: int = DEFAULT_PAYLOAD_LIMIT,
+    lifecycle: Lifecycle | None = None,
 ) -> FastAPI:
     """The HTTP app: TGI's routes, OpenAI's, and the service routes, over one state; every error
     in the route's shape (router/http/errors.py)."""
     app = FastAPI(
         title="bucketserve router", docs_url=None, redoc_url=None
     )  # their assets come from a CDN
+    lifecycle = lifecycle or Lifecycle()
     app.add_middleware(BodyLimit, limit=payload_limit, metrics=state.metrics)
     tracing.install(
         app, traces, state.scheduler
@@ -164,6 +169,13 @@ def create_app(
     openai_routes(app, state)
     service_routes(app, state)
     front_page_routes(app, state)
+
+    @app.get("/live")
+    async def live_route():  # a liveness probe: green while the process serves, draining too
+        return JSONResponse(None)
+
+    # outermost: a draining server refuses before any other work
+    app.add_middleware(DrainGate, lifecycle=lifecycle, metrics=state.metrics)
     return app
 
 
@@ -183,10 +195,33 @@ async def build_state(config: RouterConfig, client: ShardClient) -> RouterState:
         chunking=bool(info.get("support_chunking")),
         lookahead=lookahead,
     )
-    metrics = RouterMetrics(scheduler, client)
+    metrics = RouterMetrics(scheduler, client, config.model_name, config.adapter_names)
     scheduler.on_step = metrics.on_step
+    if config.kv_events_endpoint:
+        publish_kv_events(allocator, config)
     await scheduler.start()
     return RouterState(scheduler, tokenizer, client, info, metrics)
+
+
+def publish_kv_events(allocator, config: RouterConfig) -> None:
+    """The prefix cache tells a ZeroMQ publisher what it holds (router/events/kv_events.py)."""
+    if not isinstance(allocator, PrefixCache):
+        raise BucketserveError(
+            "--kv-events-endpoint needs prefix caching, which is off (--prefix-caching, or the "
+            "shards' attention does not support it)"
+        )
+    from router.events.kv_events import KvEventPublisher  # pyzmq: only where events are asked for
+
+    try:
+        publisher = KvEventPublisher(
+            config.kv_events_endpoint, config.kv_events_topic, config.adapter_names
+        )
+    except Exception as error:  # zmq.ZMQError: a bad endpoint, an address in use
+        raise BucketserveError(
+            f"--kv-events-endpoint {config.kv_events_endpoint}: {error}"
+        ) from error
+    allocator.listen(publisher)
+    log.info("KV events on %s (topic %r)", publisher.endpoint, config.kv_events_topic)
 
 
 async def serve(config: RouterConfig) -> None:
@@ -199,9 +234,13 @@ async def serve(config: RouterConfig) -> None:
         await client.close()
         raise
     traces = tracing.Tracing.to_otlp(config.otlp_endpoint) if config.otlp_endpoint else None
-    app: FastAPI = create_app(state, config.access, traces, config.payload_limit)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=config.hostname, port=config.port, log_level="warning")
+    lifecycle = Lifecycle()
+    app: FastAPI = create_app(state, config.access, traces, config.payload_limit, lifecycle)
+    server = DrainingServer(
+        uvicorn.Config(app, host=config.hostname, port=config.port, log_level="warning"),
+        lifecycle,
+        state.scheduler,
+        config.drain_timeout,
     )
     log.info("serving on http://%s:%d", config.hostname, config.port)
     watcher = (
@@ -214,6 +253,8 @@ async def serve(config: RouterConfig) -> None:
             watcher.cancel()
         await state.scheduler.stop()
         await client.close()
+        if getattr(state.scheduler.allocator, "listener", None) is not None:
+            state.scheduler.allocator.listener.close()
         state.executor.shutdown(wait=False, cancel_futures=True)
 
 

@@ -87,6 +87,18 @@ class RouterConfig(SharedKnobs):
         "launcher starts the router while the shards load); default "
         "0: fail at once if they do not",
     )
+    kv_events_endpoint: str | None = knob(
+        None,
+        "publish the prefix cache's KV events (BlockStored, BlockRemoved, AllBlocksCleared) in "
+        "vLLM's format on this ZeroMQ endpoint, for KV-aware routers: tcp://*:5557 binds, an "
+        "address without `*` is connected to (default: none)",
+    )
+    kv_events_topic: str = knob("", "the ZeroMQ topic of the KV events (vLLM's default: empty)")
+    drain_timeout: float = knob(
+        30.0,
+        "on SIGTERM, seconds to finish the admitted requests (new ones get 503 with Retry-After, "
+        "/health turns 503) before exiting 0; what is left is then cancelled",
+    )
     parent_pid: int | None = knob(
         None, "stop when this process is gone (the launcher sets it)", env="BUCKETSERVE_PARENT_PID"
     )

@@ -26,7 +26,7 @@ from engine.cli.flags import add_knob_flags, config_from_args
 from router.config import AccessConfig
 
 log = logging.getLogger(__name__)
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/live"})  # probes need no key
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 # A caller's own id is kept when it is a plain token; anything else (a header injection attempt) gets a new one.
 CALLER_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")

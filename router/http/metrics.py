@@ -1,5 +1,6 @@
 """Prometheus metrics of the router: requests, queue, batches, latencies, KV blocks, and the shards'
-padding waste and unwarmed shapes (sent by our shards in the `stats` field of every step's answer).
+padding waste and unwarmed shapes (sent by our shards in the `stats` field of every step's answer);
+and the inference gateways' model-server gauges under vLLM's names (GatewayCollector).
 
 Each router gets its own registry, so several routers in one process (tests) never share counters.
 """
@@ -178,6 +179,62 @@ class KvCollector:
         yield cached
 
 
+class GatewayCollector:
+    """The model-server protocol of the Gateway API Inference Extension (its proposal 003), under
+    vLLM's names, which the endpoint picker (and llm-d, KServe) scrape by default: queued and
+    running requests, KV-cache use as a fraction of the usable blocks, the block size, and the LoRA
+    state. Same types and meanings as vLLM's; `model_name` labels them as vLLM does."""
+
+    def __init__(self, scheduler, model_name: str, adapters: tuple[str, ...]):
+        self.scheduler, self.model_name, self.adapters = scheduler, model_name, adapters
+        self.lora_updated = time.time()
+        self._lora_state: tuple = ()
+
+    def collect(self):
+        scheduler, labels = self.scheduler, [self.model_name]
+        for name, documentation, value in (
+            ("vllm:num_requests_waiting", "requests waiting for admission", scheduler.queue_length),
+            ("vllm:num_requests_running", "requests in the running batch", scheduler.running_count),
+            ("vllm:kv_cache_usage_perc", "KV-cache use, 1 = full", kv_usage(scheduler.allocator)),
+        ):
+            family = GaugeMetricFamily(name, documentation, labels=["model_name"])
+            family.add_metric(labels, value)
+            yield family
+        config = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "the KV cache's configuration (labels; the value is 1)",
+            labels=["block_size", "num_gpu_blocks"],
+        )
+        allocator = scheduler.allocator
+        config.add_metric([str(allocator.block_size), str(allocator.num_blocks - 1)], 1)
+        yield config
+        if self.adapters:
+            yield self._lora_info()
+
+    def _lora_info(self) -> GaugeMetricFamily:
+        """One sample whose labels list the adapters; its value is when they last changed (the
+        endpoint picker keeps the newest sample). Every adapter is loaded at start, so max_lora is
+        their number."""
+        running, waiting = self.scheduler.adapters()
+        state = (sorted(running), sorted(waiting))
+        if state != self._lora_state:
+            self._lora_state, self.lora_updated = state, time.time()
+        family = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "running and waiting LoRA adapters",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        family.add_metric(
+            [str(len(self.adapters)), ",".join(state[0]), ",".join(state[1])], self.lora_updated
+        )
+        return family
+
+
+def kv_usage(allocator) -> float:
+    usable = allocator.num_blocks - 1  # block 0 is reserved
+    return allocator.num_used / usable if usable > 0 else 0.0
+
+
 def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
     family = CounterMetricFamily(name, documentation)
     family.add_metric([], value)
@@ -185,7 +242,7 @@ def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
 
 
 class RouterMetrics:
-    def __init__(self, scheduler, client):
+    def __init__(self, scheduler, client, model_name: str = "", adapters: tuple[str, ...] = ()):
         self.registry = registry = CollectorRegistry()
         self.requests = Counter(
             "bucketserve_requests", "requests by outcome", ["outcome"], registry=registry
@@ -228,6 +285,7 @@ class RouterMetrics:
         self._gauges(scheduler)
         registry.register(ShardStatsCollector(client))
         registry.register(KvCollector(scheduler))
+        registry.register(GatewayCollector(scheduler, model_name, adapters))
 
     def _gauges(self, scheduler) -> None:
         registry = self.registry  # scheduler.allocator is read each time: a recovery may replace it

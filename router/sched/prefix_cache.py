@@ -6,6 +6,10 @@ A request whose prompt starts with cached blocks shares them (reference counts) 
 cache_len = their tokens: the shard computes only the rest. A block whose last user is gone stays
 cached, and is evicted least recently used only when a new block is needed. Same public face as
 router.sched.allocator.BlockAllocator, which serves when prefix caching is off.
+
+A `listener` (router/events/kv_events.py publishes to fleet routers) hears every change of what is
+findable: `stored(hashes, parent_hash, token_ids, block_size, adapter)` for a run of blocks made
+findable, `removed(hashes)` for evicted ones, `cleared()` when the cache starts over empty.
 """
 
 from __future__ import annotations
@@ -41,6 +45,12 @@ class PrefixCache:
         self._hash_of: dict[int, int] = {}  # block -> its chain hash
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unused: oldest use first
         self.stats = PrefixStats()
+        self.listener = None
+
+    def listen(self, listener) -> None:
+        """Tell `listener` about every change from now on, starting from an empty cache."""
+        self.listener = listener
+        listener.cleared()
 
     # --- the allocator's face -----------------------------------------------------------------------
 
@@ -56,6 +66,10 @@ class PrefixCache:
     @property
     def num_cached(self) -> int:
         return len(self._hash_of)
+
+    def findable(self) -> set[int]:
+        """The chain hashes a prompt can find now (what the listener's events add up to)."""
+        return set(self._by_hash)
 
     @property
     def idle(self) -> bool:
@@ -125,13 +139,35 @@ class PrefixCache:
         """`token_ids` are in the allocation's blocks now (a prefill or decode completed): its full
         blocks become findable. A hash already held by another block keeps that block."""
         full = min(len(token_ids) // self.block_size, len(allocation.blocks))
-        for block, value in zip(
-            allocation.blocks[:full], chain_hashes(token_ids, self.block_size, adapter, full)
-        ):
+        hashes = chain_hashes(token_ids, self.block_size, adapter, full)
+        new = []  # indexes of the blocks made findable now
+        for index, (block, value) in enumerate(zip(allocation.blocks[:full], hashes)):
             if value in self._by_hash or block in self._hash_of:
                 continue
             self._by_hash[value] = block
             self._hash_of[block] = value
+            new.append(index)
+        if self.listener is not None and new:
+            self._tell_stored(new, hashes, token_ids, adapter)
+
+    def _tell_stored(
+        self, new: list[int], hashes: list[int], token_ids: list[int], adapter: str | None
+    ) -> None:
+        """One `stored` per run of consecutive new blocks, with the hash before the run (vLLM's
+        parent_block_hash) and the run's tokens."""
+        size, start = self.block_size, 0
+        for end in range(1, len(new) + 1):
+            if end < len(new) and new[end] == new[end - 1] + 1:
+                continue
+            first, last = new[start], new[end - 1]
+            self.listener.stored(
+                hashes[first : last + 1],
+                hashes[first - 1] if first else None,
+                list(token_ids[first * size : (last + 1) * size]),
+                size,
+                adapter,
+            )
+            start = end
 
     def _match(self, token_ids: list[int], adapter: str | None) -> list[int]:
         usable = (len(token_ids) - 1) // self.block_size  # the last token is always computed
@@ -152,8 +188,11 @@ class PrefixCache:
             block = heapq.heappop(self._free)
         else:
             block, _ = self._evictable.popitem(last=False)
-            del self._by_hash[self._hash_of.pop(block)]
+            value = self._hash_of.pop(block)
+            del self._by_hash[value]
             self.stats.evictions += 1
+            if self.listener is not None:
+                self.listener.removed([value])
         self._refs[block] = 1
         return block
 

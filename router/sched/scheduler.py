@@ -82,6 +82,20 @@ class Scheduler:
     def running_count(self) -> int:
         return self._running.size if self._running is not None else 0
 
+    def adapters(self) -> tuple[set[str], set[str]]:
+        """The LoRA adapters of the running requests, and of the queued ones."""
+        queued = {entry.id for entry in self._queue}
+        running, waiting = set(), set()
+        for entry in self._entries.values():
+            if entry.request.adapter_id:
+                (waiting if entry.id in queued else running).add(entry.request.adapter_id)
+        return running, waiting
+
+    @property
+    def outstanding(self) -> int:
+        """Requests submitted and not yet released: queued or running."""
+        return len(self._entries)
+
     async def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="scheduler")
@@ -212,9 +226,10 @@ class Scheduler:
                 blocks,
                 self.allocator.num_blocks,
             )
-        self.allocator = type(self.allocator)(
-            blocks, size
-        )  # restarted shards hold no cached prefix either
+        fresh = type(self.allocator)(blocks, size)  # restarted shards hold no cached prefix either
+        if getattr(self.allocator, "listener", None) is not None:
+            fresh.listen(self.allocator.listener)  # the KV event subscribers start over too
+        self.allocator = fresh
 
     async def _idle(self) -> None:
         # Nothing running and nothing admissible: sleep until a submit or a cancel changes that.
