@@ -32,6 +32,13 @@ def token_count(shard: Shard, text: str, add_special_tokens: bool) -> int:
     return len(shard.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
+def request_length(shard: Shard, request: Request) -> int:
+    """The prompt's tokens, a vision-language model's images expanded to their image tokens."""
+    if request.chunks is not None and shard.vision is not None:
+        return len(shard.vision.prompt_ids(request))
+    return token_count(shard, request.inputs, request.add_special_tokens)
+
+
 def prompt_lengths(shard: Shard, texts: list[str], add_special_tokens: bool) -> list[int]:
     return [token_count(shard, t, add_special_tokens) for t in texts]
 
@@ -66,7 +73,7 @@ def run_requests(
     "prefill" and "decode"."""
     from router.offline import run_scheduled  # the router builds on the engine: imported on use
 
-    lengths = [token_count(shard, r.inputs, r.add_special_tokens) for r in requests]
+    lengths = [request_length(shard, r) for r in requests]
     outputs = run_scheduled(
         shard, requests, lengths, shard.runner.kv_cache.capacity_tokens, seconds
     )

@@ -26,6 +26,7 @@ class Sequence:
     cache_len: int = 0  # prompt tokens whose KV the router said was cached (not computed)
     computed: int = 0  # tokens whose KV is in the cache
     prefill_end: int = 0  # tokens its prefill computes (prompt, and a resumed request's tokens)
+    image_features: object = None  # a VLM prompt's [image tokens, hidden] (engine/vision/)
 
     @property
     def prefilling(self) -> bool:

@@ -110,6 +110,7 @@ class Shard:
             self.model, self.dtype
         )  # after the adapters: they read the plain weights' dtype
         self.special_token_ids = frozenset(self.tokenizer.all_special_ids)
+        self.vision = self._image_encoder()  # a vision-language model's (engine/vision/)
         self.limits: ServingLimits | None = None
         self.runner: ModelRunner | None = None
         self.allocator: ShardBlockPool | None = None
@@ -133,6 +134,15 @@ class Shard:
         self.device_lock = DeviceLock()  # a step, or one bucket of background warmup (steps first)
         self.background = None  # progressive warmup's BackgroundWarmup while it runs
         self.recorder = None  # ShapeRecorder of --record-shapes
+
+    def _image_encoder(self):
+        if not getattr(self.model, "takes_images", False):
+            return None
+        from engine.vision.encoder import ImageEncoder
+        from engine.vision.spec import image_spec
+
+        spec = image_spec(self.model_config.vision)
+        return ImageEncoder(self.model, self.model_path, self.tokenizer, spec, self.adapter)
 
     def _without_unsound_prefix_caching(self, config: EngineConfig) -> EngineConfig:
         """A model whose keys' rotation depends on the sequence's final length (Phi-3's longrope:
@@ -208,10 +218,15 @@ class Shard:
             parts, self.config, limits, self.fingerprint(), self.show_progress, self.device_lock
         )
         self.runner, self.background = warmed.runner, warmed.background
+        if self.vision is not None:  # the tower's image buckets, warmed with the rest
+            with self.device_lock:
+                self.vision.warm()
         self.warmup_log = warmed.phases  # per-phase and per-bucket times and memory
         self.allocator, self.limits = ShardBlockPool(warmed.num_blocks), limits
         self.contents = BlockContents(self.block_size) if self.config.prefix_caching else None
         if batch is not None and batch.requests and self.adapter.warm_runs_forward:
+            for request in batch.requests:  # TGI's warmup image is no real image: its text stays
+                request.chunks = None
             self.prefill(batch)
             self.clear(batch.id)
         self._start_recording()
@@ -414,6 +429,7 @@ class Shard:
             vocab_size=self.model_config.vocab_size,
             contents=self.contents,
             chunk_stats=self.chunk_stats,
+            vision=self.vision,
         )
 
     def _unset_seed(self, request_id: int) -> int:
