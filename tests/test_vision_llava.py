@@ -5,13 +5,12 @@ several sizes, with strict shapes (the tower's image buckets are warmed with the
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.batch import ImageInput, Request, StoppingCriteriaParameters
 from engine.serving.shard import Shard
 from launcher.generate import request_length, run_requests
 from tests.helpers import tiny_config
-from tests.vision_models import image_bytes
+from tests.vision_models import image_bytes, llava_reference
 
 NEW_TOKENS = 30
 
@@ -35,35 +34,6 @@ def as_request(i: int, chunks: list) -> Request:
     return Request(i, text, stopping_parameters=stopping, chunks=chunks if has_images else None)
 
 
-def reference(model_dir, chunks: list) -> list[int]:
-    """transformers' own LLaVA, tokenizer and image processor on one prompt."""
-    import io
-
-    import transformers
-    from PIL import Image
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
-    model = transformers.LlavaForConditionalGeneration.from_pretrained(
-        model_dir, dtype=torch.float32
-    )
-    tokens = model.config.vision_config.image_size // model.config.vision_config.patch_size
-    text = "".join(c if isinstance(c, str) else "<image>" * tokens**2 for c in chunks)
-    ids = tokenizer(text, return_tensors="pt")["input_ids"]
-    images = [
-        Image.open(io.BytesIO(c.data)).convert("RGB") for c in chunks if not isinstance(c, str)
-    ]
-    extra = (
-        {"pixel_values": processor(images=images, return_tensors="pt")["pixel_values"]}
-        if images
-        else {}
-    )
-    out = model.eval().generate(
-        ids, **extra, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
-    )
-    return out[0, ids.shape[1] :].tolist()
-
-
 @pytest.fixture(scope="module")
 def shard(tiny_llava_dir):
     return Shard(tiny_config(tiny_llava_dir), show_progress=False)
@@ -75,7 +45,9 @@ def test_llava_matches_transformers_on_mixed_batches(shard, tiny_llava_dir):
     shard.warmup(max(lengths), sum(lengths), max(lengths) + NEW_TOKENS, len(requests))
     done = run_requests(shard, requests)
     for i, chunks in enumerate(PROMPTS):
-        assert done[i].token_ids == reference(tiny_llava_dir, chunks), f"prompt {i}"
+        assert done[i].token_ids == llava_reference(tiny_llava_dir, chunks, NEW_TOKENS), (
+            f"prompt {i}"
+        )
     assert shard.adapter.shapes.strict and not shard.adapter.shapes.unwarmed
     # five distinct images, one repeated: encoded once
     assert shard.vision.stats["images_encoded"] == 5

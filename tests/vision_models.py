@@ -68,3 +68,30 @@ def image_bytes(width: int, height: int, seed: int = 0, kind: str = "PNG") -> by
     out = io.BytesIO()
     Image.fromarray(pixels.numpy()).save(out, format=kind)
     return out.getvalue()
+
+
+def llava_reference(model_dir, chunks: list, new_tokens: int, add_special_tokens=True, eos=False):
+    """transformers' own LLaVA, tokenizer and image processor, greedy on one prompt given as text
+    pieces and image bytes (or ImageInput) in order; eos: stop at EOS (else exactly new_tokens)."""
+    import transformers
+    from PIL import Image
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
+    side = model.config.vision_config.image_size // model.config.vision_config.patch_size
+    text = "".join(c if isinstance(c, str) else "<image>" * side**2 for c in chunks)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=add_special_tokens)["input_ids"]
+    images = [
+        Image.open(io.BytesIO(getattr(c, "data", c))).convert("RGB")
+        for c in chunks
+        if not isinstance(c, str)
+    ]
+    extra = {}
+    if images:
+        extra["pixel_values"] = processor(images=images, return_tensors="pt")["pixel_values"]
+    least = {} if eos else {"min_new_tokens": new_tokens}
+    out = model.generate(ids, **extra, max_new_tokens=new_tokens, do_sample=False, **least)
+    return out[0, ids.shape[1] :].tolist()
