@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import subprocess
 import sys
 
@@ -111,3 +112,27 @@ def test_generate_command_takes_image_files(tiny_llava_dir, tmp_path):
     ids = json.loads(result.stdout.splitlines()[-1])["token_ids"]
     chunks = [picture.read_bytes(), "Describe it."]
     assert ids == llava_reference(tiny_llava_dir, chunks, NEW_TOKENS, eos=True)
+
+
+def image_counters(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    names = ("images_encoded", "image_cache_hits", "encoder_seconds")
+    found = {n: re.search(rf"^bucketserve_shard_{n}_total (\S+)$", text, re.M) for n in names}
+    return {n: float(m[1]) if m else 0.0 for n, m in found.items()}
+
+
+def test_a_repeated_image_in_a_chat_is_encoded_once(url):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    picture = {"type": "image_url", "image_url": {"url": data_url(image_bytes(36, 36, seed=11))}}
+    first = [{"role": "user", "content": [picture, {"type": "text", "text": "What is it?"}]}]
+    before = image_counters(url)
+    answer = client.chat.completions.create(model="tgi", messages=first, max_tokens=4)
+    turns = first + [
+        {"role": "assistant", "content": answer.choices[0].message.content},
+        {"role": "user", "content": "And its color?"},
+    ]
+    client.chat.completions.create(model="tgi", messages=turns, max_tokens=4)
+    after = image_counters(url)
+    assert after["images_encoded"] - before["images_encoded"] == 1
+    assert after["image_cache_hits"] - before["image_cache_hits"] == 1
+    assert after["encoder_seconds"] > before["encoder_seconds"]

@@ -301,6 +301,7 @@ class Shard:
             "copied_prompts": self.runner.kv_cache.copied_prompts,
             **self.chunk_stats,
             **self.lookahead_stats,
+            **(self.vision.stats if self.vision is not None else NO_IMAGES),
         }
 
     @_exclusive
@@ -508,6 +509,9 @@ class Shard:
 
 # Buckets in the stats each step carries (gRPC trailing metadata, which a client caps at a few KiB).
 REPORTED_BUCKETS = 32
+
+
+NO_IMAGES = {"images_encoded": 0, "encoder_ns": 0, "image_cache_hits": 0}  # a text model's
 
 
 def bucket_counts(bucket, forwards: int, real: int, padded: int) -> list:
