@@ -58,6 +58,16 @@ def kv_tokens(prompt_len: int, max_new_tokens: int) -> int:
     return prompt_len + max_new_tokens - 1
 
 
+@dataclass(frozen=True)
+class ImageInput:
+    """An image of a prompt, as the v3 protocol's InputChunk.image carries it."""
+
+    data: bytes
+    mimetype: str
+    width: int = 0  # what the router read (0: not read yet)
+    height: int = 0
+
+
 @dataclass
 class Request:
     id: int
@@ -80,6 +90,8 @@ class Request:
     prefill_source: int | None = (
         None  # a request of the same Prefill whose prompt KV this one copies
     )
+    # The prompt as text and images in order (v3 input_chunks), where it has images; None: text only
+    chunks: list[str | ImageInput] | None = None
 
 
 @dataclass

@@ -32,6 +32,8 @@ class PrefillInput:
     # Prefill with context: token_ids continue `context_slots`, the cache slots of the tokens before
     # them (whole blocks: a prefix-cache hit or the earlier chunks of the prompt).
     context_slots: list[int] = field(default_factory=list)
+    # A vision-language model's image features for the image tokens among token_ids, in order
+    image_features: torch.Tensor | None = None
 
 
 @dataclass
@@ -280,13 +282,32 @@ class ModelRunner:
                 context_slots=self._tensor(table), context_lens=self._tensor(contexts)
             )
         lora = self._lora_index([s.adapter for s in seqs], rows, width)
+        images = self._image_embeds(seqs, rows, width)
         return (
             self._tensor(ids).view(rows, width),
             self._to_device(positions),
             meta,
             self._tensor(last),
             *lora,
+            *images,
         )
+
+    def _image_embeds(self, seqs: list[PrefillInput], rows: int, width: int) -> tuple:
+        """A vision-language model's last prefill input: [rows, width, hidden] image features at
+        the image tokens' places (zeros elsewhere, read nowhere), in every prefill bucket, so a
+        bucket's one graph serves prompts with and without images."""
+        if not getattr(self.model, "takes_images", False):
+            return ()
+        embeds = torch.zeros((rows, width, self.model.config.hidden_size), dtype=self.dtype)
+        token = self.model.image_token_id
+        for row, seq in enumerate(seqs):
+            places = [i for i, t in enumerate(seq.token_ids) if t == token]
+            count = 0 if seq.image_features is None else len(seq.image_features)
+            if len(places) != count:
+                raise ValueError(f"{len(places)} image tokens but {count} image features")
+            if places:
+                embeds[row, places] = seq.image_features.to(self.dtype).cpu()
+        return (self._to_device(embeds),)
 
     def _decode_tensors(self, bucket: DecodeBucket, seqs: list[DecodeInput]):
         padding_rows = bucket.batch_size - len(seqs)

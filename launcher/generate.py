@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.batch import Request, StoppingCriteriaParameters, WarmupResult
+from engine.batch import ImageInput, Request, StoppingCriteriaParameters, WarmupResult
 from engine.errors import InvalidRequestError
 from engine.serving.recompute import recompute_length
 from engine.serving.shard import Shard
@@ -32,17 +32,29 @@ def token_count(shard: Shard, text: str, add_special_tokens: bool) -> int:
     return len(shard.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
+def request_length(shard: Shard, request: Request) -> int:
+    """The prompt's tokens, a vision-language model's images expanded to their image tokens."""
+    if request.chunks is not None and shard.vision is not None:
+        return len(shard.vision.prompt_ids(request))
+    return token_count(shard, request.inputs, request.add_special_tokens)
+
+
 def prompt_lengths(shard: Shard, texts: list[str], add_special_tokens: bool) -> list[int]:
     return [token_count(shard, t, add_special_tokens) for t in texts]
 
 
 def warm_for(
-    shard: Shard, texts: list[str], max_new_tokens: int, add_special_tokens: bool
+    shard: Shard,
+    texts: list[str],
+    max_new_tokens: int,
+    add_special_tokens: bool,
+    lengths: list[int] | None = None,
 ) -> WarmupResult:
-    """Warm only the buckets this workload can use: generation knows its prompts in advance."""
+    """Warm only the buckets this workload can use: generation knows its prompts in advance
+    (`lengths`: the prompts' token counts where the texts alone do not say, as with images)."""
     if max_new_tokens < 1:
         raise InvalidRequestError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    lengths = prompt_lengths(shard, texts, add_special_tokens)
+    lengths = lengths or prompt_lengths(shard, texts, add_special_tokens)
     limit = shard.config.max_input_tokens
     if max(lengths) > limit:
         raise InvalidRequestError(
@@ -66,7 +78,7 @@ def run_requests(
     "prefill" and "decode"."""
     from router.offline import run_scheduled  # the router builds on the engine: imported on use
 
-    lengths = [token_count(shard, r.inputs, r.add_special_tokens) for r in requests]
+    lengths = [request_length(shard, r) for r in requests]
     outputs = run_scheduled(
         shard, requests, lengths, shard.runner.kv_cache.capacity_tokens, seconds
     )
@@ -83,24 +95,45 @@ def run_requests(
     return done
 
 
+def with_images(pieces: list[str], images) -> list:
+    """Text pieces with an image between each two, empty pieces left out."""
+    chunks = []
+    for piece, image in zip(pieces, [*images, None]):
+        chunks += [piece] if piece else []
+        chunks += [image] if image is not None else []
+    return chunks
+
+
 def generate(
     shard: Shard,
     prompts: list[str],
     max_new_tokens: int,
     chat: bool = False,
     ignore_eos: bool = False,
+    images: list[ImageInput] = (),
 ) -> list[Completion]:
-    texts = [chat_prompt(shard.tokenizer, p) for p in prompts] if chat else list(prompts)
+    """`images`: given to every prompt, before its text (a vision-language model's)."""
+    if images and shard.vision is None:
+        raise InvalidRequestError("--image: this model does not take images (a text-only model)")
+    marker = "\x00image\x00"
+    contents = [marker * len(images) + p for p in prompts]
+    texts = [chat_prompt(shard.tokenizer, c) for c in contents] if chat else contents
     # A chat template writes its own special tokens; a plain prompt gets the tokenizer's.
     add_special = not chat
-    warm_for(shard, texts, max_new_tokens, add_special)
     stopping = StoppingCriteriaParameters(
         max_new_tokens=max_new_tokens, ignore_eos_token=ignore_eos
     )
-    requests = [
-        Request(i, text, stopping_parameters=stopping, add_special_tokens=add_special)
-        for i, text in enumerate(texts)
-    ]
+    requests = []
+    for i, text in enumerate(texts):
+        chunks = with_images(text.split(marker), images) if images else None
+        text = text.replace(marker, "")
+        requests.append(
+            Request(
+                i, text, stopping_parameters=stopping, add_special_tokens=add_special, chunks=chunks
+            )
+        )
+    lengths = [request_length(shard, r) for r in requests]
+    warm_for(shard, texts, max_new_tokens, add_special, lengths)
     done = run_requests(shard, requests)
     for i, prompt in enumerate(prompts):
         done[i].prompt = prompt

@@ -39,13 +39,27 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def read_images(paths: list[str]) -> list:
+    """Image files checked as the router checks images (format, pixels)."""
+    from router.images.decode import ImageError, ImageLimits, checked
+
+    images = []
+    for path in paths:
+        try:
+            images.append(checked(Path(path).read_bytes(), ImageLimits()))
+        except (OSError, ImageError) as error:
+            raise BucketserveError(f"--image {path}: {error}") from None
+    return images
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     from engine.serving.shard import Shard
     from launcher.generate import generate
 
     prompts = read_prompts(args)
+    images = read_images(args.image or [])
     shard = Shard(offline_config(args), show_progress=args.verbose)
-    for completion in generate(shard, prompts, args.max_new_tokens, chat=args.chat):
+    for completion in generate(shard, prompts, args.max_new_tokens, chat=args.chat, images=images):
         if args.json:
             print(
                 json.dumps(
@@ -95,6 +109,12 @@ def add_offline_commands(commands) -> None:
         help=f"the most tokens each prompt may generate (default: {DEFAULT_MAX_NEW_TOKENS})",
     )
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    gen.add_argument(
+        "--image",
+        action="append",
+        metavar="FILE",
+        help="an image each prompt gets before its text (repeatable; a vision-language model)",
+    )
     gen.set_defaults(func=cmd_generate)
     ben = commands.add_parser("bench", help="throughput benchmark, optionally against transformers")
     add_engine_args(ben, exclude=SERVING_ONLY)

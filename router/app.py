@@ -200,7 +200,25 @@ async def build_state(config: RouterConfig, client: ShardClient) -> RouterState:
     if config.kv_events_endpoint:
         publish_kv_events(allocator, config)
     await scheduler.start()
-    return RouterState(scheduler, tokenizer, client, info, metrics)
+    state = RouterState(scheduler, tokenizer, client, info, metrics)
+    state.images = image_policy(config, tokenizer)
+    return state
+
+
+def image_policy(config: RouterConfig, tokenizer):
+    """What images the model takes (its config.json), and the limits the router's flags set."""
+    from router.images.decode import ImageLimits
+    from router.images.prompt import policy_for
+
+    limits = ImageLimits(
+        config.max_image_pixels,
+        config.max_images_per_request,
+        config.max_image_bytes,
+        config.allow_image_urls,
+        config.image_url_timeout,
+    )
+    model_dir = tokenizer_dir(config) if config.model_id or config.tokenizer else None
+    return policy_for(model_dir, tokenizer, limits)
 
 
 def publish_kv_events(allocator, config: RouterConfig) -> None:

@@ -99,6 +99,18 @@ class RouterConfig(SharedKnobs):
         "on SIGTERM, seconds to finish the admitted requests (new ones get 503 with Retry-After, "
         "/health turns 503) before exiting 0; what is left is then cancelled",
     )
+    allow_image_urls: bool = knob(
+        False,
+        "a vision-language model's images may be http(s) URLs, which the router fetches "
+        "(never from a private or local address); off: data: URLs only",
+        switch=True,
+    )
+    max_image_pixels: int = knob(
+        4096 * 4096, "the most pixels (width x height) an image may have; more gets HTTP 422"
+    )
+    max_images_per_request: int = knob(8, "the most images a request may hold")
+    max_image_bytes: int = knob(20 * 1024 * 1024, "the largest image file, in bytes")
+    image_url_timeout: float = knob(10.0, "seconds an image URL may take, redirects included")
     parent_pid: int | None = knob(
         None, "stop when this process is gone (the launcher sets it)", env="BUCKETSERVE_PARENT_PID"
     )

@@ -20,3 +20,11 @@ def tiny_model_dirs(tmp_path_factory, smollm_dir):
     """variant -> directory of a tiny random model that shares the embedded model's tokenizer."""
     root = tmp_path_factory.mktemp("tiny")
     return {v: build_tiny_model(v, root / v, smollm_dir) for v in ("llama", "mistral", "qwen2")}
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory, smollm_dir):
+    """A tiny random LLaVA sharing the embedded model's tokenizer (plus `<image>`)."""
+    from tests.vision_models import build_tiny_llava
+
+    return build_tiny_llava(tmp_path_factory.mktemp("llava"), smollm_dir)

@@ -160,6 +160,7 @@ PLAN_FIELDS = (
     "warmup_buckets",
     "buckets_used",
 )
+IMAGE_COUNTERS = ("images_encoded", "encoder_ns", "image_cache_hits")  # a vision tower's
 GRAPH_COUNTERS = (
     "graph_compiles_warmup",
     "graph_compiles_serving",
@@ -170,6 +171,7 @@ EXTENSION_MESSAGES = {
     "ServingStats": [Field(n, i, "", "uint64") for i, n in enumerate(STATS_COUNTERS, 1)]
     + [Field(n, i, "", "uint32") for i, n in enumerate(PLAN_FIELDS, len(STATS_COUNTERS) + 1)]
     + [Field("buckets", 18, "repeated", "BucketUse")]
+    + [Field(n, i, "", "uint64") for i, n in enumerate(IMAGE_COUNTERS, 19)]
     + [Field(n, i, "", "uint64") for i, n in enumerate(GRAPH_COUNTERS, 1000)],
     "BucketUse": [
         Field("phase", 1, "", "string"),

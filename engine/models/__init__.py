@@ -4,6 +4,7 @@ fallback, and the registry that maps a Hugging Face architecture name to its nat
 from engine.errors import ModelLoadError
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.llava import LlavaForConditionalGeneration
 from engine.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 
@@ -17,6 +18,7 @@ MODEL_REGISTRY = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # engine/models/llava.py
 }
 
 

@@ -6,7 +6,7 @@ One dataclass covers every native family: each family is the Llama decoder plus 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.errors import ModelLoadError
@@ -58,6 +58,8 @@ class ModelConfig:
     final_softcap: float | None = None  # Gemma 2: the same on the logits
     local_rope: RopeConfig | None = None  # Gemma 3: the sliding layers' own rope
     moe: MoeConfig | None = None
+    # A vision-language model: its whole config.json (the fields above are its text model's)
+    vision: dict | None = field(default=None, compare=False, hash=False, repr=False)
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -65,6 +67,8 @@ class ModelConfig:
         if not architectures:
             raise ModelLoadError("config.json names no architecture ('architectures' is missing)")
         try:
+            if architectures[0] in VISION_LANGUAGE:
+                return _parse_vision_language(architectures[0], raw)
             return _parse(architectures[0], raw)
         except KeyError as missing:
             raise ModelLoadError(f"config.json lacks the field {missing}") from None
@@ -75,6 +79,33 @@ class ModelConfig:
 
     def window_of(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+
+# vision-language architecture -> its text model's architecture, by text_config.model_type
+VISION_LANGUAGE = ("LlavaForConditionalGeneration",)
+TEXT_MODELS = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+def _parse_vision_language(architecture: str, raw: dict[str, Any]) -> ModelConfig:
+    """The text model's config, naming the vision-language architecture (engine/vision/)."""
+    text = raw["text_config"]
+    kind = text.get("model_type", "llama")
+    if kind not in TEXT_MODELS:
+        raise ModelLoadError(
+            f"{architecture} with a {kind!r} language model is not supported natively "
+            f"(supported: {', '.join(TEXT_MODELS)})"
+        )
+    parsed = _parse(TEXT_MODELS[kind], {"tie_word_embeddings": False, **text})
+    return replace(
+        parsed,
+        architecture=architecture,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", parsed.tie_word_embeddings)),
+        vision=raw,
+    )
 
 
 def _parse(architecture: str, raw: dict[str, Any]) -> ModelConfig:

@@ -120,6 +120,7 @@ class Shard:
             self.model, self.dtype
         )  # after the adapters: they read the plain weights' dtype
         self.special_token_ids = frozenset(self.tokenizer.all_special_ids)
+        self.vision = self._image_encoder()  # a vision-language model's (engine/vision/)
         self.limits: ServingLimits | None = None
         self.runner: ModelRunner | None = None
         self.allocator: ShardBlockPool | None = None
@@ -157,6 +158,15 @@ class Shard:
         from engine.spec.step import Speculator
 
         return Speculator(config.speculate, config.num_speculative_tokens, SPECULATE_MAX_BATCH)
+
+    def _image_encoder(self):
+        if not getattr(self.model, "takes_images", False):
+            return None
+        from engine.vision.encoder import ImageEncoder
+        from engine.vision.spec import image_spec
+
+        spec = image_spec(self.model_config.vision)
+        return ImageEncoder(self.model, self.model_path, self.tokenizer, spec, self.adapter)
 
     def _without_unsound_prefix_caching(self, config: EngineConfig) -> EngineConfig:
         """A model whose keys' rotation depends on the sequence's final length (Phi-3's longrope:
@@ -235,10 +245,15 @@ class Shard:
                 parts, self.config, limits, self.fingerprint(), self.show_progress, self.device_lock
             )
         self.runner, self.background = warmed.runner, warmed.background
+        if self.vision is not None:  # the tower's image buckets, warmed with the rest
+            with self.device_lock:
+                self.vision.warm()
         self.warmup_log = warmed.phases  # per-phase and per-bucket times and memory
         self.allocator, self.limits = ShardBlockPool(warmed.num_blocks), limits
         self.contents = BlockContents(self.block_size) if self.config.prefix_caching else None
         if batch is not None and batch.requests and self.adapter.warm_runs_forward:
+            for request in batch.requests:  # TGI's warmup image is no real image: its text stays
+                request.chunks = None
             self.prefill(batch)
             self.clear(batch.id)
         if self.config.warmup_mode != "none":
@@ -322,6 +337,7 @@ class Shard:
             **self.chunk_stats,
             **self.lookahead_stats,
             **graph_counts(self.adapter),
+            **(self.vision.stats if self.vision is not None else NO_IMAGES),
         }
 
     @_exclusive
@@ -451,6 +467,7 @@ class Shard:
             contents=self.contents,
             chunk_stats=self.chunk_stats,
             speculator=self.speculator,
+            vision=self.vision,
         )
 
     def _unset_seed(self, request_id: int) -> int:
@@ -529,6 +546,9 @@ class Shard:
 
 # Buckets in the stats each step carries (gRPC trailing metadata, which a client caps at a few KiB).
 REPORTED_BUCKETS = 32
+
+
+NO_IMAGES = {"images_encoded": 0, "encoder_ns": 0, "image_cache_hits": 0}  # a text model's
 
 
 def bucket_counts(bucket, forwards: int, real: int, padded: int) -> list:

@@ -57,6 +57,7 @@ class StepContext:
         None  # "chunked_prompts", "prefill_chunks": counted for the router's metrics
     )
     speculator: object = None  # engine.spec.step.Speculator with --speculate; None: off
+    vision: object = None  # a vision-language model's ImageEncoder (engine/vision/encoder.py)
 
 
 def adapter_slot(ctx: StepContext, request: Request) -> int:
@@ -108,8 +109,17 @@ def admit_requests(
         raise InvalidRequestError(
             f"KV cache full: the batch needs {needed} blocks, {ctx.allocator.num_free} are free"
         )
+    # Images are encoded before any block is allocated: an unreadable one refuses the batch.
+    # `n` siblings copy their source's prompt KV, so only the source encodes its images.
+    features = [
+        ctx.vision.encode(r)
+        if r.chunks is not None and ctx.vision and r.prefill_source is None
+        else None
+        for r in requests
+    ]
     sequences = [_new_sequence(ctx, r, ids, g) for r, ids, g in zip(requests, tokenized, grammars)]
-    for seq in sequences:
+    for seq, image_features in zip(sequences, features):
+        seq.image_features = image_features
         if seq.id in resume:
             replay(ctx.tokenizer, seq, resume[seq.id])
         seq.computed, seq.prefill_end = seq.cache_len, len(seq.token_ids)
@@ -135,9 +145,18 @@ def _compile_grammar(ctx: StepContext, request: Request):
 def _tokenize(ctx: StepContext, request: Request) -> list[int]:
     validate_parameters(request.id, request.parameters)
     adapter_slot(ctx, request)
-    ids = ctx.tokenizer(request.inputs, add_special_tokens=request.add_special_tokens)["input_ids"]
+    if request.chunks is not None and ctx.vision is not None:  # text and images
+        ids = ctx.vision.prompt_ids(request)
+    else:  # a text model reads a prompt's text chunks alone, as TGI's do
+        ids = ctx.tokenizer(request.inputs, add_special_tokens=request.add_special_tokens)[
+            "input_ids"
+        ]
     if request.truncate:
         ids = ids[-request.truncate :]
+    if ctx.vision is not None and request.chunks is None and ctx.vision.spec.image_token_id in ids:
+        raise InvalidRequestError(
+            f"request {request.id}: the prompt holds the image token but no image"
+        )
     max_new, limits = request.stopping_parameters.max_new_tokens, ctx.limits
     if not ids:
         raise InvalidRequestError(f"request {request.id}: the prompt is empty")
@@ -216,6 +235,7 @@ def prefill_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation
             s.request.prefill_logprobs and a == 0,
             adapter_slot(ctx, s.request),
             s.slots(0, a),
+            _image_features(ctx, s, a, b),
         )
         for s, a, b in planned
     ]
@@ -247,6 +267,15 @@ def prefill_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation
                 ctx, seq.token_ids[: seq.prompt_len], logprobs
             )
     return generations
+
+
+def _image_features(ctx: StepContext, seq: Sequence, start: int, end: int):
+    """The features of the image tokens among positions [start, end) of the prompt."""
+    if seq.image_features is None:
+        return None
+    token = ctx.vision.spec.image_token_id
+    before = seq.token_ids[:start].count(token)
+    return seq.image_features[before : before + seq.token_ids[start:end].count(token)]
 
 
 def decode_step(
@@ -323,6 +352,8 @@ def record_contents(ctx: StepContext, sequences: list[Sequence]) -> None:
     """After a forward, every token of each sequence is in the cache: note the blocks they fill."""
     if ctx.contents is not None:
         for seq in sequences:
+            if seq.request.chunks is not None:  # image tokens' ids do not say which image
+                continue
             ctx.contents.record(seq.blocks, seq.token_ids, seq.request.adapter_id, seq.computed)
 
 

@@ -80,6 +80,33 @@ def request_text(message: pb.Request) -> str:
     return message.inputs
 
 
+def request_chunks(message: pb.Request) -> list[str | eb.ImageInput] | None:
+    """The prompt's text and image chunks in order, where it has an image (else None): a
+    vision-language model reads these; a text model reads request_text alone."""
+    chunks = message.input_chunks.chunks if message.HasField("input_chunks") else []
+    if not any(chunk.WhichOneof("chunk") == "image" for chunk in chunks):
+        return None
+    return [
+        chunk.text
+        if chunk.WhichOneof("chunk") == "text"
+        else eb.ImageInput(chunk.image.data, chunk.image.mimetype)
+        for chunk in chunks
+    ]
+
+
+def chunks_to_pb(request: eb.Request) -> pb.Input:
+    if request.chunks is None:
+        return pb.Input(chunks=[pb.InputChunk(text=request.inputs)])
+    return pb.Input(
+        chunks=[
+            pb.InputChunk(text=chunk)
+            if isinstance(chunk, str)
+            else pb.InputChunk(image=pb.Image(data=chunk.data, mimetype=chunk.mimetype))
+            for chunk in request.chunks
+        ]
+    )
+
+
 def request_from_pb(message: pb.Request) -> eb.Request:
     # A router that leaves a parameter message unset gets the engine's defaults, not proto zeros
     # (max_new_tokens=0 or temperature=0 would be refused or mean something else).
@@ -108,6 +135,7 @@ def request_from_pb(message: pb.Request) -> eb.Request:
         add_special_tokens=message.add_special_tokens,
         chunk_len=optional_field(message, "chunk_len"),
         prefill_source=optional_field(message, "prefill_source"),
+        chunks=request_chunks(message),
     )
 
 
@@ -299,12 +327,12 @@ def stopping_to_pb(stopping: eb.StoppingCriteriaParameters) -> pb.StoppingCriter
 
 def request_to_pb(request: eb.Request, resume_tokens: list[int] | None = None) -> pb.Request:
     """`resume_tokens`: what the request generated before the shards restarted (none: a new one)."""
-    # The text goes both as `inputs` and as one text chunk, as TGI's router sends it: v3 shards
-    # differ in which of the two they read.
+    # The text goes both as `inputs` and as text chunks (with the image chunks between them), as
+    # TGI's router sends it: v3 shards differ in which of the two they read.
     return pb.Request(
         id=request.id,
         inputs=request.inputs,
-        input_chunks=pb.Input(chunks=[pb.InputChunk(text=request.inputs)]),
+        input_chunks=chunks_to_pb(request),
         truncate=request.truncate,
         parameters=parameters_to_pb(request.parameters),
         stopping_parameters=stopping_to_pb(request.stopping_parameters),

@@ -87,6 +87,22 @@ class ShardStatsCollector:
                 stats["prefill_chunks"],
             )
         yield from graph_counters(stats)
+        if stats.get("images_encoded") or stats.get("image_cache_hits"):  # a VLM's shard
+            yield counter(
+                "bucketserve_shard_images_encoded",
+                "images the vision tower encoded",
+                stats["images_encoded"],
+            )
+            yield counter(
+                "bucketserve_shard_encoder_seconds",
+                "the vision tower's time",
+                stats["encoder_ns"] / 1e9,
+            )
+            yield counter(
+                "bucketserve_shard_image_cache_hits",
+                "images whose features were kept from an earlier encode",
+                stats["image_cache_hits"],
+            )
         if (
             "lookahead_runs" in stats
         ):  # async scheduling: runs beyond steps are forwards thrown away

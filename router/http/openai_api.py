@@ -198,7 +198,9 @@ def chat_prompt(state: RouterState, body: ChatRequest) -> str:
         f"`messages` may hold up to {MAX_MESSAGES} messages. Given: {len(body.messages)}",
     )
     messages = [
-        chat.template_message(m.role, message_text(m), m.tool_calls, m.tool_call_id, m.name)
+        chat.template_message(
+            m.role, message_text(m, state.images), m.tool_calls, m.tool_call_id, m.name
+        )
         for m in body.messages
     ]
     for message in messages:
@@ -206,17 +208,34 @@ def chat_prompt(state: RouterState, body: ChatRequest) -> str:
     return chat.render(state.tokenizer, messages, body.tool_plan().tools)
 
 
-def message_text(message: Message) -> str:
-    if isinstance(message.content, list):  # content parts: only text ones are understood
-        check(
-            all(
-                isinstance(p.get("text", ""), str) and p.get("type") == "text"
-                for p in message.content
-            ),
-            "only text content parts are supported",
-        )
-        return "".join(p.get("text", "") for p in message.content)
+def message_text(message: Message, images=None) -> str:
+    """The message's text; an image part becomes TGI's markdown image, which validation reads
+    (router/images/prompt.py) where the model takes images, and refuses where it does not."""
+    if isinstance(message.content, list):  # content parts: text, and images for a VLM
+        return "".join(content_part_text(p, images) for p in message.content)
     return message.content or ""
+
+
+def content_part_text(part: dict, images) -> str:
+    kind = part.get("type")
+    if kind == "image_url":
+        check(
+            images is not None and images.spec is not None,
+            "this model does not take images (it is a text-only model): send text content only",
+        )
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        check(isinstance(url, str) and url != "", "an `image_url` part needs `image_url.url`")
+        check(
+            url.startswith(("data:", "http://", "https://")),
+            "an image URL must be data:, http: or https:",
+        )
+        return f"![]({url})"
+    check(
+        kind == "text" and isinstance(part.get("text", ""), str),
+        "only text and image_url content parts are supported",
+    )
+    return part.get("text", "")
 
 
 # --- responses ------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from router.http.validation import (
     build_request,
     longest_token_chars,
 )
+from router.images.prompt import ImagePolicy
 from router.sched import fanout
 from router.sched.scheduler import Scheduler
 
@@ -54,6 +55,7 @@ class RouterState:
     token_chars: int | None = (
         None  # the longest token's length in characters: bounds a prompt's token count
     )
+    images: ImagePolicy | None = None  # the model's images (None, or spec None: a text model)
 
     def __post_init__(self):
         if self.grammar_check is None:
@@ -91,7 +93,7 @@ async def submit(
     scheduler's stream (to close on a disconnect). An overloaded router refuses before tokenizing."""
     state.scheduler.check_admission()
     request, ids = await validated(state, inputs, parameters, add_special_tokens)
-    return queue(state, request, len(ids), lookup_ids(state, ids))
+    return queue(state, request, len(ids), lookup_ids(state, ids, request))
 
 
 async def validated(
@@ -107,11 +109,15 @@ async def validated(
         parameters,
         add_special_tokens,
         state.grammar_check,
+        state.images,
     )
 
 
-def lookup_ids(state: RouterState, ids: list[int]) -> list[int] | None:
-    """The prompt's ids for prefix-cache lookups, where the shards cache prefixes (else None)."""
+def lookup_ids(state: RouterState, ids: list[int], request: Request) -> list[int] | None:
+    """The prompt's ids for prefix-cache lookups, where the shards cache prefixes (else None).
+    A prompt with images is not looked up: its image tokens' ids do not say which image."""
+    if request.chunks is not None:
+        return None
     return ids if state.info.get("prefix_caching") else None
 
 
@@ -143,7 +149,7 @@ async def submit_many(
     group = fanout.siblings(request, count, lambda: next(state.ids))
     arrival = time.perf_counter()
     try:
-        streams = state.scheduler.submit_group(group, length, lookup_ids(state, ids))
+        streams = state.scheduler.submit_group(group, length, lookup_ids(state, ids, request))
     except ValueError as error:
         raise ValidationError(str(error)) from None
     timed = [traced(state.metrics.timed(stream, arrival), stream, arrival) for stream in streams]

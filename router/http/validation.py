@@ -20,6 +20,8 @@ from engine.batch import (
     Request,
     StoppingCriteriaParameters,
 )
+from router.images.decode import ImageError
+from router.images.prompt import ImagePolicy, image_prompt
 from router.sched.admission import check_lengths
 
 MAX_STOP_SEQUENCES = 4
@@ -247,16 +249,29 @@ def build_request(
     p: Parameters,
     add_special_tokens: bool = True,
     grammar_check=None,
+    images: ImagePolicy | None = None,
 ) -> tuple[Request, list[int]]:
     """The protocol request for `inputs` with TGI parameters `p`, and its prompt's token ids.
-    `grammar_check(text, type)` compiles a grammar as the shard will (router/http/grammar_check.py)."""
+    `grammar_check(text, type)` compiles a grammar as the shard will (router/http/grammar_check.py);
+    `images`: the model's images, where the prompt may hold some (router/images/)."""
     check_sampling(p)
     check_adapter(p.adapter_id, limits)
     grammar, grammar_type = grammar_fields(p.grammar)
     check_text("grammar", grammar)
     if grammar_check is not None:
         grammar_check(grammar, grammar_type)
-    ids = prompt_ids(tokenizer, limits, inputs, p.truncate, add_special_tokens)
+    try:
+        pictured = image_prompt(inputs, images) if images is not None else None
+    except ImageError as error:
+        raise ValidationError(str(error)) from None
+    counted = pictured.counted if pictured else inputs
+    ids = prompt_ids(
+        tokenizer, limits, counted, None if pictured else p.truncate, add_special_tokens
+    )
+    check(
+        pictured is None or p.truncate is None or len(ids) <= p.truncate,
+        "`truncate` would cut the prompt's images: send a shorter prompt instead",
+    )
     new = new_tokens(limits, p, len(ids))
     vocab = len(tokenizer)
     bad = sorted(t for t in (p.logit_bias or {}) if not 0 <= t < vocab)
@@ -279,7 +294,7 @@ def build_request(
     )
     request = Request(
         request_id,
-        inputs,
+        pictured.wire if pictured else inputs,
         truncate=p.truncate or 0,
         parameters=params,
         stopping_parameters=StoppingCriteriaParameters(
@@ -289,5 +304,6 @@ def build_request(
         top_n_tokens=p.top_n_tokens or 0,
         adapter_id=p.adapter_id or None,
         add_special_tokens=add_special_tokens,
+        chunks=pictured.chunks if pictured else None,
     )
     return request, ids

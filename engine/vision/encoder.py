@@ -1,0 +1,129 @@
+"""A vision-language model's images on the shard: each prompt's text with its images expanded to
+image tokens (as the router counts it, engine/vision/spec.py), the images preprocessed by the
+model's own transformers image processor, and the tower run at planned image-batch buckets
+(1, 2, 4, ... images), warmed with the language model's buckets. Features are kept by the
+image's content hash, so an image sent again (the next turn of a chat, `n` > 1) is not encoded
+again."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import time
+from collections import OrderedDict
+
+import torch
+
+from engine.batch import ImageInput, Request
+from engine.errors import InvalidRequestError
+from engine.vision.spec import ImageSpec
+
+CACHED_IMAGES = 64  # features of this many recent images are kept
+
+
+def image_buckets(max_images: int) -> tuple[int, ...]:
+    """Image-batch sizes the tower runs at: powers of two up to max_images, and max_images."""
+    sizes, size = [], 1
+    while size < max_images:
+        sizes.append(size)
+        size *= 2
+    return tuple(sizes + [max_images])
+
+
+class ImageEncoder:
+    def __init__(self, model, model_dir, tokenizer, spec: ImageSpec, adapter, max_images: int = 8):
+        from transformers import AutoImageProcessor
+
+        try:
+            self.processor = AutoImageProcessor.from_pretrained(model_dir)
+        except (OSError, ValueError) as error:
+            raise InvalidRequestError(f"cannot load the model's image processor: {error}") from None
+        self.model, self.tokenizer, self.spec, self.adapter = model, tokenizer, spec, adapter
+        self.token_text = tokenizer.convert_ids_to_tokens(spec.image_token_id)
+        self.buckets = image_buckets(max_images)
+        self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.stats = {"images_encoded": 0, "encoder_ns": 0, "image_cache_hits": 0}
+
+    # --- the prompt ------------------------------------------------------------------------------
+
+    def prompt_text(self, request: Request) -> str:
+        """The prompt with each image as its image tokens (the router tokenizes the same text)."""
+        return "".join(
+            chunk if isinstance(chunk, str) else self.placeholder(chunk) for chunk in request.chunks
+        )
+
+    def placeholder(self, image: ImageInput) -> str:
+        return self.spec.placeholder(self.token_text, image.width, image.height)
+
+    def prompt_ids(self, request: Request) -> list[int]:
+        ids = self.tokenizer(
+            self.prompt_text(request), add_special_tokens=request.add_special_tokens
+        )["input_ids"]
+        if request.truncate and len(ids) > request.truncate:
+            raise InvalidRequestError(
+                f"request {request.id}: truncate={request.truncate} would cut the prompt's images"
+            )
+        expected = sum(
+            self.spec.tokens(c.width, c.height) for c in request.chunks if not isinstance(c, str)
+        )
+        if ids.count(self.spec.image_token_id) != expected:
+            raise InvalidRequestError(
+                f"request {request.id}: the prompt's text holds the image token itself"
+            )
+        return ids
+
+    # --- the images ------------------------------------------------------------------------------
+
+    def encode(self, request: Request) -> torch.Tensor:
+        """[image tokens of the prompt, hidden]: every image's features, in prompt order."""
+        images = [c for c in request.chunks if not isinstance(c, str)]
+        keys = [hashlib.sha256(image.data).hexdigest() for image in images]
+        missing = {}
+        for key, image in zip(keys, images):
+            if key in self.cache:
+                self.stats["image_cache_hits"] += 1
+                self.cache.move_to_end(key)
+            elif key not in missing:
+                missing[key] = image
+        if missing:
+            features = self._run_tower(self._pixels(request.id, list(missing.values())))
+            for key, feature in zip(missing, features):
+                self.cache[key] = feature
+        found = [self.cache[key] for key in keys]
+        while len(self.cache) > CACHED_IMAGES:
+            self.cache.popitem(last=False)
+        return torch.cat(found)
+
+    def _pixels(self, request_id: int, images: list[ImageInput]) -> torch.Tensor:
+        from PIL import Image
+
+        try:
+            decoded = [Image.open(io.BytesIO(image.data)).convert("RGB") for image in images]
+        except Exception as error:  # noqa: BLE001 - Pillow raises several kinds for a bad file
+            raise InvalidRequestError(f"request {request_id}: an image is unreadable: {error}") from None
+        return self.processor(images=decoded, return_tensors="pt")["pixel_values"]
+
+    def _run_tower(self, pixels: torch.Tensor) -> list[torch.Tensor]:
+        """Each image's features; the tower runs at bucket shapes (padding images are zeros)."""
+        start, out, largest = time.perf_counter_ns(), [], self.buckets[-1]
+        for first in range(0, len(pixels), largest):
+            part = pixels[first : first + largest]
+            bucket = next(b for b in self.buckets if b >= len(part))
+            padded = torch.zeros((bucket, *part.shape[1:]), dtype=part.dtype)
+            padded[: len(part)] = part
+            padded = padded.to(self.adapter.torch_device)
+            features = self.adapter.run(self.shape(bucket), self.model.image_features, padded)
+            out += list(features[: len(part)])
+        self.adapter.synchronize()
+        self.stats["images_encoded"] += len(pixels)
+        self.stats["encoder_ns"] += time.perf_counter_ns() - start
+        return out
+
+    def shape(self, bucket: int) -> tuple:
+        return ("vision", bucket, self.spec.image_size)
+
+    def warm(self) -> None:
+        size = self.spec.image_size
+        for bucket in self.buckets:
+            pixels = torch.zeros((bucket, 3, size, size), device=self.adapter.torch_device)
+            self.adapter.warm(self.shape(bucket), self.model.image_features, pixels)

@@ -1,0 +1,54 @@
+"""A tiny random LLaVA served exactly: greedy tokens equal transformers' generate on the same
+weights and images, in a mixed batch of text-only prompts and prompts with 1 to 3 images of
+several sizes, with strict shapes (the tower's image buckets are warmed with the rest)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.batch import ImageInput, Request, StoppingCriteriaParameters
+from engine.serving.shard import Shard
+from launcher.generate import request_length, run_requests
+from tests.helpers import tiny_config
+from tests.vision_models import image_bytes, llava_reference
+
+NEW_TOKENS = 30
+
+
+def image(width: int, height: int, seed: int) -> ImageInput:
+    return ImageInput(image_bytes(width, height, seed), "image/png")
+
+
+PROMPTS = [  # text and images, in order
+    ["Describe this picture: ", image(40, 30, 1), " in detail."],
+    ["Once upon a time, in a land far away"],
+    [image(28, 28, 2), " and ", image(64, 20, 3), " differ how?"],
+    ["Three: ", image(33, 47, 4), image(90, 60, 5), " then ", image(40, 30, 1), "."],
+]
+
+
+def as_request(i: int, chunks: list) -> Request:
+    text = "".join(c for c in chunks if isinstance(c, str))
+    stopping = StoppingCriteriaParameters(max_new_tokens=NEW_TOKENS, ignore_eos_token=True)
+    has_images = any(not isinstance(c, str) for c in chunks)
+    return Request(i, text, stopping_parameters=stopping, chunks=chunks if has_images else None)
+
+
+@pytest.fixture(scope="module")
+def shard(tiny_llava_dir):
+    return Shard(tiny_config(tiny_llava_dir), show_progress=False)
+
+
+def test_llava_matches_transformers_on_mixed_batches(shard, tiny_llava_dir):
+    requests = [as_request(i, chunks) for i, chunks in enumerate(PROMPTS)]
+    lengths = [request_length(shard, r) for r in requests]
+    shard.warmup(max(lengths), sum(lengths), max(lengths) + NEW_TOKENS, len(requests))
+    done = run_requests(shard, requests)
+    for i, chunks in enumerate(PROMPTS):
+        assert done[i].token_ids == llava_reference(tiny_llava_dir, chunks, NEW_TOKENS), (
+            f"prompt {i}"
+        )
+    assert shard.adapter.shapes.strict and not shard.adapter.shapes.unwarmed
+    # five distinct images, one repeated: encoded once
+    assert shard.vision.stats["images_encoded"] == 5
+    assert shard.vision.stats["image_cache_hits"] == 1

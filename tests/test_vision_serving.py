@@ -1,0 +1,138 @@
+"""A tiny random LLaVA behind a real shard and router process: images through the OpenAI client's
+content parts, TGI's markdown and `bucketserve generate --image`, exact against transformers;
+bad images answered 422 in each API's error body."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from tests.test_router_http import shard_and_router
+from tests.test_server import REPO, short_socket_dir
+from tests.vision_models import image_bytes, llava_reference
+
+pytestmark = pytest.mark.slow  # end to end: real shard and router processes
+
+NEW_TOKENS = 30
+LIMITS = ["--max-input-tokens", "96", "--max-total-tokens", "160"]
+LIMITS += ["--max-batch-prefill-tokens", "192", "--max-batch-size", "4"]
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+@pytest.fixture(scope="module")
+def url(tiny_llava_dir):
+    with shard_and_router(tiny_llava_dir, short_socket_dir() / "v", LIMITS, LIMITS) as served:
+        yield served[0]
+
+
+def test_openai_image_parts_match_transformers(url, tiny_llava_dir):
+    picture = image_bytes(40, 30, seed=7)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    parts = [
+        {"type": "text", "text": "What is in "},
+        {"type": "image_url", "image_url": {"url": data_url(picture)}},
+        {"type": "text", "text": "?"},
+    ]
+    reply = client.chat.completions.create(
+        model="tgi",
+        messages=[{"role": "user", "content": parts}],
+        max_tokens=NEW_TOKENS,
+        temperature=0,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llava_dir)
+    marker = "\x00"
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"What is in {marker}?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    before, after = prompt.split(marker)
+    expected = llava_reference(
+        tiny_llava_dir, [before, picture, after], NEW_TOKENS, add_special_tokens=False, eos=True
+    )
+    assert expected and reply.choices[0].message.content == tokenizer.decode(
+        expected, skip_special_tokens=True
+    )
+
+
+def test_tgi_markdown_images_match_transformers(url, tiny_llava_dir):
+    first, second = image_bytes(64, 20, seed=8), image_bytes(33, 47, seed=9, kind="JPEG")
+    inputs = f"Compare ![]({data_url(first)}) with ![]({data_url(second, 'image/jpeg')}) now"
+    body = {"inputs": inputs, "parameters": {"max_new_tokens": NEW_TOKENS, "details": True}}
+    response = httpx.post(f"{url}/generate", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    ids = [t["id"] for t in response.json()["details"]["tokens"]]
+    chunks = ["Compare ", first, " with ", second, " now"]
+    assert ids == llava_reference(tiny_llava_dir, chunks, NEW_TOKENS, eos=True)
+
+
+@pytest.mark.parametrize(
+    "image_url, problem",
+    [
+        (data_url(image_bytes(20, 20)[:40]), "an image is corrupt"),
+        (data_url(image_bytes(8, 8, kind="TIFF"), "image/tiff"), "format TIFF is not supported"),
+        ("https://example.com/cat.png", "image URLs are not allowed"),
+    ],
+)
+def test_bad_images_are_422_in_openais_shape(url, image_url, problem):
+    parts = [{"type": "image_url", "image_url": {"url": image_url}}]
+    body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 2}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 422, response.text
+    assert problem in response.json()["error"]["message"]
+
+
+def test_too_many_images_are_422_in_tgis_shape(url):
+    inputs = f"![]({data_url(image_bytes(8, 8))})" * 9
+    body = {"inputs": inputs, "parameters": {"max_new_tokens": 2}}
+    response = httpx.post(f"{url}/generate", json=body, timeout=60)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"] == "a request may hold up to 8 images. Given: 9"
+
+
+def test_generate_command_takes_image_files(tiny_llava_dir, tmp_path):
+    picture = tmp_path / "cat.png"
+    picture.write_bytes(image_bytes(50, 40, seed=10))
+    command = [sys.executable, "-m", "launcher", "generate", "--model-id", str(tiny_llava_dir)]
+    command += ["--device", "cpu", "--dtype", "float32", "--strict-shapes", "on", "--json"]
+    command += ["--image", str(picture), "--prompt", "Describe it.", "--max-new-tokens", "30"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    ids = json.loads(result.stdout.splitlines()[-1])["token_ids"]
+    chunks = [picture.read_bytes(), "Describe it."]
+    assert ids == llava_reference(tiny_llava_dir, chunks, NEW_TOKENS, eos=True)
+
+
+def image_counters(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    names = ("images_encoded", "image_cache_hits", "encoder_seconds")
+    found = {n: re.search(rf"^bucketserve_shard_{n}_total (\S+)$", text, re.M) for n in names}
+    return {n: float(m[1]) if m else 0.0 for n, m in found.items()}
+
+
+def test_a_repeated_image_in_a_chat_is_encoded_once(url):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    picture = {"type": "image_url", "image_url": {"url": data_url(image_bytes(36, 36, seed=11))}}
+    first = [{"role": "user", "content": [picture, {"type": "text", "text": "What is it?"}]}]
+    before = image_counters(url)
+    answer = client.chat.completions.create(model="tgi", messages=first, max_tokens=4)
+    turns = first + [
+        {"role": "assistant", "content": answer.choices[0].message.content},
+        {"role": "user", "content": "And its color?"},
+    ]
+    client.chat.completions.create(model="tgi", messages=turns, max_tokens=4)
+    after = image_counters(url)
+    assert after["images_encoded"] - before["images_encoded"] == 1
+    assert after["image_cache_hits"] - before["image_cache_hits"] == 1
+    assert after["encoder_seconds"] > before["encoder_seconds"]

@@ -1,0 +1,97 @@
+"""A tiny random LLaVA (CLIP tower, Llama language model) saved as a Hugging Face directory with
+its tokenizer (the embedded model's, plus an `<image>` token) and its own image processor."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+
+IMAGE_SIZE, PATCH = 28, 7  # 16 image tokens per image
+
+
+def build_tiny_llava(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    config = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=IMAGE_SIZE,
+            patch_size=PATCH,
+            projection_dim=32,
+            initializer_range=0.2,
+        ),
+        text_config=transformers.LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=512,
+            initializer_range=0.2,
+            bos_token_id=1,
+            eos_token_id=2,
+            tie_word_embeddings=False,
+        ),
+        image_token_index=image_token,
+        projector_hidden_act="gelu",
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    processor = transformers.CLIPImageProcessor(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    )
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def image_bytes(width: int, height: int, seed: int = 0, kind: str = "PNG") -> bytes:
+    """A random RGB image, encoded."""
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height, width, 3), generator=generator, dtype=torch.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels.numpy()).save(out, format=kind)
+    return out.getvalue()
+
+
+def llava_reference(model_dir, chunks: list, new_tokens: int, add_special_tokens=True, eos=False):
+    """transformers' own LLaVA, tokenizer and image processor, greedy on one prompt given as text
+    pieces and image bytes (or ImageInput) in order; eos: stop at EOS (else exactly new_tokens)."""
+    import transformers
+    from PIL import Image
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
+    side = model.config.vision_config.image_size // model.config.vision_config.patch_size
+    text = "".join(c if isinstance(c, str) else "<image>" * side**2 for c in chunks)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=add_special_tokens)["input_ids"]
+    images = [
+        Image.open(io.BytesIO(getattr(c, "data", c))).convert("RGB")
+        for c in chunks
+        if not isinstance(c, str)
+    ]
+    extra = {}
+    if images:
+        extra["pixel_values"] = processor(images=images, return_tensors="pt")["pixel_values"]
+    least = {} if eos else {"min_new_tokens": new_tokens}
+    out = model.generate(ids, **extra, max_new_tokens=new_tokens, do_sample=False, **least)
+    return out[0, ids.shape[1] :].tolist()
