@@ -62,7 +62,7 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
         the norms and the projections (those the GEMV kernel cannot take, or all without the
         kernels, prepacked for oneDNN). Compile mode leaves the weights to inductor; float32 keeps
         the pure-torch path, whose greedy output is exact."""
-        from engine.devices import cpu_kernels
+        import engine.devices.cpu_kernels as cpu_kernels
         from engine.devices.cpu_packed import pack_linear_weights, packing_available
 
         if self.graph_mode != "eager" or dtype != torch.bfloat16:

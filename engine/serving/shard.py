@@ -19,7 +19,6 @@ from engine.distributed import Parallel, broadcast_int, init_distributed
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.kv_cache import ShardBlockPool
 from engine.pipeline.grid import join_grid
-from engine.pipeline.identity import check_same_model
 from engine.runner import ModelRunner
 from engine.serving.checks import check_decode, check_grown, check_prefill
 from engine.serving.lookahead import Ahead
@@ -38,6 +37,7 @@ from engine.warmup.progressive import DeviceLock
 from engine.warmup.run import ShardModel, start_up
 from engine.warmup.warm import report
 from engine.weights import loader
+from engine.weights.identity import check_same_model
 from engine.weights.lora import load_adapters
 
 log = logging.getLogger(__name__)

@@ -100,7 +100,9 @@ class ImageEncoder:
         try:
             decoded = [Image.open(io.BytesIO(image.data)).convert("RGB") for image in images]
         except Exception as error:  # noqa: BLE001 - Pillow raises several kinds for a bad file
-            raise InvalidRequestError(f"request {request_id}: an image is unreadable: {error}") from None
+            raise InvalidRequestError(
+                f"request {request_id}: an image is unreadable: {error}"
+            ) from None
         return self.processor(images=decoded, return_tensors="pt")["pixel_values"]
 
     def _run_tower(self, pixels: torch.Tensor) -> list[torch.Tensor]:
