@@ -13,7 +13,9 @@
 #
 # Environment: RUNS (3), CONCURRENCY ("32 128"; 1 for a lone request), SINGLE_TOKENS (128),
 # THREADS (2), PY (the venv's python),
-# LLAMA_EXTRA (extra llama-server flags, e.g. "-kvu"), OURS_EXTRA (extra bucketserve flags).
+# KVU (auto: llama-server's unified KV cache, -kvu, for concurrent requests, where it measured
+# 189 -> 332 tok/s in BF16 at 32, and not for a lone one, where it measured 119 -> 98; 1: always;
+# 0: never), LLAMA_EXTRA (extra llama-server flags), OURS_EXTRA (extra bucketserve flags).
 set -euo pipefail
 
 PRECISION=${1:-fp32}
@@ -80,6 +82,14 @@ gguf_for() {  # the llama.cpp model file of a precision; converted once from our
     echo "$out"
 }
 
+kvu_flag() {  # $1: the concurrency
+    case ${KVU:-auto} in
+        1) echo "-kvu" ;;
+        auto) [ "$1" -gt 1 ] && echo "-kvu" ;;
+    esac
+    return 0
+}
+
 llama_flags() {  # Q4_1 without weight repacking: this build's repacked Q4_1 path is ggml's AMX kernel,
     # which dies with SIGILL on a CPU that lists AMX without running it (this repository's VM); a
     # build without AMX would run the same plain Q4_1 dot products
@@ -121,7 +131,7 @@ run_concurrency() {
     start=$(now)
     # each slot holds its prompt (under 100 tokens) and up to 128 new ones
     "$SERVER" -m "$model" -np "$n" -c $((n * 256)) -t "$THREADS" -tb "$THREADS" --host 127.0.0.1 \
-        --port $llama_port $(llama_flags) ${LLAMA_EXTRA:-} >"$OUT/llama-$n.log" 2>&1 &
+        --port $llama_port $(llama_flags) $(kvu_flag "$n") ${LLAMA_EXTRA:-} >"$OUT/llama-$n.log" 2>&1 &
     llama_pid=$!; PIDS+=("$llama_pid")
     echo "llama-server ($(basename "$model"), -np $n) ready after $(wait_ready http://127.0.0.1:$llama_port "$start" "$llama_pid") s"
     local tokens=()  # a lone request runs long enough to measure its time per token
@@ -130,7 +140,7 @@ run_concurrency() {
         "$PY" "$ROOT/scripts/peer_bench.py" --url http://127.0.0.1:$ours_port --concurrency "$n" "${tokens[@]}" \
             --label "bucketserve-$PRECISION" | tee -a "$OUT/runs.jsonl"
         "$PY" "$ROOT/scripts/peer_bench.py" --url http://127.0.0.1:$llama_port --concurrency "$n" "${tokens[@]}" \
-            --label "llama.cpp-$(basename "$model" .gguf)" | tee -a "$OUT/runs.jsonl"
+            --label "llama.cpp-$(basename "$model" .gguf)$(kvu_flag "$n")" | tee -a "$OUT/runs.jsonl"
     done
     kill "$ours_pid" "$llama_pid"; wait "$ours_pid" "$llama_pid" 2>/dev/null || true
 }

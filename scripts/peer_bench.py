@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import statistics
 import sys
 import threading
@@ -26,6 +27,7 @@ SOURCE = (
 
 
 FIXED_TOKENS: int | None = None  # --tokens: every request asks for this many
+MODEL: str | None = None  # --model: the `model` field (bucketserve refuses names it does not serve)
 
 
 def budget(i: int) -> int:
@@ -41,7 +43,7 @@ def prompt(i: int) -> str:
 
 def one_request(url: str, i: int, out: list, t0: float) -> None:
     body = {
-        "model": "bench",
+        **({"model": MODEL} if MODEL else {}),
         "prompt": prompt(i),
         "max_tokens": budget(i),
         "temperature": 0,
@@ -102,8 +104,19 @@ def rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
+def busy_jiffies() -> tuple[int, int]:
+    """(non-idle, all) CPU jiffies of the machine so far (Linux /proc/stat; zeros elsewhere)."""
+    try:
+        fields = [int(f) for f in open("/proc/stat").readline().split()[1:]]
+    except OSError:
+        return 0, 0
+    idle = fields[3] + fields[4]  # idle, iowait
+    return sum(fields) - idle, sum(fields)
+
+
 def run(url: str, n: int) -> dict:
     results: list = [None] * n
+    busy0, all0 = busy_jiffies()
     t0 = time.perf_counter()
     threads = [threading.Thread(target=one_request, args=(url, i, results, t0)) for i in range(n)]
     for thread in threads:
@@ -111,6 +124,8 @@ def run(url: str, n: int) -> dict:
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - t0
+    busy1, all1 = busy_jiffies()
+    cores = (os.cpu_count() or 1) * (busy1 - busy0) / max(all1 - all0, 1)
     errors = [r["error"] for r in results if r["error"]]
     short = sum(1 for i, r in enumerate(results) if not r["error"] and r["tokens"] != budget(i))
     tokens = sum(r["tokens"] for r in results)
@@ -127,6 +142,8 @@ def run(url: str, n: int) -> dict:
         "p50_ttft": rounded(percentile(ttft, 50)),
         "p99_ttft": rounded(percentile(ttft, 99)),
         "p50_tpot_ms": rounded(percentile(tpot, 50)),
+        "p99_tpot_ms": rounded(percentile(tpot, 99)),
+        "cores_busy": round(cores, 2),  # the whole machine's, both servers and the client
         "errors": len(errors),
         "first_error": errors[0] if errors else None,
         "wrong_token_counts": short,
@@ -147,26 +164,28 @@ def summarize(lines: list[str]) -> None:
             continue
         runs.setdefault((record["server"], record["requests"]), []).append(record)
     keys = ("tok_s", "p50_latency", "p99_latency", "p50_ttft", "p99_ttft", "p50_tpot_ms")
+    keys += ("p99_tpot_ms", "cores_busy")
     medians = {
         k: {f: statistics.median(r.get(f) or 0.0 for r in v) for f in keys} for k, v in runs.items()
     }
     print(
         f"{'server':<24}{'conc':>5}{'tok/s':>9}{'p50 lat':>9}{'p99 lat':>9}{'p50 ttft':>10}{'p99 ttft':>10}"
-        f"{'tpot ms':>9}  runs(tok/s)"
+        f"{'tpot ms':>9}{'p99 tpot':>9}{'cores':>6}  runs(tok/s)"
     )
     for (server, n), m in sorted(medians.items()):
         each = ", ".join(f"{r['tok_s']:.1f}" for r in runs[(server, n)])
         print(
             f"{server:<24}{n:>5}{m['tok_s']:>9.1f}{m['p50_latency']:>9.2f}{m['p99_latency']:>9.2f}"
-            f"{m['p50_ttft']:>10.2f}{m['p99_ttft']:>10.2f}{m['p50_tpot_ms']:>9.1f}  {each}"
+            f"{m['p50_ttft']:>10.2f}{m['p99_ttft']:>10.2f}{m['p50_tpot_ms']:>9.1f}"
+            f"{m['p99_tpot_ms']:>9.1f}{m['cores_busy']:>6.2f}  {each}"
         )
     for n in sorted({n for _, n in medians}):
         ours = [m for (s, c), m in medians.items() if c == n and s.startswith("bucketserve")]
-        peer = [m for (s, c), m in medians.items() if c == n and s.startswith("llama.cpp")]
-        if ours and peer:
-            o, p = ours[0], peer[0]
+        peers = [(s, m) for (s, c), m in medians.items() if c == n and not s.startswith("bucket")]
+        if ours and peers:
+            (name, p), o = peers[0], ours[0]
             print(
-                f"ratio bucketserve/llama.cpp at {n}: throughput {o['tok_s'] / p['tok_s']:.2f}x, "
+                f"ratio bucketserve/{name.split('-')[0]} at {n}: throughput {o['tok_s'] / p['tok_s']:.2f}x, "
                 f"p50 latency {o['p50_latency'] / p['p50_latency']:.2f}x, p50 TTFT {o['p50_ttft'] / p['p50_ttft']:.2f}x, "
                 f"p50 time per output token {o['p50_tpot_ms']:.1f} vs {p['p50_tpot_ms']:.1f} ms "
                 f"({o['p50_tpot_ms'] / p['p50_tpot_ms']:.2f}x)"
@@ -183,14 +202,15 @@ def main() -> None:
         type=int,
         help="every request asks for this many tokens (default: 16-128 by index)",
     )
+    parser.add_argument("--model", help="the requests' `model` field (default: none sent)")
     parser.add_argument(
         "--summarize", help="a file of JSON lines from earlier runs: print medians and ratios"
     )
     args = parser.parse_args()
     if args.summarize:
         return summarize(open(args.summarize).read().splitlines())
-    global FIXED_TOKENS
-    FIXED_TOKENS = args.tokens
+    global FIXED_TOKENS, MODEL
+    FIXED_TOKENS, MODEL = args.tokens, args.model
     record = {"server": args.label, **run(args.url, args.concurrency)}
     print(json.dumps(record))
     sys.exit(1 if record["errors"] else 0)
