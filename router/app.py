@@ -179,8 +179,9 @@ def create_app(
     return app
 
 
-async def build_state(config: RouterConfig, client: ShardClient) -> RouterState:
-    tokenizer = load_tokenizer(config)
+async def build_state(config: RouterConfig, client: ShardClient, tokenizer=None) -> RouterState:
+    """`tokenizer`: the one `load_tokenizer(config)` gives, when the caller loaded it already."""
+    tokenizer = load_tokenizer(config) if tokenizer is None else tokenizer
     limits, allocator, info = await warm_up(client, config)
 
     async def capacity_after_rewarm() -> int | None:
@@ -243,11 +244,17 @@ def publish_kv_events(allocator, config: RouterConfig) -> None:
 
 
 async def serve(config: RouterConfig) -> None:
-    client = await GrpcShardClient.connect(
-        config.master_url, wait=config.wait_for_shards or None, secret=config.shard_secret
-    )
+    # The tokenizer (seconds: transformers' imports) loads while the shards come up.
+    tokenizer = asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config)
     try:
-        state = await build_state(config, client)
+        client = await GrpcShardClient.connect(
+            config.master_url, wait=config.wait_for_shards or None, secret=config.shard_secret
+        )
+    except BaseException:
+        tokenizer.add_done_callback(lambda done: done.exception())  # its error, if any, is moot
+        raise
+    try:
+        state = await build_state(config, client, await tokenizer)
     except BaseException:  # a model file that cannot be read, the shards gone during warmup
         await client.close()
         raise

@@ -37,13 +37,20 @@ def test_shape_registry_counts_and_enforces():
     assert strict.unwarmed[("prefill", 3)] == 1
 
 
+# Limits just above the prompts and tokens below: each bucket of the plan is one inductor compile
+# (seconds each), so a plan for the default limits compiled for a minute.
+COMPILED_LIMITS = dict(
+    max_batch_size=2, max_input_tokens=16, max_total_tokens=32, max_prefill_tokens=32
+)
+
+
 @pytest.mark.slow
 def test_compile_mode_gives_the_same_tokens_as_eager(tiny_model_dirs):
     prompts = ["The quick brown fox", "Hi"]
     tokens = {}
     for mode in ("eager", "compile"):
         shard = Shard(
-            tiny_config(tiny_model_dirs["mistral"], graph_mode=mode, max_batch_size=2),
+            tiny_config(tiny_model_dirs["mistral"], graph_mode=mode, **COMPILED_LIMITS),
             show_progress=False,
         )
         tokens[mode] = [c.token_ids for c in generate(shard, prompts, 6, ignore_eos=True)]

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from tests.test_equivalence import PROMPTS, reference_tokens
 from tests.test_router_http import (
     ROUTER_LIMITS,
+    WAIT_FOR_SHARD,
     free_port,
     generate,
     start_router,
@@ -145,9 +146,9 @@ def live(tiny_model_dirs):
     model_dir, base = tiny_model_dirs["llama"], short_socket_dir() / "s"
     processes = [start_cli_server(model_dir, base, extra=["--max-batch-size", "4"])]
     try:
+        port = free_port()  # the router starts beside the shard (tests/test_router_http.py)
+        processes.append(start_router(model_dir, base, port, [*ROUTER_LIMITS, *WAIT_FOR_SHARD]))
         wait_until_serving(processes[0], f"unix://{base}-0", base).close()
-        port = free_port()
-        processes.append(start_router(model_dir, base, port, ROUTER_LIMITS))
         wait_for_router(processes[1], f"http://127.0.0.1:{port}", base)
         yield f"http://127.0.0.1:{port}", processes
     finally:

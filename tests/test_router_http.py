@@ -44,6 +44,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+WAIT_FOR_SHARD = ["--wait-for-shards", "180"]  # as long as wait_until_serving waits
+
+
 def start_router(model_dir, base: Path, port: int, limits=ROUTER_LIMITS) -> subprocess.Popen:
     env = {
         **os.environ,
@@ -84,13 +87,16 @@ def wait_for_router(process: subprocess.Popen, url: str, base: Path, timeout: fl
 
 @contextmanager
 def shard_and_router(model_dir, base: Path, shard_args: list[str], router_limits=ROUTER_LIMITS):
-    """A real shard process and a real router over it: (router URL, the shard's socket base)."""
+    """A real shard process and a real router over it: (router URL, the shard's socket base).
+
+    The router starts beside the shard and waits for it, as the launcher starts them: its imports
+    and its tokenizer load on the second core while the shard loads the model."""
     shard = start_cli_server(model_dir, base, extra=shard_args)
     router = None
     try:
-        wait_until_serving(shard, f"unix://{base}-0", base).close()
         port = free_port()
-        router = start_router(model_dir, base, port, router_limits)
+        router = start_router(model_dir, base, port, [*router_limits, *WAIT_FOR_SHARD])
+        wait_until_serving(shard, f"unix://{base}-0", base).close()
         wait_for_router(router, f"http://127.0.0.1:{port}", base)
         yield f"http://127.0.0.1:{port}", base
     finally:

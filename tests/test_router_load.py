@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.test_equivalence import PROMPTS
-from tests.test_router_http import free_port, start_router, wait_for_router
+from tests.test_router_http import WAIT_FOR_SHARD, free_port, start_router, wait_for_router
 from tests.test_server import (
     short_socket_dir,
     start_cli_server,
@@ -41,9 +41,9 @@ def url(tiny_model_dirs):
     )
     router = None
     try:
+        port = free_port()  # the router starts beside the shard (tests/test_router_http.py)
+        router = start_router(model_dir, base, port, [*LIMITS, *WAIT_FOR_SHARD])
         wait_until_serving(shard, f"unix://{base}-0", base).close()
-        port = free_port()
-        router = start_router(model_dir, base, port, LIMITS)
         wait_for_router(router, f"http://127.0.0.1:{port}", base)
         yield f"http://127.0.0.1:{port}"
     finally:
