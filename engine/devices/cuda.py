@@ -34,6 +34,7 @@ class CUDAAdapter(DeviceAdapter):
         "gather"  # per-token adapter weights: cost does not grow with the adapters loaded
     )
     torch_device_type = "cuda"
+    quantize_modes = ("fp8",)  # FP8 checkpoints through torch._scaled_mm (engine/devices/fp8.py)
 
     def __init__(self, graph_mode: str | None = None, strict_shapes: bool = True, **options):
         super().__init__(graph_mode, strict_shapes, **options)
@@ -74,6 +75,15 @@ class CUDAAdapter(DeviceAdapter):
     @property
     def captures_graphs(self) -> bool:
         return self.graph_mode == "graphs"
+
+    def prepare_model(self, model, dtype: torch.dtype) -> None:
+        from engine.devices.fp8 import fp8_weights, prepare_cuda
+
+        if not fp8_weights(model):
+            return
+        # ROCm's _scaled_mm wants e4m3fnuz on MI300: FP8 layers dequantize there for now.
+        capability = (0, 0) if self.rocm else torch.cuda.get_device_capability(self.index)
+        prepare_cuda(model, self.torch_device, capability)
 
     def reset(self) -> None:
         super().reset()
