@@ -195,3 +195,13 @@ def test_a_second_warmup_frees_the_old_cache_before_sizing_the_new_one(gpus, tin
     first = shard.warmup().max_supported_total_tokens
     second = shard.warmup().max_supported_total_tokens
     assert first == second and 0 < first < 129 * shard.block_size
+
+
+def test_rocm_7_with_several_shards_defaults_to_eager(monkeypatch):
+    # ROCm/rccl#2022: an all_reduce inside a captured HIP graph fails on ROCm 7.
+    fake_cuda.install(monkeypatch, devices=2, hip="7.0.51831")
+    assert get_adapter("cuda", world_size=2).graph_mode == "eager"
+    assert get_adapter("cuda", world_size=1).graph_mode == "graphs"
+    assert get_adapter("cuda", world_size=2, graph_mode="graphs").graph_mode == "graphs"
+    fake_cuda.install(monkeypatch, devices=2, hip="6.2.41133")
+    assert get_adapter("cuda", world_size=2).graph_mode == "graphs"

@@ -207,6 +207,7 @@ def test_no_step_markers_in_compile_mode_or_on_other_devices(habana, monkeypatch
 def test_environment_backend_and_defaults(habana, tmp_path):
     adapter = hpu(world_size=2, rank=1, cache_dir=tmp_path)
     assert os.environ["PT_HPU_ENABLE_LAZY_COLLECTIVES"] == "1"
+    assert os.environ["PT_HPU_WEIGHT_SHARING"] == "0"  # as TGI and vllm-gaudi serve
     assert os.environ["PT_HPU_RECIPE_CACHE_CONFIG"].startswith(f"{tmp_path / 'hpu_recipes'},False,")
     assert adapter.dist_backend == "hccl" and adapter.default_dtype == torch.bfloat16
     assert adapter.default_block_size == 128 and adapter.graph_mode == "graphs"

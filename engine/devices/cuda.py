@@ -7,6 +7,7 @@ launch overhead is negligible there). "eager" and "compile" (torch.compile per b
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 
@@ -18,6 +19,7 @@ from engine.devices.cuda_graphs import GraphSet
 from engine.devices.probe import VISIBILITY_VARS, DeviceError, require
 
 GRAPHED_KINDS = ("decode",)
+log = logging.getLogger(__name__)
 
 
 class CUDAAdapter(DeviceAdapter):
@@ -34,8 +36,16 @@ class CUDAAdapter(DeviceAdapter):
         "gather"  # per-token adapter weights: cost does not grow with the adapters loaded
     )
     torch_device_type = "cuda"
+    quantize_modes = ("fp8",)  # FP8 checkpoints through torch._scaled_mm (engine/devices/fp8.py)
 
     def __init__(self, graph_mode: str | None = None, strict_shapes: bool = True, **options):
+        if graph_mode is None and rocm_cannot_capture_collectives(options.get("world_size", 1)):
+            log.warning(
+                "ROCm %s cannot capture a graph around all_reduce (ROCm/rccl#2022): with more than "
+                "one shard the default graph mode is eager",
+                torch.version.hip,
+            )
+            graph_mode = "eager"
         super().__init__(graph_mode, strict_shapes, **options)
         found = require("cuda")
         if self.graph_mode == "compile":
@@ -75,6 +85,15 @@ class CUDAAdapter(DeviceAdapter):
     def captures_graphs(self) -> bool:
         return self.graph_mode == "graphs"
 
+    def prepare_model(self, model, dtype: torch.dtype) -> None:
+        from engine.devices.fp8 import fp8_weights, prepare_cuda
+
+        if not fp8_weights(model):
+            return
+        # ROCm's _scaled_mm wants e4m3fnuz on MI300: FP8 layers dequantize there for now.
+        capability = (0, 0) if self.rocm else torch.cuda.get_device_capability(self.index)
+        prepare_cuda(model, self.torch_device, capability)
+
     def reset(self) -> None:
         super().reset()
         self.graphs = GraphSet(torch.cuda)  # they point into the previous KV cache
@@ -106,6 +125,12 @@ class CUDAAdapter(DeviceAdapter):
         if fn not in self._compiled:
             self._compiled[fn] = compile_static(fn, backend="inductor")
         return self._compiled[fn]
+
+
+def rocm_cannot_capture_collectives(world_size: int) -> bool:
+    """ROCm 7's RCCL fails inside a captured HIP graph (ROCm/rccl#2022)."""
+    hip = torch.version.hip
+    return world_size > 1 and bool(hip) and int(hip.split(".")[0]) >= 7
 
 
 def require_compiler() -> None:

@@ -194,7 +194,7 @@ class Shard:
         if config.quantize != "none" and config.quantize not in self.adapter.quantize_modes:
             raise ModelLoadError(
                 f"--quantize {config.quantize} is not available on {self.adapter.name} "
-                f"(choose from none, {', '.join(self.adapter.quantize_modes)})"
+                f"(choose from {', '.join(('none', *self.adapter.quantize_modes))})"
             )
         return dtype
 

@@ -70,12 +70,85 @@ def _counted(allocate, allocator: CachingAllocator):
     return wrapper
 
 
+FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def scaled_mm(
+    mat1,
+    mat2,
+    scale_a,
+    scale_b,
+    bias=None,
+    scale_result=None,
+    out_dtype=None,
+    use_fast_accum=False,
+    *,
+    capability=(9, 0),
+):
+    """torch._scaled_mm with the refusals of _scaled_mm_out_cuda (pytorch/pytorch
+    aten/src/ATen/native/cuda/Blas.cpp @960a68465f6172d22bff1a58a61f942363ff0931) for
+    tensor-wise and row-wise scaling, computed in float32 on CPU."""
+    if capability < (8, 9):
+        raise RuntimeError(
+            "torch._scaled_mm is only supported on CUDA devices with compute capability >= 9.0 "
+            "or 8.9, or ROCm MI300+"
+        )
+    if mat1.dim() != 2 or mat2.dim() != 2:
+        raise RuntimeError("mat1 must be a matrix" if mat1.dim() != 2 else "mat2 must be a matrix")
+    (m, k), (k2, n) = mat1.shape, mat2.shape
+    if k != k2:
+        raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({m}x{k} and {k2}x{n})")
+    tensorwise = scale_a.numel() == 1 and scale_b.numel() == 1
+    rowwise = (
+        tuple(scale_a.shape) == (m, 1)
+        and tuple(scale_b.shape) == (1, n)
+        and scale_a.is_contiguous()
+        and scale_b.is_contiguous()
+    )
+    floats = scale_a.dtype == torch.float32 and scale_b.dtype == torch.float32
+    if not (floats and mat1.dtype in FP8_TYPES and mat2.dtype in FP8_TYPES) or not (
+        tensorwise or rowwise
+    ):
+        raise RuntimeError(
+            "Invalid scaling configuration.\n- For TensorWise scaling, a and b should be float8, "
+            "scales should be float and singletons.\n- For RowWise scaling, a and b should be "
+            f"float8, scales should be float, scale_a should be ({m}, 1) and scale_b should be "
+            f"(1, {n}), and both should be contiguous.\nGot a.dtype()={mat1.dtype}, "
+            f"scale_a.dtype()={scale_a.dtype}, scale_a.size()={list(scale_a.shape)}, "
+            f"b.dtype()={mat2.dtype}, scale_b.dtype()={scale_b.dtype}, "
+            f"scale_b.size()={list(scale_b.shape)}"
+        )
+    if bias is not None and bias.numel() != n:
+        raise RuntimeError(f"Bias must be size {n} but got {bias.numel()}")
+    if k % 16:
+        raise RuntimeError(
+            f"Expected trailing dimension of mat1 to be divisible by 16 but got mat1 shape: "
+            f"({m}x{k})."
+        )
+    if k2 % 16 or n % 16:
+        raise RuntimeError(f"mat2 shape ({k2}x{n}) must be divisible by 16")
+    if mat1.dtype == torch.float8_e5m2 and mat2.dtype == torch.float8_e5m2:
+        raise RuntimeError("Multiplication of two Float8_e5m2 matrices is not supported")
+    out_dtype = out_dtype or mat1.dtype
+    if rowwise and not tensorwise and out_dtype != torch.bfloat16:
+        raise RuntimeError(
+            "Only bf16 high precision output types are supported for row-wise scaling."
+        )
+    if not (mat1.stride(1) == 1 and mat2.stride(0) == 1):
+        raise RuntimeError(
+            "Only multiplication of row-major and column-major matrices is supported by cuBLASLt"
+        )
+    out = (mat1.float() * scale_a.float()) @ (mat2.float() * scale_b.float())
+    return (out if bias is None else out + bias.float()).to(out_dtype)
+
+
 def install(
     monkeypatch,
     devices: int = 2,
     hip: str | None = None,
     memory: int = 80 << 30,
     elsewhere: int = 40 << 30,
+    capability: tuple[int, int] = (9, 0),
 ) -> dict:
     """Make this CPU build of torch look like a CUDA (or, with `hip`, a ROCm) build with `devices`
     GPUs of `memory` bytes, `elsewhere` of them used by other processes (calls["allocator"] is
@@ -98,10 +171,14 @@ def install(
         set_device=calls["set_device"].append,
         synchronize=lambda index=None: None,
         mem_get_info=allocator.mem_get_info,
+        get_device_capability=lambda index=None: capability,
         empty_cache=allocator.empty_cache,
         CUDAGraph=FakeCUDAGraph,
         graph=fake_graph,
         graph_pool_handle=pool_handle,
     ).items():
         monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(
+        torch, "_scaled_mm", lambda *a, **k: scaled_mm(*a, **k, capability=capability)
+    )
     return calls

@@ -13,6 +13,16 @@ commit of):
   releases, through torch's device-backend autoload); unset means eager (the 1.21+ default), and
   `htorch.utils.internal.is_lazy()` answers what was read then.
 - `habana_frameworks.torch.distributed.hccl` registers the "hccl" backend when it is imported.
+- `habana_frameworks.torch.utils.experimental._get_device_type()` against `synDeviceType`, and the
+  FP8 ops `torch.ops.hpu.cast_to_fp8_v2(input, scale, stochastic_rounding, is_amax, dtype)` ->
+  (fp8, amax) and `torch.ops.hpu.fp8_gemm_v2(A, trans_A, B, trans_B, D, out_dtype, A_scale_inv,
+  B_scale_inv, bias, accumulate)` as vllm-hpu-extension calls them (vllm_hpu_extension/ops.py
+  @8211e0ba420e976cca07be323328e41fa8a1a9da, apply_fp8_linear_hpu and dynamic_quant): keyword
+  arguments, float8_e4m3fn operands only, scales as inverse (dequantizing) factors. On Gaudi 2 the
+  matrix engine's e4m3 spans +-240 (the extension's FP8_MAX there is float8_e4m3fnuz's max): an
+  operand past it is refused here, where the device would compute with other numbers.
+
+Where the bridge differs from this fake, the fake is the stricter one.
 """
 
 from __future__ import annotations
@@ -64,11 +74,20 @@ class Captured:
         self.inputs, self.outputs, self.graph = inputs, outputs, graph
 
 
+GAUDI2_FP8_MAX = 240.0
+DEVICE_TYPES = {"gaudi2": 4, "gaudi3": 5}  # synDeviceType values, as in synapse's types
+
+
 class FakeHabana:
     def __init__(
-        self, devices: int = 8, memory: tuple[int, int] = (60 << 30, 96 << 30), graph_bytes: int = 0
+        self,
+        devices: int = 8,
+        memory: tuple[int, int] = (60 << 30, 96 << 30),
+        graph_bytes: int = 0,
+        hardware: str = "gaudi2",
     ):
-        self.devices, self.memory = devices, memory
+        self.devices, self.memory, self.hardware = devices, memory, hardware
+        self.fp8_gemms = 0
         self.graph_bytes = graph_bytes  # device memory each captured graph holds (0: free)
         self.lazy: bool | None = None  # PT_HPU_LAZY_MODE as read at import
         self.trace: list = []  # "mark_step" and whatever a test appends, in order
@@ -120,6 +139,47 @@ class FakeHabana:
         module.forward, module.clear_cache = forward, clear_cache
         return module
 
+    # --- FP8 ----------------------------------------------------------------------------------
+
+    def _fp8_range(self) -> float:
+        return GAUDI2_FP8_MAX if self.hardware == "gaudi2" else 448.0
+
+    def cast_to_fp8_v2(
+        self, input, scale=None, stochastic_rounding=False, is_amax=False, dtype=None
+    ):
+        assert dtype == torch.float8_e4m3fn, f"cast_to_fp8_v2 to {dtype}"
+        assert not input.dtype.is_floating_point or input.element_size() >= 2
+        scaled = input.float() * (1.0 if scale is None else scale)
+        limit = self._fp8_range()
+        return scaled.clamp(-limit, limit).to(dtype), scaled.abs().amax().float()
+
+    def fp8_gemm_v2(
+        self, *, A, trans_A, B, trans_B, D, out_dtype, A_scale_inv, B_scale_inv, bias, accumulate
+    ):
+        for name, operand in (("A", A), ("B", B)):
+            if operand.dtype != torch.float8_e4m3fn:
+                raise RuntimeError(
+                    f"fp8_gemm_v2: {name} must be float8_e4m3fn, got {operand.dtype}"
+                )
+            peak = float(operand.float().abs().max()) if operand.numel() else 0.0
+            if peak > self._fp8_range():
+                raise RuntimeError(
+                    f"fp8_gemm_v2: {name} holds {peak}, past {self.hardware}'s fp8 range of "
+                    f"+-{self._fp8_range():g}"
+                )
+        assert D is None and not accumulate and out_dtype in (torch.bfloat16, torch.float32)
+        a = A.float().t() if trans_A else A.float()
+        b = B.float().t() if trans_B else B.float()
+        if a.shape[1] != b.shape[0]:
+            raise RuntimeError(f"fp8_gemm_v2: shapes {tuple(a.shape)} and {tuple(b.shape)}")
+        a_scale = A_scale_inv.float()
+        assert a_scale.numel() == 1 or a_scale.shape == (a.shape[0], 1), a_scale.shape
+        b_scale = B_scale_inv.float()
+        assert b_scale.numel() == 1 or b_scale.shape == (b.shape[1],), b_scale.shape
+        self.fp8_gemms += 1
+        out = (a * a_scale) @ (b * b_scale.reshape(1, -1))
+        return (out if bias is None else out + bias).to(out_dtype)
+
     def _allocate(self, size: int) -> None:
         free, total = self.memory
         if size > free:
@@ -145,6 +205,18 @@ class FakeHabana:
             mem_get_info=lambda: self.memory,
         )
         internal = fake_module("habana_frameworks.torch.utils.internal", is_lazy=lambda: self.lazy)
+        experimental = fake_module(
+            "habana_frameworks.torch.utils.experimental",
+            synDeviceType=type(
+                "synDeviceType",
+                (),
+                {
+                    "synDeviceGaudi2": DEVICE_TYPES["gaudi2"],
+                    "synDeviceGaudi3": DEVICE_TYPES["gaudi3"],
+                },
+            ),
+            _get_device_type=lambda: DEVICE_TYPES.get(self.hardware, 0),
+        )
         install(
             monkeypatch,
             {
@@ -156,6 +228,7 @@ class FakeHabana:
                 "habana_frameworks.torch.hpu": hpu,
                 "habana_frameworks.torch.utils": fake_module("habana_frameworks.torch.utils"),
                 "habana_frameworks.torch.utils.internal": internal,
+                "habana_frameworks.torch.utils.experimental": experimental,
                 "habana_frameworks.torch.distributed": fake_module(
                     "habana_frameworks.torch.distributed"
                 ),
@@ -164,8 +237,12 @@ class FakeHabana:
         install_on_import(
             monkeypatch, "habana_frameworks.torch.distributed.hccl", self._register_hccl
         )
-        # Importing the real habana_frameworks.torch registers torch.hpu.
+        # Importing the real habana_frameworks.torch registers torch.hpu and the hpu ops.
         monkeypatch.setattr(torch, "hpu", hpu, raising=False)
+        ops = fake_module(
+            "torch.ops.hpu", cast_to_fp8_v2=self.cast_to_fp8_v2, fp8_gemm_v2=self.fp8_gemm_v2
+        )
+        monkeypatch.setattr(torch.ops, "hpu", ops, raising=False)
 
     def _register_hccl(self, module) -> None:
         self.hccl_imported = True

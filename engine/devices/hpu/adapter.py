@@ -35,6 +35,7 @@ class HPUAdapter(DeviceAdapter):
     graph_modes = ("graphs", "lazy", "compile")
     default_graph_mode = "graphs"
     torch_device_type = "hpu"
+    quantize_modes = ("fp8",)  # FP8 checkpoints through fp8_gemm_v2 (engine/devices/fp8.py)
 
     def __init__(self, graph_mode: str | None = None, strict_shapes: bool = True, **options):
         super().__init__(graph_mode, strict_shapes, **options)
@@ -63,6 +64,21 @@ class HPUAdapter(DeviceAdapter):
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.torch_device_type)
+
+    def prepare_model(self, model, dtype: torch.dtype) -> None:
+        from engine.devices.fp8 import fp8_weights, prepare_hpu
+
+        if fp8_weights(model):
+            prepare_hpu(model, self.torch_device, gaudi2=self.hardware() == "gaudi2")
+
+    def hardware(self) -> str:
+        """ "gaudi2", "gaudi3" or "gaudi" (as vllm-hpu-extension's environment.get_hw asks)."""
+        import habana_frameworks.torch.utils.experimental as htexp
+
+        kinds = htexp.synDeviceType
+        return {kinds.synDeviceGaudi2: "gaudi2", kinds.synDeviceGaudi3: "gaudi3"}.get(
+            htexp._get_device_type(), "gaudi"
+        )
 
     def memory_info(self) -> tuple[int, int]:
         free, total = torch.hpu.mem_get_info()

@@ -13,7 +13,9 @@ LAZY_MODES = ("graphs", "lazy")
 
 def hpu_environment(graph_mode: str, world_size: int, cache_dir: Path | None) -> dict[str, str]:
     lazy = graph_mode in LAZY_MODES
-    env = {"PT_HPU_LAZY_MODE": "1" if lazy else "0"}
+    # Weight sharing keeps the host's copy of the weights mapped to the device (meant for training
+    # checkpoints); TGI and vllm-gaudi turn it off for serving, which frees that memory.
+    env = {"PT_HPU_LAZY_MODE": "1" if lazy else "0", "PT_HPU_WEIGHT_SHARING": "0"}
     if lazy and world_size > 1:
         # Collectives inside lazy-mode graphs (HPU graphs with tensor parallelism) need this.
         env["PT_HPU_ENABLE_LAZY_COLLECTIVES"] = "1"
