@@ -32,6 +32,10 @@ $(STAMP): pyproject.toml
 	# TGI's Python client, for the tests that drive our router with it. It pins huggingface-hub<1,
 	# which transformers 5 cannot use; its real dependencies (aiohttp, pydantic) come with the test extra.
 	$(PY) -m pip install --quiet --no-deps text-generation==0.7.0
+	# vLLM's router (a Rust binary) for the tests that put replicas behind it, in an environment
+	# of its own: it pins its own web stack.
+	$(PYTHON) -m venv $(VENV)/vllm-router
+	$(VENV)/vllm-router/bin/pip install --quiet vllm-router==0.1.17
 	touch $(STAMP)
 
 PORT ?= 8080

@@ -50,6 +50,9 @@ MAX_MESSAGES = 1024  # per chat request: the template renders every one of them
 # hold their no-op value. These only label a request and change nothing in its answer:
 LABELS = {"user", "metadata", "store", "service_tier"}
 NO_OP_VALUES = (None, 0, 0.0, False, "", "none", [], {})
+# vLLM's sampling extensions at values that are our behaviour anyway (the text skips special
+# tokens); vllm-router adds `skip_special_tokens` to the requests it forwards
+OUR_BEHAVIOUR = {"skip_special_tokens": True}
 
 
 class Message(BaseModel):
@@ -108,7 +111,7 @@ class ChatRequest(Sampling):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int]  # token ids too, as OpenAI's API and vLLM take them
     logprobs: int | None = None
     echo: bool = False
 
@@ -183,6 +186,7 @@ def check_implemented(body: Sampling) -> None:
         for name, value in (body.model_extra or {}).items()
         if name not in LABELS
         and not any(value == v and type(value) is type(v) for v in NO_OP_VALUES)
+        and not (name in OUR_BEHAVIOUR and value is OUR_BEHAVIOUR[name])
     )
     check(
         not unknown,
@@ -379,11 +383,22 @@ def stream_choices(
 # --- completions ----------------------------------------------------------------------------------
 
 
-def completion_prompt(body: CompletionRequest) -> str:
-    if isinstance(body.prompt, list):
-        check(len(body.prompt) == 1, f"`prompt` must be one string. Given: {len(body.prompt)}")
-        return body.prompt[0]
-    return body.prompt
+def completion_prompt(state: RouterState, body: CompletionRequest) -> tuple[str, bool]:
+    """The prompt's text, and whether tokenizing it adds the special tokens. Token ids (what
+    KV-aware routers such as vllm-router's kv_aware send) are decoded to the text they spell and
+    tokenized back without additions: ids that came from the model's tokenizer come back the same."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
+        vocabulary = len(state.tokenizer)
+        bad = next((x for x in prompt if not 0 <= x < vocabulary), None)
+        check(
+            bad is None, f"`prompt` token id {bad} is not in the vocabulary (0..{vocabulary - 1})"
+        )
+        return state.tokenizer.decode(prompt, skip_special_tokens=False), False
+    if isinstance(prompt, list):
+        check(len(prompt) == 1, f"`prompt` must be one string. Given: {len(prompt)}")
+        return prompt[0], True
+    return prompt, True
 
 
 def completion_logprobs(generations: list[Generation], top: int) -> dict:
@@ -427,7 +442,7 @@ async def completions(state: RouterState, body: CompletionRequest, http_request:
     envelope = envelope_for(state, body, "text_completion", "cmpl")
     try:
         check_implemented(body)
-        prompt, top = completion_prompt(body), body.logprobs or 0
+        (prompt, special), top = completion_prompt(state, body), body.logprobs or 0
         check(not (body.echo and body.stream), "`echo` is not supported with `stream`")
         check(
             0 <= top <= MAX_TOP_LOGPROBS,
@@ -435,7 +450,7 @@ async def completions(state: RouterState, body: CompletionRequest, http_request:
         )
         check_n(state, body)
         sequences, length, streams = await submit_many(
-            state, prompt, parameters(state, body, body.max_tokens, top), body.n, "n"
+            state, prompt, parameters(state, body, body.max_tokens, top), body.n, "n", special
         )
         if not body.stream:
             done = await collect_all(state, sequences, streams)

@@ -1,0 +1,234 @@
+"""Behind vLLM's router: two launched replicas of the tiny Llama behind `vllm-router` (the Rust binary
+from PyPI) answer 64 concurrent requests in groups that share long prefixes under cache_aware,
+kv_aware (fed by our KV events: the proof that they are in vLLM's format) and round_robin, and one
+replica killed under load leaves every request answered.
+
+vllm-router lives in its own environment (`make` puts it in .venv/vllm-router; it pins its own
+web stack); $BUCKETSERVE_VLLM_ROUTER names another binary.
+"""
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
+
+from tests.test_launcher import launched  # noqa: F401 - launcher processes, cleaned up after the test
+from tests.test_launcher_router import wait_served
+from tests.test_server import free_tcp_port, short_socket_dir
+
+pytestmark = pytest.mark.slow  # end to end: two launched replicas and a router process
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK = 16  # the launcher's --block-size in tests/test_launcher.py LIMITS
+GROUPS, PER_GROUP = 8, 8  # 64 requests
+PREFIX_TOKENS, TAIL_TOKENS, NEW_TOKENS = 48, 4, 2  # within --max-input-tokens 64
+
+
+def router_binary() -> str:
+    found = (
+        os.environ.get("BUCKETSERVE_VLLM_ROUTER")
+        or shutil.which("vllm-router", path=str(REPO / ".venv" / "vllm-router" / "bin"))
+        or shutil.which("vllm-router")
+    )
+    if not found:
+        pytest.skip(
+            "vllm-router is not installed: `python -m venv .venv/vllm-router && "
+            ".venv/vllm-router/bin/pip install vllm-router==0.1.17` (make does it)"
+        )
+    return found
+
+
+class Replica:
+    def __init__(self, launch, url: str, events: str):
+        self.launch, self.url, self.events = launch, url, events
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name:
+                    return sample.value
+        raise AssertionError(f"{name} not in /metrics")
+
+
+@pytest.fixture
+def replicas(launched):  # noqa: F811
+    started = []
+    for _ in range(2):
+        folder, events = short_socket_dir(), free_tcp_port()
+        launch = launched(
+            "--device",
+            "cpu",
+            "--hostname",
+            "127.0.0.1",
+            "--uds-path",
+            f"{folder}/s",
+            "--kv-events-endpoint",
+            f"tcp://*:{events}",
+        )
+        started.append((launch, events))
+    return [Replica(launch, wait_served(launch), f"tcp://127.0.0.1:{e}") for launch, e in started]
+
+
+class Router:
+    """A vllm-router process over the replicas, answering on `url` once its workers are healthy."""
+
+    def __init__(self, replicas, policy: str, model_dir, log: Path):
+        self.url = f"http://127.0.0.1:{free_tcp_port()}"
+        command = [
+            router_binary(),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            self.url.rsplit(":", 1)[1],
+            "--prometheus-port",
+            str(free_tcp_port()),
+            "--policy",
+            policy,
+            "--worker-urls",
+            *[r.url for r in replicas],
+            "--health-check-interval-secs",
+            "1",
+            "--health-failure-threshold",
+            "1",
+            "--worker-startup-check-interval",
+            "1",
+            "--retry-max-retries",
+            "5",
+            "--retry-initial-backoff-ms",
+            "50",
+        ]
+        if policy == "kv_aware":
+            for replica in replicas:
+                command += ["--kv-event-source", f"{replica.url}={replica.events}"]
+            command += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", str(model_dir)]
+        env = {**os.environ, "VLLM_ROUTER_TOKENIZER": str(model_dir), "RUST_LOG": "warn"}
+        self.log = log
+        with open(log, "w") as out:
+            self.process = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        deadline = time.monotonic() + 60
+        while not self._answers():
+            assert self.process.poll() is None, f"vllm-router exited:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"vllm-router never answered:\n{log.read_text()}"
+            time.sleep(0.2)
+
+    def _answers(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        """Its whole process group (the Python launcher and the Rust router it starts)."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+def workload(model_dir, seed: int = 0) -> list[list[int]]:
+    """GROUPS long prefixes, PER_GROUP prompts each, shuffled: token ids from the model's own
+    tokenizer (kv_aware reads ids; the others route on them too)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(seed)
+    words = [w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3][:4000]
+    text = lambda n: " ".join(rng.choice(words) for _ in range(n))  # noqa: E731
+    prompts = []
+    for _ in range(GROUPS):
+        prefix = tokenizer(text(PREFIX_TOKENS), add_special_tokens=False)["input_ids"]
+        prefix = prefix[:PREFIX_TOKENS]
+        for _ in range(PER_GROUP):
+            tail = tokenizer(" " + text(TAIL_TOKENS), add_special_tokens=False)["input_ids"]
+            prompts.append(prefix + tail[:TAIL_TOKENS])
+    rng.shuffle(prompts)
+    return prompts
+
+
+def complete(url: str, prompt: list[int]) -> int:
+    body = {"model": "tgi", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    if response.status_code != 200:
+        print(f"{response.status_code}: {response.text[:300]}")
+    return response.status_code
+
+
+def hit_rate(replicas, before: dict) -> float:
+    """Prompt tokens found in the replicas' prefix caches, as a share of those looked up."""
+    hits = sum(r.metric("bucketserve_prefix_cache_hit_tokens_total") for r in replicas)
+    tokens = sum(r.metric("bucketserve_prefix_cache_prompt_tokens_total") for r in replicas)
+    return (hits - before["hits"]) / (tokens - before["tokens"])
+
+
+def counters(replicas) -> dict:
+    return {
+        "hits": sum(r.metric("bucketserve_prefix_cache_hit_tokens_total") for r in replicas),
+        "tokens": sum(r.metric("bucketserve_prefix_cache_prompt_tokens_total") for r in replicas),
+    }
+
+
+def run_policy(replicas, policy: str, model_dir, tmp_path, prompts) -> float:
+    router = Router(replicas, policy, model_dir, tmp_path / f"{policy}.log")
+    try:
+        before = counters(replicas)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            statuses = list(pool.map(lambda p: complete(router.url, p), prompts))
+        assert statuses == [200] * len(prompts), (policy, statuses)
+        return hit_rate(replicas, before)
+    finally:
+        router.stop()
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_three_policies_answer_all_and_kv_aware_hits_most(replicas, smollm_dir, tmp_path):
+    """Each policy gets its own prefixes (a fresh workload), so no run profits from another's."""
+    rates = {}
+    for seed, policy in enumerate(("round_robin", "cache_aware", "kv_aware")):
+        rates[policy] = run_policy(
+            replicas, policy, smollm_dir, tmp_path, workload(smollm_dir, seed)
+        )
+    print(f"prefix hit rates (share of prompt tokens): {rates}")
+    assert rates["kv_aware"] > rates["round_robin"], rates
+
+
+def test_a_replica_killed_under_load_leaves_every_request_answered(replicas, smollm_dir, tmp_path):
+    router = Router(replicas, "cache_aware", smollm_dir, tmp_path / "kill.log")
+    victim = replicas[1].launch
+    family = [victim.process.pid] + [
+        c.pid for c in psutil.Process(victim.process.pid).children(True)
+    ]
+    try:
+        prompts = workload(smollm_dir, seed=9)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(complete, router.url, p) for p in prompts]
+            time.sleep(1.0)  # under load: requests are queued and running on both replicas
+            victim.process.send_signal(signal.SIGKILL)
+            statuses = [f.result() for f in futures]
+        assert statuses == [200] * len(prompts), statuses
+        assert complete(router.url, prompts[0]) == 200  # routed around the dead replica
+    finally:
+        router.stop()
+    deadline = time.monotonic() + 15  # the killed launcher's shard and router notice and stop
+    while any(alive(pid) for pid in family):
+        assert time.monotonic() < deadline, "a process of the killed replica is left behind"
+        time.sleep(0.2)
