@@ -6,12 +6,15 @@ of one world; node 0 runs the router, the others are headless (docs/multinode.md
 
 from __future__ import annotations
 
+import socket
+import time
 from dataclasses import replace
 
 from launcher.checks import ConfigError
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 LOOPBACK = "127.0.0.1"
+MASTER_GONE_TIMEOUT_S = 30.0
 
 
 def _first(environ, *names: str) -> str | None:
@@ -74,3 +77,16 @@ def check_grid(world_size: int, stages: int, tp_size_problem) -> None:
     if problem:
         raise ConfigError(problem)
     tp_size_problem(world_size // stages)
+
+
+def wait_for_old_master_gone(config, stop, timeout: float = MASTER_GONE_TIMEOUT_S) -> None:
+    """Before a worker node re-forms the group: the old rank 0's rendezvous store must be gone,
+    or this node's new shards would join the dead group's store and wait there forever. Node 0
+    takes its old shards down within seconds of noticing the lost peer (launcher/peers.py)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not stop.is_set():
+        try:
+            socket.create_connection((config.master_addr, config.master_port), timeout=1).close()
+        except OSError:
+            return
+        stop.wait(0.2)

@@ -26,7 +26,7 @@ from engine.devices.probe import DevicePlan
 from engine.wire import generate_pb2 as pb
 from engine.wire import generate_pb2_grpc as pb_grpc
 from launcher.checks import pick_free_port
-from launcher.cluster import LOOPBACK
+from launcher.cluster import LOOPBACK, wait_for_old_master_gone
 from launcher.config import LauncherConfig, child_environment
 from launcher.logs import Console, LogTail
 from launcher.peers import PeerWatch
@@ -365,6 +365,8 @@ def _supervise(
             report(console, failure)
             return 1
         group.stop(FAILURE_GRACE_S)
+        if (config.node_rank or 0) > 0:
+            wait_for_old_master_gone(config, stop)
         console.line(
             f"restarting all {config.num_shard} shard(s) (restart {len(budget.times)} of at most "
             f"{config.max_restarts} within {config.restart_window:g}s)"

@@ -285,3 +285,38 @@ def test_nodes_started_with_different_models_are_refused(three_layer_model, tiny
     finally:
         leader.stop()
         worker.stop()
+
+
+@pytest.mark.slow
+def test_with_restart_on_failure_the_group_re_forms_and_the_request_in_flight_completes(
+    three_layer_model,
+):
+    leader, worker, url = start_two_nodes(
+        three_layer_model,
+        "--num-shard",
+        "1",
+        "--pipeline-parallel-size",
+        "2",
+        "--restart-on-failure",
+    )
+    body = {"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 60, "details": True}}
+    try:
+        leader.wait_ready()
+        worker.wait_ready()
+        before = httpx.post(f"{url}/generate", json=body, timeout=STARTUP_S).json()
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(httpx.post, f"{url}/generate", json=body, timeout=STARTUP_S)
+            time.sleep(0.3)  # decoding: 60 tokens take longer than this
+            os.kill(next(iter(worker.shard_pids)), signal.SIGKILL)
+            answer = held.result()
+        assert answer.status_code == 200, answer.text
+        # the ids: a resumed request recomputes its KV, its logprobs may differ in the last bits
+        ids = [t["id"] for t in answer.json()["details"]["tokens"]]
+        assert ids == [t["id"] for t in before["details"]["tokens"]]
+        assert "restarting all 1 shard(s)" in leader.stderr()
+        assert "restarting all 1 shard(s)" in worker.stderr()
+    finally:
+        leader.stop()
+        worker.stop()
