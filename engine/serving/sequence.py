@@ -27,6 +27,7 @@ class Sequence:
     computed: int = 0  # tokens whose KV is in the cache
     prefill_end: int = 0  # tokens its prefill computes (prompt, and a resumed request's tokens)
     image_features: object = None  # a VLM prompt's [image tokens, hidden] (engine/vision/)
+    image_spans: list = field(default_factory=list)  # each image's [first, last) positions
 
     @property
     def prefilling(self) -> bool:

@@ -72,6 +72,17 @@ class ImageEncoder:
             )
         return ids
 
+    def spans(self, request: Request, ids: list[int]) -> list[tuple[int, int]]:
+        """Each image's [first, last) positions in the prompt's ids."""
+        places = [i for i, t in enumerate(ids) if t == self.spec.image_token_id]
+        spans, taken = [], 0
+        for chunk in request.chunks:
+            if not isinstance(chunk, str):
+                count = self.spec.tokens(chunk.width, chunk.height)
+                spans.append((places[taken], places[taken + count - 1] + 1))
+                taken += count
+        return spans
+
     # --- the images ------------------------------------------------------------------------------
 
     def encode(self, request: Request) -> torch.Tensor:
@@ -100,7 +111,9 @@ class ImageEncoder:
         try:
             decoded = [Image.open(io.BytesIO(image.data)).convert("RGB") for image in images]
         except Exception as error:  # noqa: BLE001 - Pillow raises several kinds for a bad file
-            raise InvalidRequestError(f"request {request_id}: an image is unreadable: {error}") from None
+            raise InvalidRequestError(
+                f"request {request_id}: an image is unreadable: {error}"
+            ) from None
         return self.processor(images=decoded, return_tensors="pt")["pixel_values"]
 
     def _run_tower(self, pixels: torch.Tensor) -> list[torch.Tensor]:
