@@ -52,3 +52,38 @@ def test_llava_matches_transformers_on_mixed_batches(shard, tiny_llava_dir):
     # five distinct images, one repeated: encoded once
     assert shard.vision.stats["images_encoded"] == 5
     assert shard.vision.stats["image_cache_hits"] == 1
+
+
+def test_a_chunk_never_ends_inside_an_image():
+    from types import SimpleNamespace
+
+    from engine.batch import Request
+    from engine.serving.chunks import plan_chunks
+
+    def seq(computed, spans, chunk_len=None):
+        request = Request(0, "", chunk_len=chunk_len)
+        return SimpleNamespace(
+            request=request, computed=computed, cache_len=0, prefill_end=100, image_spans=spans
+        )
+
+    # the step's budget would end the chunk at 32, inside the image at [20, 36): it ends at 20
+    assert [p[1:] for p in plan_chunks([seq(0, [(20, 36)])], 32, 64)] == [(0, 20)]
+    assert [p[1:] for p in plan_chunks([seq(0, [(20, 36)], chunk_len=25)], 64, 64)] == [(0, 20)]
+    # a chunk that starts at the image and cannot hold it whole still cuts it
+    assert [p[1:] for p in plan_chunks([seq(20, [(20, 36)])], 8, 64)] == [(20, 28)]
+    assert [p[1:] for p in plan_chunks([seq(0, [(40, 56)])], 32, 64)] == [(0, 32)]
+
+
+def test_chunked_prompts_with_images_match_transformers(tiny_llava_dir):
+    """The 3-image prompt (54 tokens) is longer than the longest prefill bucket (48, which
+    would end inside its third image, at [37, 53)): it is computed in chunks, and stays exact."""
+    shard = Shard(tiny_config(tiny_llava_dir), show_progress=False)
+    prompts = [PROMPTS[2], PROMPTS[3]]
+    requests = [as_request(i, chunks) for i, chunks in enumerate(prompts)]
+    lengths = [request_length(shard, r) for r in requests]
+    shard.warmup(max(lengths), sum(lengths), max(lengths) + NEW_TOKENS, len(requests))
+    done = run_requests(shard, requests)
+    for i, chunks in enumerate(prompts):
+        assert done[i].token_ids == llava_reference(tiny_llava_dir, chunks, NEW_TOKENS)
+    assert shard.chunk_stats["chunked_prompts"] == 1
+    assert shard.adapter.shapes.strict and not shard.adapter.shapes.unwarmed

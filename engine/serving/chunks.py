@@ -5,7 +5,7 @@ chunks over successive steps (Prefill, then the Decodes that follow, next to the
 each chunk a prefill that continues the KV already cached (engine/attention/context.py). A request
 may ask for a first chunk of `chunk_len` tokens (TGI's router does when it splits its budget); the
 shard sizes the following chunks itself, as TGI's shards do. A sequence samples its first token
-only when its last chunk is computed.
+only when its last chunk is computed. A chunk never ends inside an image's tokens.
 """
 
 from __future__ import annotations
@@ -33,10 +33,21 @@ def plan_chunks(sequences, budget: int, cap: int) -> list[tuple[object, int, int
         first = seq.request.chunk_len if seq.computed == seq.cache_len else None
         if first:
             size = min(size, first)
-        if size > 0:
-            planned.append((seq, seq.computed, seq.computed + size))
-            budget -= size
+        end = whole_images(seq, seq.computed, seq.computed + size)
+        if end > seq.computed:
+            planned.append((seq, seq.computed, end))
+            budget -= end - seq.computed
     return planned
+
+
+def whole_images(seq, start: int, end: int) -> int:
+    """The chunk's end moved back to the start of an image it would cut, where one begins inside
+    the chunk: an image's tokens are computed in one forward (one larger than a whole chunk is
+    still cut: its features are sliced exactly)."""
+    for first, last in getattr(seq, "image_spans", ()):
+        if start < first < end < last:
+            return first
+    return end
 
 
 def check_chunking(request: Request, total_tokens: int, cap: int) -> None:

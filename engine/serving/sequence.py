@@ -28,6 +28,7 @@ class Sequence:
     prefill_end: int = 0  # tokens its prefill computes (prompt, and a resumed request's tokens)
     speculation: object = None  # the proposer's state for this sequence (engine/spec/)
     image_features: object = None  # a VLM prompt's [image tokens, hidden] (engine/vision/)
+    image_spans: list = field(default_factory=list)  # each image's [first, last) positions
 
     @property
     def prefilling(self) -> bool:

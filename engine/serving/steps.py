@@ -120,6 +120,8 @@ def admit_requests(
     sequences = [_new_sequence(ctx, r, ids, g) for r, ids, g in zip(requests, tokenized, grammars)]
     for seq, image_features in zip(sequences, features):
         seq.image_features = image_features
+        if seq.request.chunks is not None and ctx.vision is not None:
+            seq.image_spans = ctx.vision.spans(seq.request, seq.token_ids)
         if seq.id in resume:
             replay(ctx.tokenizer, seq, resume[seq.id])
         seq.computed, seq.prefill_end = seq.cache_len, len(seq.token_ids)

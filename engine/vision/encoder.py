@@ -72,6 +72,17 @@ class ImageEncoder:
             )
         return ids
 
+    def spans(self, request: Request, ids: list[int]) -> list[tuple[int, int]]:
+        """Each image's [first, last) positions in the prompt's ids."""
+        places = [i for i, t in enumerate(ids) if t == self.spec.image_token_id]
+        spans, taken = [], 0
+        for chunk in request.chunks:
+            if not isinstance(chunk, str):
+                count = self.spec.tokens(chunk.width, chunk.height)
+                spans.append((places[taken], places[taken + count - 1] + 1))
+                taken += count
+        return spans
+
     # --- the images ------------------------------------------------------------------------------
 
     def encode(self, request: Request) -> torch.Tensor:
