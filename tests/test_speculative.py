@@ -9,6 +9,7 @@ from tests.helpers import build_request, shard_fixture
 
 NEW = 40  # crosses block boundaries (blocks of 16)
 K = 4
+WORDS = [" one", " two", " three"]
 SEEDED = NextTokenChooserParameters(temperature=0.9, top_k=20, do_sample=True, seed=1234)
 
 plain = shard_fixture(max_batch_size=4)
@@ -136,3 +137,113 @@ def test_a_speculative_width_out_of_range_is_one_error_line(capsys, value):
         f"error: argument --num-speculative-tokens: must be between 1 and 16, got {value} "
         "(see --help)"
     ]
+
+
+def test_through_the_scheduler_with_preemption_and_the_prefix_cache(speculating, plain):
+    """A tiny KV budget (blocks on demand) forces preemptions and resumes; prompts sharing a
+    prefix hit the prefix cache; every stream equals plain decoding's, no token lost or repeated."""
+    import asyncio
+
+    from engine.batch import Request, StoppingCriteriaParameters
+    from engine.config import ServingLimits
+    from router.client import InProcessClient
+    from router.sched.prefix_cache import PrefixCache
+    from router.sched.scheduler import Scheduler
+    from tests.helpers import PROMPTS
+
+    limits = ServingLimits(
+        max_batch_size=4, max_prefill_tokens=256, max_input_tokens=128, max_total_tokens=256
+    )
+    prompts = PROMPTS + [PROMPTS[4] + " And then?"]
+
+    def serve(shard):
+        shard.clear()
+
+        async def go():
+            client = InProcessClient(shard, max_batch_size=4)
+            scheduler = Scheduler(client, PrefixCache(14, 16), limits)
+            await scheduler.start()
+            try:
+                streams = []
+                for i, prompt in enumerate(prompts):
+                    ids = shard.tokenizer(prompt)["input_ids"]
+                    stopping = StoppingCriteriaParameters(max_new_tokens=NEW, ignore_eos_token=True)
+                    request = Request(i, prompt, stopping_parameters=stopping)
+                    streams.append(scheduler.submit(request, len(ids), ids))
+                out = []
+                for stream in streams:
+                    generations = [g async for g in stream]
+                    out.append([t for g in generations for t in g.tokens.ids])
+            finally:
+                await scheduler.stop()
+                await client.close()
+            return out, scheduler.stats
+
+        return asyncio.run(go())
+
+    expected, _ = serve(plain)
+    accepted = speculating.speculator.stats["spec_accepted"]
+    got, stats = serve(speculating)
+    assert got == expected and stats.preemptions > 0
+    assert speculating.speculator.stats["spec_accepted"] > accepted
+    assert not speculating.adapter.shapes.unwarmed
+
+
+def chi2_sf(statistic: float, df: int) -> float:
+    """P(X >= statistic) for X ~ chi-square(df) (series of the regularized upper gamma)."""
+    import math
+
+    half = statistic / 2
+    if df % 2 == 0:
+        return math.exp(-half) * sum(half**i / math.factorial(i) for i in range(df // 2))
+    total = math.erfc(math.sqrt(half))
+    term = math.exp(-half) * math.sqrt(half) / math.gamma(1.5)
+    for k in range(1, (df - 1) // 2 + 1):
+        total += term
+        term *= half / (k + 0.5)
+    return total
+
+
+def test_sampled_tokens_keep_the_targets_distribution(plain, speculating):
+    """The token drawn at a speculated position, over many seeds: speculation (one seed set) and
+    plain decoding (another) draw from the same distribution (chi-square, 2 x categories). A logit
+    bias (applied at every verified position) puts the mass on the prompt's words, which the
+    n-gram proposals offer, so proposals are both accepted and rejected."""
+    from collections import Counter
+
+    words = [plain.tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in WORDS]
+    warm = NextTokenChooserParameters(do_sample=True, logit_bias={token: 40.0 for token in words})
+    position, seeds = 7, 160
+
+    def tokens_at(shard, first_seed):
+        found = Counter()
+        for start in range(first_seed, first_seed + seeds, 4):
+            requests = [build_request(i, position + 1, text="".join(WORDS * 6)) for i in range(4)]
+            for i, request in enumerate(requests):
+                request.parameters = dataclasses_replace(warm, seed=start + i)
+            found.update(t[position] for t in run(shard, requests).values())
+        return found
+
+    accepted = speculating.speculator.stats["spec_accepted"]
+    with_spec, without = tokens_at(speculating, 0), tokens_at(plain, 10_000)
+    assert speculating.speculator.stats["spec_accepted"] > accepted + seeds
+    common = [t for t in set(with_spec) | set(without) if with_spec[t] + without[t] >= 10]
+    table = [
+        [c[t] for t in common] + [sum(c.values()) - sum(c[t] for t in common)]
+        for c in (with_spec, without)
+    ]
+    columns = [j for j in range(len(table[0])) if table[0][j] + table[1][j] > 0]
+    assert len(columns) >= 2  # a distribution, not one certain token
+    total = 2 * seeds
+    statistic = 0.0
+    for row in table:
+        for j in columns:
+            expected = sum(row) * (table[0][j] + table[1][j]) / total
+            statistic += (row[j] - expected) ** 2 / expected
+    assert chi2_sf(statistic, len(columns) - 1) > 0.001
+
+
+def dataclasses_replace(params, **changes):
+    import dataclasses
+
+    return dataclasses.replace(params, **changes)

@@ -1,0 +1,71 @@
+"""A lone greedy request on an input-grounded rewrite: n-gram speculation against plain decoding.
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_speculative.py K [MAX_NEW [DTYPE]]   (K 0: off)
+
+Prints the decode rate of three runs after one warm run, the speculation counters and the text.
+"""
+
+import sys
+import time
+
+from engine.batch import Batch, Request, StoppingCriteriaParameters
+from engine.config import EngineConfig
+from engine.serving.shard import Shard
+from launcher.generate import chat_prompt
+
+TEXT = (
+    "The quarterly report shows that revenue grew by twelve percent compared with the same "
+    "period last year, driven mainly by strong sales in the northern region and the launch of "
+    "two new products. Operating costs rose by four percent, largely because of higher "
+    "shipping prices and the opening of a second warehouse. The board expects growth to "
+    "continue next quarter, although it warns that currency changes could reduce profits."
+)
+PROMPT = "Rewrite the following text exactly, but in British English spelling:\n\n" + TEXT
+DTYPE = sys.argv[3] if len(sys.argv) > 3 else "auto"
+NEW = int(sys.argv[2]) if len(sys.argv) > 2 else 128
+
+
+def one(shard, text, rid):
+    req = Request(
+        rid,
+        text,
+        stopping_parameters=StoppingCriteriaParameters(max_new_tokens=NEW),
+        add_special_tokens=False,
+    )
+    start = time.perf_counter()
+    gens, cached = shard.prefill(Batch(rid, [req]))
+    first = time.perf_counter()
+    ids = [t for g in gens for t in g.tokens.ids]
+    while cached is not None:
+        gens, cached = shard.decode([cached])
+        ids += [t for g in gens for t in g.tokens.ids]
+    end = time.perf_counter()
+    return ids, (len(ids) - 1) / (end - first), end - start
+
+
+spec = sys.argv[1]
+kw = dict(speculate="ngram", num_speculative_tokens=int(spec)) if spec != "0" else {}
+shard = Shard(
+    EngineConfig(
+        max_batch_size=4,
+        max_input_tokens=512,
+        max_total_tokens=1024,
+        max_prefill_tokens=1024,
+        dtype=DTYPE,
+        **kw,
+    ),
+    show_progress=False,
+)
+shard.warmup()
+text = chat_prompt(shard.tokenizer, PROMPT)
+one(shard, text, 1)
+rates = []
+for r in range(3):
+    ids, rate, total = one(shard, text, 10 + r)
+    rates.append(rate)
+print(
+    f"K={spec} tokens={len(ids)} decode tok/s runs={[round(x, 1) for x in rates]} median={sorted(rates)[1]:.1f}"
+)
+if shard.speculator:
+    print(shard.speculator.stats)
+print(repr(shard.tokenizer.decode(ids))[:300])
