@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCriteriaParameters
 from engine.cli.flags import add_knob_flags
 from engine.cli.flags import config_from_args as knobs_from_args
-from engine.config import ServingLimits, default_cache_dir
+from engine.config import ServingLimits, default_cache_dir, shard_secret
 from engine.weights.paths import resolve_model_dir
 from router.client import GrpcShardClient, ShardClient
 
@@ -191,7 +191,7 @@ async def build_state(config: RouterConfig, client: ShardClient) -> RouterState:
 
 async def serve(config: RouterConfig) -> None:
     client = await GrpcShardClient.connect(
-        config.master_url, wait=config.wait_for_shards or None, secret=config.shard_secret
+        config.master_url, wait=config.wait_for_shards or None, secret=shard_secret()
     )
     try:
         state = await build_state(config, client)
