@@ -42,6 +42,15 @@ def node_environment() -> dict[str, int | None]:
     }
 
 
+SHARD_SECRET_VARIABLE = "BUCKETSERVE_SHARD_SECRET"
+
+
+def shard_secret() -> str | None:
+    """A multi-node group's shard secret (docs/multinode.md): the launcher's --shard-secret,
+    passed to its shards and router in the environment, never on a command line."""
+    return os.environ.get(SHARD_SECRET_VARIABLE) or None
+
+
 def parse_lora_adapters(text: str | None) -> tuple[tuple[str, str], ...]:
     """`name=path[,name=path...]` (--lora-adapters, or TGI's LORA_ADAPTERS) as (name, path) pairs.
     A bare `path` is served under that same string, as TGI names an adapter by its id."""
@@ -209,14 +218,6 @@ class SharedKnobs:
         f"{MAX_SPECULATIVE_TOKENS}; the verify buckets are K + 1 tokens wide)",
         parse=speculative_tokens,
         metavar="K",
-    )
-    shard_secret: str | None = knob(
-        None,
-        "the secret every shard RPC over TCP must carry (multi-node: shards of other nodes "
-        "listen on TCP; default: $BUCKETSERVE_SHARD_SECRET); a launcher passes it in the "
-        "environment, never on a command line",
-        env="BUCKETSERVE_SHARD_SECRET",
-        secret=True,
     )
     otlp_endpoint: str | None = knob(
         None,

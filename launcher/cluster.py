@@ -53,7 +53,7 @@ def resolve_cluster(config, environ):
         config.master_addr or _first(environ, "MASTER_ADDR", "LWS_LEADER_ADDRESS") or LOOPBACK
     )
     master_port = config.master_port or _int_from(environ, "MASTER_PORT") or DEFAULT_MASTER_PORT
-    if not config.engine.shard_secret:
+    if not config.shard_secret:
         raise ConfigError(
             f"--nnodes {nnodes}: the shards of other nodes call each other over TCP; give every "
             "node the same secret in $BUCKETSERVE_SHARD_SECRET (--shard-secret)"

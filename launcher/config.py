@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, fields, replace
 
 from engine.cli.flags import changed_flags, knob_environment_names, secret_environment
-from engine.config import EngineConfig, SharedKnobs, knob, nested
+from engine.config import SHARD_SECRET_VARIABLE, EngineConfig, SharedKnobs, knob, nested
 from router.config import RouterConfig
 
 # TGI's router port: a `docker run -p 8080:3000` written for TGI works unchanged
@@ -36,6 +36,14 @@ class LauncherConfig:
         None,
         "torch.distributed rendezvous port (default: one node: a free one; several: "
         "$MASTER_PORT, else 29500)",
+    )
+    shard_secret: str | None = knob(
+        None,
+        "the secret every shard RPC over TCP must carry (several nodes: the shards of other "
+        "nodes listen on TCP; default: $BUCKETSERVE_SHARD_SECRET); passed on in the environment, "
+        "never on a command line",
+        env="BUCKETSERVE_SHARD_SECRET",
+        secret=True,
     )
     nnodes: int | None = knob(
         None, "nodes in the group (default: $NNODES, else $LWS_GROUP_SIZE, else 1)"
@@ -109,7 +117,12 @@ class LauncherConfig:
     def router_environment(self, environ) -> dict[str, str]:
         env = child_environment(environ, drop=tuple(knob_environment_names(RouterConfig)))
         env.update(secret_environment(self.router_config()))
+        env.update(self.secret_environment())
         return env
+
+    def secret_environment(self) -> dict[str, str]:
+        """The shard secret, for the shards and the router (engine/config.py shard_secret)."""
+        return {SHARD_SECRET_VARIABLE: self.shard_secret} if self.shard_secret else {}
 
 
 def child_environment(environ, drop: tuple[str, ...] = ()) -> dict[str, str]:

@@ -40,7 +40,7 @@ class PeerWatch:
         stub = pb_grpc.TextGenerationServiceStub(group.channels[0])
         urls = stub.ServiceDiscovery(pb.ServiceDiscoveryRequest(), timeout=10).urls
         remote = {rank: url for rank, url in enumerate(urls) if not url.startswith("unix:")}
-        return cls(remote, config.engine.shard_secret)
+        return cls(remote, config.shard_secret)
 
     def gone(self) -> str | None:
         """Why the group cannot go on (a peer refuses connections for PEER_DEAD_S), or None."""

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.cli.flags import knob_environment_names, secret_environment
-from engine.config import EngineConfig
+from engine.cli.flags import knob_environment_names
+from engine.config import SHARD_SECRET_VARIABLE, EngineConfig
 from engine.devices.probe import DevicePlan
 from engine.wire import generate_pb2 as pb
 from engine.wire import generate_pb2_grpc as pb_grpc
@@ -55,6 +55,7 @@ INHERITED_VARS_DROPPED = (
     "MASTER_PORT",
     "LOCAL_WORLD_SIZE",
     "GROUP_RANK",
+    SHARD_SECRET_VARIABLE,
     *sorted(knob_environment_names(EngineConfig)),
 )
 
@@ -136,7 +137,7 @@ class ShardGroup:
             MASTER_ADDR=self.config.master_addr or LOOPBACK,
             MASTER_PORT=str(self.master_port),
         )
-        env.update(secret_environment(self.config.engine))  # the shard secret, never a flag
+        env.update(self.config.secret_environment())  # the shard secret, never a flag
         env.update(self.device.env(rank))
         return env
 

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from engine.batch import Batch, NextTokenChooserParameters, Request, StoppingCriteriaParameters
 from engine.cli.flags import add_knob_flags
 from engine.cli.flags import config_from_args as knobs_from_args
-from engine.config import ServingLimits, default_cache_dir
+from engine.config import ServingLimits, default_cache_dir, shard_secret
 from engine.errors import BucketserveError
 from engine.weights.paths import resolve_model_dir
 from router.client import GrpcShardClient, ShardClient
@@ -248,7 +248,7 @@ async def serve(config: RouterConfig) -> None:
     tokenizer = asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config)
     try:
         client = await GrpcShardClient.connect(
-            config.master_url, wait=config.wait_for_shards or None, secret=config.shard_secret
+            config.master_url, wait=config.wait_for_shards or None, secret=shard_secret()
         )
     except BaseException:
         tokenizer.add_done_callback(lambda done: done.exception())  # its error, if any, is moot

@@ -79,9 +79,7 @@ def test_ranks_form_tensor_parallel_groups_within_a_stage():
 
 
 def with_secret(**fields) -> LauncherConfig:
-    base = LauncherConfig()
-    engine = type(base.engine)(shard_secret=SECRET)
-    return LauncherConfig(engine=engine, **fields)
+    return LauncherConfig(shard_secret=SECRET, **fields)
 
 
 def test_a_node_takes_its_place_from_leaderworkerset_then_torchrun_variables():

@@ -11,7 +11,13 @@ import sys
 
 from engine.cli.flags import add_knob_flags, config_from_args
 from engine.cli.logs import configure_logging
-from engine.config import EngineConfig, distributed_address, env_int, node_environment
+from engine.config import (
+    EngineConfig,
+    distributed_address,
+    env_int,
+    node_environment,
+    shard_secret,
+)
 from engine.errors import BucketserveError
 
 EXIT_USAGE = 2
@@ -79,7 +85,7 @@ def server_config(args: argparse.Namespace):
         remote_address=outbound_address(distributed_address()[0]) if multi_node else None,
         # stable across restarts (a router keeps the URLs it found), distinct on one host
         remote_port=distributed_address()[1] + 1 + (rank or 0) if multi_node else 0,
-        secret=config.shard_secret,
+        secret=shard_secret(),
         node_rank=node["node_rank"] or 0,
     )
 

@@ -6,8 +6,8 @@ tokens from them (the shard's step is then the same on every rank, as with tenso
 Every tensor that travels has the bucket's static shape: the hidden states are shaped like the
 step's token ids plus the hidden size, the logits like `logits_indices` by the vocabulary.
 
-Each forward records when this stage worked on it (`spans`, perf_counter_ns), for the pipeline
-benchmark's utilization (launcher/pipeline_bench.py)."""
+Each forward records when this stage worked on it (`spans`, perf_counter_ns): the raw material
+of a stage-utilization measurement (docs/multinode.md says what is measured so far)."""
 
 from __future__ import annotations
 
