@@ -154,7 +154,25 @@ class GrpcShardClient:
                 raise ShardError(
                     error.code(), f"ServiceDiscovery on {master_url}: {error.details()}"
                 ) from None
-        return cls(list(response.urls), timeout, secret)
+        client = cls(list(response.urls), timeout, secret)
+        if wait is not None:  # the master answers before the other ranks may be listening
+            await client._wait_for_every_shard(wait)
+        return client
+
+    async def _wait_for_every_shard(self, wait: float) -> None:
+        calls = [
+            stub.Health(
+                pb.HealthRequest(),
+                timeout=wait,
+                wait_for_ready=True,
+                metadata=self.secret_metadata or None,
+            )
+            for stub in self.stubs
+        ]
+        for url, outcome in zip(self.urls, await asyncio.gather(*calls, return_exceptions=True)):
+            if isinstance(outcome, grpc.aio.AioRpcError):
+                await self.close()
+                raise ShardError(outcome.code(), f"Health on {url}: {outcome.details()}")
 
     async def _all(self, method: str, request, metadata=None) -> list:
         """The responses of every shard, in rank order; the first shard's error if any failed.
