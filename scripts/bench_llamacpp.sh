@@ -106,19 +106,8 @@ ours_flags() {
     esac
 }
 
-wait_ready() {  # seconds from $2 (epoch, fractional) until $1/health answers 200
-    until curl -sf "$1/health" >/dev/null 2>&1; do
-        kill -0 "$3" 2>/dev/null || { echo "server died; see $OUT" >&2; exit 1; }
-        sleep 0.2
-    done
-    "$PY" -c "import time,sys; print(f'{time.time() - float(sys.argv[1]):.1f}')" "$2"
-}
-
-now() { "$PY" -c "import time; print(time.time())"; }
-
-PIDS=()
-cleanup() { for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT
+# shellcheck source=scripts/bench_servers.sh
+. "$ROOT/scripts/bench_servers.sh"
 
 run_concurrency() {
     local n=$1 model=$2 ours_port=3931 llama_port=3932 start ours_pid llama_pid

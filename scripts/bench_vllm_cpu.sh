@@ -88,19 +88,8 @@ start_vllm() {
         --max-num-seqs "$n" --max-model-len 512 "${eager[@]}" ${VLLM_EXTRA:-} &
 }
 
-wait_ready() {  # seconds from $2 (epoch, fractional) until $1/health answers 200
-    until curl -sf "$1/health" >/dev/null 2>&1; do
-        kill -0 "$3" 2>/dev/null || { echo "server died; see $OUT" >&2; kill $$; exit 1; }
-        sleep 0.5
-    done
-    "$PY" -c "import time,sys; print(f'{time.time() - float(sys.argv[1]):.1f}')" "$2"
-}
-
-now() { "$PY" -c "import time; print(time.time())"; }
-
-PIDS=()
-cleanup() { for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT
+# shellcheck source=scripts/bench_servers.sh
+. "$ROOT/scripts/bench_servers.sh"
 
 run_concurrency() {
     local n=$1 model=$2 ours_port=3941 vllm_port=3942 start ours_pid vllm_pid
