@@ -250,6 +250,8 @@ async def serve(config: RouterConfig) -> None:
         client = await GrpcShardClient.connect(
             config.master_url, wait=config.wait_for_shards or None, secret=shard_secret()
         )
+        if config.wait_for_shards:
+            await client.wait_for_every_shard(config.wait_for_shards)
     except BaseException:
         tokenizer.add_done_callback(lambda done: done.exception())  # its error, if any, is moot
         raise

@@ -154,12 +154,10 @@ class GrpcShardClient:
                 raise ShardError(
                     error.code(), f"ServiceDiscovery on {master_url}: {error.details()}"
                 ) from None
-        client = cls(list(response.urls), timeout, secret)
-        if wait is not None:  # the master answers before the other ranks may be listening
-            await client._wait_for_every_shard(wait)
-        return client
+        return cls(list(response.urls), timeout, secret)
 
-    async def _wait_for_every_shard(self, wait: float) -> None:
+    async def wait_for_every_shard(self, wait: float) -> None:
+        """The master answers discovery before the other ranks may be listening: wait for each."""
         calls = [
             stub.Health(
                 pb.HealthRequest(),
