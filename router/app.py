@@ -36,6 +36,7 @@ from router.http.openai_api import openai_routes
 from router.http.state import RouterState
 from router.http.tgi_api import service_routes, tgi_routes
 from router.http.validation import MAX_TOP_N_TOKENS
+from router.sched.admission import ShardsUnavailable
 from router.sched.allocator import BlockAllocator
 from router.sched.prefix_cache import PrefixCache
 from router.sched.scheduler import Scheduler, lookahead_for
@@ -271,7 +272,9 @@ async def serve(config: RouterConfig) -> None:
     )
     log.info("serving on http://%s:%d", config.hostname, config.port)
     watcher = (
-        asyncio.create_task(watch_parent(config.parent_pid, server)) if config.parent_pid else None
+        asyncio.create_task(watch_parent(config.parent_pid, server, state.scheduler))
+        if config.parent_pid
+        else None
     )
     try:
         await server.serve()
@@ -285,12 +288,19 @@ async def serve(config: RouterConfig) -> None:
         state.executor.shutdown(wait=False, cancel_futures=True)
 
 
-async def watch_parent(parent_pid: int, server: uvicorn.Server) -> None:
-    """A launcher that was SIGKILLed cannot stop its router: it notices it has a new parent."""
+async def watch_parent(parent_pid: int, server: uvicorn.Server, scheduler: Scheduler) -> None:
+    """A launcher that was SIGKILLed cannot stop its router: it notices it has a new parent.
+    Its shards stop too and nothing restarts them, so the requests held for a restart would wait
+    forever (and uvicorn with them): each ends now with a 503, which a balancer retries on
+    another replica."""
     while os.getppid() == parent_pid:
         await asyncio.sleep(PARENT_POLL_S)
     log.warning("the launcher (pid %d) is gone: stopping", parent_pid)
-    server.should_exit = True
+    gone = ShardsUnavailable("the launcher is gone: this replica is stopping")
+    try:
+        await asyncio.wait_for(scheduler.stop(gone), PARENT_POLL_S * 10)
+    finally:
+        server.should_exit = True
 
 
 def load_tokenizer(config: RouterConfig):

@@ -1,7 +1,7 @@
 """Behind vLLM's router: two launched replicas of the tiny Llama behind `vllm-router` (the Rust binary
 from PyPI) answer 64 concurrent requests in groups that share long prefixes under cache_aware,
-kv_aware (fed by our KV events: the proof that they are in vLLM's format) and round_robin, and one
-replica killed under load leaves every request answered.
+kv_aware (fed by our KV events: the proof that they are in vLLM's format), power_of_two and
+round_robin, and one replica killed under load leaves every request answered.
 
 vllm-router lives in its own environment (`make` puts it in .venv/vllm-router; it pins its own
 web stack); $BUCKETSERVE_VLLM_ROUTER names another binary.
@@ -200,10 +200,10 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_three_policies_answer_all_and_kv_aware_hits_most(replicas, smollm_dir, tmp_path):
+def test_four_policies_answer_all_and_kv_aware_hits_most(replicas, smollm_dir, tmp_path):
     """Each policy gets its own prefixes (a fresh workload), so no run profits from another's."""
     rates = {}
-    for seed, policy in enumerate(("round_robin", "cache_aware", "kv_aware")):
+    for seed, policy in enumerate(("round_robin", "power_of_two", "cache_aware", "kv_aware")):
         rates[policy] = run_policy(
             replicas, policy, smollm_dir, tmp_path, workload(smollm_dir, seed)
         )

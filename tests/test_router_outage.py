@@ -2,11 +2,13 @@
 that had not started are held and served once the shards are back; nothing is lost or leaked."""
 
 import asyncio
+import os
 from dataclasses import replace
 
 import grpc
 import pytest
 
+from router.app import watch_parent
 from router.client import ShardError
 from router.sched.scheduler import Overloaded, ShardsUnavailable
 from tests.test_router_scheduler import (  # noqa: F401 - fixtures
@@ -130,6 +132,37 @@ def test_behind_shards_that_cannot_resume_running_requests_fail_in_an_outage(
     assert first.tokens.ids == expected[0][:1]
     assert later == expected[3][:10]
     assert allocator.idle
+
+
+class Server:
+    should_exit = False  # what watch_parent sets on uvicorn's server
+
+
+def test_when_the_launcher_is_gone_held_requests_end_unavailable_and_the_server_exits(
+    shard, warmed
+):
+    """Nothing will restart the shards: a held request that waited for them would keep the router
+    (and its balancer's connection) alive forever. It ends with a 503, which a balancer retries."""
+    lengths, allocator = warmed[2], full_allocator(warmed[1])
+    not_our_parent = os.getppid() + 1  # watch_parent sees a new parent at once
+
+    async def body(scheduler, client):
+        client.down = True
+        held = [scheduler.submit(make_request(i, 10), lengths[i]) for i in (0, 1)]
+        await wait_for(lambda: not scheduler.available)
+        server = Server()
+        await asyncio.wait_for(watch_parent(not_our_parent, server, scheduler), 10)
+        ends = await asyncio.wait_for(
+            asyncio.gather(*(consume(s) for s in held), return_exceptions=True), 10
+        )
+
+        with pytest.raises(ShardsUnavailable, match="stopping"):  # nothing left to serve it
+            scheduler.submit(make_request(2, 10), lengths[2])
+        return ends, server.should_exit
+
+    ends, exiting = asyncio.run(run(shard, allocator, body))
+    assert [type(e) for e in ends] == [ShardsUnavailable, ShardsUnavailable], ends
+    assert exiting and allocator.idle
 
 
 def test_beyond_max_concurrent_requests_a_submit_is_overloaded(shard, warmed, expected):

@@ -71,6 +71,7 @@ class Scheduler:
         self._batch_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._stopped: BaseException | None = None  # why a stopped scheduler refuses new requests
 
     # --- the caller's side ------------------------------------------------------------------
 
@@ -100,17 +101,20 @@ class Scheduler:
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="scheduler")
 
-    async def stop(self) -> None:
-        """Stop the loop; requests still queued or running end with RequestCancelled."""
+    async def stop(self, error: BaseException | None = None) -> None:
+        """Stop the loop; requests still queued or running end with `error` (RequestCancelled when
+        the server stops, ShardsUnavailable when the shards are gone for good)."""
         if self._task is None:
             return
+        # A request submitted after this would wait for a loop that no longer runs.
+        self._stopped = error or RequestCancelled("the scheduler stopped")
         self._task.cancel()
         try:
             await self._task
         except asyncio.CancelledError:
             pass
         self._task = None
-        await self._abandon_all(RequestCancelled("the scheduler stopped"))
+        await self._abandon_all(self._stopped)
 
     def submit(
         self, request: Request, input_length: int, token_ids: list[int] | None = None
@@ -136,6 +140,8 @@ class Scheduler:
 
     def check_admission(self, count: int = 1) -> None:
         """Raise Overloaded or ShardsUnavailable now: callers ask before expensive work (tokenizing)."""
+        if self._stopped is not None:
+            raise ShardsUnavailable(f"the server is stopping ({self._stopped}): retry elsewhere")
         if not self.available:
             raise ShardsUnavailable("the shards are unavailable (restarting?): retry later")
         if len(self._entries) + count > self.limits.max_concurrent_requests:
