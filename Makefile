@@ -36,6 +36,9 @@ $(STAMP): pyproject.toml
 	# of its own: it pins its own web stack.
 	$(PYTHON) -m venv $(VENV)/vllm-router
 	$(VENV)/vllm-router/bin/pip install --quiet vllm-router==0.1.17
+	# The fused CPU kernels (C++, about a minute), so that no bfloat16 start compiles them; without
+	# a compiler it says so and the pure-torch path serves.
+	$(PY) -m engine.devices.cpu_kernels
 	touch $(STAMP)
 
 PORT ?= 8080

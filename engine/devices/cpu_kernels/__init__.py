@@ -9,8 +9,13 @@ half the rate). Each is
 tested against the pure-torch path, which stays the reference, the fallback where the build fails
 (no compiler), and the path of every graph device.
 
-The build (about a minute on two cores) is cached under bucketserve's cache dir, keyed by the
-source and torch's version; BUCKETSERVE_CPU_KERNELS=0 turns the kernels off.
+The README's set-up (`make`, or `python -m engine.devices.cpu_kernels`) builds them once, about a
+minute on two cores, into bucketserve's cache dir, keyed by the source, the compiler flags and
+torch's version; a start then imports the built library and never runs the compiler. A start that
+finds none builds it then (a cache dir cleared since set-up). Each build compiles in a directory of
+its own and moves the library into place, so builders that meet (worktrees, test workers) neither
+wait on each other's lock file nor leave one behind when killed. BUCKETSERVE_CPU_KERNELS=0 turns
+the kernels off.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+LIBRARY_SUFFIX = ".so"
 
 
 def enabled() -> bool:
@@ -38,27 +44,62 @@ def load():
     return _build() if enabled() else None
 
 
-@cache
-def _build():
-    from torch.utils import cpp_extension
-
+def library_path() -> Path:
+    """Where the built library of this source, these flags and this torch lives."""
     from engine.config import default_cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
-    build = Path(default_cache_dir()) / "cpu_kernels" / key
-    build.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()
+    ).hexdigest()[:16]
+    name = f"bucketserve_cpu_kernels_{key}"
+    return Path(default_cache_dir()) / "cpu_kernels" / key / f"{name}{LIBRARY_SUFFIX}"
+
+
+@cache
+def _build():
+    library = library_path()
     try:
-        return cpp_extension.load(
-            name=f"bucketserve_cpu_kernels_{key}",
-            sources=[str(SOURCE)],
-            extra_cflags=FLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            verbose=False,
-        )
+        return import_library(library) if library.exists() else compile_into(library)
     except Exception as error:  # no compiler, no headers: the pure-torch path serves
         log.warning("CPU kernels unavailable, using pure torch: %s", error)
         return None
+
+
+def compile_into(library: Path):
+    """torch.utils.cpp_extension's build (the module it imports is the answer) in a fresh
+    directory, then the library moved into place. In a shared build directory cpp_extension's lock
+    file makes every later builder wait forever once a build was killed, and a checkout whose
+    source path differs from the one in build.ninja rebuilds."""
+    import shutil
+    import tempfile
+
+    from torch.utils import cpp_extension
+
+    library.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="build-", dir=library.parent))
+    try:
+        module = cpp_extension.load(
+            name=library.stem,
+            sources=[str(SOURCE)],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(scratch),
+            verbose=False,
+        )
+        os.replace(scratch / library.name, library)  # atomic: a reader sees all of it or none
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return module
+
+
+def import_library(library: Path):
+    """The built extension as a module, without the compiler (as cpp_extension imports it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(library.stem, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def decode_attention(
