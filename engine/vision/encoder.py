@@ -16,9 +16,14 @@ import torch
 
 from engine.batch import ImageInput, Request
 from engine.errors import InvalidRequestError
+from engine.vision.keys import image_spans, keyed_ids
 from engine.vision.spec import ImageSpec
 
 CACHED_IMAGES = 64  # features of this many recent images are kept
+
+
+def images_of(request: Request) -> list[ImageInput]:
+    return [c for c in request.chunks if not isinstance(c, str)]
 
 
 def image_buckets(max_images: int) -> tuple[int, ...]:
@@ -74,36 +79,51 @@ class ImageEncoder:
 
     def spans(self, request: Request, ids: list[int]) -> list[tuple[int, int]]:
         """Each image's [first, last) positions in the prompt's ids."""
-        places = [i for i, t in enumerate(ids) if t == self.spec.image_token_id]
-        spans, taken = [], 0
-        for chunk in request.chunks:
-            if not isinstance(chunk, str):
-                count = self.spec.tokens(chunk.width, chunk.height)
-                spans.append((places[taken], places[taken + count - 1] + 1))
-                taken += count
-        return spans
+        return image_spans(ids, self.spec.image_token_id, self.counts(request))
+
+    def counts(self, request: Request) -> list[int]:
+        """The tokens of each of the prompt's images, in order."""
+        return [self.spec.tokens(c.width, c.height) for c in images_of(request)]
+
+    def keyed(self, request: Request, ids: list[int]) -> list[int]:
+        """The ids its KV blocks are hashed over: each image token keyed by its image's content
+        (engine/vision/keys.py), so that a block holding one image never serves another."""
+        images = images_of(request)
+        counts = self.counts(request)
+        return keyed_ids(
+            ids, self.spec.image_token_id, [(i.data, n) for i, n in zip(images, counts)]
+        )
 
     # --- the images ------------------------------------------------------------------------------
 
-    def encode(self, request: Request) -> torch.Tensor:
-        """[image tokens of the prompt, hidden]: every image's features, in prompt order."""
-        images = [c for c in request.chunks if not isinstance(c, str)]
+    def encode(self, request: Request, ids: list[int]) -> torch.Tensor:
+        """[image tokens of the prompt, hidden]: every image's features, in prompt order. An image
+        whose tokens all lie in the prefix the router found cached (cache_len) is not encoded:
+        its KV is there already, and its features (zeros here) are read nowhere."""
+        images, counts = images_of(request), self.counts(request)
+        spans = self.spans(request, ids)
         keys = [hashlib.sha256(image.data).hexdigest() for image in images]
+        cached = [last <= request.cache_len for _, last in spans]
         missing = {}
-        for key, image in zip(keys, images):
-            if key in self.cache:
+        for key, image, in_kv in zip(keys, images, cached):
+            if in_kv or key in self.cache:
                 self.stats["image_cache_hits"] += 1
-                self.cache.move_to_end(key)
+                if key in self.cache:
+                    self.cache.move_to_end(key)
             elif key not in missing:
                 missing[key] = image
         if missing:
             features = self._run_tower(self._pixels(request.id, list(missing.values())))
             for key, feature in zip(missing, features):
                 self.cache[key] = feature
-        found = [self.cache[key] for key in keys]
+        hidden = self.model.config.hidden_size
+        found = [
+            torch.zeros((count, hidden)) if in_kv else self.cache[key]
+            for key, count, in_kv in zip(keys, counts, cached)
+        ]
         while len(self.cache) > CACHED_IMAGES:
             self.cache.popitem(last=False)
-        return torch.cat(found)
+        return torch.cat([f.float() for f in found])
 
     def _pixels(self, request_id: int, images: list[ImageInput]) -> torch.Tensor:
         from PIL import Image
