@@ -11,6 +11,7 @@ import hashlib
 import io
 import time
 from collections import OrderedDict
+from dataclasses import replace
 
 import torch
 
@@ -24,6 +25,23 @@ CACHED_IMAGES = 64  # features of this many recent images are kept
 
 def images_of(request: Request) -> list[ImageInput]:
     return [c for c in request.chunks if not isinstance(c, str)]
+
+
+def sized(request_id: int, chunk):
+    """An image with its width and height (the wire carries only its bytes): Pillow reads them
+    from the file's header; text as it is."""
+    if isinstance(chunk, str) or chunk.width:
+        return chunk
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(chunk.data)) as image:
+            width, height = image.size
+    except Exception as error:  # noqa: BLE001 - Pillow raises several kinds for a bad file
+        raise InvalidRequestError(
+            f"request {request_id}: an image is unreadable: {error}"
+        ) from None
+    return replace(chunk, width=width, height=height)
 
 
 def image_buckets(max_images: int) -> tuple[int, ...]:
@@ -61,6 +79,7 @@ class ImageEncoder:
         return self.spec.placeholder(self.token_text, image.width, image.height)
 
     def prompt_ids(self, request: Request) -> list[int]:
+        request.chunks = [sized(request.id, c) for c in request.chunks]
         ids = self.tokenizer(
             self.prompt_text(request), add_special_tokens=request.add_special_tokens
         )["input_ids"]
@@ -113,7 +132,7 @@ class ImageEncoder:
             elif key not in missing:
                 missing[key] = image
         if missing:
-            features = self._run_tower(self._pixels(request.id, list(missing.values())))
+            features = self._encode(request.id, list(missing.values()))
             for key, feature in zip(missing, features):
                 self.cache[key] = feature
         hidden = self.model.config.hidden_size
@@ -125,7 +144,22 @@ class ImageEncoder:
             self.cache.popitem(last=False)
         return torch.cat([f.float() for f in found])
 
-    def _pixels(self, request_id: int, images: list[ImageInput]) -> torch.Tensor:
+    def _encode(self, request_id: int, images: list[ImageInput]) -> list[torch.Tensor]:
+        """Each image's [tokens, hidden]: its tiles through the tower, then packed."""
+        start = time.perf_counter_ns()
+        tiles, counts = self._pixels(request_id, images)
+        features = self._run_tower(tiles)
+        grouped, first = [], 0
+        for count in counts:
+            grouped.append(torch.stack(features[first : first + count]))
+            first += count
+        packed = self.model.pack_images(grouped, [(i.height, i.width) for i in images])
+        self.stats["images_encoded"] += len(images)
+        self.stats["encoder_ns"] += time.perf_counter_ns() - start
+        return packed
+
+    def _pixels(self, request_id: int, images: list[ImageInput]) -> tuple[torch.Tensor, list]:
+        """The tower's tiles of every image, and how many each image has."""
         from PIL import Image
 
         try:
@@ -134,11 +168,15 @@ class ImageEncoder:
             raise InvalidRequestError(
                 f"request {request_id}: an image is unreadable: {error}"
             ) from None
-        return self.processor(images=decoded, return_tensors="pt")["pixel_values"]
+        pixels = self.processor(images=decoded, return_tensors="pt")["pixel_values"]
+        if pixels.dim() == 4:  # one tile an image (LLaVA)
+            return pixels, [1] * len(images)
+        counts = [self.spec.tiles(i.width, i.height) for i in images]  # the rest is padding
+        return torch.cat([p[:n] for p, n in zip(pixels, counts)]), counts
 
     def _run_tower(self, pixels: torch.Tensor) -> list[torch.Tensor]:
-        """Each image's features; the tower runs at bucket shapes (padding images are zeros)."""
-        start, out, largest = time.perf_counter_ns(), [], self.buckets[-1]
+        """Each tile's features; the tower runs at bucket shapes (padding tiles are zeros)."""
+        out, largest = [], self.buckets[-1]
         for first in range(0, len(pixels), largest):
             part = pixels[first : first + largest]
             bucket = next(b for b in self.buckets if b >= len(part))
@@ -148,8 +186,6 @@ class ImageEncoder:
             features = self.adapter.run(self.shape(bucket), self.model.image_features, padded)
             out += list(features[: len(part)])
         self.adapter.synchronize()
-        self.stats["images_encoded"] += len(pixels)
-        self.stats["encoder_ns"] += time.perf_counter_ns() - start
         return out
 
     def shape(self, bucket: int) -> tuple:
