@@ -160,6 +160,40 @@ def stream_events(url: str, prompt: str) -> list[dict]:
         ]
 
 
+def while_streaming(url: str, body: dict, during) -> list[int]:
+    """The token ids of `body` streamed from /generate_stream; `during()` runs once its first
+    token came, while the request is still running."""
+    ids = []
+    with httpx.stream("POST", f"{url}/generate_stream", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                ids.append(json.loads(line[len("data:") :])["token"]["id"])
+                if len(ids) == 1:
+                    during()
+    return ids
+
+
+def test_an_image_to_a_text_model_is_refused_while_a_request_stays_exact(
+    router_url, tiny_model_dirs
+):
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]
+    image = {"messages": [{"role": "user", "content": parts}], "max_tokens": 2}
+    answers = []
+
+    def refuse():
+        answers.append(httpx.post(f"{router_url}/v1/chat/completions", json=image, timeout=60))
+
+    body = {"inputs": PROMPTS[2], "parameters": {"max_new_tokens": NEW_TOKENS}}
+    ids = while_streaming(router_url, body, refuse)
+    assert (
+        ids
+        == reference_tokens(tiny_model_dirs["llama"], [PROMPTS[2]], NEW_TOKENS, stop_on_eos=True)[0]
+    )
+    assert answers[0].status_code == 422
+    assert "this model does not take images" in answers[0].json()["error"]["message"]
+
+
 def test_generate_stream_equals_generate(router_url):
     events = stream_events(router_url, PROMPTS[1])
     whole = generate(router_url, PROMPTS[1])

@@ -60,10 +60,10 @@ def test_a_chunk_never_ends_inside_an_image():
     from engine.batch import Request
     from engine.serving.chunks import plan_chunks
 
-    def seq(computed, spans, chunk_len=None):
+    def seq(computed, spans, chunk_len=None, end=100):
         request = Request(0, "", chunk_len=chunk_len)
         return SimpleNamespace(
-            request=request, computed=computed, cache_len=0, prefill_end=100, image_spans=spans
+            request=request, computed=computed, cache_len=0, prefill_end=end, image_spans=spans
         )
 
     # the step's budget would end the chunk at 32, inside the image at [20, 36): it ends at 20
@@ -71,6 +71,14 @@ def test_a_chunk_never_ends_inside_an_image():
     assert [p[1:] for p in plan_chunks([seq(0, [(20, 36)], chunk_len=25)], 64, 64)] == [(0, 20)]
     # a chunk that starts at the image and cannot hold it whole still cuts it
     assert [p[1:] for p in plan_chunks([seq(20, [(20, 36)])], 8, 64)] == [(20, 28)]
+    # ... where no step could hold it: one whose budget others spent waits for the next step
+    text, pictured = seq(0, [], end=56), seq(20, [(20, 36)])
+    assert [(p[0] is text, *p[1:]) for p in plan_chunks([text, pictured], 64, 64)] == [
+        (True, 0, 56)
+    ]
+    assert [p[1:] for p in plan_chunks([pictured], 64, 64)] == [(20, 84)]
+    # a first chunk_len shorter than the image cuts it (no later step would hold it either)
+    assert [p[1:] for p in plan_chunks([seq(0, [(0, 36)], chunk_len=8)], 64, 64)] == [(0, 8)]
     assert [p[1:] for p in plan_chunks([seq(0, [(40, 56)])], 32, 64)] == [(0, 32)]
 
 

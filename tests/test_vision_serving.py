@@ -15,7 +15,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.test_router_http import shard_and_router
+from tests.test_router_http import shard_and_router, while_streaming
 from tests.test_server import REPO, short_socket_dir
 from tests.vision_models import image_bytes, llava_reference
 
@@ -30,10 +30,53 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
+MAX_PIXELS = 100 * 100
+ROUTER = LIMITS + ["--max-image-pixels", str(MAX_PIXELS)]
+
+
 @pytest.fixture(scope="module")
 def url(tiny_llava_dir):
-    with shard_and_router(tiny_llava_dir, short_socket_dir() / "v", LIMITS, LIMITS) as served:
+    with shard_and_router(tiny_llava_dir, short_socket_dir() / "v", LIMITS, ROUTER) as served:
         yield served[0]
+
+
+def openai_image(image_url: str) -> dict:
+    parts = [{"type": "image_url", "image_url": {"url": image_url}}]
+    return {"messages": [{"role": "user", "content": parts}], "max_tokens": 2}
+
+
+def tgi_images(*image_urls: str) -> dict:
+    inputs = "".join(f"![]({u})" for u in image_urls) + "What is it?"
+    return {"inputs": inputs, "parameters": {"max_new_tokens": 2}}
+
+
+BAD = [  # (route, body, what the error names)
+    ("/v1/chat/completions", openai_image(data_url(b"\x89PNG\r\n\x1a\n" + bytes(60))), "corrupt"),
+    ("/generate", tgi_images(data_url(image_bytes(8, 8, kind="TIFF"), "image/tiff")), "TIFF"),
+    ("/v1/chat/completions", openai_image(data_url(image_bytes(101, 100))), "more than the limit"),
+    ("/generate", tgi_images(*[data_url(image_bytes(8, 8))] * 9), "up to 8 images. Given: 9"),
+    ("/v1/chat/completions", openai_image("http://example.com/cat.png"), "not allowed"),
+]
+
+
+def test_bad_images_are_refused_while_a_request_with_an_image_stays_exact(url, tiny_llava_dir):
+    picture = image_bytes(45, 35, seed=12)
+    inputs = f"![]({data_url(picture)})Tell me a story about it."
+    body = {"inputs": inputs, "parameters": {"max_new_tokens": NEW_TOKENS}}
+    answers = []
+
+    def refuse_each():
+        for route, bad, problem in BAD:
+            response = httpx.post(f"{url}{route}", json=bad, timeout=60)
+            answers.append((route, response.status_code, response.json(), problem))
+
+    ids = while_streaming(url, body, refuse_each)
+    chunks = [picture, "Tell me a story about it."]
+    assert ids == llava_reference(tiny_llava_dir, chunks, NEW_TOKENS, eos=True)
+    for route, status, error, problem in answers:
+        assert status == 422, (route, error)
+        message = error["error"]["message"] if route.startswith("/v1") else error["error"]
+        assert problem in message and (route.startswith("/v1") or error["error_type"])
 
 
 def test_openai_image_parts_match_transformers(url, tiny_llava_dir):

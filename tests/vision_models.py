@@ -95,3 +95,69 @@ def llava_reference(model_dir, chunks: list, new_tokens: int, add_special_tokens
     least = {} if eos else {"min_new_tokens": new_tokens}
     out = model.generate(ids, **extra, max_new_tokens=new_tokens, do_sample=False, **least)
     return out[0, ids.shape[1] :].tolist()
+
+
+NEXT_PINPOINTS = [[28, 56], [56, 28], [56, 56]]  # a grid of 1x2, 2x1 or 2x2 tiles of 28 pixels
+
+
+def build_tiny_llava_next(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A tiny random LLaVA-NeXT: the tiny LLaVA's tower and language model, images tiled."""
+    import transformers
+
+    build_tiny_llava(out_dir, tokenizer_dir, seed)  # its tokenizer and parts' configs
+    llava = transformers.LlavaConfig.from_pretrained(out_dir)
+    config = transformers.LlavaNextConfig(
+        vision_config=llava.vision_config,
+        text_config=llava.text_config,
+        image_token_index=llava.image_token_id,
+        projector_hidden_act="gelu",
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        image_grid_pinpoints=NEXT_PINPOINTS,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlavaNextForConditionalGeneration(config).eval()
+    for name in ("config.json", "model.safetensors", "preprocessor_config.json"):
+        (out_dir / name).unlink(missing_ok=True)
+    model.save_pretrained(out_dir)
+    processor = transformers.LlavaNextImageProcessor(
+        size={"shortest_edge": IMAGE_SIZE},
+        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        image_grid_pinpoints=NEXT_PINPOINTS,
+    )
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def llava_next_reference(model_dir, chunks: list, new_tokens: int) -> list[int]:
+    """transformers' own LLaVA-NeXT and processor (which counts each image's tokens itself),
+    greedy on one prompt of text pieces and image bytes in order, exactly new_tokens."""
+    import transformers
+    from PIL import Image
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    processor = transformers.LlavaNextProcessor(
+        image_processor=transformers.AutoImageProcessor.from_pretrained(model_dir),
+        tokenizer=tokenizer,
+        patch_size=PATCH,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
+    model = transformers.LlavaNextForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
+    text = "".join(c if isinstance(c, str) else "<image>" for c in chunks)
+    images = [
+        Image.open(io.BytesIO(getattr(c, "data", c))).convert("RGB")
+        for c in chunks
+        if not isinstance(c, str)
+    ]
+    if images:
+        inputs = processor(text=text, images=images, return_tensors="pt")
+    else:
+        inputs = tokenizer(text, return_tensors="pt")
+    out = model.generate(
+        **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+    )
+    return out[0, inputs["input_ids"].shape[1] :].tolist()

@@ -5,6 +5,7 @@ from engine.errors import ModelLoadError
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llava import LlavaForConditionalGeneration
+from engine.models.llava_next import LlavaNextForConditionalGeneration
 from engine.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 
@@ -19,6 +20,7 @@ MODEL_REGISTRY = {
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # engine/models/llava.py
+    "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
 }
 
 

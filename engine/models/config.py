@@ -82,7 +82,7 @@ class ModelConfig:
 
 
 # vision-language architecture -> its text model's architecture, by text_config.model_type
-VISION_LANGUAGE = ("LlavaForConditionalGeneration",)
+VISION_LANGUAGE = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
 TEXT_MODELS = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",

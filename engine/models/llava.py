@@ -11,14 +11,9 @@ from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 
 
-def _hf_config(config: ModelConfig):
-    from transformers import LlavaConfig
-
-    return LlavaConfig(**config.vision)
-
-
 class LlavaForConditionalGeneration(LlamaForCausalLM):
     takes_images = True  # the runner passes image embeddings to its prefills
+    hf_config_class = "LlavaConfig"
 
     def __init__(
         self,
@@ -28,16 +23,17 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         moe_impl: str = "dense",
     ):
         super().__init__(config, max_positions, parallel, moe_impl)
+        import transformers
         from transformers import AutoModel
-        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-        hf = _hf_config(config)
+        hf = getattr(transformers, self.hf_config_class)(**config.vision)
+        self.hf_config = hf
         self.image_token_id = hf.image_token_id
         self.feature_layer = hf.vision_feature_layer
         self.select = hf.vision_feature_select_strategy
         with torch.device("cpu"):  # its buffers are computed here, then kept through to_empty
             self.vision_tower = AutoModel.from_config(hf.vision_config)
-            self.multi_modal_projector = LlavaMultiModalProjector(hf)
+            self.multi_modal_projector = self._projector(hf)
         persistent = set(self.vision_tower.state_dict())
         self._tower_buffers = {
             name: buffer.clone()
@@ -45,6 +41,15 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             if name not in persistent
         }
         self._images: torch.Tensor | None = None
+
+    def _projector(self, hf):
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+        return LlavaMultiModalProjector(hf)
+
+    def pack_images(self, tiles: list[torch.Tensor], sizes: list[tuple[int, int]]) -> list:
+        """Each image's [tokens, hidden] from its tiles' features: LLaVA's one tile as it is."""
+        return [t[0] for t in tiles]
 
     def rebuild_rotary(self, max_positions: int, device) -> None:
         super().rebuild_rotary(max_positions, device)

@@ -27,26 +27,30 @@ def chunk_cap(longest_bucket: int, block_size: int) -> int:
 def plan_chunks(sequences, budget: int, cap: int) -> list[tuple[object, int, int]]:
     """(sequence, start, end) of the tokens each sequence computes now, under the step's budget of
     new tokens; a sequence the budget does not reach computes nothing this step (it waits)."""
-    planned = []
+    planned, whole_step = [], min(cap, budget)
     for seq in sequences:
         size = min(seq.prefill_end - seq.computed, cap, budget)
         first = seq.request.chunk_len if seq.computed == seq.cache_len else None
         if first:
             size = min(size, first)
-        end = whole_images(seq, seq.computed, seq.computed + size)
+        room = min(whole_step, first) if first else whole_step  # the most it computes in a step
+        end = whole_images(seq, seq.computed, seq.computed + size, room)
         if end > seq.computed:
             planned.append((seq, seq.computed, end))
             budget -= end - seq.computed
     return planned
 
 
-def whole_images(seq, start: int, end: int) -> int:
-    """The chunk's end moved back to the start of an image it would cut, where one begins inside
-    the chunk: an image's tokens are computed in one forward (one larger than a whole chunk is
-    still cut: its features are sliced exactly)."""
+def whole_images(seq, start: int, end: int, room: int) -> int:
+    """The chunk's end moved so that it never ends inside an image: back to the start of an image
+    that begins inside the chunk; back to the chunk's start (the sequence waits for a step with
+    more budget) where the chunk begins at or inside an image whose rest fits in `room`. Only an
+    image longer than `room` is cut (its features are sliced exactly)."""
     for first, last in getattr(seq, "image_spans", ()):
         if start < first < end < last:
             return first
+        if first <= start < end < last and last - start <= room:
+            return start
     return end
 
 

@@ -29,6 +29,7 @@ class Sequence:
     speculation: object = None  # the proposer's state for this sequence (engine/spec/)
     image_features: object = None  # a VLM prompt's [image tokens, hidden] (engine/vision/)
     image_spans: list = field(default_factory=list)  # each image's [first, last) positions
+    keyed_prompt: list | None = None  # its prompt's ids, image tokens keyed (engine/vision/keys.py)
 
     @property
     def prefilling(self) -> bool:

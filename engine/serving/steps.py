@@ -98,7 +98,7 @@ def admit_requests(
         check_cache_len(request, len(full), ctx.block_size, ctx.contents is not None)
         check_chunking(request, len(full) - request.cache_len, _cap(ctx))
         if request.cache_len:
-            ctx.contents.check_prefix(request, full)
+            ctx.contents.check_prefix(request, _keyed(ctx, request, full))
     grammars = [_compile_grammar(ctx, request) for request in requests]
     needed = sum(
         blocks_needed(kv_tokens(len(ids), r.stopping_parameters.max_new_tokens), ctx.block_size)
@@ -112,16 +112,17 @@ def admit_requests(
     # Images are encoded before any block is allocated: an unreadable one refuses the batch.
     # `n` siblings copy their source's prompt KV, so only the source encodes its images.
     features = [
-        ctx.vision.encode(r)
+        ctx.vision.encode(r, ids)
         if r.chunks is not None and ctx.vision and r.prefill_source is None
         else None
-        for r in requests
+        for r, ids in zip(requests, tokenized)
     ]
     sequences = [_new_sequence(ctx, r, ids, g) for r, ids, g in zip(requests, tokenized, grammars)]
     for seq, image_features in zip(sequences, features):
         seq.image_features = image_features
         if seq.request.chunks is not None and ctx.vision is not None:
             seq.image_spans = ctx.vision.spans(seq.request, seq.token_ids)
+            seq.keyed_prompt = ctx.vision.keyed(seq.request, seq.token_ids)
         if seq.id in resume:
             replay(ctx.tokenizer, seq, resume[seq.id])
         seq.computed, seq.prefill_end = seq.cache_len, len(seq.token_ids)
@@ -354,9 +355,17 @@ def record_contents(ctx: StepContext, sequences: list[Sequence]) -> None:
     """After a forward, every token of each sequence is in the cache: note the blocks they fill."""
     if ctx.contents is not None:
         for seq in sequences:
-            if seq.request.chunks is not None:  # image tokens' ids do not say which image
-                continue
-            ctx.contents.record(seq.blocks, seq.token_ids, seq.request.adapter_id, seq.computed)
+            ids = seq.token_ids
+            if seq.keyed_prompt is not None:  # image tokens' ids do not say which image
+                ids = seq.keyed_prompt + ids[len(seq.keyed_prompt) :]
+            ctx.contents.record(seq.blocks, ids, seq.request.adapter_id, seq.computed)
+
+
+def _keyed(ctx: StepContext, request: Request, ids: list[int]) -> list[int]:
+    """The ids its KV blocks are hashed over: a VLM prompt's image tokens keyed by their image."""
+    if request.chunks is None or ctx.vision is None:
+        return ids
+    return ctx.vision.keyed(request, ids)
 
 
 def _advance(

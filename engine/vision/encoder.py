@@ -11,14 +11,37 @@ import hashlib
 import io
 import time
 from collections import OrderedDict
+from dataclasses import replace
 
 import torch
 
 from engine.batch import ImageInput, Request
 from engine.errors import InvalidRequestError
+from engine.vision.keys import image_spans, keyed_ids
 from engine.vision.spec import ImageSpec
 
 CACHED_IMAGES = 64  # features of this many recent images are kept
+
+
+def images_of(request: Request) -> list[ImageInput]:
+    return [c for c in request.chunks if not isinstance(c, str)]
+
+
+def sized(request_id: int, chunk):
+    """An image with its width and height (the wire carries only its bytes): Pillow reads them
+    from the file's header; text as it is."""
+    if isinstance(chunk, str) or chunk.width:
+        return chunk
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(chunk.data)) as image:
+            width, height = image.size
+    except Exception as error:  # noqa: BLE001 - Pillow raises several kinds for a bad file
+        raise InvalidRequestError(
+            f"request {request_id}: an image is unreadable: {error}"
+        ) from None
+    return replace(chunk, width=width, height=height)
 
 
 def image_buckets(max_images: int) -> tuple[int, ...]:
@@ -56,6 +79,7 @@ class ImageEncoder:
         return self.spec.placeholder(self.token_text, image.width, image.height)
 
     def prompt_ids(self, request: Request) -> list[int]:
+        request.chunks = [sized(request.id, c) for c in request.chunks]
         ids = self.tokenizer(
             self.prompt_text(request), add_special_tokens=request.add_special_tokens
         )["input_ids"]
@@ -74,38 +98,68 @@ class ImageEncoder:
 
     def spans(self, request: Request, ids: list[int]) -> list[tuple[int, int]]:
         """Each image's [first, last) positions in the prompt's ids."""
-        places = [i for i, t in enumerate(ids) if t == self.spec.image_token_id]
-        spans, taken = [], 0
-        for chunk in request.chunks:
-            if not isinstance(chunk, str):
-                count = self.spec.tokens(chunk.width, chunk.height)
-                spans.append((places[taken], places[taken + count - 1] + 1))
-                taken += count
-        return spans
+        return image_spans(ids, self.spec.image_token_id, self.counts(request))
+
+    def counts(self, request: Request) -> list[int]:
+        """The tokens of each of the prompt's images, in order."""
+        return [self.spec.tokens(c.width, c.height) for c in images_of(request)]
+
+    def keyed(self, request: Request, ids: list[int]) -> list[int]:
+        """The ids its KV blocks are hashed over: each image token keyed by its image's content
+        (engine/vision/keys.py), so that a block holding one image never serves another."""
+        images = images_of(request)
+        counts = self.counts(request)
+        return keyed_ids(
+            ids, self.spec.image_token_id, [(i.data, n) for i, n in zip(images, counts)]
+        )
 
     # --- the images ------------------------------------------------------------------------------
 
-    def encode(self, request: Request) -> torch.Tensor:
-        """[image tokens of the prompt, hidden]: every image's features, in prompt order."""
-        images = [c for c in request.chunks if not isinstance(c, str)]
+    def encode(self, request: Request, ids: list[int]) -> torch.Tensor:
+        """[image tokens of the prompt, hidden]: every image's features, in prompt order. An image
+        whose tokens all lie in the prefix the router found cached (cache_len) is not encoded:
+        its KV is there already, and its features (zeros here) are read nowhere."""
+        images, counts = images_of(request), self.counts(request)
+        spans = self.spans(request, ids)
         keys = [hashlib.sha256(image.data).hexdigest() for image in images]
+        cached = [last <= request.cache_len for _, last in spans]
         missing = {}
-        for key, image in zip(keys, images):
-            if key in self.cache:
+        for key, image, in_kv in zip(keys, images, cached):
+            if in_kv or key in self.cache:
                 self.stats["image_cache_hits"] += 1
-                self.cache.move_to_end(key)
+                if key in self.cache:
+                    self.cache.move_to_end(key)
             elif key not in missing:
                 missing[key] = image
         if missing:
-            features = self._run_tower(self._pixels(request.id, list(missing.values())))
+            features = self._encode(request.id, list(missing.values()))
             for key, feature in zip(missing, features):
                 self.cache[key] = feature
-        found = [self.cache[key] for key in keys]
+        hidden = self.model.config.hidden_size
+        found = [
+            torch.zeros((count, hidden)) if in_kv else self.cache[key]
+            for key, count, in_kv in zip(keys, counts, cached)
+        ]
         while len(self.cache) > CACHED_IMAGES:
             self.cache.popitem(last=False)
-        return torch.cat(found)
+        return torch.cat([f.float() for f in found])
 
-    def _pixels(self, request_id: int, images: list[ImageInput]) -> torch.Tensor:
+    def _encode(self, request_id: int, images: list[ImageInput]) -> list[torch.Tensor]:
+        """Each image's [tokens, hidden]: its tiles through the tower, then packed."""
+        start = time.perf_counter_ns()
+        tiles, counts = self._pixels(request_id, images)
+        features = self._run_tower(tiles)
+        grouped, first = [], 0
+        for count in counts:
+            grouped.append(torch.stack(features[first : first + count]))
+            first += count
+        packed = self.model.pack_images(grouped, [(i.height, i.width) for i in images])
+        self.stats["images_encoded"] += len(images)
+        self.stats["encoder_ns"] += time.perf_counter_ns() - start
+        return packed
+
+    def _pixels(self, request_id: int, images: list[ImageInput]) -> tuple[torch.Tensor, list]:
+        """The tower's tiles of every image, and how many each image has."""
         from PIL import Image
 
         try:
@@ -114,11 +168,15 @@ class ImageEncoder:
             raise InvalidRequestError(
                 f"request {request_id}: an image is unreadable: {error}"
             ) from None
-        return self.processor(images=decoded, return_tensors="pt")["pixel_values"]
+        pixels = self.processor(images=decoded, return_tensors="pt")["pixel_values"]
+        if pixels.dim() == 4:  # one tile an image (LLaVA)
+            return pixels, [1] * len(images)
+        counts = [self.spec.tiles(i.width, i.height) for i in images]  # the rest is padding
+        return torch.cat([p[:n] for p, n in zip(pixels, counts)]), counts
 
     def _run_tower(self, pixels: torch.Tensor) -> list[torch.Tensor]:
-        """Each image's features; the tower runs at bucket shapes (padding images are zeros)."""
-        start, out, largest = time.perf_counter_ns(), [], self.buckets[-1]
+        """Each tile's features; the tower runs at bucket shapes (padding tiles are zeros)."""
+        out, largest = [], self.buckets[-1]
         for first in range(0, len(pixels), largest):
             part = pixels[first : first + largest]
             bucket = next(b for b in self.buckets if b >= len(part))
@@ -128,8 +186,6 @@ class ImageEncoder:
             features = self.adapter.run(self.shape(bucket), self.model.image_features, padded)
             out += list(features[: len(part)])
         self.adapter.synchronize()
-        self.stats["images_encoded"] += len(pixels)
-        self.stats["encoder_ns"] += time.perf_counter_ns() - start
         return out
 
     def shape(self, bucket: int) -> tuple:

@@ -8,10 +8,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SERVED = ("llava",)
+SERVED = ("llava", "llava_next")
 # Families with a vision config that are not served yet, named so the refusal can say so.
 KNOWN = {
-    "llava_next": "LLaVA-NeXT",
     "qwen2_5_vl": "Qwen2.5-VL",
     "qwen2_vl": "Qwen2-VL",
     "gemma3": "Gemma 3",
@@ -30,16 +29,50 @@ class UnsupportedVisionModel(ValueError):
 class ImageSpec:
     family: str
     image_token_id: int
-    tokens_per_image: int
-    image_size: int  # the tower's square input, in pixels
+    tokens_per_image: int  # LLaVA's; LLaVA-NeXT's base tile
+    image_size: int  # the tower's square input (one tile), in pixels
+    patch_size: int = 14
+    grid_pinpoints: tuple = ()  # LLaVA-NeXT: the (height, width) resolutions an image is tiled at
 
     def tokens(self, width: int, height: int) -> int:
-        """Positions one image takes (LLaVA: fixed, the processor resizes every image)."""
-        return self.tokens_per_image
+        """Positions one image takes. LLaVA: fixed (the processor resizes every image).
+        LLaVA-NeXT: the base tile's, then the tiles' grid with its padding cut away and a row
+        end per row, as transformers' LlavaNextProcessor counts them."""
+        if self.family != "llava_next":
+            return self.tokens_per_image
+        return self.tokens_per_image + _unpadded_grid_tokens(self, width, height)
+
+    def tiles(self, width: int, height: int) -> int:
+        """The tower's inputs for one image: 1 for LLaVA; the base tile and the grid's."""
+        if self.family != "llava_next":
+            return 1
+        best_height, best_width = _best_resolution(self, width, height)
+        return (best_height // self.image_size) * (best_width // self.image_size) + 1
 
     def placeholder(self, token_text: str, width: int, height: int) -> str:
         """The prompt text of one image: its image token, once per position."""
         return token_text * self.tokens(width, height)
+
+
+def _best_resolution(spec: ImageSpec, width: int, height: int) -> tuple[int, int]:
+    from transformers.image_processing_utils import select_best_resolution
+
+    return select_best_resolution((height, width), [list(p) for p in spec.grid_pinpoints])
+
+
+def _unpadded_grid_tokens(spec: ImageSpec, width: int, height: int) -> int:
+    """transformers' LlavaNextProcessor._get_unpadded_features, and its row ends."""
+    best_height, best_width = _best_resolution(spec, width, height)
+    side = spec.image_size // spec.patch_size
+    rows = side * (best_height // spec.image_size)
+    columns = side * (best_width // spec.image_size)
+    if width / height > columns / rows:
+        new_height = int(round(height * (columns / width), 7))
+        rows -= (rows - new_height) // 2 * 2
+    else:
+        new_width = int(round(width * (rows / height), 7))
+        columns -= (columns - new_width) // 2 * 2
+    return rows * columns + rows
 
 
 def image_spec(config: dict) -> ImageSpec | None:
@@ -55,16 +88,19 @@ def image_spec(config: dict) -> ImageSpec | None:
             f"vision-language model type {kind!r} ({name}) is not served: the served families "
             f"are {', '.join(SERVED)}"
         )
-    return _llava(config, vision)
+    return _llava(kind, config, vision)
 
 
-def _llava(config: dict, vision: dict) -> ImageSpec:
+def _llava(kind: str, config: dict, vision: dict) -> ImageSpec:
     size, patch = vision.get("image_size", 224), vision.get("patch_size", 14)
     tokens = (size // patch) ** 2 + 1  # the patches and the class token
     if config.get("vision_feature_select_strategy", "default") == "default":
         tokens -= 1  # the class token is dropped
     token = config.get("image_token_id", config.get("image_token_index", 32000))
-    return ImageSpec("llava", token, tokens, size)
+    pinpoints = tuple(tuple(p) for p in config.get("image_grid_pinpoints") or ())
+    if kind == "llava_next" and not pinpoints:
+        raise UnsupportedVisionModel("a LLaVA-NeXT config needs image_grid_pinpoints")
+    return ImageSpec(kind, token, tokens, size, patch, pinpoints)
 
 
 def spec_of_dir(path: str | Path) -> ImageSpec | None:

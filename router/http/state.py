@@ -30,7 +30,7 @@ from router.http.validation import (
     build_request,
     longest_token_chars,
 )
-from router.images.prompt import ImagePolicy
+from router.images.prompt import ImagePolicy, keyed_prompt_ids
 from router.sched import fanout
 from router.sched.scheduler import Scheduler
 
@@ -115,10 +115,12 @@ async def validated(
 
 def lookup_ids(state: RouterState, ids: list[int], request: Request) -> list[int] | None:
     """The prompt's ids for prefix-cache lookups, where the shards cache prefixes (else None).
-    A prompt with images is not looked up: its image tokens' ids do not say which image."""
-    if request.chunks is not None:
+    A prompt with images has its image tokens keyed by their image (router/images/prompt.py)."""
+    if not state.info.get("prefix_caching"):
         return None
-    return ids if state.info.get("prefix_caching") else None
+    if request.chunks is not None:
+        return keyed_prompt_ids(ids, request.chunks, state.images)
+    return ids
 
 
 def queue(state: RouterState, request: Request, length: int, token_ids: list[int] | None = None):

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field
 
 from engine.batch import ImageInput
+from engine.vision.keys import keyed_ids
 from engine.vision.spec import ImageSpec
 from router.images.decode import ImageError, ImageLimits, checked, data_url_bytes
 from router.images.fetch import fetch_image, public_address
@@ -61,6 +62,14 @@ def image_prompt(text: str, policy: ImagePolicy) -> ImagePrompt | None:
     if text[start:]:
         chunks.append(text[start:])
     return ImagePrompt(chunks, "".join(counted) + text[start:], "".join(wire) + text[start:])
+
+
+def keyed_prompt_ids(ids: list[int], chunks: list, policy: ImagePolicy) -> list[int]:
+    """The prompt's ids for the prefix cache: each image token keyed by its image's content hash
+    (engine/vision/keys.py), so a repeated image finds its KV and a different image never does."""
+    spec = policy.spec
+    images = [(c.data, spec.tokens(c.width, c.height)) for c in chunks if not isinstance(c, str)]
+    return keyed_ids(ids, spec.image_token_id, images)
 
 
 def read_image(url: str, policy: ImagePolicy) -> ImageInput:

@@ -3,6 +3,7 @@ admission (reusing cached prefix blocks), and what it tells the prefix cache the
 
 from __future__ import annotations
 
+from engine.vision.keys import image_start, is_image_key
 from router.sched.allocator import Allocation
 from router.sched.streams import Entry
 
@@ -62,7 +63,17 @@ def prefilled(allocator, entries: list[Entry]) -> None:
                 if entry.chunk_len is not None
                 else len(ids)
             )
-            allocator.register(entry.allocation, ids[:end], entry.request.adapter_id)
+            allocator.register(
+                entry.allocation, ids[: _whole_images(ids, end)], entry.request.adapter_id
+            )
+
+
+def _whole_images(ids: list[int], end: int) -> int:
+    """A chunk's end moved back to the start of an image it would cut: the shard computes an
+    image's tokens in one forward (engine/serving/chunks.py), so they may not be in the cache yet."""
+    if 0 < end < len(ids) and is_image_key(ids[end]) and image_start(ids, end) < end:
+        return image_start(ids, end)
+    return end
 
 
 def first_token(allocator, entry: Entry) -> None:

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.errors import CapacityError
+from engine.vision.keys import is_image_key
 from engine.wire.contract import RESERVED_BLOCK, chain_hashes
 from router.sched.allocator import Allocation
 
@@ -148,7 +149,12 @@ class PrefixCache:
             self._hash_of[block] = value
             new.append(index)
         if self.listener is not None and new:
-            self._tell_stored(new, hashes, token_ids, adapter)
+            # Blocks from the first image on are not published: a consumer keys blocks by token
+            # ids, and an image's ids (keys, engine/vision/keys.py) are no token ids.
+            plain = next((i for i, t in enumerate(token_ids) if is_image_key(t)), len(token_ids))
+            new = [i for i in new if i < plain // self.block_size]
+            if new:
+                self._tell_stored(new, hashes, token_ids, adapter)
 
     def _tell_stored(
         self, new: list[int], hashes: list[int], token_ids: list[int], adapter: str | None
