@@ -110,7 +110,7 @@ class HPUAdapter(DeviceAdapter):
             if graphed:
                 # A graph returns the same static output tensor every time: the next replay of this
                 # bucket (a batch split in two groups) would overwrite what the caller still holds.
-                out = out.clone()
+                out = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
         elif self.graph_mode == "compile" and graphed:
             self.stats[("compiled", kind_of(shape))] += 1
             out = self._compiled(fn)(*args)

@@ -36,7 +36,9 @@ class HPUKernels:
 def model_type(model) -> str:
     """HF's model_type, which the extension's flags read (qwen2: fp32 softmax). The transformers
     fallback has transformers' own config; a native model's comes from its architecture name
-    ("Qwen2ForCausalLM" -> "qwen2", "Qwen2MoeForCausalLM" -> "qwen2_moe")."""
+    ("Qwen2ForCausalLM" -> "qwen2", "Qwen2MoeForCausalLM" -> "qwen2_moe"). A wrapper of the model
+    (the runner's PromptScorer) holds it as `scored`."""
+    model = getattr(model, "scored", model)
     hf_config = getattr(getattr(model, "hf_model", None), "config", None)
     for config in (hf_config, getattr(model, "config", None)):
         kind = getattr(config, "model_type", None)
