@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.buckets.shapes import parse_shape
-from launcher.check_shapes import replay_requests, replay_shapes
+from launcher.check_shapes import SIBLINGS, replay_requests, replay_shapes
 from tests.helpers import PROMPTS, tiny_shard
 
 pytestmark = pytest.mark.slow
@@ -125,7 +125,7 @@ def _generations(shard, records: list[dict]) -> dict:
 def _greedy_tokens(shard, count: int) -> list[list[int]]:
     records = [{"prompt": p, "max_new_tokens": 5} for p in PROMPTS[:count]]
     generations = _generations(shard, records)
-    return [[t for g in generations[i] for t in g.tokens.ids] for i in range(count)]
+    return [[t for g in generations[i * SIBLINGS] for t in g.tokens.ids] for i in range(count)]
 
 
 def test_greedy_tokens_equal_the_plain_cpu_shard(simulated, plain):
@@ -142,9 +142,29 @@ def test_prompt_logprobs_are_scored_inside_the_graph(simulated, plain):
     scored = [_generations(shard, records) for shard in (simulated, plain)]
     assert simulated.serving_stats()["graph_compiles_serving"] == 0
     for i, prompt in enumerate(PROMPTS[:3]):
-        simulated_logprobs, plain_logprobs = (g[i][0].prefill_tokens.logprobs for g in scored)
+        simulated_logprobs, plain_logprobs = (
+            g[i * SIBLINGS][0].prefill_tokens.logprobs for g in scored
+        )
         assert len(simulated_logprobs) == len(plain.tokenizer(prompt)["input_ids"])
         assert simulated_logprobs[1:] == pytest.approx(plain_logprobs[1:], rel=1e-4, abs=1e-4)
+
+
+def test_siblings_copy_their_prompt_in_warmed_graphs(simulated, plain):
+    """`n` > 1: each sibling's prompt KV is copied from its source's (fixed-width pieces) and its
+    first token sampled from the source's row; greedy siblings match the plain CPU shard's."""
+    records = [
+        {"prompt": PROMPTS[0], "max_new_tokens": 3, "n": 3},
+        {"prompt": PROMPTS[2], "max_new_tokens": 2, "n": 2, "parameters": {"top_k": 5}},
+    ]
+    generations = [_generations(shard, records) for shard in (simulated, plain)]
+    stats = simulated.serving_stats()
+    assert stats["copied_prompts"] > 0
+    assert stats["graph_compiles_serving"] == 0 and stats["graph_breaks_serving"] == 0
+    tokens = [
+        {i: [t for g in gens for t in g.tokens.ids] for i, gens in run.items()}
+        for run in generations
+    ]
+    assert tokens[0][1] == tokens[0][2] == tokens[0][0] == tokens[1][0]
 
 
 def test_warmup_none_counts_every_first_shape(tiny_model_dirs):

@@ -36,6 +36,7 @@ from engine.serving.sampling import (
     _top_tokens,
     choose,
 )
+from engine.serving.siblings import warm_prompt_copy
 
 TOP_N_WIDTH = 16  # the router allows top_n <= 5; the rest holds the ties of the n-th
 
@@ -237,8 +238,9 @@ def choose_next(runner, logits, rows: list[int], sequences, allowed) -> Choice:
 
 
 def warm_sampler(runner, vocab_size: int) -> None:
-    """Run the sampler once for every row count it may meet (each decode batch of the plan), so
-    that serving compiles nothing new. Nothing to do where the sampler is not static."""
+    """Run the sampler once for every row count it may meet (each decode batch of the plan), the
+    merges and gathers of rows it reads, and the siblings' prompt copy, so that serving compiles
+    nothing new. Nothing to do where the sampler is not static."""
     if runner is None or not uses_static_sampling(runner):
         return
     adapter, plan = runner.adapter, runner.plan
@@ -250,3 +252,4 @@ def warm_sampler(runner, vocab_size: int) -> None:
         mark_step(adapter)
     outputs = {bucket.batch_size for bucket in plan.prefill + plan.decode}
     warm_merges(adapter, sizes, outputs, vocab_size)  # rows of several buckets, or some rows
+    warm_prompt_copy(runner)  # `n` siblings' prompt KV
