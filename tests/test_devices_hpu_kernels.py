@@ -252,3 +252,14 @@ def test_prefill_after_cached_context_runs_in_fused_sdpa_with_the_past_kv(habana
     # warmup's two buckets, then the two chunks: every layer of each through FusedSDPA
     assert extension.calls["fused_sdpa"] == 4 * CONFIG.num_layers
     torch.testing.assert_close(logits, _chunked_prefill(get_adapter("cpu")))
+
+
+def test_vllm_gaudis_extension_is_preferred_and_the_kernels_are_named(habana, monkeypatch):
+    """With vLLM installed, vllm_gaudi.extension (maintained) wins over vllm-hpu-extension (end of
+    life) when both import; the adapter names the kernels it runs (Info.attention_impl)."""
+    FakeExtension("v1.22.0").install(monkeypatch)
+    FakeExtension("vllm-gaudi", with_vllm=True).install(monkeypatch)
+    adapter = get_adapter("hpu", graph_mode="lazy")
+    assert adapter.kernels.flat_pa.package == "vllm_gaudi.extension"
+    named = adapter.kernel_names()
+    assert named.startswith("attention: fusedsdpa+flat_pa vllm_gaudi.extension"), named

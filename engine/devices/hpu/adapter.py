@@ -70,6 +70,7 @@ class HPUAdapter(DeviceAdapter):
 
         if fp8_weights(model):
             prepare_hpu(model, self.torch_device, gaudi2=self.hardware() == "gaudi2")
+            self.matmul_kernels = "torch.ops.hpu.fp8_gemm_v2 (fp8 weights)"
 
     def hardware(self) -> str:
         """ "gaudi2", "gaudi3" or "gaudi" (as vllm-hpu-extension's environment.get_hw asks)."""
