@@ -51,6 +51,8 @@ RECORDS = st.lists(
         },
         optional={
             "top_n_tokens": st.integers(1, 5),
+            "prefill_logprobs": st.just(True),
+            "n": st.integers(2, 3),
             "stop": st.just(["the"]),
             "grammar": st.sampled_from(
                 [
