@@ -19,6 +19,7 @@ from engine.buckets.grid import (
     VerifyBucket,
 )
 from engine.devices.base import DeviceAdapter
+from engine.devices.row_merge import merge_rows, stack_rows
 from engine.kv_cache import RESERVED_BLOCK, KVCache
 from engine.layers.lora import NO_ADAPTER
 
@@ -68,6 +69,7 @@ class ModelRunner:
         self.padding = PaddingStats()
         self.forward_ns = 0  # device time of the forwards since the caller last reset it
         self.recorder = None  # engine.buckets.shapes.ShapeRecorder (--record-shapes): the shapes served, unpadded
+        self.scorer = PromptScorer(model)  # one object: graphs are kept per callable
         model.bind_kv_cache(kv_cache.layers)
         adapter.reset()  # graphs captured on a previous cache would write into freed memory
 
@@ -81,9 +83,10 @@ class ModelRunner:
                 max(len(s.token_ids) for s in seqs),
                 max(self._context_blocks(s) for s in seqs),
             )
+        parts = []  # (a bucket's output, the sequence index of each of its real rows)
         with_context = [i for i, s in enumerate(seqs) if s.context_slots]
         if with_context:
-            self._prefill_with_context(seqs, with_context, output)
+            self._prefill_with_context(seqs, with_context, parts)
         plain = [i for i, s in enumerate(seqs) if not s.context_slots]
         for split in (
             self.plan.split_prefill([len(seqs[i].token_ids) for i in plain]) if plain else []
@@ -95,23 +98,28 @@ class ModelRunner:
                 "prefill", sum(len(s.token_ids) for s in members), bucket.tokens, bucket
             )
             if any(s.prompt_logprobs for s in members):
-                self._prefill_scoring_prompts(bucket, group, members, output)
+                parts.append((self._prefill_scoring_prompts(bucket, group, members, output), group))
                 continue
             logits = self._run(("prefill", bucket), *self._prefill_tensors(bucket, members))
-            if group == list(range(len(seqs))):
-                output.logits = first_rows(logits, len(seqs))
-                return output
-            for row, index in enumerate(group):
-                output.logits[index] = logits[row]
-        output.logits = torch.stack(output.logits)
+            parts.append((logits, group))
+        output.logits = self._rows_of(parts, len(seqs))
         return output
+
+    def _rows_of(self, parts: list, count: int) -> torch.Tensor:
+        """[count, vocab] from the buckets' outputs: one bucket's real rows as a view of it; rows
+        of several merged at a shape the plan fixes where graphs compile (row_merge.py)."""
+        if len(parts) == 1 and parts[0][1] == list(range(count)):
+            return first_rows(parts[0][0], count)
+        if self.adapter.warm_runs_forward:
+            return merge_rows(self.adapter, parts, count, self.plan.sampler_rows(count))
+        return stack_rows(parts, count)
 
     def _context_blocks(self, seq: PrefillInput) -> int:
         """Blocks the context spans: a later chunk may continue a context that ends inside a block."""
         return -(-len(seq.context_slots) // self.block_size)
 
     def _prefill_with_context(
-        self, seqs: list[PrefillInput], indices: list[int], output: PrefillOutput
+        self, seqs: list[PrefillInput], indices: list[int], parts: list
     ) -> None:
         """Rows that continue cached context run in (batch, new tokens, context blocks) buckets."""
         rows = [(len(seqs[i].token_ids), self._context_blocks(seqs[i])) for i in indices]
@@ -127,41 +135,48 @@ class ModelRunner:
                 "prefill", sum(len(s.token_ids) for s in members), bucket.tokens, bucket
             )
             logits = self._run(("prefill", bucket), *self._prefill_tensors(bucket, members))
-            for row, index in enumerate(group):
-                output.logits[index] = logits[row]
+            parts.append((logits, group))
 
     def _prefill_scoring_prompts(
         self, bucket: PrefillBucket, group, members, output: PrefillOutput
-    ) -> None:
-        """The bucket's variant that returns logits at every position (a graph of its own)."""
-        ids, positions, meta, _, *lora = self._prefill_tensors(bucket, members)
-        everywhere = self._to_device(torch.arange(bucket.tokens))
-        logits = self._run(("prefill_logprobs", bucket), ids, positions, meta, everywhere, *lora)
-        logits = logits.view(bucket.batch_size, bucket.seq_len, -1)
+    ) -> torch.Tensor:
+        """The bucket's variant that also scores every prompt token, in its graph (PromptScorer):
+        its outputs are the bucket's last-token logits [rows, vocab] and one logprob per token."""
+        ids, positions, meta, last, *rest = self._prefill_tensors(bucket, members)
+        targets = self._prompt_targets(bucket, [s.token_ids for s in members])
+        shape = ("prefill_logprobs", bucket)
+        logits, scores = self._run(
+            shape, ids, positions, meta, last, targets, *rest, fn=self.scorer
+        )
+        scores = scores.view(bucket.batch_size, bucket.seq_len).tolist()  # read after the step
         for row, (index, seq) in enumerate(zip(group, members)):
-            length = len(seq.token_ids)
-            output.logits[index] = logits[row, length - 1]
             if seq.prompt_logprobs:
-                output.prompt_logprobs[index] = _prompt_logprobs(
-                    logits[row, : length - 1], seq.token_ids
-                )
+                output.prompt_logprobs[index] = [float("nan")] + scores[row][
+                    : len(seq.token_ids) - 1
+                ]
+        return logits
+
+    def _prompt_targets(self, bucket: PrefillBucket, prompts: list[list[int]]) -> torch.Tensor:
+        """[tokens]: the token each position predicts (the next of its row; padding: token 0)."""
+        width = bucket.seq_len
+        rows = [ids[1:] + [0] * (width - len(ids) + 1) for ids in prompts]
+        rows += [[0] * width] * (bucket.batch_size - len(prompts))
+        return self._tensor([token for row in rows for token in row])
 
     @torch.inference_mode()
     def decode(self, seqs: list[DecodeInput]) -> torch.Tensor:
         """Logits [len(seqs), vocab] for the next token of every sequence."""
-        logits = [None] * len(seqs)
+        parts = []
         if self.recorder is not None:
             self.recorder.decode(len(seqs), sum(len(s.blocks) for s in seqs))
         for group in self.plan.split_decode([len(s.blocks) for s in seqs]):
             members = [seqs[i] for i in group]
             bucket = self.plan.decode_bucket(len(members), sum(len(s.blocks) for s in members))
             self.padding.record("decode", len(members), bucket.batch_size, bucket)
-            out = self._run(("decode", bucket), *self._decode_tensors(bucket, members))
-            if group == list(range(len(seqs))):
-                return first_rows(out, len(seqs))
-            for row, index in enumerate(group):
-                logits[index] = out[row]
-        return torch.stack(logits)
+            parts.append(
+                (self._run(("decode", bucket), *self._decode_tensors(bucket, members)), group)
+            )
+        return self._rows_of(parts, len(seqs))
 
     @torch.inference_mode()
     def verify(self, bucket: VerifyBucket, seqs: list[PrefillInput]) -> torch.Tensor:
@@ -197,10 +212,10 @@ class ModelRunner:
             ("verify", bucket), self.model, ids, positions, meta, everywhere, *lora, graph=graph
         )
 
-    def _run(self, shape, *inputs) -> torch.Tensor:
+    def _run(self, shape, *inputs, fn=None) -> torch.Tensor:
         """One forward at a bucket shape, timed to its end (asynchronous devices are synchronized)."""
         start = time.perf_counter_ns()
-        out = self.adapter.run(shape, self.model, *inputs)
+        out = self.adapter.run(shape, fn or self.model, *inputs)
         self.adapter.synchronize()
         self.forward_ns += time.perf_counter_ns() - start
         return out
@@ -211,9 +226,11 @@ class ModelRunner:
         bucket: PrefillBucket | DecodeBucket | VerifyBucket,
         prompt_logprobs: bool = False,
         graph: bool = True,
+        plain: bool = True,
     ) -> None:
         """Run one bucket on dummy rows that read and write only the reserved block (graph=False: warmed
-        to run without a device graph, as when the graph memory budget is spent)."""
+        to run without a device graph, as when the graph memory budget is spent; plain=False: a
+        prefill bucket's prompt-logprobs variant alone, which takes all the plain one's memory)."""
         if isinstance(bucket, VerifyBucket):
             self._warm_verify(bucket, graph)
         elif isinstance(bucket, PrefillBucket):
@@ -228,20 +245,20 @@ class ModelRunner:
                 for row in range(bucket.batch_size)
             ]
             ids, positions, meta, last, *lora = self._prefill_tensors(bucket, dummy)
-            self.adapter.warm(
-                ("prefill", bucket), self.model, ids, positions, meta, last, *lora, graph=graph
-            )
-            if (
-                prompt_logprobs and not bucket.context_blocks
-            ):  # prompt logprobs need the whole prompt computed
-                everywhere = self._to_device(torch.arange(bucket.tokens))
+            if plain:
+                self.adapter.warm(
+                    ("prefill", bucket), self.model, ids, positions, meta, last, *lora, graph=graph
+                )
+            if prompt_logprobs and not bucket.context_blocks:  # they need the whole prompt
+                targets = self._prompt_targets(bucket, [])
                 self.adapter.warm(
                     ("prefill_logprobs", bucket),
-                    self.model,
+                    self.scorer,
                     ids,
                     positions,
                     meta,
-                    everywhere,
+                    last,
+                    targets,
                     *lora,
                     graph=graph,
                 )
@@ -393,8 +410,18 @@ def _dummy_decode_rows(bucket: DecodeBucket) -> list[DecodeInput]:
     return rows
 
 
-def _prompt_logprobs(logits: torch.Tensor, token_ids: list[int]) -> list[float]:
-    """Logprob of each prompt token given the ones before it; the first has no prediction (nan)."""
-    targets = torch.tensor(token_ids[1:], device=logits.device).unsqueeze(1)
-    scores = torch.log_softmax(logits.float(), dim=-1).gather(1, targets).squeeze(1)
-    return [float("nan")] + scores.tolist()
+class PromptScorer(torch.nn.Module):
+    """The prefill forward that also scores the prompt: each position's log-probability of the
+    token after it, gathered inside the graph, so the graph's output is [tokens] and not the float32
+    [tokens, vocab] logits (2 GB at 4,096 tokens and a 128k vocabulary), with the logits of each
+    row's last token, as the plain forward returns them."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.scored = model
+
+    def forward(self, input_ids, positions, meta, last, targets, *rest):
+        everywhere = torch.arange(input_ids.numel(), device=input_ids.device)
+        logits = self.scored(input_ids, positions, meta, everywhere, *rest)
+        scores = torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+        return logits.index_select(0, last), scores

@@ -24,7 +24,10 @@ from engine.errors import BucketserveError
 from engine.kv_cache import RESERVED_BLOCK
 from engine.runner import DecodeInput, PrefillInput
 
-REQUEST_FIELDS = ("prompt", "max_new_tokens", "parameters", "top_n_tokens", "prefill_logprobs")
+REQUEST_FIELDS = (
+    "prompt", "max_new_tokens", "parameters", "top_n_tokens", "prefill_logprobs", "n",
+)  # fmt: skip
+SIBLINGS = 16  # request ids: record i is i * SIBLINGS, its n - 1 siblings the ids after it
 GRAMMARS = {"json": GrammarType.JSON, "regex": GrammarType.REGEX}
 
 
@@ -42,7 +45,8 @@ def add_check_shapes_command(commands) -> None:
         "--trace",
         required=True,
         help='a --record-shapes JSONL trace, or JSONL requests {"prompt": ..., '
-        '"max_new_tokens": n, "parameters": {...}, "top_n_tokens": n, "prefill_logprobs": b}',
+        '"max_new_tokens": n, "parameters": {...}, "top_n_tokens": n, "prefill_logprobs": b, '
+        '"n": siblings sharing the prompt}',
     )
     cmd.add_argument("--limit", type=int, help="replay only the first LIMIT records")
     cmd.set_defaults(func=cmd_check_shapes)
@@ -85,6 +89,9 @@ def request_record(record: dict) -> dict:
     unknown = set(record) - set(REQUEST_FIELDS) - {"grammar", "stop"}
     if unknown or not isinstance(record.get("prompt"), str):
         raise ValueError(f"expected a shape or a request record, got keys {sorted(record)}")
+    n = record.get("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= SIBLINGS:
+        raise ValueError(f"'n' must be an integer from 1 to {SIBLINGS}, got {n!r}")
     return record
 
 
@@ -152,6 +159,16 @@ def replay_shapes(shard, shapes) -> list[str]:
     return problems
 
 
+def _requests(i: int, record: dict) -> list[Request]:
+    """Record i's request and its n - 1 siblings, which copy its prompt (OpenAI `n`)."""
+    first = _request(i * SIBLINGS, record)
+    siblings = [
+        replace(first, id=first.id + k, prefill_source=first.id)
+        for k in range(1, record.get("n", 1))
+    ]
+    return [first] + siblings
+
+
 def _request(i: int, record: dict) -> Request:
     params = dict(record.get("parameters") or {})
     grammar = record.get("grammar")
@@ -177,7 +194,7 @@ def features(record: dict, tokens: int) -> str:
     """What of a request can change a step's shapes, in words."""
     parts = [f"prompt of {tokens} tokens"]
     parts += [f"{k}={v}" for k, v in (record.get("parameters") or {}).items()]
-    for name in ("top_n_tokens", "prefill_logprobs", "stop"):
+    for name in ("top_n_tokens", "prefill_logprobs", "stop", "n"):
         if record.get(name):
             parts.append(f"{name}={record[name]}")
     if record.get("grammar"):
@@ -192,16 +209,19 @@ def replay_requests(shard, records: list[dict]) -> list[str]:
     pending = list(enumerate(records))
     while pending or running is not None:
         size = 0 if running is None else len(running.request_ids)
-        if pending and size < shard.limits.max_batch_size:
+        fits = pending and size + pending[0][1].get("n", 1) <= shard.limits.max_batch_size
+        if pending and (fits or running is None):
             i, record = pending.pop(0)
             tokens = len(shard.tokenizer(record["prompt"])["input_ids"])
-            described[i] = features(record, tokens)
+            requests = _requests(i, record)
+            described.update({r.id: features(record, tokens) for r in requests})
             state = {}
 
-            def run(i=i, record=record, state=state, running=running):
-                state["result"] = shard.prefill(Batch(i, [_request(i, record)], 1, 0), running)
+            def run(i=i, requests=requests, state=state, running=running):
+                batch = Batch(i, requests, len(requests), 0)
+                state["result"] = shard.prefill(batch, running)
 
-            problems += _step(shard, f"request {i} prefill", described[i], run)
+            problems += _step(shard, f"request {i} prefill", described[i * SIBLINGS], run)
             running = state.get("result", (None, running))[1]
             continue
         state = {}

@@ -249,12 +249,14 @@ def test_a_bridge_started_in_eager_mode_is_refused_for_graphs(monkeypatch, haban
 def test_the_launcher_gives_every_hpu_shard_the_same_module_list_and_the_bridge_mode(monkeypatch):
     # Findings 5 and 6: Habana wants one HABANA_VISIBLE_MODULES for all processes (each takes its
     # LOCAL_RANK-th), and PT_HPU_LAZY_MODE in the environment before the shard imports torch.
+    # Module ids are the host's (Kubernetes' device plugin hands out any cards): without a list of
+    # the user's, none is made up (not 0..N-1), as upstream does; each rank takes its LOCAL_RANK.
     from engine.devices.probe import Probe, resolve_device
 
     gaudi = lambda asked: [Probe("hpu", True, count=8)]  # noqa: E731
     plan = resolve_device("hpu", 4, {}, lambda: ["hpu"], probe=gaudi)
     envs = [plan.env(rank) for rank in range(4)]
-    assert {env["HABANA_VISIBLE_MODULES"] for env in envs} == {"0,1,2,3"}
+    assert not any("HABANA_VISIBLE_MODULES" in env for env in envs)
     assert all(
         env["PT_HPU_LAZY_MODE"] == "1" and env["PT_HPU_ENABLE_LAZY_COLLECTIVES"] == "1"
         for env in envs

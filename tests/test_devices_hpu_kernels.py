@@ -7,9 +7,10 @@ import inspect
 import pytest
 import torch
 
-from engine.buckets.grid import BucketPlan, DecodeBucket
+from engine.buckets.grid import BucketPlan, DecodeBucket, PrefillBucket
 from engine.devices import get_adapter
 from engine.devices.hpu import attention as hpu_attention
+from engine.runner import PrefillInput
 from tests.fakes.tiny import CONFIG, PLAN, next_steps, prompts, runner_for, tiny_model
 from tests.fakes.vllm_hpu_extension import FakeExtension
 from tests.test_devices_hpu import habana, reference_logits, warmed  # noqa: F401 - the fixture
@@ -223,3 +224,42 @@ def test_padding_groups_are_derived_once_per_forward(habana, monkeypatch):
     serve(extension, monkeypatch, habana)  # its last forward: one decode step
     last = seen[-CONFIG.num_layers :]
     assert all(groups is last[0] for groups in last), "derived again in every layer"
+
+
+CONTEXT_PLAN = BucketPlan(
+    prefill=(PrefillBucket(2, 4), PrefillBucket(2, 4, 1)), decode=(DecodeBucket(2, 4),)
+)
+
+
+def _chunked_prefill(adapter) -> torch.Tensor:
+    """Two 7-token prompts in two chunks: 4 tokens, then 3 after that one block of context."""
+    runner = runner_for(tiny_model(), adapter, CONTEXT_PLAN)
+    for bucket in CONTEXT_PLAN.prefill + CONTEXT_PLAN.decode:
+        runner.warm(bucket)
+    whole = prompts((7, 7))
+    runner.prefill([PrefillInput(p.token_ids[:4], p.slots[:4]) for p in whole])
+    rest = [PrefillInput(p.token_ids[4:], p.slots[4:], context_slots=p.slots[:4]) for p in whole]
+    return runner.prefill(rest).logits
+
+
+def test_prefill_after_cached_context_runs_in_fused_sdpa_with_the_past_kv(habana, monkeypatch):
+    extension = FakeExtension("v1.22.0")
+    extension.install(monkeypatch)
+    adapter = get_adapter("hpu", graph_mode="lazy")
+    assert adapter.attention_backend.context is not None
+    extension.calls.update(fused_sdpa=0)
+    logits = _chunked_prefill(adapter)
+    # warmup's two buckets, then the two chunks: every layer of each through FusedSDPA
+    assert extension.calls["fused_sdpa"] == 4 * CONFIG.num_layers
+    torch.testing.assert_close(logits, _chunked_prefill(get_adapter("cpu")))
+
+
+def test_vllm_gaudis_extension_is_preferred_and_the_kernels_are_named(habana, monkeypatch):
+    """With vLLM installed, vllm_gaudi.extension (maintained) wins over vllm-hpu-extension (end of
+    life) when both import; the adapter names the kernels it runs (Info.attention_impl)."""
+    FakeExtension("v1.22.0").install(monkeypatch)
+    FakeExtension("vllm-gaudi", with_vllm=True).install(monkeypatch)
+    adapter = get_adapter("hpu", graph_mode="lazy")
+    assert adapter.kernels.flat_pa.package == "vllm_gaudi.extension"
+    named = adapter.kernel_names()
+    assert named.startswith("attention: fusedsdpa+flat_pa vllm_gaudi.extension"), named

@@ -122,12 +122,11 @@ def attention(
     write_kv(cache, meta.slots, k, v)
     kernels = active_backend()  # pure torch unless the device adapter supplied its own
     if isinstance(meta, PrefillMetadata):
-        if (
-            meta.context_slots is not None
-        ):  # pure torch on every device: no device kernel reads a context
-            return context_attention(
-                q, k, v, *cache, meta.context_slots, meta.context_lens, scale, window, softcap
-            )
+        if meta.context_slots is not None:
+            context = (meta.context_slots, meta.context_lens, scale)
+            if kernels.context is None or window is not None or softcap is not None:
+                return context_attention(q, k, v, *cache, *context, window, softcap)
+            return kernels.context(q, k, v, *cache, *context)
         if window is not None or softcap is not None:
             return prompt_attention(q, k, v, scale, window=window, softcap=softcap)
         return kernels.prefill(q, k, v, scale, lengths=meta.seq_lens)

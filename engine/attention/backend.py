@@ -19,6 +19,9 @@ class AttentionBackend(NamedTuple):
     name: str
     prefill: Callable  # as prompt_attention(q, k, v, scale, lengths=None)
     decode: Callable  # as flat_attention(q, key_cache, value_cache, block_list, ..., scale, masked)
+    # as context_attention(q, k, v, key_cache, value_cache, context_slots, context_lens, scale);
+    # None: the pure-torch one
+    context: Callable | None = None
 
 
 TORCH = AttentionBackend("torch", prompt_attention, flat_attention)

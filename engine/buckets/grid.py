@@ -186,6 +186,12 @@ class BucketPlan:
             tuple(b for b in self.verify if b in keep),
         )
 
+    def sampler_rows(self, count: int) -> int:
+        """The rows a static sampler runs `count` rows on: the smallest decode batch size that
+        holds them (count itself beyond every decode bucket)."""
+        sizes = sorted({bucket.batch_size for bucket in self.decode})
+        return next((size for size in sizes if size >= count), count)
+
     def verify_bucket(self, batch_size: int, width: int, context_blocks: int):
         """The smallest verify bucket holding the rows (fewest padded rows, then tokens, then
         context), or None: the step then decodes without speculation."""

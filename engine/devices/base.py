@@ -62,6 +62,7 @@ class DeviceAdapter(ABC):
     ] = ()  # --quantize modes besides none (engine/weights/quantize.py)
     step_marker: Callable[[], None] | None = None  # installed around forwards (HPU lazy mode)
     attention_backend: AttentionBackend | None = None  # None: pure torch attention
+    matmul_kernels: str = "torch"  # what multiplies the weights, once prepare_model has run
     graph_budget = (
         None  # engine.warmup.budget.GraphBudget, set by the shard when graphs are captured
     )
@@ -88,6 +89,16 @@ class DeviceAdapter(ABC):
         self.shapes = ShapeRegistry(strict_shapes)
         self.stats: Counter = Counter()  # "replay", "capture", "bypass", ... per kind of shape
         self._profiling = False
+
+    def kernel_names(self) -> str:
+        """The kernels in use beyond pure torch, in words ("" where everything is pure torch):
+        Info's attention_impl (and so the router's /info) names them."""
+        parts = []
+        if self.attention_backend is not None:
+            parts.append(f"attention: {self.attention_backend.name}")
+        if self.matmul_kernels != "torch":
+            parts.append(f"matmul: {self.matmul_kernels}")
+        return "; ".join(parts)
 
     def auto_dtype(self) -> tuple[torch.dtype, str]:
         """--dtype auto: the dtype this device serves best, and why (said at start)."""

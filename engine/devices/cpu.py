@@ -67,12 +67,16 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
 
         if self.graph_mode != "eager" or dtype != torch.bfloat16:
             return
+        matmuls = []
         if cpu_kernels.load() is not None:
-            log.info(
-                "%d bfloat16 matrices through the GEMV kernel", cpu_kernels.install_gemv(model)
-            )
+            gemv = cpu_kernels.install_gemv(model)
+            log.info("%d bfloat16 matrices through the GEMV kernel", gemv)
+            matmuls += ["bucketserve GEMV"] if gemv else []
         if packing_available():  # what the GEMV kernel does not take
-            log.info("packed %d bfloat16 projections for oneDNN", pack_linear_weights(model))
+            packed = pack_linear_weights(model)
+            log.info("packed %d bfloat16 projections for oneDNN", packed)
+            matmuls += ["oneDNN packed"] if packed else []
+        self.matmul_kernels = " + ".join(matmuls) or "torch"
         if cpu_kernels.load() is not None:
             self.attention_backend = cpu_kernels.attention_backend()
             log.info("fused CPU kernels: decode attention, %d norms", cpu_kernels.install(model))

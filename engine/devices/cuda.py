@@ -92,7 +92,8 @@ class CUDAAdapter(DeviceAdapter):
             return
         # ROCm's _scaled_mm wants e4m3fnuz on MI300: FP8 layers dequantize there for now.
         capability = (0, 0) if self.rocm else torch.cuda.get_device_capability(self.index)
-        prepare_cuda(model, self.torch_device, capability)
+        if prepare_cuda(model, self.torch_device, capability):
+            self.matmul_kernels = "torch._scaled_mm (fp8 weights)"
 
     def reset(self) -> None:
         super().reset()

@@ -234,21 +234,29 @@ def plan_for(found: Probe, num_shard: int, environ) -> DevicePlan:
         else tuple(str(r) for r in range(num_shard))
     )
     if found.device == "hpu":
-        return hpu_plan(ids, num_shard, environ)
+        return hpu_plan(
+            tuple(preset[:num_shard]) if len(preset) >= num_shard else (), num_shard, environ
+        )
     return DevicePlan(found.device, var, ids)
 
 
 def hpu_plan(ids: tuple[str, ...], num_shard: int, environ) -> DevicePlan:
-    """Habana's process assignment: every process is given the same HABANA_VISIBLE_MODULES and takes
-    the module at its LOCAL_RANK (the launcher sets it). The bridge's mode must be in the environment
-    before a shard imports torch; shards run the default graph mode, HPU graphs (lazy)."""
+    """Habana's process assignment: each shard acquires a Gaudi by its LOCAL_RANK (the launcher sets
+    it) among those the container sees (HABANA_VISIBLE_DEVICES, which Docker's Habana runtime and
+    Kubernetes' device plugin set to whatever cards they hand out). HABANA_VISIBLE_MODULES lists
+    module ids, which are the host's, not 0..N-1 of the container: as TGI and vllm-gaudi, the
+    launcher sets none of its own, and passes a list the user set (`ids`) to every process whole.
+    The bridge's mode must be in the environment before a shard imports torch; shards run the
+    default graph mode, HPU graphs (lazy)."""
     from engine.config import default_cache_dir
     from engine.devices.hpu.vars import launch_environment
 
-    extra = launch_environment("graphs", num_shard, default_cache_dir(), environ)
-    return DevicePlan(
-        "hpu", VISIBILITY_VARS["hpu"], ids, tuple(sorted(extra.items())), shared_list=True
+    extra = tuple(
+        sorted(launch_environment("graphs", num_shard, default_cache_dir(), environ).items())
     )
+    if not ids:
+        return DevicePlan("hpu", None, (), extra)
+    return DevicePlan("hpu", VISIBILITY_VARS["hpu"], ids, extra, shared_list=True)
 
 
 def cpu_plan(num_shard: int, environ) -> DevicePlan:

@@ -208,10 +208,14 @@ class Shard:
             support_chunking=self.config.prefix_caching,
             use_prefix_caching=self.config.prefix_caching,
             block_size=self.block_size,
-            attention_impl="flat_paged"
-            if self.implementation == "native"
-            else "transformers+flat_paged",
+            attention_impl=self._attention_impl(),
         )
+
+    def _attention_impl(self) -> str:
+        """The attention path, and the device kernels in use where they are not pure torch."""
+        impl = "flat_paged" if self.implementation == "native" else "transformers+flat_paged"
+        kernels = self.adapter.kernel_names()
+        return f"{impl} ({kernels})" if kernels else impl
 
     def warmup(
         self,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.devices.row_merge import mark_step
 from engine.errors import InvalidRequestError
 from engine.kv_cache import RESERVED_BLOCK
 from engine.serving.sequence import Sequence
@@ -43,18 +44,41 @@ def sources(sequences: list[Sequence]) -> dict[int, int]:
 
 
 def copy_prompts(runner, sequences: list[Sequence], shared: dict[int, int], width: int) -> None:
-    """Copy each source's prompt K/V into its siblings' slots; `width` (the longest prompt the
-    server takes) is every copy's index length."""
-    device = runner.adapter.torch_device
+    """Copy each source's prompt K/V into its siblings' slots, in pieces of one fixed length, the
+    longest prefill bucket's (at most `width`, the longest prompt the server takes): on a graph
+    device each piece is the same graph whatever the prompt, compiled before serving
+    (warm_prompt_copy)."""
+    piece = copy_width(runner)
     for i, j in shared.items():
         start, length = (
             sequences[i].computed,
             sequences[j].prompt_len,
         )  # a prefix-cache hit is in place already
-        pad = [RESERVED_BLOCK] * (width - (length - start))
-        source = torch.tensor(sequences[j].slots(start, length) + pad, dtype=torch.long).to(device)
-        target = torch.tensor(sequences[i].slots(start, length) + pad, dtype=torch.long).to(device)
-        runner.kv_cache.copy_slots(source, target)
+        source, target = sequences[j].slots(start, length), sequences[i].slots(start, length)
+        starts = range(0, len(source), piece)
+        for at in starts:
+            _copy_piece(runner, source[at : at + piece], target[at : at + piece], piece)
+        runner.kv_cache.copied_prompts -= max(len(starts) - 1, 0)  # one prompt, in pieces
+
+
+def copy_width(runner) -> int:
+    return runner.plan.max_prefill_seq_len
+
+
+def warm_prompt_copy(runner) -> None:
+    """Compile the copy of one piece (the reserved slot onto itself) before serving."""
+    _copy_piece(runner, [], [], copy_width(runner))
+    runner.kv_cache.copied_prompts -= 1  # a warmup copy shares no prompt
+
+
+def _copy_piece(runner, source: list[int], target: list[int], piece: int) -> None:
+    pad = [RESERVED_BLOCK] * (piece - len(source))
+    adapter = runner.adapter
+    runner.kv_cache.copy_slots(
+        adapter.to_device(torch.tensor(source + pad, dtype=torch.long)),
+        adapter.to_device(torch.tensor(target + pad, dtype=torch.long)),
+    )
+    mark_step(adapter)
 
 
 def logits_rows(computed: list[int], shared: dict[int, int], count: int) -> list[int]:

@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from engine.devices.row_merge import gather_rows, mark_step, warm_merges
 from engine.serving.sampling import (
     WATERMARK_DELTA,
     Choice,
@@ -35,6 +36,7 @@ from engine.serving.sampling import (
     _top_tokens,
     choose,
 )
+from engine.serving.siblings import warm_prompt_copy
 
 TOP_N_WIDTH = 16  # the router allows top_n <= 5; the rest holds the ties of the n-th
 
@@ -46,28 +48,19 @@ def uses_static_sampling(runner) -> bool:
 
 def sampler_rows(runner, n: int) -> int:
     """The rows the sampler runs on: the smallest decode batch of the plan that holds n."""
-    sizes = sorted({bucket.batch_size for bucket in runner.plan.decode})
-    return next((size for size in sizes if size >= n), n)
+    return runner.plan.sampler_rows(n)
 
 
 def padded_logits(logits: torch.Tensor, row_index: list[int], rows: int, adapter) -> torch.Tensor:
-    """[rows, vocab]: row i is logits[row_index[i]], then padding. When `logits` is the first rows
-    of a bucket's output (the runner hands out such views) the bucket's output itself is used, so
-    the shape is the plan's and not the batch's."""
+    """[rows, vocab]: row i is logits[row_index[i]], then padding. `logits` is the first rows of a
+    bucket's output or of a merge of several (the runner hands out such views): that output itself
+    is used, so the shape is the plan's and not the batch's."""
     base = getattr(logits, "bucket_output", None)
     if base is None:
-        base = logits  # not a bucket's output (rows of several): a shape the plan does not fix
+        base = logits  # not a bucket's output: a shape the plan does not fix
     if row_index == list(range(len(row_index))) and base.shape[0] == rows:
         return base
-    index = torch.tensor(row_index + [0] * (rows - len(row_index)), dtype=torch.long)
-    return base.index_select(0, adapter.to_device(index))
-
-
-def mark_step(adapter) -> None:
-    """Cut the lazy graph (HPU, the simulator); nothing elsewhere."""
-    marker = getattr(adapter, "mark_step", None)
-    if marker is not None:
-        marker()
+    return gather_rows(adapter, base, row_index, rows)
 
 
 def choose_static(
@@ -245,13 +238,18 @@ def choose_next(runner, logits, rows: list[int], sequences, allowed) -> Choice:
 
 
 def warm_sampler(runner, vocab_size: int) -> None:
-    """Run the sampler once for every row count it may meet (each decode batch of the plan), so
-    that serving compiles nothing new. Nothing to do where the sampler is not static."""
+    """Run the sampler once for every row count it may meet (each decode batch of the plan), the
+    merges and gathers of rows it reads, and the siblings' prompt copy, so that serving compiles
+    nothing new. Nothing to do where the sampler is not static."""
     if runner is None or not uses_static_sampling(runner):
         return
-    adapter = runner.adapter
-    for rows in sorted({bucket.batch_size for bucket in runner.plan.decode}):
+    adapter, plan = runner.adapter, runner.plan
+    sizes = sorted({bucket.batch_size for bucket in plan.decode})
+    for rows in sizes:
         logits = adapter.to_device(torch.zeros(rows, vocab_size))  # the models' logits: float32
         inputs = host_inputs([], [], [], [], None, rows, vocab_size)
         static_choice(logits, *[adapter.to_device(t) for t in inputs])
         mark_step(adapter)
+    outputs = {bucket.batch_size for bucket in plan.prefill + plan.decode}
+    warm_merges(adapter, sizes, outputs, vocab_size)  # rows of several buckets, or some rows
+    warm_prompt_copy(runner)  # `n` siblings' prompt KV

@@ -33,7 +33,10 @@ def profile_free_memory(model, adapter, dtype, block_size: int, limits: ServingL
     largest = PrefillBucket(rows, longest)
     plan = BucketPlan(prefill=(largest,), decode=())
     with adapter.profiling():  # no graph is captured on a cache that is freed right after
-        ModelRunner(model, adapter, scratch, plan, dtype).warm(largest)
+        # the prompt-logprobs variant: the plain forward's memory and the [tokens, vocab] logits
+        ModelRunner(model, adapter, scratch, plan, dtype).warm(
+            largest, prompt_logprobs=True, plain=False
+        )
     adapter.synchronize()
     return adapter.memory_info()[0]
 

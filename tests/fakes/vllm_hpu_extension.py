@@ -26,11 +26,17 @@ Every release's block merge needs padding blocks (all-zero mapping rows) in a gr
 
 FusedSDPA mirrors habana_frameworks.torch.hpex.kernels.FusedSDPA.apply (positional arguments only,
 an autograd Function): q, k, v [batch, heads, seq, dim] (k, v may have fewer heads), with
-valid_sequence_lengths masking the keys past each row's length on the padding side.
+valid_sequence_lengths masking the keys past each row's length on the padding side. An attn_mask is
+an additive bias [batch, 1, q, k], and keys may be longer than the queries (the past KV before the
+new tokens), as vllm-hpu-extension's ops.py (@0073ab88ab4a7a73dc7e62f33e32bcf602ab4838)
+`_get_context` and `_fsdpa_prompt_attention` call it for prefix caching; that wrapper drops
+causality and the lengths whenever it passes a bias ("causal + attn_bias is not yet supported"), so
+the fake refuses the combination, and lengths with past keys.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -311,11 +317,12 @@ class FakeExtension:
             and dropout == 0.0
         )
         batch, _, seq, _ = q.shape
-        allowed = (
-            torch.ones(batch, 1, seq, seq, dtype=torch.bool).tril()
-            if is_causal
-            else torch.ones(batch, 1, seq, seq, dtype=torch.bool)
-        )
+        kv = k.shape[2]  # past keys (prefix caching) come before the query's own
+        assert not (is_causal and mask is not None), "causal with attn_bias: not supported"
+        allowed = torch.ones(batch, 1, seq, kv, dtype=torch.bool)
+        if is_causal:
+            assert kv == seq, "causal FusedSDPA over keys longer than the queries"
+            allowed = allowed.tril()
         if lengths is not None:
             assert lengths.shape == (batch,) and not lengths.is_floating_point()
             positions = torch.arange(seq)
@@ -324,12 +331,14 @@ class FakeExtension:
                 if side == "right"
                 else positions >= seq - lengths.view(batch, 1)
             )
+            assert kv == seq, "valid_sequence_lengths with past keys"
             allowed = allowed & valid.view(batch, 1, 1, seq) & valid.view(batch, 1, seq, 1)
-        if mask is not None:
-            allowed = allowed & mask.bool()
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True
-        )
+        bias = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill(~allowed, -math.inf)
+        if mask is not None:  # additive, as vllm-hpu-extension's attn_bias ([batch, 1, q, k])
+            assert mask.is_floating_point() and mask.dim() == 4 and mask.shape[2:] == (seq, kv)
+            bias = bias + mask
+            allowed = allowed & (mask > -math.inf)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
         return torch.where(
             allowed.any(-1, keepdim=True), out, torch.zeros_like(out)
         )  # empty rows: no NaN

@@ -70,6 +70,7 @@ class HPUAdapter(DeviceAdapter):
 
         if fp8_weights(model):
             prepare_hpu(model, self.torch_device, gaudi2=self.hardware() == "gaudi2")
+            self.matmul_kernels = "torch.ops.hpu.fp8_gemm_v2 (fp8 weights)"
 
     def hardware(self) -> str:
         """ "gaudi2", "gaudi3" or "gaudi" (as vllm-hpu-extension's environment.get_hw asks)."""
@@ -110,7 +111,7 @@ class HPUAdapter(DeviceAdapter):
             if graphed:
                 # A graph returns the same static output tensor every time: the next replay of this
                 # bucket (a batch split in two groups) would overwrite what the caller still holds.
-                out = out.clone()
+                out = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
         elif self.graph_mode == "compile" and graphed:
             self.stats[("compiled", kind_of(shape))] += 1
             out = self._compiled(fn)(*args)

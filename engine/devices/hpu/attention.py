@@ -1,10 +1,11 @@
-"""Gaudi attention kernels behind our attention contracts: Habana's FusedSDPA for prefill and
-vllm-hpu-extension's flat_pa (any supported release, engine/devices/hpu/ops.py) for decode.
+"""Gaudi attention kernels behind our attention contracts: Habana's FusedSDPA for prefill (with
+the cached context folded in, for prefix-cache hits and later chunks) and vllm-hpu-extension's flat_pa (any supported release, engine/devices/hpu/ops.py) for decode.
 Whatever is missing runs in pure torch, said once as a WARNING with the reason."""
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 from dataclasses import dataclass
 from functools import partial
@@ -12,6 +13,7 @@ from functools import partial
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.context import context_mask
 from engine.attention.flat import flat_attention
 from engine.attention.prompt import prompt_attention
 from engine.devices.hpu.ops import FlatPA, load_flat_pa
@@ -36,7 +38,9 @@ class HPUKernels:
 def model_type(model) -> str:
     """HF's model_type, which the extension's flags read (qwen2: fp32 softmax). The transformers
     fallback has transformers' own config; a native model's comes from its architecture name
-    ("Qwen2ForCausalLM" -> "qwen2", "Qwen2MoeForCausalLM" -> "qwen2_moe")."""
+    ("Qwen2ForCausalLM" -> "qwen2", "Qwen2MoeForCausalLM" -> "qwen2_moe"). A wrapper of the model
+    (the runner's PromptScorer) holds it as `scored`."""
+    model = getattr(model, "scored", model)
     hf_config = getattr(getattr(model, "hf_model", None), "config", None)
     for config in (hf_config, getattr(model, "config", None)):
         kind = getattr(config, "model_type", None)
@@ -60,13 +64,14 @@ def load_kernels() -> HPUKernels:
         return HPUKernels(None, None)
     prefill = partial(fused_prefill, fused) if fused else prompt_attention
     decode = partial(flat_pa_decode, flat_pa) if flat_pa else flat_attention
+    context = partial(fused_context, fused) if fused else None
     name = "+".join(
         filter(
             None, ["fusedsdpa" if fused else "", f"flat_pa {flat_pa.release}" if flat_pa else ""]
         )
     )
     _info_once(f"attention: {name}")
-    return HPUKernels(AttentionBackend(name, prefill, decode), flat_pa)
+    return HPUKernels(AttentionBackend(name, prefill, decode, context), flat_pa)
 
 
 def load_fused_sdpa():
@@ -101,6 +106,36 @@ def fused_prefill(
         lengths.to(torch.int32),
         "right",
     )  # FusedSDPA is an autograd Function: positional only
+    return out.transpose(1, 2)
+
+
+def fused_context(
+    fused, q, k, v, key_cache, value_cache, context_slots, context_lens, scale: float
+) -> torch.Tensor:
+    """context_attention's contract through FusedSDPA, as vllm-hpu-extension folds the past KV in
+    (ops.py `_get_context`: the context's keys and values fetched from the cache, put before the
+    new ones; `_fsdpa_prompt_attention`: an additive bias instead of causality and lengths, which
+    the kernel does not take together): q [batch, seq, heads, dim], k and v the new tokens'."""
+    batch, seq = q.shape[:2]
+    past = context_slots.reshape(-1)
+    keys = torch.cat([key_cache.index_select(0, past).view(batch, -1, *k.shape[2:]), k], dim=1)
+    values = torch.cat([value_cache.index_select(0, past).view(batch, -1, *v.shape[2:]), v], dim=1)
+    allowed = context_mask(context_slots.shape[1], seq, context_lens, None)
+    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+    bias = bias.masked_fill(~allowed, -math.inf).unsqueeze(1)  # [batch, 1, seq, context + seq]
+    out = fused.apply(
+        q.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        bias,
+        0.0,
+        False,
+        scale,
+        "None",
+        None,
+        None,
+        "right",
+    )
     return out.transpose(1, 2)
 
 

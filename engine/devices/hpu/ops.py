@@ -22,7 +22,9 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
-PACKAGES = ("vllm_hpu_extension", "vllm_gaudi.extension")
+# vllm-gaudi's copy first: vllm-hpu-extension is end of life, and where vLLM (so vllm-gaudi) is
+# installed next to it, the maintained one is what that vLLM itself calls.
+PACKAGES = ("vllm_gaudi.extension", "vllm_hpu_extension")
 ALWAYS = {
     "query",
     "key_cache",
@@ -64,8 +66,10 @@ class FlatPA:
     @property
     def release(self) -> str:
         if not self.with_block_size:
-            return "v1.21.0 layout"
-        return "v1.22.0+ layout" if "position_bias" in self.extra else "v1.21.3 layout"
+            layout = "v1.21.0 layout"
+        else:
+            layout = "v1.22.0+ layout" if "position_bias" in self.extra else "v1.21.3 layout"
+        return f"{self.package} {layout}"
 
     def configure(self, model_type: str) -> None:
         """Set the extension's runtime config once, before any op reads it (and outside any graph)."""
@@ -137,13 +141,20 @@ def fetch_blocks(cache: torch.Tensor, blocks: torch.Tensor, **_scales) -> torch.
 
 def load_flat_pa() -> tuple[FlatPA | None, list[str]]:
     """The first usable flat_pa among PACKAGES, and why each one before it was not usable."""
-    reasons = []
+    reasons, absent = [], []
     for package in PACKAGES:
         try:
             return from_package(package), reasons
         except (ImportError, UnsupportedRelease) as err:
-            reasons.append(f"{package}: {err}")
-    return None, reasons
+            missing = isinstance(err, ImportError) and _is_absent(package, err)
+            (absent if missing else reasons).append(f"{package}: {err}")
+    return None, reasons or absent  # a package that is not installed at all says least
+
+
+def _is_absent(package: str, err: ImportError) -> bool:
+    """The package itself is not installed (not: it is, and something it imports is missing)."""
+    name = getattr(err, "name", None) or ""
+    return package == name or package.startswith(name + ".") or "is not a package" in str(err)
 
 
 def from_package(package: str) -> FlatPA:
