@@ -77,7 +77,7 @@ class Scheduler:
         self._task: asyncio.Task | None = None
         # A batch in flight per pipeline stage (router/sched/lanes.py); None: one batch, as TGI.
         stages = getattr(client, "pipeline_stages", 1)
-        self._lanes = Lanes(self, stages) if stages > 1 else None
+        self._lanes = Lanes(self, stages) if isinstance(stages, int) and stages > 1 else None
         if self._lanes is not None:
             self.lookahead = False  # the lanes keep the stages busy instead
 
