@@ -148,6 +148,7 @@ class InfoResponse:
     use_prefix_caching: bool
     attention_impl: str
     block_size: int
+    pipeline_stages: int = 1  # the router keeps this many batches in flight
 
 
 @dataclass

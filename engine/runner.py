@@ -3,6 +3,7 @@ returns logits for the real rows only."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -67,11 +68,21 @@ class ModelRunner:
         )
         self.block_size = kv_cache.block_size
         self.padding = PaddingStats()
-        self.forward_ns = 0  # device time of the forwards since the caller last reset it
+        # Device time of the forwards since the caller last reset it, per thread: a pipeline
+        # shard runs a step per thread, several at once (engine/pipeline/turns.py).
+        self._forward_time = threading.local()
         self.recorder = None  # engine.buckets.shapes.ShapeRecorder (--record-shapes): the shapes served, unpadded
         self.scorer = PromptScorer(model)  # one object: graphs are kept per callable
         model.bind_kv_cache(kv_cache.layers)
         adapter.reset()  # graphs captured on a previous cache would write into freed memory
+
+    @property
+    def forward_ns(self) -> int:
+        return getattr(self._forward_time, "ns", 0)
+
+    @forward_ns.setter
+    def forward_ns(self, value: int) -> None:
+        self._forward_time.ns = value
 
     @torch.inference_mode()
     def prefill(self, seqs: list[PrefillInput]) -> PrefillOutput:

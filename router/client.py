@@ -131,6 +131,9 @@ class GrpcShardClient:
         self._stats: dict[str, int] | None = None
         # Our shards answer each step with stats and read resumed tokens; TGI's do neither.
         self.resumes = False
+        # Pipeline stages (Info): each Prefill and Decode then carries its place in the order of
+        # steps since Warmup, which the stages keep (engine/pipeline/turns.py).
+        self.pipeline_stages, self._steps = 1, 0
 
     @classmethod
     async def connect(
@@ -202,7 +205,15 @@ class GrpcShardClient:
         return self._stats
 
     async def info(self) -> InfoResponse:
-        return convert.info_from_pb((await self._all("Info", pb.InfoRequest()))[0])
+        info = convert.info_from_pb((await self._all("Info", pb.InfoRequest()))[0])
+        self.pipeline_stages = info.pipeline_stages
+        return info
+
+    def _step_order(self) -> int:
+        if self.pipeline_stages == 1:
+            return 0
+        self._steps += 1
+        return self._steps
 
     async def warmup(
         self,
@@ -214,6 +225,7 @@ class GrpcShardClient:
         request = convert.warmup_request_to_pb(
             batch, max_input_tokens, max_prefill_tokens, max_total_tokens
         )
+        self._steps = 0  # the shards number steps from 1 again after Warmup
         return minimum_warmup(
             [convert.warmup_from_pb(r) for r in await self._all("Warmup", request)]
         )
@@ -225,7 +237,7 @@ class GrpcShardClient:
         resume: dict[int, list[int]] | None = None,
     ) -> StepResult:
         traces = STEP_TRACES.get() or {}
-        request = convert.prefill_request_to_pb(batch, cached, resume, traces)
+        request = convert.prefill_request_to_pb(batch, cached, resume, traces, self._step_order())
         return step_result(await self._all("Prefill", request, traceparent_metadata(traces)))
 
     async def decode(
@@ -235,7 +247,9 @@ class GrpcShardClient:
         look_ahead: bool = False,
     ) -> StepResult:
         traces = STEP_TRACES.get() or {}
-        request = convert.decode_request_to_pb(batches, grown, look_ahead, traces)
+        request = convert.decode_request_to_pb(
+            batches, grown, look_ahead, traces, self._step_order()
+        )
         return step_result(await self._all("Decode", request, traceparent_metadata(traces)))
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch:

@@ -133,6 +133,10 @@ BUCKETSERVE_EXTENSIONS = {
     ("DecodeRequest", Field("grown_blocks", 1001, "repeated", "uint32")),
     # decode lookahead: the router decodes the answered batch again next
     ("DecodeRequest", Field("look_ahead", 1002, "", "bool")),
+    # pipeline parallelism: the stages (a batch in flight each), the steps' order they keep
+    ("InfoResponse", Field("pipeline_stages", 1030, "", "uint32")),
+    ("PrefillRequest", Field("step_order", 1030, "", "uint64")),
+    ("DecodeRequest", Field("step_order", 1030, "", "uint64")),
     # the shard's serving counters after each step, for the router's /metrics
     ("PrefillResponse", Field("stats", 1000, "", "ServingStats")),
     ("DecodeResponse", Field("stats", 1000, "", "ServingStats")),

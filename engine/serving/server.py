@@ -114,23 +114,35 @@ def describe(request) -> str:
 class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     def __init__(self, shard, config: ServerConfig, tracer=None):
         self.shard, self.config, self.tracer = shard, config, tracer
-        # One worker: shard calls run one at a time, in arrival order, off the event loop.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard")
+        # One worker: shard calls run one at a time, in arrival order, off the event loop. A
+        # pipeline shard holds a step per stage at once (engine/pipeline/turns.py): a worker each,
+        # and one call at a time runs shard code, the one that holds the turn.
+        self.turns = getattr(shard, "turns", None)
+        workers = 1 if self.turns is None else shard.pipe.stages + 2
+        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shard")
         self.urls = config.urls()  # every rank's, as this one reaches it (multi-node: remote.py)
 
-    async def call(self, fn, *args, **kwargs):
+    async def call(self, fn, *args, order: int = 0, **kwargs):
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+        work = functools.partial(fn, *args, **kwargs)
+        if self.turns is not None:
+            work = functools.partial(self._in_turn, order, work)
+        return await loop.run_in_executor(self.executor, work)
+
+    def _in_turn(self, order: int, work):
+        with self.turns.turn(order):
+            return work()
 
     async def step(self, fn, *args, request, batch_id: int = 0):
         """A prefill or decode on the shard's worker, with the timings the shard recorded for it
-        and its serving stats after it; a span per traced request of `request` if tracing is on."""
+        and its serving stats after it; a span per traced request of `request` if tracing is on.
+        A pipeline shard starts it in the router's order (`step_order`)."""
 
         def run():
             return fn(*args), self.shard.last_timings, self.shard.serving_stats()
 
         start = time.time_ns()
-        result = await self.call(run)
+        result = await self.call(run, order=getattr(request, "step_order", 0))
         if self.tracer is not None:
             size = len(result[0][0])
             self.tracer.record(
@@ -201,7 +213,9 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             batch_id=batches[0].id if batches else 0,
         )
         cached = result[1]
-        if cached is not None and request.look_ahead:
+        # A pipeline shard runs no lookahead: it would start out of the steps' order (the router
+        # keeps a batch per stage in flight instead).
+        if cached is not None and request.look_ahead and self.turns is None:
             self.executor.submit(
                 self.shard.look_ahead, cached.id
             )  # queued before the answer leaves

@@ -7,6 +7,7 @@ import functools
 import logging
 import secrets
 import time
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -19,6 +20,7 @@ from engine.distributed import Parallel, broadcast_int, init_distributed
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.kv_cache import ShardBlockPool
 from engine.pipeline.grid import join_grid
+from engine.pipeline.turns import StepTurns
 from engine.runner import ModelRunner
 from engine.serving.checks import check_decode, check_grown, check_prefill
 from engine.serving.lookahead import Ahead
@@ -44,11 +46,15 @@ log = logging.getLogger(__name__)
 
 
 def _exclusive(method):
-    """Hold the device lock for a whole step: progressive warmup warms buckets from another thread."""
+    """Hold the device lock for a whole step: progressive warmup warms buckets from another thread.
+    A pipeline shard's step also takes its turn first (engine/pipeline/turns.py), in the router's
+    `order` (0: whenever the turn is free)."""
 
     @functools.wraps(method)
-    def locked(self, *args, **kwargs):
-        with self.device_lock, self.adapter.device_scope():
+    def locked(self, *args, order: int = 0, **kwargs):
+        turns = getattr(self, "turns", None)
+        turn = turns.turn(order) if turns is not None else nullcontext()
+        with turn, self.device_lock, self.adapter.device_scope():
             return method(self, *args, **kwargs)
 
     return locked
@@ -80,6 +86,8 @@ class Shard:
         self.world = Parallel(rank, world_size)
         init_distributed(self.world, self.adapter.dist_backend, *distributed_address())
         self.parallel, self.pipe = join_grid(rank, world_size, config.pipeline_parallel_size)
+        # Several steps in flight on a pipeline: who runs shard code when (engine/pipeline/turns.py).
+        self.turns = StepTurns() if self.pipe is not None else None
         check_same_model(config, self.world)
         # Requests without a seed get one derived from this, which rank 0 picks for the whole group.
         self.group_seed = broadcast_int(secrets.randbits(62), self.world)
@@ -209,6 +217,7 @@ class Shard:
             use_prefix_caching=self.config.prefix_caching,
             block_size=self.block_size,
             attention_impl=self._attention_impl(),
+            pipeline_stages=self.pipe.stages if self.pipe is not None else 1,
         )
 
     def _attention_impl(self) -> str:
@@ -237,6 +246,8 @@ class Shard:
         check_recompute_fits(self.model, limits)
         start_warmup(self.adapter)
         self.clear()
+        if self.turns is not None:
+            self.turns.reset()  # the router numbers its steps from 1 again
         self._stop_background_warmup()
         self.runner = None  # drop the previous cache before measuring free memory
         self.adapter.release_memory(self.model)  # and what still holds it or caches its memory
@@ -366,7 +377,8 @@ class Shard:
         check_prefill(batch, cached_batch, self.batches, self.allocator.num_blocks, self.block_size)
         sequences = admit_requests(ctx, batch.requests, resume or {})
         try:
-            generations = prefill_step(ctx, sequences)
+            with self._overlap():
+                generations = prefill_step(ctx, sequences)
         except Exception:
             self._release(sequences)
             raise
@@ -392,7 +404,8 @@ class Shard:
         ahead, self.ahead = self.ahead, None
         early_ns = ahead.forward_ns if ahead is not None and ahead.covers(sequences) else 0
         self.lookahead_stats["lookahead_steps"] += early_ns > 0
-        generations = decode_step(ctx, sequences, ahead)
+        with self._overlap(ahead is None and self._one_forward(sequences)):
+            generations = decode_step(ctx, sequences, ahead)
         self._take([cached.id for cached in batches])  # only once the step succeeded
         result = self._store(batches[0].id, sequences, generations)
         self._finish_step(start, concat_ns, early_ns)
@@ -412,6 +425,37 @@ class Shard:
             self.lookahead_stats["lookahead_runs"] += self.ahead is not None
         except Exception:  # noqa: BLE001 - the step repeats the work and answers the error
             log.exception("lookahead of batch %d failed", batch_id)
+
+    def _overlap(self, pausing: bool = False):
+        """A pipeline stage's step, labelled with its order; `pausing`: the step runs one forward,
+        whose wait for the logits lets the router's next step in (engine/pipeline/turns.py)."""
+        stage = getattr(self.model, "stage", None)
+        turn = self.turns.current if self.turns is not None else None
+        if stage is None or turn is None:
+            return nullcontext()
+        background = self.background is not None and not self.background.done
+        pause = self._paused if pausing and turn.order and not background else None
+        return stage.overlapping(turn.order, pause)
+
+    def _one_forward(self, sequences: list[Sequence]) -> bool:
+        """Whether decode_step runs exactly one forward: no row still prefilling, no speculation,
+        no rope-switch recompute, and one decode bucket (engine/runner.py's split) for them all."""
+        if self.speculator is not None or recompute_position(self.model) is not None:
+            return False
+        if any(seq.prefilling for seq in sequences):
+            return False
+        blocks = [len(seq.blocks_through(len(seq.token_ids) - 1)) for seq in sequences]
+        return len(self.runner.plan.split_decode(blocks)) == 1
+
+    @contextmanager
+    def _paused(self):
+        """The turn and the device lock go to the next step while this one waits."""
+        self.device_lock.release()
+        try:
+            with self.turns.given_away():
+                yield
+        finally:
+            self.device_lock.__enter__()
 
     def _grow(self, sequences: list[Sequence], grown: dict[int, list[int]]) -> None:
         check_grown(grown, sequences, self.batches, self.allocator.num_blocks)

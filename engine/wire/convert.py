@@ -187,6 +187,7 @@ def decode_request_to_pb(
     grown: dict[int, list[int]] | None,
     look_ahead: bool = False,
     traceparents: dict[int, str] | None = None,
+    step_order: int = 0,
 ) -> pb.DecodeRequest:
     pairs = [(i, b) for i, blocks in (grown or {}).items() for b in blocks]
     return pb.DecodeRequest(
@@ -195,6 +196,7 @@ def decode_request_to_pb(
         grown_blocks=[b for _, b in pairs],
         look_ahead=look_ahead,
         traceparents=traceparents,
+        step_order=step_order,
     )
 
 
@@ -250,6 +252,7 @@ def info_to_pb(info: eb.InfoResponse) -> pb.InfoResponse:
         use_prefix_caching=info.use_prefix_caching,
         attention_impl=info.attention_impl,
         block_size=info.block_size,
+        pipeline_stages=info.pipeline_stages,
     )
 
 
@@ -366,11 +369,13 @@ def prefill_request_to_pb(
     cached: eb.CachedBatch | None = None,
     resume: dict[int, list[int]] | None = None,
     traceparents: dict[int, str] | None = None,
+    step_order: int = 0,
 ) -> pb.PrefillRequest:
     return pb.PrefillRequest(
         batch=batch_to_pb(batch, resume),
         cached_batch=cached_batch_to_pb(cached) if cached else None,
         traceparents=traceparents,
+        step_order=step_order,
     )
 
 
@@ -419,6 +424,7 @@ def info_from_pb(message: pb.InfoResponse) -> eb.InfoResponse:
         use_prefix_caching=message.use_prefix_caching,
         attention_impl=message.attention_impl,
         block_size=message.block_size,
+        pipeline_stages=max(message.pipeline_stages, 1),  # 0: a shard that has no stages (TGI's)
     )
 
 

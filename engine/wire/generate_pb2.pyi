@@ -38,7 +38,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("requires_padding", "dtype", "device_type", "window_size", "speculate", "support_chunking", "use_prefix_caching", "attention_impl", "block_size")
+    __slots__ = ("requires_padding", "dtype", "device_type", "window_size", "speculate", "support_chunking", "use_prefix_caching", "attention_impl", "block_size", "pipeline_stages")
     REQUIRES_PADDING_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class InfoResponse(_message.Message):
     USE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_IMPL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_STAGES_FIELD_NUMBER: _ClassVar[int]
     requires_padding: bool
     dtype: str
     device_type: str
@@ -57,7 +58,8 @@ class InfoResponse(_message.Message):
     use_prefix_caching: bool
     attention_impl: str
     block_size: int
-    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., window_size: _Optional[int] = ..., speculate: _Optional[int] = ..., support_chunking: _Optional[bool] = ..., use_prefix_caching: _Optional[bool] = ..., attention_impl: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+    pipeline_stages: int
+    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., window_size: _Optional[int] = ..., speculate: _Optional[int] = ..., support_chunking: _Optional[bool] = ..., use_prefix_caching: _Optional[bool] = ..., attention_impl: _Optional[str] = ..., block_size: _Optional[int] = ..., pipeline_stages: _Optional[int] = ...) -> None: ...
 
 class ServiceDiscoveryRequest(_message.Message):
     __slots__ = ()
@@ -262,7 +264,7 @@ class FilterBatchResponse(_message.Message):
     def __init__(self, batch: _Optional[_Union[CachedBatch, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("batch", "cached_batch", "traceparents")
+    __slots__ = ("batch", "cached_batch", "traceparents", "step_order")
     class TraceparentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -273,10 +275,12 @@ class PrefillRequest(_message.Message):
     BATCH_FIELD_NUMBER: _ClassVar[int]
     CACHED_BATCH_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_ORDER_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
     cached_batch: CachedBatch
     traceparents: _containers.ScalarMap[int, str]
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., cached_batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., traceparents: _Optional[_Mapping[int, str]] = ...) -> None: ...
+    step_order: int
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., cached_batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., traceparents: _Optional[_Mapping[int, str]] = ..., step_order: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns", "concat_ns", "stats")
@@ -297,7 +301,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., concat_ns: _Optional[int] = ..., stats: _Optional[_Union[ServingStats, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("batches", "grown_request_ids", "grown_blocks", "look_ahead", "traceparents")
+    __slots__ = ("batches", "grown_request_ids", "grown_blocks", "look_ahead", "traceparents", "step_order")
     class TraceparentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -310,12 +314,14 @@ class DecodeRequest(_message.Message):
     GROWN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LOOK_AHEAD_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_ORDER_FIELD_NUMBER: _ClassVar[int]
     batches: _containers.RepeatedCompositeFieldContainer[CachedBatch]
     grown_request_ids: _containers.RepeatedScalarFieldContainer[int]
     grown_blocks: _containers.RepeatedScalarFieldContainer[int]
     look_ahead: bool
     traceparents: _containers.ScalarMap[int, str]
-    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., grown_request_ids: _Optional[_Iterable[int]] = ..., grown_blocks: _Optional[_Iterable[int]] = ..., look_ahead: _Optional[bool] = ..., traceparents: _Optional[_Mapping[int, str]] = ...) -> None: ...
+    step_order: int
+    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., grown_request_ids: _Optional[_Iterable[int]] = ..., grown_blocks: _Optional[_Iterable[int]] = ..., look_ahead: _Optional[bool] = ..., traceparents: _Optional[_Mapping[int, str]] = ..., step_order: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("generations", "batch", "forward_ns", "decode_ns", "total_ns", "concat_ns", "stats")

@@ -8,6 +8,9 @@ does, so the same loop drives our shards in process or over gRPC.
 
 The scheduler owns KV blocks too (router/sched/kv_blocks.py): a request gets blocks for its prompt and its
 new tokens at admission, reusing cached prefix blocks, and gives them back once no shard batch lists it.
+
+Shards of several pipeline stages (Info.pipeline_stages) get as many batches in flight, one per
+lane, each lane running this loop on its own batch (router/sched/lanes.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from router.client import ShardClient, ShardError
 from router.sched import batching, fanout, kv_blocks, preemption
 from router.sched.admission import Overloaded, ShardsUnavailable  # noqa: F401 - raised by submit
 from router.sched.allocator import BlockAllocator
+from router.sched.lanes import Lanes
 from router.sched.scheduler_stats import SchedulerStats
 from router.sched.streams import Entry, RequestCancelled, RequestStream
 
@@ -72,6 +76,11 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopped: BaseException | None = None  # why a stopped scheduler refuses new requests
+        # A batch in flight per pipeline stage (router/sched/lanes.py); None: one batch, as TGI.
+        stages = getattr(client, "pipeline_stages", 1)
+        self._lanes = Lanes(self, stages) if isinstance(stages, int) and stages > 1 else None
+        if self._lanes is not None:
+            self.lookahead = False  # the lanes keep the stages busy instead
 
     # --- the caller's side ------------------------------------------------------------------
 
@@ -81,6 +90,8 @@ class Scheduler:
 
     @property
     def running_count(self) -> int:
+        if self._lanes is not None:
+            return self._lanes.running_count
         return self._running.size if self._running is not None else 0
 
     def adapters(self) -> tuple[set[str], set[str]]:
@@ -183,6 +194,9 @@ class Scheduler:
         if not self.available:
             await self._recover()
             return
+        if self._lanes is not None:
+            await self._lanes.step()  # until the shards become unavailable
+            return
         if self._running is not None:
             self._running = await self._keep(self._running, self._entries_of([self._running]))
         new = None if self._ahead_pending and self._running is not None else self._next_batch()
@@ -242,8 +256,10 @@ class Scheduler:
         self._wake.clear()
         await self._wake.wait()
 
-    def _next_batch(self) -> tuple[Batch, list[Entry]] | None:
-        room = batching.Room(self.limits, self.running_count, self.chunking, self._longest_resume())
+    def _next_batch(self, running: int | None = None) -> tuple[Batch, list[Entry]] | None:
+        """`running`: the rows of the batch it joins (a lane's), else of the running batch."""
+        running = self.running_count if running is None else running
+        room = batching.Room(self.limits, running, self.chunking, self._longest_resume())
         taken = batching.next_batch(self._queue, self.allocator, room, self.stats)
         return (self._batch(taken), taken) if taken else None
 
@@ -256,7 +272,7 @@ class Scheduler:
         that only the request at fault fails."""
         self.stats.prefill_sizes[len(entries)] += 1
         self._notify("prefill", len(entries))
-        self.stats.prefills_while_running += self._running is not None
+        self.stats.prefills_while_running += self.running_count > 0
         try:
             return await self._prefill(batch, entries, alone=len(entries) == 1)
         except Exception as error:  # noqa: BLE001 - not a ShardError: a bug, confined to these requests
@@ -314,6 +330,8 @@ class Scheduler:
             started,
         )
         self.available = False
+        if self._lanes is not None:
+            self._wake.set()  # an idle lane stops too
         for entry in reversed(entries):
             if entry.allocation is not None:
                 self.allocator.free(entry.allocation)
@@ -490,6 +508,8 @@ class Scheduler:
             except ShardError as clear_error:
                 log.warning("ClearCache failed: %s", clear_error)
         self._running = None
+        if self._lanes is not None:
+            self._lanes.forget()
         for entry in in_flight:
             if entry.live:
                 self._finish(entry, error)
