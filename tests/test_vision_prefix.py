@@ -142,3 +142,21 @@ def test_keys_say_which_image_and_where_it_begins():
     assert [image_start(keyed, p) for p in range(8)] == [0, 1, 1, 1, 4, 5, 5, 7]
     # what the router registers of a chunk never ends inside an image
     assert [_whole_images(keyed, end) for end in (2, 3, 4, 6, 7)] == [1, 1, 4, 5, 7]
+
+
+def test_blocks_from_the_first_image_on_are_not_published():
+    published = []
+
+    class Listener:
+        def cleared(self):
+            pass
+
+        def stored(self, hashes, parent, token_ids, block_size, adapter):
+            published.append(token_ids)
+
+    listener = Listener()
+    cache = PrefixCache(num_blocks=8, block_size=4)
+    cache.listen(listener)
+    ids = keyed_ids([1, 2, 3, 4, 5, 9, 9, 9, 6, 7, 8, 0, 1], 9, [(b"image", 3)])
+    cache.register(cache.allocate(len(ids), ids), ids, None)
+    assert published == [[1, 2, 3, 4]] and cache.num_cached == 3
