@@ -200,3 +200,31 @@ def test_the_embedded_models_int4_form_drafts_for_its_float_form(smollm_dir):
     stats = shard.speculator.stats
     assert stats["spec_accepted"] > stats["spec_proposed"] // 2
     assert not shard.adapter.shapes.unwarmed
+
+
+def test_counters_reach_serving_stats_the_wire_and_the_routers_metrics(drafting):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from engine.wire.convert import stats_from_pb, stats_to_pb
+    from router.http.metrics import ShardStatsCollector
+
+    shard = drafting("self")
+    run(shard, [build_request(4, NEW)])
+    sent = shard.serving_stats()
+    stats = stats_from_pb(stats_to_pb(sent))
+    assert stats["spec_proposed"] == sent["spec_proposed"] > 0 and stats["spec_k"] == K
+    accepted, proposed = stats["spec_accepted"], stats["spec_proposed"]
+    assert stats["spec_acceptance_rate"] == pytest.approx(accepted / proposed)
+    rows = stats["spec_emitted"] - accepted
+    assert stats["spec_mean_accepted_length"] == pytest.approx(accepted / rows)
+
+    class Client:
+        def serving_stats(self):
+            return stats
+
+    registry = CollectorRegistry()
+    registry.register(ShardStatsCollector(Client()))
+    text = generate_latest(registry).decode()
+    assert f"bucketserve_shard_spec_accepted_total {float(accepted)}" in text
+    assert f"bucketserve_shard_spec_k {float(K)}" in text
+    assert "bucketserve_shard_spec_mean_accepted_length" in text

@@ -368,6 +368,7 @@ class Shard:
             **self.lookahead_stats,
             **graph_counts(self.adapter),
             **(self.vision.stats if self.vision is not None else NO_IMAGES),
+            **(self.speculator.summary() if self.speculator is not None else {}),
         }
 
     @_exclusive

@@ -51,6 +51,18 @@ class Speculator:
     def reset_stats(self) -> None:
         self.stats.update(dict.fromkeys(COUNTERS, 0))
 
+    def summary(self) -> dict:
+        """The counters, with the acceptance rate (accepted / proposed), the mean accepted length
+        (accepted tokens per row and verify step) and the K in use, for ServingStats."""
+        stats = self.stats
+        rows = stats["spec_emitted"] - stats["spec_accepted"]  # each row's one unaccepted token
+        return {
+            **stats,
+            "spec_acceptance_rate": stats["spec_accepted"] / max(1, stats["spec_proposed"]),
+            "spec_mean_accepted_length": stats["spec_accepted"] / max(1, rows),
+            "spec_k": self.num_tokens,
+        }
+
 
 def room(speculator: Speculator, seq, block_size: int) -> int:
     """How many tokens the row may propose: every emitted token must fit its max_new_tokens and
