@@ -475,6 +475,8 @@ class Shard:
         ids = list(self.batches) if batch_id is None else [batch_id]
         if batch_id is None:
             self.ahead = None
+            if self.speculator is not None:  # adaptive K starts afresh with the traffic
+                self.speculator.reset_adaptive()
         for sequence_list in (self.batches.pop(i, []) for i in ids):
             self._release(sequence_list)
 

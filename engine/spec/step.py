@@ -36,6 +36,10 @@ from engine.spec.draft import draw
 from engine.spec.ngram import NgramIndex
 
 COUNTERS = ("spec_steps", "spec_proposed", "spec_accepted", "spec_emitted")
+# Adaptive K: the proposals a row may make follow the recent acceptance (an exponential average
+# over verify steps). Speculation is off on batches above SPECULATE_MAX_BATCH (engine/spec/
+# buckets.py: the measured rule), not on low acceptance: a proposal costs a padded verify column.
+SMOOTHING = 0.3
 
 
 @dataclass
@@ -47,9 +51,40 @@ class Speculator:
     max_batch: int  # larger decode batches do not speculate
     stats: dict = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     draft: object = None  # engine.spec.draft.DraftModel with --speculate draft
+    adaptive: bool = True
+    recent_rate: float | None = None  # accepted / proposed, averaged over recent verify steps
+    recent_length: float = 0.0  # accepted tokens per row and step, likewise
+    k_in_use: int = 0  # the K the latest step allowed (0: off)
+
+    def allowed_tokens(self) -> int:
+        """This step's K: all of it until acceptance is measured, then one more than the recent
+        accepted length (a draft model then runs fewer forwards where its guesses fail)."""
+        if not self.adaptive or self.recent_rate is None:
+            k = self.num_tokens
+        else:
+            k = min(self.num_tokens, max(1, round(self.recent_length) + 1))
+        self.k_in_use = k
+        return k
+
+    def observe(self, proposed: int, accepted: int, rows: int) -> None:
+        """One verify step's outcome, into the recent averages."""
+        if proposed == 0:
+            return
+        rate, length = accepted / proposed, accepted / max(1, rows)
+        if self.recent_rate is None:
+            self.recent_rate, self.recent_length = rate, length
+        else:
+            self.recent_rate += SMOOTHING * (rate - self.recent_rate)
+            self.recent_length += SMOOTHING * (length - self.recent_length)
 
     def reset_stats(self) -> None:
         self.stats.update(dict.fromkeys(COUNTERS, 0))
+        self.reset_adaptive()
+
+    def reset_adaptive(self) -> None:
+        """Forget the measured acceptance: the next steps propose all of K again."""
+        self.recent_rate, self.recent_length = None, 0.0
+        self.k_in_use = self.num_tokens
 
     def summary(self) -> dict:
         """The counters, with the acceptance rate (accepted / proposed), the mean accepted length
@@ -60,11 +95,11 @@ class Speculator:
             **stats,
             "spec_acceptance_rate": stats["spec_accepted"] / max(1, stats["spec_proposed"]),
             "spec_mean_accepted_length": stats["spec_accepted"] / max(1, rows),
-            "spec_k": self.num_tokens,
+            "spec_k": self.k_in_use,
         }
 
 
-def room(speculator: Speculator, seq, block_size: int) -> int:
+def room(speculator: Speculator, seq, block_size: int, k: int | None = None) -> int:
     """How many tokens the row may propose: every emitted token must fit its max_new_tokens and
     every verified position needs a KV slot in a block it holds. Grammar-constrained rows: none."""
     if seq.grammar is not None:
@@ -72,16 +107,16 @@ def room(speculator: Speculator, seq, block_size: int) -> int:
     return max(
         0,
         min(
-            speculator.num_tokens,
+            speculator.num_tokens if k is None else k,
             seq.max_new_tokens - seq.generated - 1,  # the step emits up to proposals + 1 tokens
             len(seq.blocks) * block_size - len(seq.token_ids),  # positions len-1 .. len-1+d
         ),
     )
 
 
-def propose(speculator: Speculator, seq, block_size: int) -> list[int]:
+def propose(speculator: Speculator, seq, block_size: int, k: int | None = None) -> list[int]:
     """The row's n-gram proposals (prompt lookup)."""
-    count = room(speculator, seq, block_size)
+    count = room(speculator, seq, block_size, k)
     if count < 1:
         return []
     if seq.speculation is None:
@@ -89,12 +124,12 @@ def propose(speculator: Speculator, seq, block_size: int) -> list[int]:
     return seq.speculation.propose(seq.token_ids, count)
 
 
-def proposals_for(speculator: Speculator, sequences: list, block_size: int):
-    """Every row's proposals, and per row the proposer's distributions (draft model, sampled
-    rows) or None (a deterministic proposal)."""
+def proposals_for(speculator: Speculator, sequences: list, block_size: int, k: int):
+    """Every row's proposals (at most k each), and per row the proposer's distributions (draft
+    model, sampled rows) or None (a deterministic proposal)."""
     if speculator.draft is None:
-        return [propose(speculator, s, block_size) for s in sequences], [None] * len(sequences)
-    rooms = [room(speculator, s, block_size) for s in sequences]
+        return [propose(speculator, s, block_size, k) for s in sequences], [None] * len(sequences)
+    rooms = [room(speculator, s, block_size, k) for s in sequences]
     return speculator.draft.propose(sequences, rooms)
 
 
@@ -108,7 +143,8 @@ def speculative_step(
     speculator, runner = ctx.speculator, ctx.runner
     if len(sequences) > speculator.max_batch:
         return None
-    proposals, dists = proposals_for(speculator, sequences, ctx.block_size)
+    k = speculator.allowed_tokens()
+    proposals, dists = proposals_for(speculator, sequences, ctx.block_size, k)
     if not any(proposals):
         return None
     context_blocks = max(-(-(len(s.token_ids) - 1) // ctx.block_size) for s in sequences)
@@ -118,6 +154,7 @@ def speculative_step(
         return None
     inputs = [_verify_input(*row) for row in zip(sequences, proposals, adapters)]
     logits = runner.verify(bucket, inputs)
+    accepted = speculator.stats["spec_accepted"]
     generations = _accept(ctx, sequences, proposals, dists, logits, advance)
     filled = []
     for seq in sequences:
@@ -126,8 +163,10 @@ def speculative_step(
             filled.append(seq)
     record(ctx, filled)
     stats = speculator.stats
+    proposed = sum(len(p) for p in proposals)
     stats["spec_steps"] += 1
-    stats["spec_proposed"] += sum(len(p) for p in proposals)
+    stats["spec_proposed"] += proposed
+    speculator.observe(proposed, stats["spec_accepted"] - accepted, sum(map(bool, proposals)))
     return generations
 
 
