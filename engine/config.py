@@ -128,7 +128,7 @@ def _strategies() -> tuple[str, ...]:
 
 
 WARMUP_MODES = ("full", "progressive", "none")  # engine/warmup/run.py
-SPECULATORS = ("ngram",)  # engine/spec/: the proposers built so far
+SPECULATORS = ("ngram", "draft")  # engine/spec/: the proposers built so far
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -209,7 +209,8 @@ class SharedKnobs:
     speculate: str | None = knob(
         None,
         "speculative decoding: ngram proposes the tokens that followed the latest "
-        "n-gram earlier in the prompt or output, verified in one forward (default: off)",
+        "n-gram earlier in the prompt or output, draft a smaller model's guesses "
+        "(--draft-model), verified in one forward (default: off)",
         choices=SPECULATORS,
     )
     num_speculative_tokens: int = knob(
@@ -249,6 +250,14 @@ class EngineConfig(SharedKnobs):
         "stored) on CPU; fp8: a pre-quantized FP8 checkpoint (engine/weights/"
         "quantize.py)",
         choices=QUANTIZE_MODES,
+    )
+    draft_model: str | None = knob(
+        None,
+        "with --speculate draft: the draft model, a smaller causal LM with the target's "
+        "tokenizer (HF directory or .gguf file; the target's dtype)",
+    )
+    draft_quantize: str = knob(
+        "none", "the draft model's weights, as --quantize for the target", choices=QUANTIZE_MODES
     )
     block_size: int | None = knob(None, "KV cache block size in tokens (default: the device's)")
     bucket_strategy: str = knob(

@@ -57,6 +57,8 @@ def bucketserve_runner(shard: Shard, prompts: list[str], workload: Workload):
     warm_for(shard, prompts, workload.new_tokens, add_special_tokens=True)
     warmup_s = time.perf_counter() - start
     shard.runner.padding = PaddingStats()  # count serving only, not warmup
+    if shard.speculator is not None:
+        shard.speculator.reset_stats()
 
     def run_once() -> dict:
         requests = [
@@ -140,6 +142,8 @@ def report(
         f"{len(plan.prefill) + len(plan.decode)} buckets; padding waste prefill {pad['prefill']['waste']:.1%}, "
         f"decode {pad['decode']['waste']:.1%})",
     ]
+    if shard.speculator is not None:
+        lines.append(speculation_line(shard.speculator))
     if peer:
         other = median_run(peer)
         peer_tps = other["tokens"] / other["seconds"]
@@ -149,6 +153,17 @@ def report(
         )
         lines.append(f"ratio: {ours_tps / peer_tps:.2f}x transformers")
     return "\n".join(lines)
+
+
+def speculation_line(speculator) -> str:
+    """--speculate's counters over every run (engine/spec/step.py)."""
+    s = speculator.summary()
+    return (
+        f"speculation:  {speculator.method} K={speculator.num_tokens}: {s['spec_proposed']} "
+        f"proposed, {s['spec_accepted']} accepted ({s['spec_acceptance_rate']:.1%}), "
+        f"{s['spec_emitted']} emitted in {s['spec_steps']} verify steps; mean accepted length "
+        f"{s['spec_mean_accepted_length']:.2f}"
+    )
 
 
 def bench(shard: Shard, workload: Workload, compare: str | None, repeat: int = 3) -> str:

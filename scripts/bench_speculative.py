@@ -1,6 +1,9 @@
-"""A lone greedy request on an input-grounded rewrite: n-gram speculation against plain decoding.
+"""A lone greedy request on an input-grounded rewrite: speculation against plain decoding.
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_speculative.py K [MAX_NEW [DTYPE]]   (K 0: off)
+    PYTHONPATH=. .venv/bin/python scripts/bench_speculative.py K [MAX_NEW [DTYPE [PROPOSER]]]
+
+K 0: off. PROPOSER: ngram (default), or draft: the embedded model's int4 form drafting for the
+target (the embedded model in DTYPE).
 
 Prints the decode rate of three runs after one warm run, the speculation counters and the text.
 """
@@ -44,7 +47,13 @@ def one(shard, text, rid):
 
 
 spec = sys.argv[1]
-kw = dict(speculate="ngram", num_speculative_tokens=int(spec)) if spec != "0" else {}
+PROPOSER = sys.argv[4] if len(sys.argv) > 4 else "ngram"
+kw = dict(speculate=PROPOSER, num_speculative_tokens=int(spec)) if spec != "0" else {}
+if spec != "0" and PROPOSER == "draft":
+    from engine.config import default_cache_dir
+    from engine.weights.loader import resolve_model_dir
+
+    kw.update(draft_model=str(resolve_model_dir(None, default_cache_dir())), draft_quantize="int4")
 shard = Shard(
     EngineConfig(
         max_batch_size=4,
@@ -67,5 +76,5 @@ print(
     f"K={spec} tokens={len(ids)} decode tok/s runs={[round(x, 1) for x in rates]} median={sorted(rates)[1]:.1f}"
 )
 if shard.speculator:
-    print(shard.speculator.stats)
+    print(shard.speculator.summary())
 print(repr(shard.tokenizer.decode(ids))[:300])

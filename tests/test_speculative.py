@@ -247,3 +247,21 @@ def dataclasses_replace(params, **changes):
     import dataclasses
 
     return dataclasses.replace(params, **changes)
+
+
+def test_adaptive_k_follows_the_measured_acceptance():
+    from engine.spec.step import Speculator
+
+    speculator = Speculator("ngram", 8, 4)
+    assert speculator.allowed_tokens() == 8  # nothing measured yet: all of K
+    for _ in range(10):
+        speculator.observe(8, 2, 1)  # two of eight accepted, step after step
+    assert speculator.allowed_tokens() == 3  # one more than the accepted length
+    for _ in range(20):
+        speculator.observe(3, 0, 1)
+    assert speculator.allowed_tokens() == 1  # rejected: one proposal a row
+    for _ in range(20):
+        speculator.observe(1, 1, 1)
+    assert speculator.allowed_tokens() == 2 and speculator.summary()["spec_k"] == 2
+    speculator.reset_adaptive()
+    assert speculator.allowed_tokens() == 8

@@ -171,12 +171,17 @@ GRAPH_COUNTERS = (
     "graph_breaks_warmup",
     "graph_breaks_serving",
 )
+SPEC_COUNTERS = ("spec_steps", "spec_proposed", "spec_accepted", "spec_emitted")
+SPEC_RATIOS = ("spec_acceptance_rate", "spec_mean_accepted_length")
 EXTENSION_MESSAGES = {
     "ServingStats": [Field(n, i, "", "uint64") for i, n in enumerate(STATS_COUNTERS, 1)]
     + [Field(n, i, "", "uint32") for i, n in enumerate(PLAN_FIELDS, len(STATS_COUNTERS) + 1)]
     + [Field("buckets", 18, "repeated", "BucketUse")]
     + [Field(n, i, "", "uint64") for i, n in enumerate(IMAGE_COUNTERS, 19)]
-    + [Field(n, i, "", "uint64") for i, n in enumerate(GRAPH_COUNTERS, 1000)],
+    + [Field(n, i, "", "uint64") for i, n in enumerate(GRAPH_COUNTERS, 1000)]
+    + [Field(n, i, "", "uint64") for i, n in enumerate(SPEC_COUNTERS, 1010)]
+    + [Field(n, i, "", "double") for i, n in enumerate(SPEC_RATIOS, 1014)]
+    + [Field("spec_k", 1016, "", "uint32")],
     "BucketUse": [
         Field("phase", 1, "", "string"),
         Field("batch_size", 2, "", "uint32"),

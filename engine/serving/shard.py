@@ -165,7 +165,16 @@ class Shard:
         from engine.spec.buckets import SPECULATE_MAX_BATCH
         from engine.spec.step import Speculator
 
-        return Speculator(config.speculate, config.num_speculative_tokens, SPECULATE_MAX_BATCH)
+        draft = None
+        if config.speculate == "draft":
+            from engine.spec.draft import load_draft
+
+            draft = load_draft(config, self.model_config, self.tokenizer, self.adapter, self.dtype)
+        elif config.draft_model:
+            raise ModelLoadError("--draft-model is for --speculate draft")
+        return Speculator(
+            config.speculate, config.num_speculative_tokens, SPECULATE_MAX_BATCH, draft=draft
+        )
 
     def _image_encoder(self):
         if not getattr(self.model, "takes_images", False):
@@ -250,6 +259,8 @@ class Shard:
             self.turns.reset()  # the router numbers its steps from 1 again
         self._stop_background_warmup()
         self.runner = None  # drop the previous cache before measuring free memory
+        if self.speculator is not None and self.speculator.draft is not None:
+            self.speculator.draft.release()
         self.adapter.release_memory(self.model)  # and what still holds it or caches its memory
         self.adapter.shapes.clear()  # new limits, new cache: only what this warmup runs counts as warm
         parts = ShardModel(
@@ -260,6 +271,7 @@ class Shard:
                 parts, self.config, limits, self.fingerprint(), self.show_progress, self.device_lock
             )
         self.runner, self.background = warmed.runner, warmed.background
+        self._warm_draft(limits, warmed.num_blocks)
         if self.vision is not None:  # the tower's image buckets, warmed with the rest
             with self.device_lock:
                 self.vision.warm()
@@ -284,6 +296,24 @@ class Shard:
         return WarmupResult(
             self.runner.kv_cache.capacity_tokens, limits.max_input_tokens, limits.max_total_tokens
         )
+
+    def _warm_draft(self, limits: ServingLimits, num_blocks: int) -> None:
+        """--speculate draft: the draft's cache (the target's block ids) and buckets."""
+        if self.speculator is None or self.speculator.draft is None:
+            return
+        from engine.warmup.run import bucket_limits
+
+        planned = bucket_limits(
+            limits, self.block_size, num_blocks, chunked=self.config.prefix_caching
+        )
+        with self.device_lock, self.adapter.device_scope():
+            self.speculator.draft.warm(
+                planned,
+                num_blocks,
+                self.block_size,
+                self.speculator.num_tokens,
+                graphless=not self.adapter.warm_runs_forward,
+            )
 
     def fingerprint(self) -> dict:
         """What a warmup profile's latencies depend on (engine/warmup/profile.py)."""
@@ -353,6 +383,7 @@ class Shard:
             **self.lookahead_stats,
             **graph_counts(self.adapter),
             **(self.vision.stats if self.vision is not None else NO_IMAGES),
+            **(self.speculator.summary() if self.speculator is not None else {}),
         }
 
     @_exclusive
@@ -492,6 +523,8 @@ class Shard:
         ids = list(self.batches) if batch_id is None else [batch_id]
         if batch_id is None:
             self.ahead = None
+            if self.speculator is not None:  # adaptive K starts afresh with the traffic
+                self.speculator.reset_adaptive()
         for sequence_list in (self.batches.pop(i, []) for i in ids):
             self._release(sequence_list)
 

@@ -369,11 +369,12 @@ def _keyed(ctx: StepContext, request: Request, ids: list[int]) -> list[int]:
 
 
 def _advance(
-    ctx: StepContext, sequences: list[Sequence], logits, rows: list[int] | None = None
+    ctx: StepContext, sequences: list[Sequence], logits, rows: list[int] | None = None, choice=None
 ) -> list[Generation]:
     """Choose and append the next token of every sequence (from logits[rows[i]]: rows None, the
-    first ones); generations for this rank's requests."""
-    choice = choose_next(
+    first ones); generations for this rank's requests. `choice`: tokens already chosen
+    (speculative decoding's rejection rule, engine/spec/step.py)."""
+    choice = choice or choose_next(
         ctx.runner,
         logits,
         rows or list(range(len(sequences))),

@@ -3,6 +3,9 @@ checks them all, and acceptance keeps exactly the tokens plain decoding would ha
 
 ngram.py    prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's
             newest n-gram (CPU-side, no weights)
+draft.py    a draft model proposer: a smaller model with the target's tokenizer, its own paged KV
+            cache (the target's block ids) and warmed buckets
 buckets.py  the verify buckets `(batch, K + 1, context blocks)`, planned and warmed with the others
 step.py     a decode step that proposes, verifies in one forward and accepts token by token
+            (the rejection rule for a draft's sampled proposals), and adaptive K
 """

@@ -18,7 +18,7 @@ from engine.buckets.grid import (
     small_decode_batches,
 )
 
-SPECULATE_MAX_BATCH = 4  # the largest batch that speculates (docs/speculative.md: measured)
+SPECULATE_MAX_BATCH = 4  # the largest batch that speculates (docs/benchmarks.md: not measured yet)
 
 
 def verify_buckets(limits: BucketLimits, num_speculative_tokens: int) -> list[VerifyBucket]:

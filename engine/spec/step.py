@@ -11,6 +11,13 @@ accepting iff y == x (y is then the emitted token either way). Each emitted toke
 draw plain decoding would have taken for it, so a seeded request yields the very same tokens with
 and without speculation, and the output distribution is the target's.
 
+With a draft model (draft.py) sampled rows propose draws from the draft's distribution q, and
+acceptance is the standard rejection rule: a proposal x is accepted with min(1, p(x)/q(x)) (one
+uniform from the request's generator), and a rejection draws from the normalized residual
+max(0, p - q) instead, p being the target's processed distribution at that position. The emitted
+tokens are then distributed as the target's; seeded requests stay reproducible run to run, though
+their draws are no longer those of plain decoding. Greedy rows accept while the argmax agrees.
+
 KV: the verify forward writes the latest token and every proposal into the row's own blocks; the
 slots of rejected proposals lie past `computed` and are simply overwritten by later steps.
 """
@@ -20,42 +27,110 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.batch import Generation, Tokens
 from engine.runner import PrefillInput
+from engine.serving.sampling import Choice, _top_tokens, is_sampling, process_scores
+from engine.spec.draft import draw
 from engine.spec.ngram import NgramIndex
 
 COUNTERS = ("spec_steps", "spec_proposed", "spec_accepted", "spec_emitted")
+# Adaptive K: the proposals a row may make follow the recent acceptance (an exponential average
+# over verify steps). Speculation is off on batches above SPECULATE_MAX_BATCH (engine/spec/
+# buckets.py: the measured rule), not on low acceptance: a proposal costs a padded verify column.
+SMOOTHING = 0.3
 
 
 @dataclass
 class Speculator:
     """The shard's speculation settings and counters since warmup."""
 
-    method: str  # "ngram"
+    method: str  # "ngram" or "draft"
     num_tokens: int  # K: the most tokens proposed per row and step
     max_batch: int  # larger decode batches do not speculate
     stats: dict = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    draft: object = None  # engine.spec.draft.DraftModel with --speculate draft
+    adaptive: bool = True
+    recent_rate: float | None = None  # accepted / proposed, averaged over recent verify steps
+    recent_length: float = 0.0  # accepted tokens per row and step, likewise
+    k_in_use: int = 0  # the K the latest step allowed (0: off)
+
+    def allowed_tokens(self) -> int:
+        """This step's K: all of it until acceptance is measured, then one more than the recent
+        accepted length (a draft model then runs fewer forwards where its guesses fail)."""
+        if not self.adaptive or self.recent_rate is None:
+            k = self.num_tokens
+        else:
+            k = min(self.num_tokens, max(1, round(self.recent_length) + 1))
+        self.k_in_use = k
+        return k
+
+    def observe(self, proposed: int, accepted: int, rows: int) -> None:
+        """One verify step's outcome, into the recent averages."""
+        if proposed == 0:
+            return
+        rate, length = accepted / proposed, accepted / max(1, rows)
+        if self.recent_rate is None:
+            self.recent_rate, self.recent_length = rate, length
+        else:
+            self.recent_rate += SMOOTHING * (rate - self.recent_rate)
+            self.recent_length += SMOOTHING * (length - self.recent_length)
 
     def reset_stats(self) -> None:
         self.stats.update(dict.fromkeys(COUNTERS, 0))
+        self.reset_adaptive()
+
+    def reset_adaptive(self) -> None:
+        """Forget the measured acceptance: the next steps propose all of K again."""
+        self.recent_rate, self.recent_length = None, 0.0
+        self.k_in_use = self.num_tokens
+
+    def summary(self) -> dict:
+        """The counters, with the acceptance rate (accepted / proposed), the mean accepted length
+        (accepted tokens per row and verify step) and the K in use, for ServingStats."""
+        stats = self.stats
+        rows = stats["spec_emitted"] - stats["spec_accepted"]  # each row's one unaccepted token
+        return {
+            **stats,
+            "spec_acceptance_rate": stats["spec_accepted"] / max(1, stats["spec_proposed"]),
+            "spec_mean_accepted_length": stats["spec_accepted"] / max(1, rows),
+            "spec_k": self.k_in_use,
+        }
 
 
-def propose(speculator: Speculator, seq, block_size: int) -> list[int]:
-    """The row's proposals, capped so that every emitted token fits its max_new_tokens and every
-    verified position has a KV slot in a block it holds. Grammar-constrained rows propose nothing."""
+def room(speculator: Speculator, seq, block_size: int, k: int | None = None) -> int:
+    """How many tokens the row may propose: every emitted token must fit its max_new_tokens and
+    every verified position needs a KV slot in a block it holds. Grammar-constrained rows: none."""
     if seq.grammar is not None:
-        return []
-    length = len(seq.token_ids)
-    room = min(
-        speculator.num_tokens,
-        seq.max_new_tokens - seq.generated - 1,  # the step emits up to proposals + 1 tokens
-        len(seq.blocks) * block_size - length,  # positions length-1 .. length-1+d need slots
+        return 0
+    return max(
+        0,
+        min(
+            speculator.num_tokens if k is None else k,
+            seq.max_new_tokens - seq.generated - 1,  # the step emits up to proposals + 1 tokens
+            len(seq.blocks) * block_size - len(seq.token_ids),  # positions len-1 .. len-1+d
+        ),
     )
-    if room < 1:
+
+
+def propose(speculator: Speculator, seq, block_size: int, k: int | None = None) -> list[int]:
+    """The row's n-gram proposals (prompt lookup)."""
+    count = room(speculator, seq, block_size, k)
+    if count < 1:
         return []
     if seq.speculation is None:
         seq.speculation = NgramIndex()
-    return seq.speculation.propose(seq.token_ids, room)
+    return seq.speculation.propose(seq.token_ids, count)
+
+
+def proposals_for(speculator: Speculator, sequences: list, block_size: int, k: int):
+    """Every row's proposals (at most k each), and per row the proposer's distributions (draft
+    model, sampled rows) or None (a deterministic proposal)."""
+    if speculator.draft is None:
+        return [propose(speculator, s, block_size, k) for s in sequences], [None] * len(sequences)
+    rooms = [room(speculator, s, block_size, k) for s in sequences]
+    return speculator.draft.propose(sequences, rooms)
 
 
 def speculative_step(
@@ -68,7 +143,8 @@ def speculative_step(
     speculator, runner = ctx.speculator, ctx.runner
     if len(sequences) > speculator.max_batch:
         return None
-    proposals = [propose(speculator, seq, ctx.block_size) for seq in sequences]
+    k = speculator.allowed_tokens()
+    proposals, dists = proposals_for(speculator, sequences, ctx.block_size, k)
     if not any(proposals):
         return None
     context_blocks = max(-(-(len(s.token_ids) - 1) // ctx.block_size) for s in sequences)
@@ -78,7 +154,8 @@ def speculative_step(
         return None
     inputs = [_verify_input(*row) for row in zip(sequences, proposals, adapters)]
     logits = runner.verify(bucket, inputs)
-    generations = _accept(ctx, sequences, proposals, logits, advance)
+    accepted = speculator.stats["spec_accepted"]
+    generations = _accept(ctx, sequences, proposals, dists, logits, advance)
     filled = []
     for seq in sequences:
         before, seq.computed = seq.computed, len(seq.token_ids) - 1  # the latest is fed back next
@@ -86,8 +163,10 @@ def speculative_step(
             filled.append(seq)
     record(ctx, filled)
     stats = speculator.stats
+    proposed = sum(len(p) for p in proposals)
     stats["spec_steps"] += 1
-    stats["spec_proposed"] += sum(len(p) for p in proposals)
+    stats["spec_proposed"] += proposed
+    speculator.observe(proposed, stats["spec_accepted"] - accepted, sum(map(bool, proposals)))
     return generations
 
 
@@ -101,16 +180,28 @@ def _verify_input(seq, proposed: list[int], adapter: int) -> PrefillInput:
     )
 
 
-def _accept(ctx, sequences, proposals, logits, advance) -> list[Generation]:
+def _accept(ctx, sequences, proposals, dists, logits, advance) -> list[Generation]:
     """Position by position, choose the next token of every row still accepting; a row stops at
     its first token that differs from its proposal (that token is still emitted), or when it
-    finishes (EOS, a stop sequence, max_new_tokens)."""
+    finishes (EOS, a stop sequence, max_new_tokens). Rows with a proposer's distribution at the
+    position take the rejection rule (`_rejection_choice`), the others the ordinary choice."""
     stats = ctx.speculator.stats
     active = list(range(len(sequences)))
     emitted: dict[int, list[Generation]] = {}
     for position in range(logits.shape[1]):
-        rows = [sequences[i] for i in active]
-        for generation in advance(ctx, rows, logits[active, position]):
+        rejecting = [i for i in active if _has_dist(dists[i], position, sequences[i])]
+        choosing = [i for i in active if i not in rejecting]
+        out = []
+        if choosing:
+            rows = [sequences[i] for i in choosing]
+            out += advance(ctx, rows, logits[choosing, position])
+        if rejecting:
+            rows = [sequences[i] for i in rejecting]
+            scores = logits[rejecting, position]
+            drafted = [(proposals[i][position], dists[i][position]) for i in rejecting]
+            choice = _rejection_choice(ctx, rows, scores, drafted)
+            out += advance(ctx, rows, scores, choice=choice)
+        for generation in out:
             emitted.setdefault(generation.request_id, []).append(generation)
         stats["spec_emitted"] += len(active)
         still = []
@@ -127,6 +218,41 @@ def _accept(ctx, sequences, proposals, logits, advance) -> list[Generation]:
         if not active:
             break
     return [_merged(emitted[seq.id]) for seq in sequences if seq.id in emitted]
+
+
+def _has_dist(dists, position: int, seq) -> bool:
+    return dists is not None and position < len(dists) and is_sampling(seq.sampling.params)
+
+
+def _rejection_choice(ctx, rows, logits, drafted) -> Choice:
+    """Each row's token at one verified position under the rejection rule: the draft's x ~ q is
+    kept with probability min(1, p(x)/q(x)); otherwise a draw from max(0, p - q), normalized. p is
+    the target's processed distribution (penalties, bias, warpers, min_new_tokens' EOS mask)."""
+    from engine.serving.steps import allowed_tokens  # steps imports this module
+
+    scores = process_scores(
+        logits,
+        [s.sampling for s in rows],
+        [s.token_ids for s in rows],
+        allowed_tokens(ctx, rows, logits),
+        [s.prompt_len for s in rows],
+    )
+    logprobs = torch.log_softmax(scores, dim=1)
+    tokens = []
+    for row, (seq, (proposed, q)) in enumerate(zip(rows, drafted)):
+        p = scores[row].double().softmax(dim=0)
+        q = q.to(p.device)
+        generator = seq.sampling.generator
+        uniform = float(torch.rand(1, generator=generator, dtype=torch.float64))
+        if uniform * float(q[proposed]) < float(p[proposed]):
+            tokens.append(proposed)
+            continue
+        residual = (p - q).clamp(min=0)
+        tokens.append(draw(residual if float(residual.sum()) > 0 else p, generator))
+    chosen = torch.tensor(tokens, device=logprobs.device)
+    picked = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    top = _top_tokens(logprobs, [s.request.top_n_tokens for s in rows])
+    return Choice(tokens, picked.tolist(), top)
 
 
 def _merged(generations: list[Generation]) -> Generation:

@@ -87,6 +87,7 @@ class ShardStatsCollector:
                 stats["prefill_chunks"],
             )
         yield from graph_counters(stats)
+        yield from speculation_metrics(stats)
         if stats.get("images_encoded") or stats.get("image_cache_hits"):  # a VLM's shard
             yield counter(
                 "bucketserve_shard_images_encoded",
@@ -116,6 +117,28 @@ class ShardStatsCollector:
                 "decode steps that used such a forward",
                 stats["lookahead_steps"],
             )
+
+
+SPECULATION_COUNTERS = (
+    ("steps", "decode steps that verified proposals (speculative decoding)"),
+    ("proposed", "tokens proposed by speculative decoding"),
+    ("accepted", "proposed tokens the target accepted"),
+    ("emitted", "tokens emitted by verify steps (accepted, plus one per row and step)"),
+)
+
+
+def speculation_metrics(stats: dict):
+    """--speculate's counters and ratios (engine/spec/step.py); nothing from a shard without it."""
+    if not stats.get("spec_k"):
+        return
+    for name, text in SPECULATION_COUNTERS:
+        yield counter(f"bucketserve_shard_spec_{name}", text, stats[f"spec_{name}"])
+    for name, text in (
+        ("acceptance_rate", "accepted / proposed tokens"),
+        ("mean_accepted_length", "accepted tokens per row and verify step"),
+        ("k", "proposals per row the latest speculating step allowed"),
+    ):
+        yield GaugeMetricFamily(f"bucketserve_shard_spec_{name}", text, value=stats[f"spec_{name}"])
 
 
 def graph_counters(stats: dict):

@@ -1,0 +1,292 @@
+"""A draft model proposer: a smaller causal LM with the target's tokenizer guesses each row's next
+K tokens, one draft forward per token, before the target verifies them in one forward.
+
+The draft has its own paged KV cache, with as many blocks as the target's and indexed by the same
+block table: a sequence's blocks hold its target KV in the target's cache and its draft KV in the
+draft's, so the draft needs no allocator of its own. Its buckets (prefill, decode and verify
+widths) are planned for at most SPECULATE_MAX_BATCH rows and warmed with the target's, under shape
+keys of their own ("draft", kind, bucket), so that strict mode covers them too.
+
+Catching up: the draft's KV is valid for a row's first `valid` tokens. Before proposing, every
+token from there to the row's latest is fed (a prompt in one prefill; a step's accepted tokens, one
+or two usually, in a verify-width forward), and the last forward's logits give the first proposal.
+The draft's KV slots of rejected proposals are simply overwritten when the row catches up.
+
+Proposals follow the row's own sampling: greedy rows take the draft's argmax (after the row's
+penalties and biases), sampled rows draw from the draft's processed distribution q with a
+generator of their own, seeded from the request's seed; step.py then accepts a draw with
+min(1, p/q) and resamples a rejection from the normalized residual max(0, p - q).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.errors import ModelLoadError
+from engine.kv_cache import KVCache
+from engine.runner import DecodeInput, ModelRunner, PrefillInput
+from engine.serving.sampling import is_sampling, process_scores
+
+DRAFT_SEED_SALT = 0x5DEECE66D  # the draft's generator: the request's seed, salted
+
+
+class DraftAdapter:
+    """The target's device adapter with the draft's shapes kept apart: ("draft", kind, bucket)."""
+
+    def __init__(self, adapter):
+        self._adapter = adapter
+
+    def __getattr__(self, name):
+        return getattr(self._adapter, name)
+
+    def reset(self) -> None:
+        """The target's runner resets the shared adapter; the draft's must not undo its warmup."""
+
+    def run(self, shape, fn, *args):
+        return self._adapter.run(("draft", *shape), fn, *args)
+
+    def warm(self, shape, fn, *args, graph: bool = True):
+        return self._adapter.warm(("draft", *shape), fn, *args, graph=graph)
+
+
+@dataclass
+class DraftRow:
+    """One sequence's draft state: how many of its tokens the draft's KV holds, the proposals it
+    wrote beyond them, and the generator its sampled proposals draw from."""
+
+    valid: int = 0
+    written: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    def settle(self, token_ids: list[int]) -> None:
+        """Proposals the target accepted are now the row's tokens: their draft KV holds."""
+        for token in self.written:  # the latest token is always fed again: its logits propose
+            if self.valid < len(token_ids) - 1 and token_ids[self.valid] == token:
+                self.valid += 1
+            else:
+                break
+        self.written = []
+
+
+def check_compatible(target_config, target_tokenizer, draft_config, draft_tokenizer, path) -> None:
+    """A draft proposes token ids: it must share the target's vocabulary and tokenizer."""
+    if draft_config.vocab_size != target_config.vocab_size:
+        raise ModelLoadError(
+            f"--draft-model {path}: its vocabulary has {draft_config.vocab_size} tokens, the "
+            f"target's {target_config.vocab_size} (a draft needs the target's tokenizer)"
+        )
+    if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise ModelLoadError(
+            f"--draft-model {path}: its tokenizer differs from the target's (a draft must "
+            "share the target's tokenizer)"
+        )
+
+
+class DraftModel:
+    """The loaded draft, and after warmup its runner (its KV cache and warmed buckets)."""
+
+    def __init__(self, model, model_config, adapter, dtype):
+        self.model, self.model_config, self.dtype = model, model_config, dtype
+        self.adapter = DraftAdapter(adapter)
+        self.runner: ModelRunner | None = None
+        self.longest_prefill = 0
+
+    def release(self) -> None:
+        """Before a new warmup: let go of the old cache."""
+        self.runner = None
+        self.model.bind_kv_cache([None] * self.model_config.num_layers)
+
+    def warm(self, limits, num_blocks: int, block_size: int, num_tokens: int, graphless: bool):
+        """Its own cache (the target's block count, so that block ids agree) and plan, warmed."""
+        from engine.buckets.plan import make_plan, with_every_decode_batch
+        from engine.spec.buckets import SPECULATE_MAX_BATCH, verify_buckets, with_verify
+
+        self.release()
+        config = self.model_config
+        cache = KVCache(
+            config.num_layers,
+            num_blocks,
+            block_size,
+            self.model.local_kv_heads,
+            config.head_dim,
+            self.dtype,
+            self.adapter.torch_device,
+            self.adapter.zeros,
+        )
+        small = _with_batch(limits, min(SPECULATE_MAX_BATCH, limits.max_batch_size))
+        plan = make_plan("exponential", small)
+        plan = with_every_decode_batch(plan) if graphless else plan
+        plan = with_verify(plan, verify_buckets(small, num_tokens))
+        self.runner = ModelRunner(self.model, self.adapter, cache, plan, self.dtype)
+        for bucket in plan.buckets:
+            self.runner.warm(bucket)
+        self.longest_prefill = max(b.seq_len for b in plan.prefill if not b.context_blocks)
+        self.width = num_tokens + 1
+
+    @torch.inference_mode()
+    def propose(self, sequences: list, rooms: list[int]):
+        """Up to rooms[i] tokens for each row, and for sampled rows the draft's distribution q at
+        each proposal ([vocab] each; None for greedy rows)."""
+        proposals: list[list[int]] = [[] for _ in sequences]
+        dists: list[list | None] = [None] * len(sequences)
+        rows = [i for i, room in enumerate(rooms) if room > 0]
+        if not rows or self.runner is None:
+            return proposals, dists
+        states = [_row_state(sequences[i]) for i in rows]
+        logits = self._catch_up([sequences[i] for i in rows], states)
+        live = [k for k, row_logits in enumerate(logits) if row_logits is not None]
+        while live:
+            seqs = [sequences[rows[k]] for k in live]
+            chosen = self._choose(
+                seqs,
+                torch.stack([logits[k] for k in live]),
+                [proposals[rows[k]] for k in live],
+                [states[k] for k in live],
+            )
+            for k, (token, q) in zip(live, chosen):
+                i = rows[k]
+                proposals[i].append(token)
+                if q is not None:
+                    dists[i] = (dists[i] or []) + [q]
+            live = [k for k in live if len(proposals[rows[k]]) < rooms[rows[k]]]
+            if live:
+                outs = self.runner.decode(
+                    [self._next_input(sequences[rows[k]], proposals[rows[k]]) for k in live]
+                )
+                logits = dict(zip(live, outs))
+        for k, i in enumerate(rows):
+            if proposals[i]:
+                states[k].written = proposals[i][:-1]  # the last one was never fed to the draft
+        return proposals, dists
+
+    def _next_input(self, seq, proposed: list[int]) -> DecodeInput:
+        position = len(seq.token_ids) - 1 + len(proposed)
+        return DecodeInput(
+            proposed[-1],
+            position,
+            seq.slots(position, position + 1)[0],
+            seq.blocks_through(position),
+        )
+
+    def _catch_up(self, sequences: list, states: list[DraftRow]) -> list:
+        """Feed each row's tokens from its `valid` through its latest; each row's logits at its
+        latest token (None where no warmed bucket holds its catch-up: it proposes nothing)."""
+        logits: list = [None] * len(sequences)
+        for seq, state in zip(sequences, states):
+            state.settle(seq.token_ids)
+        pending = list(range(len(sequences)))
+        while pending:
+            fresh = [k for k in pending if states[k].valid == 0]
+            going = [k for k in pending if states[k].valid > 0]
+            if fresh:
+                self._prefill_fresh(
+                    [sequences[k] for k in fresh], [states[k] for k in fresh], fresh, logits
+                )
+            if going and not self._continue(
+                [sequences[k] for k in going], [states[k] for k in going], going, logits
+            ):
+                for k in going:
+                    logits[k] = None
+                break
+            pending = [k for k in pending if states[k].valid < len(sequences[k].token_ids)]
+        done = [s.valid == len(seq.token_ids) for seq, s in zip(sequences, states)]
+        return [row if ok else None for row, ok in zip(logits, done)]
+
+    def _prefill_fresh(self, seqs, states, indices, logits) -> None:
+        inputs = []
+        for seq, state in zip(seqs, states):
+            end = min(len(seq.token_ids), self.longest_prefill)
+            inputs.append(PrefillInput(seq.token_ids[:end], seq.slots(0, end)))
+            state.valid = end
+        out = self.runner.prefill(inputs).logits
+        for row, k in enumerate(indices):
+            logits[k] = out[row]
+
+    def _continue(self, seqs, states, indices, logits) -> bool:
+        """One verify-width forward of each row's next pending tokens, after its draft context."""
+        block_size = self.runner.block_size
+        chunks = [seq.token_ids[s.valid : s.valid + self.width] for seq, s in zip(seqs, states)]
+        context_blocks = max(-(-s.valid // block_size) for s in states)
+        bucket = self.runner.plan.verify_bucket(
+            len(seqs), max(len(c) for c in chunks), context_blocks
+        )
+        if bucket is None:
+            return False
+        inputs = [
+            PrefillInput(
+                chunk, seq.slots(s.valid, s.valid + len(chunk)), context_slots=seq.slots(0, s.valid)
+            )
+            for seq, s, chunk in zip(seqs, states, chunks)
+        ]
+        out = self.runner.verify(bucket, inputs)
+        for row, (k, s, chunk) in enumerate(zip(indices, states, chunks)):
+            s.valid += len(chunk)
+            logits[k] = out[row, len(chunk) - 1]
+        return True
+
+    def _choose(self, seqs, logits, proposed, states):
+        """Each row's next proposal: the processed argmax for greedy rows, a draw from the
+        processed distribution (returned as q) for sampled rows."""
+        histories = [seq.token_ids + p for seq, p in zip(seqs, proposed)]
+        scores = process_scores(logits, [s.sampling for s in seqs], histories)
+        chosen = []
+        for row, (seq, state) in enumerate(zip(seqs, states)):
+            if not is_sampling(seq.sampling.params):
+                chosen.append((int(scores[row].argmax()), None))
+                continue
+            q = scores[row].double().softmax(dim=0)
+            chosen.append((draw(q, state.generator), q))
+        return chosen
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from `probs` (any non-negative weights) by inverting its CDF at one uniform."""
+    cdf = probs.double().cumsum(dim=0)
+    target = torch.rand(1, generator=generator, dtype=torch.float64).to(cdf.device) * cdf[-1]
+    token = int(torch.searchsorted(cdf, target, right=True).clamp(max=len(cdf) - 1))
+    return token if probs[token] > 0 else int(probs.argmax())
+
+
+def _row_state(seq) -> DraftRow:
+    if seq.speculation is None:
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed((seq.sampling.seed ^ DRAFT_SEED_SALT) % 2**63)
+        seq.speculation = DraftRow(generator=generator)
+    return seq.speculation
+
+
+def _with_batch(limits, max_batch_size: int):
+    import dataclasses
+
+    return dataclasses.replace(limits, max_batch_size=max_batch_size)
+
+
+def load_draft(config, target_config, target_tokenizer, adapter, dtype) -> DraftModel:
+    """--draft-model, loaded in the target's dtype (--draft-quantize like --quantize), checked
+    against the target's vocabulary and tokenizer, prepared for the device."""
+    from engine.weights import loader
+
+    if not config.draft_model:
+        raise ModelLoadError("--speculate draft needs --draft-model PATH (an HF directory or GGUF)")
+    if config.draft_quantize != "none" and config.draft_quantize not in adapter.quantize_modes:
+        raise ModelLoadError(
+            f"--draft-quantize {config.draft_quantize} is not available on {adapter.name}"
+        )
+    try:
+        loaded = loader.load(
+            config.draft_model,
+            config.resolved_cache_dir,
+            dtype,
+            adapter.torch_device,
+            implementation="native",
+            quantize=config.draft_quantize,
+        )
+    except ModelLoadError as err:
+        raise ModelLoadError(f"--draft-model {config.draft_model}: {err}") from None
+    check_compatible(
+        target_config, target_tokenizer, loaded.config, loaded.tokenizer, config.draft_model
+    )
+    adapter.prepare_model(loaded.model, dtype)
+    return DraftModel(loaded.model, loaded.config, adapter, dtype)

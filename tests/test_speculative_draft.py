@@ -1,0 +1,230 @@
+"""Speculative decoding with a draft model (engine/spec/draft.py): greedy output is plain
+decoding's token for token, sampled output keeps the target's distribution (the rejection rule),
+and a draft that cannot serve the target is refused at start with one error line."""
+
+import json
+import shutil
+
+import pytest
+
+from engine.batch import NextTokenChooserParameters
+from tests.helpers import build_request, shard_fixture, tiny_shard
+from tests.models import build_tiny_model
+from tests.test_speculative import WORDS, chi2_sf, dataclasses_replace, run
+
+NEW = 40  # crosses block boundaries (blocks of 16)
+K = 4
+
+plain = shard_fixture(max_batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(tmp_path_factory, smollm_dir, tiny_model_dirs):
+    """small: a one-layer random llama with the target's vocabulary (it mostly disagrees with the
+    target); self: the target itself (it always agrees)."""
+    root = tmp_path_factory.mktemp("drafts")
+    small = build_tiny_model("llama", root / "small", smollm_dir, seed=7, num_hidden_layers=1)
+    return {"small": small, "self": tiny_model_dirs["llama"]}
+
+
+@pytest.fixture(scope="module")
+def drafting(tiny_model_dirs, draft_dirs):
+    """variant -> a shard on the tiny llama speculating with that draft."""
+    shards = {}
+
+    def get(variant):
+        if variant not in shards:
+            shards[variant] = tiny_shard(
+                tiny_model_dirs["llama"],
+                max_batch_size=4,
+                speculate="draft",
+                draft_model=str(draft_dirs[variant]),
+                num_speculative_tokens=K,
+            )
+        return shards[variant]
+
+    yield get
+    for shard in shards.values():
+        shard.clear()
+
+
+SEEDED = NextTokenChooserParameters(temperature=0.9, top_k=20, do_sample=True, seed=99)
+
+
+def requests_for(batch):
+    """Greedy requests, but for request 1, which samples (seeded)."""
+    return [build_request(i, NEW, parameters=SEEDED if i == 1 else None) for i in batch]
+
+
+@pytest.mark.parametrize("variant", ["small", "self"])
+def test_greedy_tokens_equal_plain_decoding_at_batch_1_and_mixed(plain, drafting, variant):
+    """Batch 1, then a mixed batch (prompts of four lengths, one sampled row beside the greedy
+    ones): every greedy row's tokens are plain decoding's."""
+    shard = drafting(variant)
+    for batch in ([4], [0, 1, 4, 5]):
+        expected = run(plain, requests_for(batch))
+        before = dict(shard.speculator.stats)
+        got = run(shard, requests_for(batch))
+        greedy = [i for i in batch if i != 1]
+        assert {i: got[i] for i in greedy} == {i: expected[i] for i in greedy}
+        assert all(len(t) == NEW for t in got.values())
+        stats = shard.speculator.stats
+        assert stats["spec_proposed"] > before["spec_proposed"]
+        accepted = stats["spec_accepted"] - before["spec_accepted"]
+        if variant == "self":  # the target as its own draft: greedy proposals all accepted
+            assert accepted > (stats["spec_proposed"] - before["spec_proposed"]) // 2
+    assert not shard.adapter.shapes.unwarmed
+    assert any(shape[0] == "draft" for shape in shard.adapter.shapes.warmed)
+
+
+def test_seeded_sampling_is_reproducible(drafting):
+    shard = drafting("small")
+
+    def requests():
+        return [
+            build_request(i, NEW, parameters=dataclasses_replace(SEEDED, seed=i)) for i in (1, 4)
+        ]
+
+    assert run(shard, requests()) == run(shard, requests())
+
+
+def test_sampled_tokens_keep_the_targets_distribution(plain, drafting, monkeypatch):
+    """The first speculated token over many seeds, drafted (one seed set) and plain (another): one
+    distribution (chi-square). A logit bias on the prompt's words puts both models' mass there;
+    the draft's q also leans to one of them, so that q and p differ: proposals are both accepted
+    and rejected, and a rejection must draw from the residual max(0, p - q) to keep p."""
+    from collections import Counter
+
+    import engine.spec.draft as draft_module
+
+    shard = drafting("small")
+    words = [plain.tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in WORDS]
+    warm = NextTokenChooserParameters(do_sample=True, logit_bias={token: 40.0 for token in words})
+    position, seeds = 1, 240  # position 0 is the prefill's; 1 is the first verified
+
+    def leaning(*args, **kwargs):
+        scores = process_scores(*args, **kwargs).clone()
+        scores[:, words[0]] += 2.0
+        return scores
+
+    process_scores = draft_module.process_scores
+    monkeypatch.setattr(draft_module, "process_scores", leaning)
+
+    def tokens_at(target, first_seed):
+        found = Counter()
+        for start in range(first_seed, first_seed + seeds, 4):
+            requests = [build_request(i, position + 2, text="".join(WORDS * 6)) for i in range(4)]
+            for i, request in enumerate(requests):
+                request.parameters = dataclasses_replace(warm, seed=start + i)
+            found.update(t[position] for t in run(target, requests).values())
+        return found
+
+    before = dict(shard.speculator.stats)
+    with_draft, without = tokens_at(shard, 0), tokens_at(plain, 10_000)
+    stats = shard.speculator.stats
+    proposed = stats["spec_proposed"] - before["spec_proposed"]
+    accepted = stats["spec_accepted"] - before["spec_accepted"]
+    assert seeds // 4 < accepted < proposed - seeds // 4  # both accepted and rejected, often
+    common = [t for t in set(with_draft) | set(without) if with_draft[t] + without[t] >= 10]
+    table = [
+        [c[t] for t in common] + [sum(c.values()) - sum(c[t] for t in common)]
+        for c in (with_draft, without)
+    ]
+    columns = [j for j in range(len(table[0])) if table[0][j] + table[1][j] > 0]
+    assert len(columns) >= 2
+    statistic = 0.0
+    for row in table:
+        for j in columns:
+            expected = sum(row) * (table[0][j] + table[1][j]) / (2 * seeds)
+            statistic += (row[j] - expected) ** 2 / expected
+    assert chi2_sf(statistic, len(columns) - 1) > 0.001
+
+
+def other_tokenizer(source, out):
+    """A copy of `source` whose tokenizer swaps two tokens' ids (the same vocabulary size)."""
+    shutil.copytree(source, out)
+    path = out / "tokenizer.json"
+    data = json.loads(path.read_text())
+    vocab = data["model"]["vocab"]
+    vocab["hello"], vocab["world"] = vocab["world"], vocab["hello"]
+    path.write_text(json.dumps(data))
+    return out
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("vocabulary", "its vocabulary has 49160 tokens, the target's 49152"),
+        ("tokenizer", "its tokenizer differs from the target's"),
+        ("missing", "--speculate draft needs --draft-model"),
+    ],
+)
+def test_a_draft_that_cannot_serve_the_target_is_one_error_line(
+    capsys, tmp_path, smollm_dir, tiny_model_dirs, draft_dirs, bad, message
+):
+    from engine.cli.main import main
+
+    drafts = {
+        "vocabulary": lambda: build_tiny_model(
+            "llama", tmp_path / "v", smollm_dir, num_hidden_layers=1, vocab_size=49160
+        ),
+        "tokenizer": lambda: other_tokenizer(draft_dirs["small"], tmp_path / "t"),
+        "missing": lambda: None,
+    }
+    draft = drafts[bad]()
+    capsys.readouterr()  # building the draft's files writes a progress bar
+    argv = ["serve", "--model-id", str(tiny_model_dirs["llama"]), "--device", "cpu", "--dtype"]
+    argv += ["float32"]  # no packed-kernel build
+    argv += ["--speculate", "draft"] + (["--draft-model", str(draft)] if draft else [])
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+
+
+@pytest.mark.slow
+def test_the_embedded_models_int4_form_drafts_for_its_float_form(smollm_dir):
+    """The embedded model in fp32, its int4 form as the draft: greedy tokens are plain decoding's,
+    alone and in a mixed batch, and most proposals are accepted."""
+    plain_shard = tiny_shard(smollm_dir, max_batch_size=4)
+    shard = tiny_shard(
+        smollm_dir,
+        max_batch_size=4,
+        speculate="draft",
+        draft_model=str(smollm_dir),
+        draft_quantize="int4",
+        num_speculative_tokens=K,
+    )
+    for batch in ([4], [0, 2, 4]):
+        expected = run(plain_shard, [build_request(i, 24) for i in batch])
+        assert run(shard, [build_request(i, 24) for i in batch]) == expected
+    stats = shard.speculator.stats
+    assert stats["spec_accepted"] > stats["spec_proposed"] // 2
+    assert not shard.adapter.shapes.unwarmed
+
+
+def test_counters_reach_serving_stats_the_wire_and_the_routers_metrics(drafting):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from engine.wire.convert import stats_from_pb, stats_to_pb
+    from router.http.metrics import ShardStatsCollector
+
+    shard = drafting("self")
+    run(shard, [build_request(4, NEW)])
+    sent = shard.serving_stats()
+    stats = stats_from_pb(stats_to_pb(sent))
+    assert stats["spec_proposed"] == sent["spec_proposed"] > 0 and stats["spec_k"] == K
+    accepted, proposed = stats["spec_accepted"], stats["spec_proposed"]
+    assert stats["spec_acceptance_rate"] == pytest.approx(accepted / proposed)
+    rows = stats["spec_emitted"] - accepted
+    assert stats["spec_mean_accepted_length"] == pytest.approx(accepted / rows)
+
+    class Client:
+        def serving_stats(self):
+            return stats
+
+    registry = CollectorRegistry()
+    registry.register(ShardStatsCollector(Client()))
+    text = generate_latest(registry).decode()
+    assert f"bucketserve_shard_spec_accepted_total {float(accepted)}" in text
+    assert f"bucketserve_shard_spec_k {float(K)}" in text
+    assert "bucketserve_shard_spec_mean_accepted_length" in text
