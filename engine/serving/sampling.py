@@ -477,3 +477,26 @@ def _active(values: list[float], like: torch.Tensor) -> torch.Tensor:
 def _unsort(sorted_mask: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """A mask over sorted positions, moved back to vocabulary positions."""
     return torch.zeros_like(sorted_mask).scatter_(1, order, sorted_mask)
+
+
+def allowed_tokens(ctx, sequences, logits):
+    """[rows, vocab] mask of allowed tokens (a grammar's, and no EOS before min_new_tokens), or None when no row
+    restricts its tokens. `ctx` is the step's StepContext (its eos_token_ids), `sequences` its rows."""
+    early = [
+        i
+        for i, s in enumerate(sequences)
+        if s.generated < s.request.stopping_parameters.min_new_tokens
+        and not (s.grammar is not None and s.grammar.is_complete)
+    ]  # a complete grammar may need its EOS
+    if all(s.grammar is None for s in sequences) and not early:
+        return None
+    if all(s.grammar is None for s in sequences):
+        allowed = torch.ones(len(sequences), logits.shape[1], dtype=torch.bool)
+    else:
+        from engine.grammar import allowed_masks  # xgrammar is imported only when a grammar is used
+
+        allowed = allowed_masks([s.grammar for s in sequences], logits.shape[1])
+    eos = [t for t in ctx.eos_token_ids if t < logits.shape[1]]
+    if early and eos:
+        allowed[torch.tensor(early).unsqueeze(1), torch.tensor(eos).unsqueeze(0)] = False
+    return allowed.to(logits.device)

@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from engine.batch import (
     FinishReason,
     GeneratedText,
@@ -27,7 +25,12 @@ from engine.serving.detokenize import decode_next
 from engine.serving.lookahead import Ahead, logits_using, run_ahead
 from engine.serving.prefix import BlockContents, check_cache_len
 from engine.serving.resume import check_resumed, replay
-from engine.serving.sampling import is_sampling, new_sampling_state, validate_parameters
+from engine.serving.sampling import (
+    allowed_tokens,
+    is_sampling,
+    new_sampling_state,
+    validate_parameters,
+)
 from engine.serving.sequence import Sequence
 from engine.serving.static_sampling import choose_next
 from engine.spec.step import speculative_step
@@ -396,29 +399,6 @@ def _advance(
             top = _top_tokens(ctx, choice.top_tokens[row])
             generations.append(_generation(ctx, seq, token, choice.logprobs[row], text, top))
     return generations
-
-
-def allowed_tokens(ctx: StepContext, sequences: list[Sequence], logits):
-    """[rows, vocab] mask of allowed tokens (a grammar's, and no EOS before min_new_tokens), or None when no row
-    restricts its tokens."""
-    early = [
-        i
-        for i, s in enumerate(sequences)
-        if s.generated < s.request.stopping_parameters.min_new_tokens
-        and not (s.grammar is not None and s.grammar.is_complete)
-    ]  # a complete grammar may need its EOS
-    if all(s.grammar is None for s in sequences) and not early:
-        return None
-    if all(s.grammar is None for s in sequences):
-        allowed = torch.ones(len(sequences), logits.shape[1], dtype=torch.bool)
-    else:
-        from engine.grammar import allowed_masks  # xgrammar is imported only when a grammar is used
-
-        allowed = allowed_masks([s.grammar for s in sequences], logits.shape[1])
-    eos = [t for t in ctx.eos_token_ids if t < logits.shape[1]]
-    if early and eos:
-        allowed[torch.tensor(early).unsqueeze(1), torch.tensor(eos).unsqueeze(0)] = False
-    return allowed.to(logits.device)
 
 
 def _finish_reason(ctx: StepContext, seq: Sequence, token: int, text: str) -> FinishReason | None:

@@ -31,7 +31,13 @@ import torch
 
 from engine.batch import Generation, Tokens
 from engine.runner import PrefillInput
-from engine.serving.sampling import Choice, _top_tokens, is_sampling, process_scores
+from engine.serving.sampling import (
+    Choice,
+    _top_tokens,
+    allowed_tokens,
+    is_sampling,
+    process_scores,
+)
 from engine.spec.draft import draw
 from engine.spec.ngram import NgramIndex
 
@@ -228,8 +234,6 @@ def _rejection_choice(ctx, rows, logits, drafted) -> Choice:
     """Each row's token at one verified position under the rejection rule: the draft's x ~ q is
     kept with probability min(1, p(x)/q(x)); otherwise a draw from max(0, p - q), normalized. p is
     the target's processed distribution (penalties, bias, warpers, min_new_tokens' EOS mask)."""
-    from engine.serving.steps import allowed_tokens  # steps imports this module
-
     scores = process_scores(
         logits,
         [s.sampling for s in rows],
