@@ -25,7 +25,7 @@ from engine.kv_cache import RESERVED_BLOCK
 from engine.runner import DecodeInput, PrefillInput
 
 REQUEST_FIELDS = (
-    "prompt", "max_new_tokens", "parameters", "top_n_tokens", "prefill_logprobs", "n",
+    "prompt", "max_new_tokens", "parameters", "top_n_tokens", "prefill_logprobs", "n", "adapter",
 )  # fmt: skip
 SIBLINGS = 16  # request ids: record i is i * SIBLINGS, its n - 1 siblings the ids after it
 GRAMMARS = {"json": GrammarType.JSON, "regex": GrammarType.REGEX}
@@ -46,7 +46,7 @@ def add_check_shapes_command(commands) -> None:
         required=True,
         help='a --record-shapes JSONL trace, or JSONL requests {"prompt": ..., '
         '"max_new_tokens": n, "parameters": {...}, "top_n_tokens": n, "prefill_logprobs": b, '
-        '"n": siblings sharing the prompt}',
+        '"n": siblings sharing the prompt, "adapter": a LoRA adapter\'s name}',
     )
     cmd.add_argument("--limit", type=int, help="replay only the first LIMIT records")
     cmd.set_defaults(func=cmd_check_shapes)
@@ -187,6 +187,7 @@ def _request(i: int, record: dict) -> Request:
         stopping_parameters=stopping,
         prefill_logprobs=bool(record.get("prefill_logprobs")),
         top_n_tokens=int(record.get("top_n_tokens", 0)),
+        adapter_id=record.get("adapter"),
     )
 
 
@@ -194,7 +195,7 @@ def features(record: dict, tokens: int) -> str:
     """What of a request can change a step's shapes, in words."""
     parts = [f"prompt of {tokens} tokens"]
     parts += [f"{k}={v}" for k, v in (record.get("parameters") or {}).items()]
-    for name in ("top_n_tokens", "prefill_logprobs", "stop", "n"):
+    for name in ("top_n_tokens", "prefill_logprobs", "stop", "n", "adapter"):
         if record.get(name):
             parts.append(f"{name}={record[name]}")
     if record.get("grammar"):

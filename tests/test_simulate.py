@@ -142,3 +142,15 @@ def test_the_eager_samplers_float64_draw_would_be_refused():
     """sampling.choose() builds its CDF in float64: right on the CPU, refused on the device."""
     with LazyGraphs().tracking(), pytest.raises(Float64Error, match="_draw"):
         choose(on_device(torch.randn(1, VOCAB)), _states(PARAMS[2:]), [[5]], [1], [0])
+
+
+def test_repeat_interleave_breaks_only_with_tensor_repeats():
+    """An int of repeats fixes the output's shape (LoRA's per-token adapter index); a tensor's
+    values decide it."""
+    graphs = LazyGraphs(strict=False)
+    with graphs.tracking():
+        x = on_device(torch.arange(3))
+        x.repeat_interleave(2)
+        assert graphs.breaks["warmup"] == 0
+        x.repeat_interleave(on_device(torch.tensor([1, 2, 3])))
+        assert graphs.breaks["warmup"] == 1

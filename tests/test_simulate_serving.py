@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from engine.buckets.shapes import parse_shape
 from launcher.check_shapes import SIBLINGS, replay_requests, replay_shapes
 from tests.helpers import PROMPTS, tiny_shard
+from tests.test_lora import lora_dirs  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.slow
 LIMITS = dict(max_batch_size=4, max_input_tokens=64, max_total_tokens=128, max_prefill_tokens=128)
@@ -167,6 +168,21 @@ def test_siblings_copy_their_prompt_in_warmed_graphs(simulated, plain):
         for run in generations
     ]
     assert tokens[0][1] == tokens[0][2] == tokens[0][0] == tokens[1][0]
+
+
+def test_lora_traffic_compiles_nothing(tiny_model_dirs, lora_dirs):
+    """Rows of two LoRA adapters and the base model, in any mix: one graph per bucket."""
+    specs = tuple((name, str(path)) for name, path in lora_dirs.items())
+    shard = tiny_shard(
+        tiny_model_dirs["llama"], simulate="hpu", block_size=16, lora_adapters=specs, **LIMITS
+    )
+    records = [
+        {"prompt": p, "max_new_tokens": 3, "adapter": a}
+        for p, a in zip(PROMPTS, ["alpha", None, "beta", "alpha", "beta"])
+    ]
+    assert replay_requests(shard, records) == []
+    stats = shard.serving_stats()
+    assert stats["graph_compiles_serving"] == 0 and stats["graph_breaks_serving"] == 0
 
 
 def test_warmup_none_counts_every_first_shape(tiny_model_dirs):

@@ -43,8 +43,12 @@ DATA_DEPENDENT = frozenset(
         "unique_consecutive",
         "unique_dim",
         "argwhere",
-        "repeat_interleave",
     }
+)
+# Overloads whose output shape depends on a tensor argument's values (repeat_interleave with a
+# Python int of repeats has a static shape).
+DATA_DEPENDENT_OVERLOADS = frozenset(
+    {"aten.repeat_interleave.Tensor", "aten.repeat_interleave.self_Tensor"}
 )
 PHASES = ("warmup", "serving")
 
@@ -247,7 +251,7 @@ class _Recorder(TorchDispatchMode):
         bool_index = name in ("index", "index_put", "index_put_") and any(
             isinstance(v, torch.Tensor) and v.dtype == torch.bool for v in values[1:]
         )
-        if name in DATA_DEPENDENT or bool_index:
+        if name in DATA_DEPENDENT or str(func) in DATA_DEPENDENT_OVERLOADS or bool_index:
             self.graphs.graph_break(f"data-dependent shape ({func})", caller())
         return out
 
