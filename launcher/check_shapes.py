@@ -128,7 +128,7 @@ def _step(shard, what: str, features: str, run) -> list[str]:
 
 def replay_shapes(shard, shapes) -> list[str]:
     """Each recorded batch shape, on dummy rows in the reserved block, then the sampler."""
-    from engine.serving.sampling import new_sampling_state
+    from engine.sampling.sampler import new_sampling_state
     from engine.serving.static_sampling import choose_static, sampler_rows
 
     runner, problems = shard.runner, []

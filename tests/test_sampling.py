@@ -1,4 +1,4 @@
-"""engine/serving/sampling.py against the definitions of its processors, each computed again here from scratch."""
+"""engine/sampling/sampler.py against the definitions of its processors, each computed again here from scratch."""
 
 import math
 import random
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from engine.batch import NextTokenChooserParameters as Params
 from engine.errors import InvalidRequestError
-from engine.serving.sampling import (
+from engine.sampling.sampler import (
     choose,
     is_sampling,
     new_sampling_state,

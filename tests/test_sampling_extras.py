@@ -1,4 +1,4 @@
-"""bucketserve's sampling extensions in engine/serving/sampling.py: OpenAI's presence penalty and logit_bias, vectorized
+"""bucketserve's sampling extensions in engine/sampling/sampler.py: OpenAI's presence penalty and logit_bias, vectorized
 over a batch where every row keeps its own values (the protocol carries them as extension fields >= 1000)."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from engine.batch import NextTokenChooserParameters as Params
 from engine.errors import InvalidRequestError
-from engine.serving.sampling import choose, new_sampling_state, process_scores
+from engine.sampling.sampler import choose, new_sampling_state, process_scores
 
 VOCAB = 40
 

@@ -8,8 +8,8 @@ docs/architecture.md#resuming). The router sends the generated tokens in the Pre
 from __future__ import annotations
 
 from engine.errors import InvalidRequestError
+from engine.sampling.sampler import skip_draws
 from engine.serving.detokenize import decode_next
-from engine.serving.sampling import skip_draws
 from engine.serving.sequence import Sequence
 
 

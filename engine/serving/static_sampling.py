@@ -26,7 +26,7 @@ import math
 import torch
 
 from engine.devices.row_merge import gather_rows, mark_step, warm_merges
-from engine.serving.sampling import (
+from engine.sampling.sampler import (
     WATERMARK_DELTA,
     Choice,
     SamplingState,

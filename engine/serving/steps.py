@@ -19,18 +19,18 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache import ShardBlockPool, blocks_needed
 from engine.layers.lora import NO_ADAPTER, LoraSet
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
+from engine.sampling.sampler import (
+    allowed_tokens,
+    is_sampling,
+    new_sampling_state,
+    validate_parameters,
+)
 from engine.serving import siblings
 from engine.serving.chunks import check_chunking, chunk_cap, plan_chunks
 from engine.serving.detokenize import decode_next
 from engine.serving.lookahead import Ahead, logits_using, run_ahead
 from engine.serving.prefix import BlockContents, check_cache_len
 from engine.serving.resume import check_resumed, replay
-from engine.serving.sampling import (
-    allowed_tokens,
-    is_sampling,
-    new_sampling_state,
-    validate_parameters,
-)
 from engine.serving.sequence import Sequence
 from engine.serving.static_sampling import choose_next
 from engine.spec.step import speculative_step

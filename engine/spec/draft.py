@@ -27,7 +27,7 @@ import torch
 from engine.errors import ModelLoadError
 from engine.kv_cache import KVCache
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
-from engine.serving.sampling import is_sampling, process_scores
+from engine.sampling.sampler import is_sampling, process_scores
 
 DRAFT_SEED_SALT = 0x5DEECE66D  # the draft's generator: the request's seed, salted
 

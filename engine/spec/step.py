@@ -31,7 +31,7 @@ import torch
 
 from engine.batch import Generation, Tokens
 from engine.runner import PrefillInput
-from engine.serving.sampling import (
+from engine.sampling.sampler import (
     Choice,
     _top_tokens,
     allowed_tokens,
