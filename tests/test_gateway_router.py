@@ -106,7 +106,11 @@ class Router:
             "--retry-max-retries",
             "5",
             "--retry-initial-backoff-ms",
-            "50",
+            "200",
+            # A replica that refused a request is skipped at once: retries go to the others even
+            # before the next health check has marked it down (docs/scaling.md).
+            "--cb-failure-threshold",
+            "1",
         ]
         if policy == "kv_aware":
             for replica in replicas:

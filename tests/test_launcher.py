@@ -468,9 +468,17 @@ def test_device_plans_give_each_rank_its_own_device():
         "HIP_VISIBLE_DEVICES": "0"
     }
     hpu = fake_probe(hpu=Probe("hpu", True, count=8))
+    # Module ids are the host's: none is made up (each shard takes its LOCAL_RANK among the
+    # visible Gaudis), and a list the user set reaches every shard whole.
+    assert "HABANA_VISIBLE_MODULES" not in resolve_device(
+        "hpu", 8, {}, lambda: ["hpu"], probe=hpu
+    ).env(7)
+    chosen = {"HABANA_VISIBLE_MODULES": "4,5,6,7"}
     assert (
-        resolve_device("hpu", 8, {}, lambda: ["hpu"], probe=hpu).env(7)["HABANA_VISIBLE_MODULES"]
-        == "0,1,2,3,4,5,6,7"
+        resolve_device("hpu", 4, chosen, lambda: ["hpu"], probe=hpu).env(3)[
+            "HABANA_VISIBLE_MODULES"
+        ]
+        == "4,5,6,7"
     )
     xpu = fake_probe(xpu=Probe("xpu", True, count=2))
     assert resolve_device("auto", 2, {}, lambda: ["cpu", "xpu"], probe=xpu).env(1) == {

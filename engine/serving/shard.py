@@ -35,6 +35,7 @@ from engine.serving.steps import (
     look_ahead_step,
     prefill_step,
 )
+from engine.spec.step import NO_SPECULATION
 from engine.warmup.progressive import DeviceLock
 from engine.warmup.run import ShardModel, start_up
 from engine.warmup.warm import report
@@ -383,7 +384,7 @@ class Shard:
             **self.lookahead_stats,
             **graph_counts(self.adapter),
             **(self.vision.stats if self.vision is not None else NO_IMAGES),
-            **(self.speculator.summary() if self.speculator is not None else {}),
+            **(self.speculator.summary() if self.speculator is not None else NO_SPECULATION),
         }
 
     @_exclusive

@@ -42,9 +42,16 @@ from engine.spec.draft import draw
 from engine.spec.ngram import NgramIndex
 
 COUNTERS = ("spec_steps", "spec_proposed", "spec_accepted", "spec_emitted")
+# What a shard that does not speculate reports: the wire carries every field, zeros included.
+NO_SPECULATION = {
+    **dict.fromkeys(COUNTERS, 0),
+    "spec_acceptance_rate": 0.0,
+    "spec_mean_accepted_length": 0.0,
+    "spec_k": 0,
+}
 # Adaptive K: the proposals a row may make follow the recent acceptance (an exponential average
 # over verify steps). Speculation is off on batches above SPECULATE_MAX_BATCH (engine/spec/
-# buckets.py: the measured rule), not on low acceptance: a proposal costs a padded verify column.
+# buckets.py; not yet measured on this machine), not on low acceptance.
 SMOOTHING = 0.3
 
 

@@ -93,20 +93,7 @@ def fused_prefill(
     batch, seq = q.shape[:2]
     if lengths is None:
         lengths = torch.full((batch,), seq, dtype=torch.int32, device=q.device)
-    out = fused.apply(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        None,
-        0.0,
-        True,
-        scale,
-        "None",
-        None,
-        lengths.to(torch.int32),
-        "right",
-    )  # FusedSDPA is an autograd Function: positional only
-    return out.transpose(1, 2)
+    return _fused_apply(fused, q, k, v, None, True, scale, lengths.to(torch.int32))
 
 
 def fused_context(
@@ -123,17 +110,23 @@ def fused_context(
     allowed = context_mask(context_slots.shape[1], seq, context_lens, None)
     bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
     bias = bias.masked_fill(~allowed, -math.inf).unsqueeze(1)  # [batch, 1, seq, context + seq]
+    return _fused_apply(fused, q, keys, values, bias, False, scale, None)
+
+
+def _fused_apply(fused, q, k, v, mask, causal: bool, scale: float, lengths) -> torch.Tensor:
+    """FusedSDPA over [batch, seq, heads, dim] tensors, no dropout, the default softmax mode, right
+    padding. FusedSDPA is an autograd Function: its arguments are positional only."""
     out = fused.apply(
         q.transpose(1, 2),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        bias,
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        mask,
         0.0,
-        False,
+        causal,
         scale,
         "None",
         None,
-        None,
+        lengths,
         "right",
     )
     return out.transpose(1, 2)
