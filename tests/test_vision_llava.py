@@ -6,32 +6,24 @@ from __future__ import annotations
 
 import pytest
 
-from engine.batch import ImageInput, Request, StoppingCriteriaParameters
 from engine.serving.shard import Shard
 from launcher.generate import request_length, run_requests
 from tests.helpers import tiny_config
-from tests.vision_models import image_bytes, llava_reference
+from tests.vision_models import image_request, llava_reference, png_image
 
 NEW_TOKENS = 30
 
 
-def image(width: int, height: int, seed: int) -> ImageInput:
-    return ImageInput(image_bytes(width, height, seed), "image/png")
-
-
 PROMPTS = [  # text and images, in order
-    ["Describe this picture: ", image(40, 30, 1), " in detail."],
+    ["Describe this picture: ", png_image(40, 30, 1), " in detail."],
     ["Once upon a time, in a land far away"],
-    [image(28, 28, 2), " and ", image(64, 20, 3), " differ how?"],
-    ["Three: ", image(33, 47, 4), image(90, 60, 5), " then ", image(40, 30, 1), "."],
+    [png_image(28, 28, 2), " and ", png_image(64, 20, 3), " differ how?"],
+    ["Three: ", png_image(33, 47, 4), png_image(90, 60, 5), " then ", png_image(40, 30, 1), "."],
 ]
 
 
-def as_request(i: int, chunks: list) -> Request:
-    text = "".join(c for c in chunks if isinstance(c, str))
-    stopping = StoppingCriteriaParameters(max_new_tokens=NEW_TOKENS, ignore_eos_token=True)
-    has_images = any(not isinstance(c, str) for c in chunks)
-    return Request(i, text, stopping_parameters=stopping, chunks=chunks if has_images else None)
+def as_request(i: int, chunks: list):
+    return image_request(i, chunks, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import pytest
 
-from engine.batch import ImageInput, Request, StoppingCriteriaParameters
 from engine.serving.shard import Shard
 from engine.vision.spec import spec_of_dir
 from launcher.generate import request_length, run_requests
 from tests.helpers import tiny_config
-from tests.vision_models import build_tiny_llava_next, image_bytes, llava_next_reference
+from tests.vision_models import (
+    build_tiny_llava_next,
+    image_request,
+    llava_next_reference,
+    png_image,
+)
 
 NEW_TOKENS = 30
 
@@ -22,23 +26,16 @@ def next_dir(tmp_path_factory, smollm_dir):
     return build_tiny_llava_next(tmp_path_factory.mktemp("llava_next"), smollm_dir)
 
 
-def image(width: int, height: int, seed: int) -> ImageInput:
-    return ImageInput(image_bytes(width, height, seed), "image/png")  # sizes read by the shard
-
-
 PROMPTS = [  # text and images, in order
-    ["Describe this picture: ", image(60, 30, 1), " in detail."],
+    ["Describe this picture: ", png_image(60, 30, 1), " in detail."],
     ["Once upon a time, in a land far away"],
-    [image(20, 50, 2), " and ", image(40, 40, 3), " differ how?"],
-    ["Three: ", image(33, 47, 4), image(90, 25, 5), " then ", image(60, 30, 1), "."],
+    [png_image(20, 50, 2), " and ", png_image(40, 40, 3), " differ how?"],
+    ["Three: ", png_image(33, 47, 4), png_image(90, 25, 5), " then ", png_image(60, 30, 1), "."],
 ]
 
 
-def as_request(i: int, chunks: list) -> Request:
-    text = "".join(c for c in chunks if isinstance(c, str))
-    stopping = StoppingCriteriaParameters(max_new_tokens=NEW_TOKENS, ignore_eos_token=True)
-    has_images = any(not isinstance(c, str) for c in chunks)
-    return Request(i, text, stopping_parameters=stopping, chunks=chunks if has_images else None)
+def as_request(i: int, chunks: list):
+    return image_request(i, chunks, NEW_TOKENS)
 
 
 def test_token_counts_follow_transformers_processor(next_dir):

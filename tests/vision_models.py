@@ -161,3 +161,21 @@ def llava_next_reference(model_dir, chunks: list, new_tokens: int) -> list[int]:
         **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
     )
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def png_image(width: int, height: int, seed: int):
+    """An ImageInput as the wire carries it: only bytes (the shard reads the size from them)."""
+    from engine.batch import ImageInput
+
+    return ImageInput(image_bytes(width, height, seed), "image/png")
+
+
+def image_request(i: int, chunks: list, new_tokens: int):
+    """Request i of text and ImageInput chunks, in order, greedy for `new_tokens`; a text-only
+    prompt carries no chunks."""
+    from engine.batch import Request, StoppingCriteriaParameters
+
+    text = "".join(c for c in chunks if isinstance(c, str))
+    stopping = StoppingCriteriaParameters(max_new_tokens=new_tokens, ignore_eos_token=True)
+    has_images = any(not isinstance(c, str) for c in chunks)
+    return Request(i, text, stopping_parameters=stopping, chunks=chunks if has_images else None)
