@@ -197,3 +197,71 @@ def test_one_event_loop_turn_is_one_batch():
     finally:
         subscriber.close()
         publisher.close()
+
+
+class Recorder:
+    """The listener face, replayed as the subscriber does: the hashes a consumer holds."""
+
+    def __init__(self):
+        self.blocks: set[int] = set()
+        self.log: list[tuple[str, list[int]]] = []
+
+    def stored(self, hashes, parent_hash, token_ids, block_size, adapter) -> None:
+        self.blocks |= set(hashes)
+        self.log.append(("stored", list(hashes)))
+
+    def removed(self, hashes) -> None:
+        self.blocks -= set(hashes)
+        self.log.append(("removed", list(hashes)))
+
+    def cleared(self) -> None:
+        self.blocks.clear()
+
+
+def test_blocks_are_announced_when_allocated_and_withdrawn_if_never_computed():
+    """As vLLM's scheduler does, BlockStored leaves at allocation, before the prefill: a fleet
+    router can send the prompt's siblings here while it is still queued. A request freed before
+    its prefill (cancelled, preempted, failed) takes the announcement back."""
+    cache, heard = PrefixCache(16, 4), Recorder()
+    cache.listen(heard)
+    prompt = list(range(10))  # two full blocks
+    running = cache.allocate(12, prompt, None)
+    assert len(heard.blocks) == 2 and not cache.findable()  # told, not yet findable here
+    assert cache.allocate(12, prompt, None).cache_len == 0  # a sibling cannot reuse it yet
+    cache.register(running, prompt, None)
+    assert heard.blocks == cache.findable() and len(heard.log) == 1  # not told twice
+    cancelled = cache.allocate(12, [99] + prompt[1:], None)
+    assert len(heard.blocks) == 4
+    cache.free(cancelled)
+    assert heard.blocks == cache.findable() and heard.log[-1][0] == "removed"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_announced_blocks_add_up_to_the_findable_ones_whatever_the_order(seed):
+    """Requests of shared prefixes allocated together, computed in any order or freed before
+    their prefill: once all are done, the events add up to exactly what is findable."""
+    rng = random.Random(seed)
+    cache, heard = PrefixCache(40, 4), Recorder()
+    cache.listen(heard)
+    prefixes = [[rng.randrange(500) for _ in range(rng.randrange(4, 14))] for _ in range(3)]
+    pending, done = [], []
+    for _ in range(80):
+        if pending and (rng.random() < 0.4 or not cache.can_allocate(24)):
+            allocation, prompt = pending.pop(rng.randrange(len(pending)))
+            if rng.random() < 0.25:
+                cache.free(allocation)  # never computed
+            else:
+                cache.register(allocation, prompt, None)
+                done.append(allocation)
+        elif done and rng.random() < 0.3:
+            cache.free(done.pop(rng.randrange(len(done))))
+        elif cache.can_allocate(24):
+            prompt = rng.choice(prefixes) + [rng.randrange(500) for _ in range(rng.randrange(6))]
+            pending.append((cache.allocate(len(prompt) + 4, prompt, None), prompt))
+        if not pending:  # nothing in flight: nothing announced that is not findable
+            assert heard.blocks == cache.findable()
+    for allocation, _ in pending:
+        cache.free(allocation)
+    for allocation in done:
+        cache.free(allocation)
+    assert heard.blocks == cache.findable()

@@ -10,6 +10,11 @@ router.sched.allocator.BlockAllocator, which serves when prefix caching is off.
 A `listener` (router/events/kv_events.py publishes to fleet routers) hears every change of what is
 findable: `stored(hashes, parent_hash, token_ids, block_size, adapter)` for a run of blocks made
 findable, `removed(hashes)` for evicted ones, `cleared()` when the cache starts over empty.
+As vLLM's scheduler does, `stored` goes out when a prompt's blocks are allocated, before the
+prefill that fills them: a fleet router then sends the prompt's siblings here while it is still
+queued or computing. Those blocks are findable here only once computed; a request freed before
+that (cancelled, preempted, failed) takes its announcement back with `removed`, so once the work
+is done the events add up to exactly what is findable.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ class PrefixCache:
         self._by_hash: dict[int, int] = {}  # chain hash -> the block holding it
         self._hash_of: dict[int, int] = {}  # block -> its chain hash
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unused: oldest use first
+        self._announced: dict[
+            int, int
+        ] = {}  # block -> the hash told to the listener, not yet findable
         self.stats = PrefixStats()
         self.listener = None
 
@@ -98,6 +106,7 @@ class PrefixCache:
         blocks = tuple(matched) + tuple(self._take() for _ in range(needed))
         if token_ids is not None:
             self._count(len(token_ids), len(matched))
+            self._announce(blocks, token_ids, adapter, len(matched))
         slots = tuple(b * self.block_size + o for b in blocks for o in range(self.block_size))[
             :tokens
         ]
@@ -129,6 +138,7 @@ class PrefixCache:
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 del self._refs[block]
+                self._withdraw(block)
                 if block in self._hash_of:
                     self._evictable[block] = None  # most recently used last
                 else:
@@ -141,20 +151,49 @@ class PrefixCache:
         blocks become findable. A hash already held by another block keeps that block."""
         full = min(len(token_ids) // self.block_size, len(allocation.blocks))
         hashes = chain_hashes(token_ids, self.block_size, adapter, full)
-        new = []  # indexes of the blocks made findable now
+        new = []  # indexes of the blocks made findable now, not announced at allocation
         for index, (block, value) in enumerate(zip(allocation.blocks[:full], hashes)):
             if value in self._by_hash or block in self._hash_of:
+                if self._announced.get(block) == value:  # computed twice: the other is findable
+                    del self._announced[block]
                 continue
             self._by_hash[value] = block
             self._hash_of[block] = value
-            new.append(index)
+            if self._announced.pop(block, None) != value:
+                new.append(index)
+        new = [i for i in new if i < self._publishable(token_ids)]
         if self.listener is not None and new:
-            # Blocks from the first image on are not published: a consumer keys blocks by token
-            # ids, and an image's ids (keys, engine/vision/keys.py) are no token ids.
-            plain = next((i for i, t in enumerate(token_ids) if is_image_key(t)), len(token_ids))
-            new = [i for i in new if i < plain // self.block_size]
-            if new:
-                self._tell_stored(new, hashes, token_ids, adapter)
+            self._tell_stored(new, hashes, token_ids, adapter)
+
+    def _publishable(self, token_ids: list[int]) -> int:
+        """Blocks before the first image: a consumer keys blocks by token ids, and an image's
+        ids (keys, engine/vision/keys.py) are no token ids, so later blocks are not published."""
+        plain = next((i for i, t in enumerate(token_ids) if is_image_key(t)), len(token_ids))
+        return plain // self.block_size
+
+    def _announce(
+        self, blocks: tuple[int, ...], token_ids: list[int], adapter: str | None, matched: int
+    ) -> None:
+        """Tell the listener now of the full blocks this prefill will compute (not found here,
+        nor announced by another request computing them at the same time)."""
+        if self.listener is None:
+            return
+        full = min(len(token_ids) // self.block_size, len(blocks), self._publishable(token_ids))
+        hashes = chain_hashes(token_ids, self.block_size, adapter, full)
+        pending = set(self._announced.values())
+        new = []
+        for index in range(matched, full):
+            if hashes[index] not in self._by_hash and hashes[index] not in pending:
+                self._announced[blocks[index]] = hashes[index]
+                new.append(index)
+        if new:
+            self._tell_stored(new, hashes, token_ids, adapter)
+
+    def _withdraw(self, block: int) -> None:
+        """A block announced at allocation is freed before it was computed and made findable."""
+        value = self._announced.pop(block, None)
+        if value is not None and value not in self._by_hash and self.listener is not None:
+            self.listener.removed([value])
 
     def _tell_stored(
         self, new: list[int], hashes: list[int], token_ids: list[int], adapter: str | None
