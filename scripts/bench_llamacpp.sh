@@ -19,7 +19,7 @@
 set -euo pipefail
 
 PRECISION=${1:-fp32}
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PY:-$ROOT/.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 RUNS=${RUNS:-3}
