@@ -1,11 +1,12 @@
 """Where speculation stops paying: decode tokens/s with and without n-gram speculation at batch B.
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_spec_batches.py [BATCHES [RUNS [DTYPE]]]
+    PYTHONPATH=. .venv/bin/python scripts/bench_spec_batches.py [BATCHES [RUNS [DTYPE [WORKLOADS]]]]
 
-BATCHES: comma-separated (default 1,2,4,8), RUNS (3), DTYPE (bfloat16). Two in-process shards of
+BATCHES: comma-separated (default 1,2,4,8), RUNS (3), DTYPE (bfloat16), WORKLOADS (rewrite,compass). Two in-process shards of
 the embedded model, one plain and one with `--speculate ngram --num-speculative-tokens 4`, with
-verify buckets planned up to the largest batch asked for (engine.spec.buckets'
-SPECULATE_MAX_BATCH is raised for this process only). Two workloads, each a closed batch of B
+verify buckets planned at every batch asked for (for this process only: engine.spec.buckets'
+SPECULATE_MAX_BATCH is raised to the largest, and its verify batches are BATCHES rather than the
+small decode batches 1, 2 and 4). Two workloads, each a closed batch of B
 requests sent as one prefill and then decoded to the end:
 
 - rewrite: B copies of scripts/bench_speculative.py's rewrite prompt (input-grounded, greedy, EOS
@@ -33,6 +34,7 @@ from launcher.generate import chat_prompt
 BATCHES = [int(b) for b in (sys.argv[1] if len(sys.argv) > 1 else "1,2,4,8").split(",")]
 RUNS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 DTYPE = sys.argv[3] if len(sys.argv) > 3 else "bfloat16"
+WORKLOADS = (sys.argv[4] if len(sys.argv) > 4 else "rewrite,compass").split(",")
 K = 4
 
 
@@ -83,9 +85,10 @@ def decode_rate(shard: Shard, batch_requests: list[Request], batch_id: int) -> f
 
 def main() -> None:
     spec_buckets.SPECULATE_MAX_BATCH = max(BATCHES)
+    spec_buckets.small_decode_batches = lambda top: [b for b in sorted(BATCHES) if b <= top]
     shards = {"off": make_shard(False), "ngram": make_shard(True)}
     next_id = 1
-    for workload in ("rewrite", "compass"):
+    for workload in WORKLOADS:
         for batch in BATCHES:
             rates: dict[str, list[float]] = {"off": [], "ngram": []}
             before = dict(shards["ngram"].speculator.stats)
