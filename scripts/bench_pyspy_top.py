@@ -2,8 +2,8 @@
 
     python scripts/bench_pyspy_top.py PROFILE.txt [RATE SECONDS [TOP]]
 
-For each process (py-spy's `--subprocesses` puts `process PID:"command"` at the root of each
-stack): its samples, and with RATE and SECONDS how many of the wall's samples its Python threads
+For each process (py-spy's `--subprocesses` starts each stack with `process PID:"command"`
+frames, the process's parents' first): its samples, and with RATE and SECONDS how many of the wall's samples its Python threads
 were busy in (py-spy skips idle threads unless told `--idle`); then the TOP (20) functions by
 self samples (the innermost Python frame: with native code off, a torch op's time is charged to
 the line that called it) and by inclusive samples. Used by scripts/bench_vllm_profile.sh.
@@ -35,7 +35,9 @@ def main() -> None:
         if not line.strip():
             continue
         frames, count = frames_of(line)
-        process = frames[0] if frames[0].startswith("process ") else "process ?"
+        # a child's stack starts with its parents' process frames: the innermost one names it
+        processes = [f for f in frames if f.startswith("process ")]
+        process = processes[-1] if processes else "process ?"
         body = [f for f in frames if not f.startswith(("process ", "thread "))]
         totals[process] += count
         if body:
