@@ -30,7 +30,8 @@ start_ours() {  # $1: port, $2: label; the rest: extra flags
     start=$(now)
     # shellcheck disable=SC2086
     "$PY" -m launcher --device cpu --port "$port" --hostname 127.0.0.1 --max-batch-size "$N" \
-        --max-concurrent-requests "$N" --dtype "$DTYPE" "$@" ${OURS_EXTRA:-} >"$OUT/$label.log" 2>&1 &
+        --max-concurrent-requests "$N" --dtype "$DTYPE" "$@" ${OURS_EXTRA:-} \
+        >"$OUT/$label.log" 2>&1 &
     pid=$!; PIDS+=("$pid")
     echo "$label ready after $(wait_ready "http://127.0.0.1:$port" "$start" "$pid") s"
 }

@@ -33,7 +33,8 @@ mkdir -p "$OUT"
 
 build_server
 MODEL=$(gguf_for bf16)
-HF=$("$PY" -c "from engine.config import default_cache_dir; from engine.weights.loader import resolve_model_dir; print(resolve_model_dir(None, default_cache_dir()))")
+HF=$("$PY" -c "from engine.config import default_cache_dir as cache
+from engine.weights.loader import resolve_model_dir; print(resolve_model_dir(None, cache()))")
 "$PY" "$ROOT/scripts/bench_spec_client.py" --render "$HF" >"$OUT/prompt.txt"
 
 start_ours() {  # $1: port, $2: label; the rest: extra flags
@@ -62,7 +63,8 @@ for config in "${CONFIGS[@]}"; do
     "$SERVER" -m "$MODEL" -np 1 -c 2048 -t "$THREADS" -tb "$THREADS" --host 127.0.0.1 \
         --port 3953 --spec-type "${flags[@]}" >"$OUT/llama.log" 2>&1 &
     llama_pid=$!; PIDS+=("$llama_pid")
-    echo "llama-server --spec-type $config ready after $(wait_ready http://127.0.0.1:3953 "$start" "$llama_pid") s"
+    ready=$(wait_ready http://127.0.0.1:3953 "$start" "$llama_pid")
+    echo "llama-server --spec-type $config ready after $ready s"
     for run in $(seq "$RUNS"); do  # alternating, so a slow spell of the machine hits all alike
         one 3951 "bucketserve-ngram-k$K"
         one 3952 bucketserve-off

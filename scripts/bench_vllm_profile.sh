@@ -28,17 +28,23 @@ OUT=$OUT-profile
 mkdir -p "$OUT"
 
 install_vllm
-MODEL=$("$PY" -c "from engine.config import default_cache_dir; from engine.weights.loader import resolve_model_dir; print(resolve_model_dir(None, default_cache_dir()))")
+MODEL=$("$PY" -c "from engine.config import default_cache_dir as cache
+from engine.weights.loader import resolve_model_dir; print(resolve_model_dir(None, cache()))")
 echo "machine load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 start=$(now)
 start_vllm "$MODEL" 3971 "$N" >"$OUT/vllm.log" 2>&1
 pid=$!; PIDS+=("$pid")
-echo "vLLM CPU $VERSION (batch $N, eager $VLLM_EAGER) ready after $(wait_ready http://127.0.0.1:3971 "$start" "$pid") s"
-bench() { "$PY" "$ROOT/scripts/peer_bench.py" --url http://127.0.0.1:3971 --concurrency "$N" --model bench --label vllm-cpu-bf16; }
+ready=$(wait_ready http://127.0.0.1:3971 "$start" "$pid")
+echo "vLLM CPU $VERSION (batch $N, eager $VLLM_EAGER) ready after $ready s"
+bench() {
+    "$PY" "$ROOT/scripts/peer_bench.py" --url http://127.0.0.1:3971 --concurrency "$N" \
+        --model bench --label vllm-cpu-bf16
+}
 bench | tee -a "$OUT/runs.jsonl"  # warm
-"$PYSPY" record --subprocesses --nonblocking -r "$RATE" -d "$PROFILE_SECONDS" -f raw -o "$OUT/vllm.raw" \
-    -p "$pid" >"$OUT/py-spy.log" 2>&1 &
+"$PYSPY" record --subprocesses --nonblocking -r "$RATE" -d "$PROFILE_SECONDS" -f raw \
+    -o "$OUT/vllm.raw" -p "$pid" >"$OUT/py-spy.log" 2>&1 &
 spy=$!
 while kill -0 "$spy" 2>/dev/null; do bench | tee -a "$OUT/runs.jsonl"; done
 echo "machine load after: $(cut -d' ' -f1-3 /proc/loadavg)"
-"$PY" "$ROOT/scripts/bench_pyspy_top.py" "$OUT/vllm.raw" "$RATE" "$PROFILE_SECONDS" 25 | tee "$OUT/profile.txt"
+"$PY" "$ROOT/scripts/bench_pyspy_top.py" "$OUT/vllm.raw" "$RATE" "$PROFILE_SECONDS" 25 |
+    tee "$OUT/profile.txt"
