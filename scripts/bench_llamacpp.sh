@@ -14,8 +14,8 @@
 # Environment: RUNS (3), CONCURRENCY ("32 128"; 1 for a lone request), SINGLE_TOKENS (128),
 # THREADS (2), PY (the venv's python),
 # KVU (auto: llama-server's unified KV cache, -kvu, for concurrent requests, where it measured
-# 189 -> 332 tok/s in BF16 at 32, and not for a lone one, where it measured 119 -> 98; 1: always;
-# 0: never), LLAMA_EXTRA (extra llama-server flags), OURS_EXTRA (extra bucketserve flags).
+# 189 -> 332 tok/s in BF16 at 32, and not for a lone one, where it measured 119 -> 98 once and
+# 43.2 -> 43.1 (BF16), 62.0 -> 62.9 (Q4_1) in a later run: no gain; 1: always; 0: never), LLAMA_EXTRA (extra llama-server flags), OURS_EXTRA (extra bucketserve flags).
 set -euo pipefail
 
 PRECISION=${1:-fp32}
