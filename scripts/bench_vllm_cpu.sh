@@ -20,7 +20,7 @@
 # VLLM_EAGER (1: --enforce-eager, no compile, for a quick look), VLLM_EXTRA, OURS_EXTRA.
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PY:-$ROOT/.venv/bin/python}
 RUNS=${RUNS:-3}
 CONCURRENCY=${CONCURRENCY:-1 32 128}
@@ -113,6 +113,9 @@ run_concurrency() {
     done
     kill "$ours_pid" "$vllm_pid"; wait "$ours_pid" "$vllm_pid" 2>/dev/null || true
 }
+
+# scripts/bench_vllm_profile.sh sources this file for its functions (and bench_servers.sh's)
+[ -n "${VLLM_FUNCTIONS_ONLY:-}" ] && return
 
 install_vllm
 MODEL=$("$PY" -c "from engine.config import default_cache_dir; from engine.weights.loader import resolve_model_dir; print(resolve_model_dir(None, default_cache_dir()))")

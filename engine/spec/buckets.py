@@ -18,7 +18,11 @@ from engine.buckets.grid import (
     small_decode_batches,
 )
 
-SPECULATE_MAX_BATCH = 4  # the largest batch that speculates (docs/benchmarks.md: not measured yet)
+# The largest batch that speculates. Measured on the 2-core CPU (docs/benchmarks.md, speculative
+# decoding, scripts/bench_spec_batches.py): a verify step costs 1.3-2.0 plain decode steps up to 4
+# rows and 2.0-2.6 at 8 and 16, so above 4 rows only near-copies pay (a rewrite: 1.5-1.6x at 8-16)
+# while free text loses more (0.56x at 8, 0.52x at 16, against 0.65-0.89x at 1-4).
+SPECULATE_MAX_BATCH = 4
 
 
 def verify_buckets(limits: BucketLimits, num_speculative_tokens: int) -> list[VerifyBucket]:
