@@ -171,8 +171,12 @@ class Shard:
             from engine.spec.draft import load_draft
 
             draft = load_draft(config, self.model_config, self.tokenizer, self.adapter, self.dtype)
+        elif config.speculate == "eagle3":
+            from engine.spec.eagle3 import load_eagle3
+
+            draft = load_eagle3(config, self.model, self.model_config, self.adapter, self.dtype)
         elif config.draft_model:
-            raise ModelLoadError("--draft-model is for --speculate draft")
+            raise ModelLoadError("--draft-model is for --speculate draft or eagle3")
         return Speculator(
             config.speculate, config.num_speculative_tokens, SPECULATE_MAX_BATCH, draft=draft
         )
@@ -315,6 +319,8 @@ class Shard:
                 self.speculator.num_tokens,
                 graphless=not self.adapter.warm_runs_forward,
             )
+        if hasattr(self.speculator.draft, "slot_states"):  # EAGLE-3: copied prompts carry them
+            self.runner.kv_cache.extras = self.speculator.draft.slot_states()
 
     def fingerprint(self) -> dict:
         """What a warmup profile's latencies depend on (engine/warmup/profile.py)."""

@@ -59,7 +59,7 @@ SMOOTHING = 0.3
 class Speculator:
     """The shard's speculation settings and counters since warmup."""
 
-    method: str  # "ngram" or "draft"
+    method: str  # "ngram", "draft" or "eagle3"
     num_tokens: int  # K: the most tokens proposed per row and step
     max_batch: int  # larger decode batches do not speculate
     stats: dict = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
