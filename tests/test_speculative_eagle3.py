@@ -147,16 +147,28 @@ def dirs(tmp_path_factory, smollm_dir):
     return found
 
 
-def shards(dirs, variant):
-    plain = tiny_shard(dirs[variant], max_batch_size=4)
-    speculating = tiny_shard(
-        dirs[variant],
-        max_batch_size=4,
-        speculate="eagle3",
-        draft_model=str(dirs[f"{variant}-head"]),
-        num_speculative_tokens=K,
-    )
-    return plain, speculating
+@pytest.fixture(scope="module")
+def shards(dirs):
+    """variant -> (a plain shard on its target, one speculating with its head)."""
+    built = {}
+
+    def get(variant):
+        if variant not in built:
+            plain = tiny_shard(dirs[variant], max_batch_size=4)
+            speculating = tiny_shard(
+                dirs[variant],
+                max_batch_size=4,
+                speculate="eagle3",
+                draft_model=str(dirs[f"{variant}-head"]),
+                num_speculative_tokens=K,
+            )
+            built[variant] = plain, speculating
+        return built[variant]
+
+    yield get
+    for pair in built.values():
+        for shard in pair:
+            shard.clear()
 
 
 def requests_for(batch):
@@ -165,10 +177,10 @@ def requests_for(batch):
 
 
 @pytest.mark.parametrize("variant", list(TARGETS))
-def test_tokens_equal_plain_decoding_at_batch_1_and_mixed(dirs, variant):
+def test_tokens_equal_plain_decoding_at_batch_1_and_mixed(shards, variant):
     """Batch 1, then a mixed batch (four prompt lengths, one seeded sampled row): every row's
     tokens are plain decoding's (the head's proposals are deterministic)."""
-    plain, shard = shards(dirs, variant)
+    plain, shard = shards(variant)
     for batch in ([4], [0, 1, 4, 5]):
         before = dict(shard.speculator.stats)
         assert run(shard, requests_for(batch)) == run(plain, requests_for(batch))
@@ -177,8 +189,8 @@ def test_tokens_equal_plain_decoding_at_batch_1_and_mixed(dirs, variant):
     assert any(shape[0] == "draft" for shape in shard.adapter.shapes.warmed)
 
 
-def test_a_head_that_agrees_with_its_target_has_its_proposals_accepted(dirs):
-    plain, shard = shards(dirs, "bigram")
+def test_a_head_that_agrees_with_its_target_has_its_proposals_accepted(shards):
+    plain, shard = shards("bigram")
     for batch in ([4], [0, 2, 4]):
         before = dict(shard.speculator.stats)
         assert run(shard, requests_for(batch)) == run(plain, requests_for(batch))
@@ -187,6 +199,27 @@ def test_a_head_that_agrees_with_its_target_has_its_proposals_accepted(dirs):
         accepted = stats["spec_accepted"] - before["spec_accepted"]
         assert accepted > 0.9 * proposed > 0
     assert not shard.adapter.shapes.unwarmed
+
+
+def test_the_target_keeps_the_residual_stream_entering_its_aux_layers(dirs, shards):
+    """vLLM's default layers (2, L / 2, L - 3) of the 7-layer llama: at each prompt token's slot,
+    the hidden states transformers reports entering those layers."""
+    import transformers
+
+    from engine.batch import Batch
+
+    _, shard = shards("llama")
+    shard.clear()
+    _, cached = shard.prefill(Batch(1, [build_request(4, 2)]))
+    seq = shard.batches[cached.id][0]
+    prompt = seq.token_ids[:-1]
+    stored = shard.model.aux_cache[seq.slots(0, len(prompt))]
+    model = transformers.AutoModelForCausalLM.from_pretrained(dirs["llama"], dtype=torch.float32)
+    with torch.no_grad():
+        states = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    expected = torch.cat([states[layer][0] for layer in (2, 3, 4)], dim=-1)
+    torch.testing.assert_close(stored, expected, atol=1e-4, rtol=1e-4)
+    shard.clear()
 
 
 @pytest.mark.parametrize(
