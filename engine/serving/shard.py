@@ -35,6 +35,7 @@ from engine.serving.steps import (
     look_ahead_step,
     prefill_step,
 )
+from engine.spec.buckets import warm_verify_gathers
 from engine.spec.step import NO_SPECULATION
 from engine.warmup.progressive import DeviceLock
 from engine.warmup.run import ShardModel, start_up
@@ -291,6 +292,7 @@ class Shard:
         if self.config.warmup_mode != "none":
             with self.device_lock, self.adapter.device_scope():
                 warm_sampler(self.runner, self.model_config.vocab_size)
+                warm_verify_gathers(self.runner, self.model_config.vocab_size)
         start_serving(self.adapter)
         self._start_recording()
         self.runner.padding = PaddingStats()  # serving_stats counts served traffic, not warmup

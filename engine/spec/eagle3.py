@@ -50,7 +50,7 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelConfig
 from engine.models.llama import LayerContext, LlamaAttention, LlamaForCausalLM, LlamaMLP
 from engine.runner import DecodeInput, ModelRunner, PrefillInput, _dummy_decode_rows
-from engine.spec.draft import DraftAdapter, _with_batch
+from engine.spec.draft import DraftAdapter, _with_batch, host_copy
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 AUX_STATES = 3  # low, middle and high layers of the target
@@ -192,7 +192,7 @@ class Eagle3Head(nn.Module):
         out, residual = self.layers[0](context, embeds, hidden)
         prenorm = (out + residual).reshape(-1, self.hidden_size).index_select(0, logits_indices)
         chosen = self._logits(self.norm(prenorm)).argmax(dim=-1)
-        return chosen + self.d2t.index_select(0, chosen), prenorm
+        return chosen + self.d2t.index_select(0, chosen), prenorm.float()
 
     def _logits(self, hidden):
         if self.lm_head is None:
@@ -218,14 +218,14 @@ class Eagle3Runner(ModelRunner):
         """(each row's proposal, its pre-norm hidden state on the host) after `inputs`."""
         kind = "verify" if isinstance(bucket, VerifyBucket) else "prefill"
         tokens, prenorm = self._run((kind, bucket), *self._catch_up_tensors(bucket, inputs))
-        return tokens[: len(inputs)].tolist(), prenorm[: len(inputs)].cpu()
+        return tokens[: len(inputs)].tolist(), host_copy(prenorm)[: len(inputs)]
 
     @torch.inference_mode()
     def draft(self, bucket: DecodeBucket, inputs: list[DecodeInput], own: torch.Tensor):
         """One proposal per row after its latest one; `own`: [rows, hidden] host states."""
         tensors = self._draft_tensors(bucket, inputs, own)
         tokens, prenorm = self._run(("decode", bucket), *tensors)
-        return tokens[: len(inputs)].tolist(), prenorm[: len(inputs)].cpu()
+        return tokens[: len(inputs)].tolist(), host_copy(prenorm)[: len(inputs)]
 
     def _catch_up_tensors(self, bucket, inputs):
         prefill = bucket.as_prefill if isinstance(bucket, VerifyBucket) else bucket
