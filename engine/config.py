@@ -128,7 +128,7 @@ def _strategies() -> tuple[str, ...]:
 
 
 WARMUP_MODES = ("full", "progressive", "none")  # engine/warmup/run.py
-SPECULATORS = ("ngram", "draft")  # engine/spec/: the proposers built so far
+SPECULATORS = ("ngram", "draft", "eagle3")  # engine/spec/: the proposers built so far
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -210,7 +210,8 @@ class SharedKnobs:
         None,
         "speculative decoding: ngram proposes the tokens that followed the latest "
         "n-gram earlier in the prompt or output, draft a smaller model's guesses "
-        "(--draft-model), verified in one forward (default: off)",
+        "(--draft-model), eagle3 an EAGLE-3 head's over the target's hidden states "
+        "(--draft-model DIR), verified in one forward (default: off)",
         choices=SPECULATORS,
     )
     num_speculative_tokens: int = knob(
@@ -254,7 +255,8 @@ class EngineConfig(SharedKnobs):
     draft_model: str | None = knob(
         None,
         "with --speculate draft: the draft model, a smaller causal LM with the target's "
-        "tokenizer (HF directory or .gguf file; the target's dtype)",
+        "tokenizer (HF directory or .gguf file; the target's dtype); with --speculate "
+        "eagle3: the EAGLE-3 head's HF directory",
     )
     draft_quantize: str = knob(
         "none", "the draft model's weights, as --quantize for the target", choices=QUANTIZE_MODES

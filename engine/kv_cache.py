@@ -71,6 +71,7 @@ class KVCache:
         shape = (num_blocks * block_size, kv_heads, head_dim)
         zeros = zeros or (lambda size, kind: torch.zeros(size, dtype=kind, device=device))
         self.layers = [(zeros(shape, dtype), zeros(shape, dtype)) for _ in range(num_layers)]
+        self.extras: list[torch.Tensor] = []  # other per-slot tensors copy_slots carries along
 
     def copy_slots(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Every layer's K and V at slots `source` copied to slots `target` (equal-length index tensors
@@ -79,6 +80,8 @@ class KVCache:
         for keys, values in self.layers:
             keys.index_copy_(0, target, keys.index_select(0, source))
             values.index_copy_(0, target, values.index_select(0, source))
+        for extra in self.extras:  # EAGLE-3's aux hidden states (engine/spec/eagle3.py)
+            extra.index_copy_(0, target, extra.index_select(0, source))
         self.copied_prompts += 1
 
     @staticmethod

@@ -204,7 +204,9 @@ class ModelRunner:
         ids, positions, meta, _, *lora = self._prefill_tensors(bucket.as_prefill, seqs)
         everywhere = self._to_device(torch.arange(bucket.batch_size * bucket.width))
         logits = self._run(("verify", bucket), ids, positions, meta, everywhere, *lora)
-        return logits.view(bucket.batch_size, bucket.width, -1)[: len(seqs)]
+        rows = logits.view(bucket.batch_size, bucket.width, -1)[: len(seqs)]
+        rows.bucket_output = logits  # [batch * width, vocab]: per-position gathers read it whole
+        return rows
 
     def _warm_verify(self, bucket: VerifyBucket, graph: bool) -> None:
         context = [RESERVED_BLOCK] * (bucket.context_blocks * self.block_size)

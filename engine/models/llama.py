@@ -126,6 +126,12 @@ class LlamaForCausalLM(nn.Module):
     }
     decoder_layer = LlamaDecoderLayer
     stage = None  # engine.pipeline.stage.PipelineStage when this model is one stage of a pipeline
+    # EAGLE-3 (engine/spec/eagle3.py): the layers (distinct, ascending) whose input, the residual
+    # stream entering them (vLLM's `hidden_states + residual`), every forward stores concatenated
+    # in `aux_cache` at the tokens' KV slots: one in-graph write at the bucket's shape, as the KV
+    # cache's own.
+    aux_layers: tuple[int, ...] = ()
+    aux_cache: torch.Tensor | None = None  # [KV slots, len(aux_layers) * hidden]
 
     def __init__(
         self,
@@ -170,9 +176,16 @@ class LlamaForCausalLM(nn.Module):
         """The decoder layers over the embedded tokens (or a previous stage's output)."""
         contexts = self.layer_contexts(positions, meta, hidden.dtype)
         lora = None if lora_index is None else self.lora_set.selector(lora_index, hidden.dtype)
-        for layer, kind in zip(self.layers, self.config.layer_types or (FULL,) * len(self.layers)):
+        taken = []
+        kinds = self.config.layer_types or (FULL,) * len(self.layers)
+        for index, (layer, kind) in enumerate(zip(self.layers, kinds)):
+            if index in self.aux_layers:
+                taken.append(hidden)
             hidden = layer(contexts[kind], hidden, lora)
             mark_step()  # HPU lazy mode: a graph per layer compiles far faster than one per model
+        if taken and self.aux_cache is not None:
+            aux = torch.cat(taken, dim=-1).reshape(-1, self.aux_cache.shape[1])
+            self.aux_cache.index_copy_(0, meta.slots.reshape(-1), aux.to(self.aux_cache.dtype))
         return hidden
 
     def final_logits(self, hidden, logits_indices) -> torch.Tensor:
@@ -204,6 +217,13 @@ class LlamaForCausalLM(nn.Module):
     def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):
             layer.self_attn.kv_cache = cache
+        self.aux_cache = None
+        if self.aux_layers and caches[0] is not None:  # one row per KV slot, as the cache has
+            keys = caches[0][0]
+            width = len(self.aux_layers) * self.config.hidden_size
+            self.aux_cache = torch.zeros(
+                (keys.shape[0], width), dtype=self.norm.weight.dtype, device=keys.device
+            )
 
     def rebuild_rotary(self, max_positions: int, device) -> None:
         """Recompute the rope tables after the model was allocated on the meta device."""

@@ -35,6 +35,7 @@ from engine.serving.steps import (
     look_ahead_step,
     prefill_step,
 )
+from engine.spec.buckets import warm_verify_gathers
 from engine.spec.step import NO_SPECULATION
 from engine.warmup.progressive import DeviceLock
 from engine.warmup.run import ShardModel, start_up
@@ -171,8 +172,12 @@ class Shard:
             from engine.spec.draft import load_draft
 
             draft = load_draft(config, self.model_config, self.tokenizer, self.adapter, self.dtype)
+        elif config.speculate == "eagle3":
+            from engine.spec.eagle3 import load_eagle3
+
+            draft = load_eagle3(config, self.model, self.model_config, self.adapter, self.dtype)
         elif config.draft_model:
-            raise ModelLoadError("--draft-model is for --speculate draft")
+            raise ModelLoadError("--draft-model is for --speculate draft or eagle3")
         return Speculator(
             config.speculate, config.num_speculative_tokens, SPECULATE_MAX_BATCH, draft=draft
         )
@@ -287,6 +292,7 @@ class Shard:
         if self.config.warmup_mode != "none":
             with self.device_lock, self.adapter.device_scope():
                 warm_sampler(self.runner, self.model_config.vocab_size)
+                warm_verify_gathers(self.runner, self.model_config.vocab_size)
         start_serving(self.adapter)
         self._start_recording()
         self.runner.padding = PaddingStats()  # serving_stats counts served traffic, not warmup
@@ -315,6 +321,8 @@ class Shard:
                 self.speculator.num_tokens,
                 graphless=not self.adapter.warm_runs_forward,
             )
+        if hasattr(self.speculator.draft, "slot_states"):  # EAGLE-3: copied prompts carry them
+            self.runner.kv_cache.extras = self.speculator.draft.slot_states()
 
     def fingerprint(self) -> dict:
         """What a warmup profile's latencies depend on (engine/warmup/profile.py)."""

@@ -53,3 +53,20 @@ def graph_budget_left(max_graphs: int | None, verify: list[VerifyBucket]) -> int
             "--max-total-tokens)"
         )
     return left
+
+
+def warm_verify_gathers(runner, vocab_size: int) -> None:
+    """Where graphs compile: every gather of one verified position's rows from a verify bucket's
+    output ([batch * width, vocab]) into each sampler row count (engine/spec/step.py)."""
+    if runner is None or not runner.adapter.warm_runs_forward or not runner.plan.verify:
+        return
+    import torch
+
+    from engine.devices.row_merge import gather_rows
+
+    adapter = runner.adapter
+    sizes = sorted({bucket.batch_size for bucket in runner.plan.decode})
+    for flat in sorted({b.batch_size * b.width for b in runner.plan.verify}):
+        source = adapter.to_device(torch.zeros(flat, vocab_size))  # the models' logits: float32
+        for rows in sizes:
+            gather_rows(adapter, source, [0], rows)

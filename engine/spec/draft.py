@@ -155,6 +155,7 @@ class DraftModel:
                 outs = self.runner.decode(
                     [self._next_input(sequences[rows[k]], proposals[rows[k]]) for k in live]
                 )
+                outs = host_copy(outs)  # proposals are chosen on the host (float64, row lists)
                 logits = dict(zip(live, outs))
         for k, i in enumerate(rows):
             if proposals[i]:
@@ -200,7 +201,7 @@ class DraftModel:
             end = min(len(seq.token_ids), self.longest_prefill)
             inputs.append(PrefillInput(seq.token_ids[:end], seq.slots(0, end)))
             state.valid = end
-        out = self.runner.prefill(inputs).logits
+        out = host_copy(self.runner.prefill(inputs).logits)
         for row, k in enumerate(indices):
             logits[k] = out[row]
 
@@ -220,7 +221,7 @@ class DraftModel:
             )
             for seq, s, chunk in zip(seqs, states, chunks)
         ]
-        out = self.runner.verify(bucket, inputs)
+        out = host_copy(self.runner.verify(bucket, inputs))
         for row, (k, s, chunk) in enumerate(zip(indices, states, chunks)):
             s.valid += len(chunk)
             logits[k] = out[row, len(chunk) - 1]
@@ -239,6 +240,13 @@ class DraftModel:
             q = scores[row].double().softmax(dim=0)
             chosen.append((draw(q, state.generator), q))
         return chosen
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A float32 device result as a host tensor of its own: per-row host work (float64 math, row
+    lists) then builds no device graph. (`.cpu()` alone is no copy where the device is the CPU,
+    as under --simulate hpu.)"""
+    return torch.from_numpy(tensor.float().cpu().numpy())
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:

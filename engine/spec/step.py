@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.batch import Generation, Tokens
+from engine.devices.row_merge import gather_rows
 from engine.runner import PrefillInput
 from engine.sampling.sampler import (
     Choice,
@@ -38,7 +39,7 @@ from engine.sampling.sampler import (
     is_sampling,
     process_scores,
 )
-from engine.spec.draft import draw
+from engine.spec.draft import draw, host_copy
 from engine.spec.ngram import NgramIndex
 
 COUNTERS = ("spec_steps", "spec_proposed", "spec_accepted", "spec_emitted")
@@ -59,7 +60,7 @@ SMOOTHING = 0.3
 class Speculator:
     """The shard's speculation settings and counters since warmup."""
 
-    method: str  # "ngram" or "draft"
+    method: str  # "ngram", "draft" or "eagle3"
     num_tokens: int  # K: the most tokens proposed per row and step
     max_batch: int  # larger decode batches do not speculate
     stats: dict = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
@@ -207,10 +208,11 @@ def _accept(ctx, sequences, proposals, dists, logits, advance) -> list[Generatio
         out = []
         if choosing:
             rows = [sequences[i] for i in choosing]
-            out += advance(ctx, rows, logits[choosing, position])
+            out += advance(ctx, rows, _at_position(ctx.runner, logits, choosing, position))
         if rejecting:
             rows = [sequences[i] for i in rejecting]
-            scores = logits[rejecting, position]
+            scores = _at_position(ctx.runner, logits, rejecting, position)
+            scores = host_copy(scores)[: len(rejecting)]  # the rule's float64 math: on the host
             drafted = [(proposals[i][position], dists[i][position]) for i in rejecting]
             choice = _rejection_choice(ctx, rows, scores, drafted)
             out += advance(ctx, rows, scores, choice=choice)
@@ -231,6 +233,18 @@ def _accept(ctx, sequences, proposals, dists, logits, advance) -> list[Generatio
         if not active:
             break
     return [_merged(emitted[seq.id]) for seq in sequences if seq.id in emitted]
+
+
+def _at_position(runner, logits, indices: list[int], position: int) -> torch.Tensor:
+    """The verify logits of rows `indices` at `position`. Where graphs compile, a gather from the
+    verify bucket's whole output into the sampler's padded rows: its own warmed graph
+    (engine/spec/buckets.py's warm_verify_gathers), so the sampler meets its warmed shape."""
+    if not runner.adapter.warm_runs_forward:
+        return logits[indices, position]
+    width = logits.shape[1]
+    rows = runner.plan.sampler_rows(len(indices))
+    flat = [i * width + position for i in indices]
+    return gather_rows(runner.adapter, logits.bucket_output, flat, rows)
 
 
 def _has_dist(dists, position: int, seq) -> bool:
