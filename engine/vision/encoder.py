@@ -267,6 +267,10 @@ class ImageEncoder:
     def warm_bucket(self, bucket: ImageBucket, graph: bool = True) -> None:
         self.adapter.warm(self.shape(bucket), self._tower, self.dummy_input(bucket), graph=graph)
 
+    def replay(self, bucket: ImageBucket) -> None:
+        """One served run at `bucket` on zero pixels (`bucketserve check-shapes`)."""
+        self.adapter.run(self.shape(bucket), self._tower, self.dummy_input(bucket))
+
     def warm(self) -> None:
         """Every planned image bucket (warmup warms them one by one, engine/warmup/warm.py)."""
         for bucket in self.planned:
