@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from engine.batch import (
@@ -134,6 +135,10 @@ def replay_shapes(shard, shapes) -> list[str]:
     runner, problems = shard.runner, []
     for number, shape in enumerate(shapes, 1):
         rows = shape.batch_size
+        if shape.phase == "image":  # a vision tower's run
+            run = partial(_replay_image, shard, shape)
+            problems += _step(shard, f"line {number}", json.dumps(shape.as_json()), run)
+            continue
 
         def run(shape=shape, rows=rows):
             if shape.phase == "prefill":
@@ -157,6 +162,19 @@ def replay_shapes(shard, shapes) -> list[str]:
 
         problems += _step(shard, f"line {number}", json.dumps(shape.as_json()), run)
     return problems
+
+
+def _replay_image(shard, shape) -> None:
+    """The tower at the image buckets a run of that many inputs of that size uses."""
+    from engine.buckets.images import ImageBucket, split_run
+
+    if shard.vision is None:
+        raise ValueError("an image record, for a model that takes no images")
+    tower = shard.vision
+    for _, bucket in split_run(tower.planned, shape.batch_size, shape.size) or [
+        (shape.batch_size, ImageBucket(shape.batch_size, shape.size))
+    ]:
+        tower.replay(bucket)
 
 
 def _requests(i: int, record: dict) -> list[Request]:

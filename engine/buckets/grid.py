@@ -159,12 +159,16 @@ class BucketPlan:
     latency: Mapping | None = field(default=None, compare=False, repr=False)
     # Speculative decoding's verify buckets (engine/spec/buckets.py); none without --speculate.
     verify: tuple[VerifyBucket, ...] = ()
+    # A vision-language model's tower shapes (engine/buckets/images.py); none for a text model.
+    # Warmed with the rest, but not among `buckets`: the tower runs them, not the runner.
+    images: tuple = ()
 
     def __post_init__(self) -> None:
         # Tuples keep the frozen plan hashable and immune to a caller's list edits.
         object.__setattr__(self, "prefill", tuple(self.prefill))
         object.__setattr__(self, "decode", tuple(self.decode))
         object.__setattr__(self, "verify", tuple(self.verify))
+        object.__setattr__(self, "images", tuple(self.images))
 
     @property
     def graphs(self) -> int:
@@ -184,6 +188,7 @@ class BucketPlan:
             tuple(b for b in self.decode if b in keep),
             self.latency,
             tuple(b for b in self.verify if b in keep),
+            self.images,  # warmed before any other bucket (engine/warmup/run.py)
         )
 
     def sampler_rows(self, count: int) -> int:

@@ -1,7 +1,8 @@
 """One entry point for every bucket strategy, and the checks a plan from outside must pass.
 
 Grid strategies (linear, exponential, padding) need only the limits; `file` reads the buckets from
-a JSON file; `fitted` fits them to a recorded trace under a graph budget.
+a JSON file; `fitted` fits them to a recorded trace under a graph budget. A vision-language model's
+image buckets (engine/buckets/images.py) are planned beside them by `image_plan`.
 """
 
 from __future__ import annotations
@@ -67,7 +68,24 @@ def with_every_decode_batch(plan: BucketPlan) -> BucketPlan:
         for n in range(below[bucket.batch_size] + 1, bucket.batch_size)
     }
     decode = sorted(set(plan.decode) | extra, key=lambda b: (b.batch_size, b.num_blocks))
-    return BucketPlan(plan.prefill, tuple(decode), plan.latency)
+    return BucketPlan(plan.prefill, tuple(decode), plan.latency, plan.verify, plan.images)
+
+
+def image_plan(strategy: str, images, shapes=None, bucket_file=None) -> tuple:
+    """The image buckets of a tower of limits `images` (engine.buckets.images.ImageLimits; None:
+    a text model, none): a bucket file's `image_buckets` when it has them, fitted to the trace's
+    image records for fitted, else the grid. Checked against the tower's limits."""
+    from engine.buckets.images import image_problems, plan_images
+
+    if images is None:
+        return ()
+    planned = load_bucket_file(bucket_file).images if strategy == "file" and bucket_file else ()
+    buckets = plan_images(strategy, images, shapes, planned)
+    problems = image_problems(buckets, images)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ValueError(f"{bucket_file if planned else strategy + ' plan'}: {problems[0]}{more}")
+    return buckets
 
 
 def _recorded_contexts(shapes) -> set:
@@ -151,7 +169,10 @@ def _fitted(limits: BucketLimits, shapes, max_graphs: int | None) -> BucketPlan:
 
 def load_bucket_file(path: str | Path) -> BucketPlan:
     """{"prefill_buckets": [[bs, seq], ...], "decode_buckets": [[bs, blocks], ...]}: the shape
-    `engine buckets --json` prints and profile.json holds, so either can be passed back in."""
+    `engine buckets --json` prints and profile.json holds, so either can be passed back in; and,
+    for a vision-language model, optionally "image_buckets": [[inputs, size], ...]."""
+    from engine.buckets.images import ImageBucket
+
     try:
         data = json.loads(Path(path).read_text())
     except json.JSONDecodeError as err:
@@ -163,6 +184,7 @@ def load_bucket_file(path: str | Path) -> BucketPlan:
     return BucketPlan(
         tuple(_buckets(path, data["prefill_buckets"], PrefillBucket)),
         tuple(_buckets(path, data["decode_buckets"], DecodeBucket)),
+        images=tuple(_buckets(path, data.get("image_buckets", ()), ImageBucket)),
     )
 
 

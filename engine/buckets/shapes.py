@@ -6,6 +6,9 @@ One line per forward request the runner received, before any bucket padding or s
   {"phase": "decode", "batch_size": b, "num_blocks": k}    k: KV blocks of the whole batch
   {"phase": "verify", "batch_size": b, "width": w, "context_blocks": c}   speculative decoding:
       w tokens a row (its latest and its proposals) after at most c cached blocks (engine/spec/)
+  {"phase": "image", "batch_size": n, "size": s}    a vision tower's run: n inputs (images, or
+      tiles) of size s (a tile's side in pixels, or a dynamic-resolution model's own size key),
+      all the inputs of one encode, before they are split or padded (engine/buckets/images.py)
 Standard library only: the `buckets` command reads traces without importing torch.
 """
 
@@ -17,14 +20,16 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-SIZE_KEY = {"prefill": "seq_len", "decode": "num_blocks", "verify": "width"}
+SIZE_KEY = {"prefill": "seq_len", "decode": "num_blocks", "verify": "width", "image": "size"}
 
 
 @dataclass(frozen=True)
 class Shape:
-    phase: str  # "prefill", "decode" or "verify"
+    phase: str  # "prefill", "decode", "verify" or "image"
     batch_size: int  # real rows of the batch
-    size: int  # prefill: longest prompt in tokens; decode: KV blocks of the whole batch
+    size: (
+        int  # prefill: longest prompt in tokens; decode: KV blocks of the whole batch; image: size
+    )
     context_blocks: int = 0  # prefill: most cached context blocks of a row (prefix cache, chunks)
 
     def as_json(self) -> dict:
@@ -49,7 +54,7 @@ def parse_shape(text: str) -> Shape:
     except json.JSONDecodeError as err:
         raise ValueError(f"not JSON ({err.msg})") from None
     if not isinstance(record, dict) or record.get("phase") not in SIZE_KEY:
-        raise ValueError('expected {"phase": "prefill"|"decode"|"verify", ...}')
+        raise ValueError('expected {"phase": "prefill"|"decode"|"verify"|"image", ...}')
     phase = record["phase"]
     key = SIZE_KEY[phase]
     for name in ("batch_size", key):
@@ -57,7 +62,7 @@ def parse_shape(text: str) -> Shape:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{phase} record needs a positive integer {name!r}, got {value!r}")
     context = record.get("context_blocks", 0)
-    if phase == "decode" and "context_blocks" in record:
+    if phase in ("decode", "image") and "context_blocks" in record:
         raise ValueError("context_blocks belongs to verify and prefill records only")
     if not isinstance(context, int) or isinstance(context, bool) or context < 0:
         raise ValueError(
@@ -109,6 +114,9 @@ class ShapeRecorder:
 
     def verify(self, batch_size: int, width: int, context_blocks: int) -> None:
         self.record(Shape("verify", batch_size, width, context_blocks))
+
+    def image(self, count: int, size: int) -> None:
+        self.record(Shape("image", count, size))
 
     def close(self) -> None:
         self._file.close()

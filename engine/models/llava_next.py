@@ -47,12 +47,14 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
         (height, width): transformers' LlavaNextModel.pack_image_features itself."""
         from transformers.models.llava_next.modeling_llava_next import LlavaNextModel
 
+        from engine.vision.encoder import to_host  # the tiles' features are on the host
+
         owner = SimpleNamespace(config=self.hf_config)
         packed, _ = LlavaNextModel.pack_image_features(
             owner,
             list(tiles),
             torch.tensor(sizes),
             vision_feature_select_strategy=self.select,
-            image_newline=self.row_end.image_newline,
+            image_newline=to_host(self.row_end.image_newline).to(tiles[0].dtype),
         )
         return packed

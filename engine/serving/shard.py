@@ -270,7 +270,13 @@ class Shard:
         self.adapter.release_memory(self.model)  # and what still holds it or caches its memory
         self.adapter.shapes.clear()  # new limits, new cache: only what this warmup runs counts as warm
         parts = ShardModel(
-            self.model, self.model_config, self.adapter, self.dtype, self.block_size, self.world
+            self.model,
+            self.model_config,
+            self.adapter,
+            self.dtype,
+            self.block_size,
+            self.world,
+            tower=self.vision,  # its image buckets are planned and warmed with the rest
         )
         with self.adapter.device_scope():
             warmed = start_up(
@@ -278,9 +284,6 @@ class Shard:
             )
         self.runner, self.background = warmed.runner, warmed.background
         self._warm_draft(limits, warmed.num_blocks)
-        if self.vision is not None:  # the tower's image buckets, warmed with the rest
-            with self.device_lock:
-                self.vision.warm()
         self.warmup_log = warmed.phases  # per-phase and per-bucket times and memory
         self.allocator, self.limits = ShardBlockPool(warmed.num_blocks), limits
         self.contents = BlockContents(self.block_size) if self.config.prefix_caching else None
@@ -369,6 +372,8 @@ class Shard:
 
             self.recorder = self.recorder or ShapeRecorder(self.config.record_shapes)
             self.runner.recorder = self.recorder
+            if self.vision is not None:  # and the tower's runs
+                self.vision.recorder = self.recorder
 
     def serving_stats(self) -> dict:
         """Padding and unwarmed-shape counts since warmup, for the router's metrics; and for its front

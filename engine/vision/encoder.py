@@ -1,9 +1,20 @@
 """A vision-language model's images on the shard: each prompt's text with its images expanded to
 image tokens (as the router counts it, engine/vision/spec.py), the images preprocessed by the
-model's own transformers image processor, and the tower run at planned image-batch buckets
-(1, 2, 4, ... images), warmed with the language model's buckets. Features are kept by the
-image's content hash, so an image sent again (the next turn of a chat, `n` > 1) is not encoded
-again."""
+model's own transformers image processor, and the tower run at the plan's image buckets
+(engine/buckets/images.py: `(count, size)` tower inputs), warmed with the language model's
+buckets. Features are kept by the image's content hash, so an image sent again (the next turn of
+a chat, `n` > 1) is not encoded again.
+
+The image-shape interface: a model whose tower inputs are not the default (LLaVA's: the image's
+tiles, `spec.tiles(width, height)`, each of the tower's `spec.image_size`) defines
+
+- `image_shape_key(width, height) -> (count, size)`: the tower inputs one image becomes and their
+  size key (a dynamic-resolution model: e.g. its patch grid's, bucketed like sequence lengths);
+- `image_size_keys() -> tuple[int, ...]`: the size keys the plan warms (its processor resizes or
+  pads an image to the smallest of them that holds it, `ImageEncoder.planned_size`).
+
+Inputs of one size run together, split and padded along `count` (the first axis) to the
+planned buckets; an image whose size no warmed bucket holds is refused in strict mode."""
 
 from __future__ import annotations
 
@@ -16,11 +27,13 @@ from dataclasses import replace
 import torch
 
 from engine.batch import ImageInput, Request
-from engine.errors import InvalidRequestError
+from engine.buckets.images import ImageBucket, ImageLimits, image_grid, split_run
+from engine.errors import InvalidRequestError, UnwarmedShapeError
 from engine.vision.keys import image_spans, keyed_ids
 from engine.vision.spec import ImageSpec
 
 CACHED_IMAGES = 64  # features of this many recent images are kept
+MAX_TOWER_INPUTS = 8  # the largest tower run, in inputs (images or tiles)
 
 
 def images_of(request: Request) -> list[ImageInput]:
@@ -44,17 +57,21 @@ def sized(request_id: int, chunk):
     return replace(chunk, width=width, height=height)
 
 
-def image_buckets(max_images: int) -> tuple[int, ...]:
-    """Image-batch sizes the tower runs at: powers of two up to max_images, and max_images."""
-    sizes, size = [], 1
-    while size < max_images:
-        sizes.append(size)
-        size *= 2
-    return tuple(sizes + [max_images])
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A fresh host tensor of a device tensor's values, so what runs on it afterwards (LLaVA-NeXT's
+    packing, whose shapes follow each image's grid) is no device op and compiles no graph. Through
+    numpy: on the simulator's CPU `.cpu()` hands back the device tensor itself, and numpy's copy is
+    the host read that it is (numpy has no bfloat16: its bits travel as int16)."""
+    host = tensor.detach().cpu()
+    if host.dtype == torch.bfloat16:
+        return torch.from_numpy(host.view(torch.int16).numpy().copy()).view(torch.bfloat16)
+    return torch.from_numpy(host.numpy().copy())
 
 
 class ImageEncoder:
-    def __init__(self, model, model_dir, tokenizer, spec: ImageSpec, adapter, max_images: int = 8):
+    def __init__(
+        self, model, model_dir, tokenizer, spec: ImageSpec, adapter, max_images=MAX_TOWER_INPUTS
+    ):
         from transformers import AutoImageProcessor
 
         try:
@@ -63,9 +80,29 @@ class ImageEncoder:
             raise InvalidRequestError(f"cannot load the model's image processor: {error}") from None
         self.model, self.tokenizer, self.spec, self.adapter = model, tokenizer, spec, adapter
         self.token_text = tokenizer.convert_ids_to_tokens(spec.image_token_id)
-        self.buckets = image_buckets(max_images)
+        self.limits = ImageLimits(max_images, self._size_keys())
+        self.planned: tuple[ImageBucket, ...] = image_grid(self.limits)  # warmup sets the plan's
+        self.recorder = None  # engine.buckets.shapes.ShapeRecorder of --record-shapes
         self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.stats = {"images_encoded": 0, "encoder_ns": 0, "image_cache_hits": 0}
+
+    # --- the image-shape interface (module doc) ---------------------------------------------------
+
+    def _size_keys(self) -> tuple[int, ...]:
+        own = getattr(self.model, "image_size_keys", None)
+        return tuple(own()) if own is not None else (self.spec.image_size,)
+
+    def shape_key(self, image: ImageInput) -> tuple[int, int]:
+        """(tower inputs, size key) of one image: the model's own, else its tiles at the tower's
+        resolution."""
+        own = getattr(self.model, "image_shape_key", None)
+        if own is not None:
+            return tuple(own(image.width, image.height))
+        return self.spec.tiles(image.width, image.height), self.spec.image_size
+
+    def planned_size(self, size: int) -> int | None:
+        """The smallest warmed size key that holds `size` (None: none does)."""
+        return min((b.size for b in self.planned if b.size >= size), default=None)
 
     # --- the prompt ------------------------------------------------------------------------------
 
@@ -147,8 +184,11 @@ class ImageEncoder:
     def _encode(self, request_id: int, images: list[ImageInput]) -> list[torch.Tensor]:
         """Each image's [tokens, hidden]: its tiles through the tower, then packed."""
         start = time.perf_counter_ns()
+        size = self._checked_size(request_id, images)
         tiles, counts = self._pixels(request_id, images)
-        features = self._run_tower(tiles)
+        if self.recorder is not None:
+            self.recorder.image(len(tiles), size)
+        features = self._run_tower(tiles, size)
         grouped, first = [], 0
         for count in counts:
             grouped.append(torch.stack(features[first : first + count]))
@@ -174,25 +214,64 @@ class ImageEncoder:
         counts = [self.spec.tiles(i.width, i.height) for i in images]  # the rest is padding
         return torch.cat([p[:n] for p, n in zip(pixels, counts)]), counts
 
-    def _run_tower(self, pixels: torch.Tensor) -> list[torch.Tensor]:
-        """Each tile's features; the tower runs at bucket shapes (padding tiles are zeros)."""
-        out, largest = [], self.buckets[-1]
-        for first in range(0, len(pixels), largest):
-            part = pixels[first : first + largest]
-            bucket = next(b for b in self.buckets if b >= len(part))
-            padded = torch.zeros((bucket, *part.shape[1:]), dtype=part.dtype)
-            padded[: len(part)] = part
-            padded = padded.to(self.adapter.torch_device)
-            features = self.adapter.run(self.shape(bucket), self.model.image_features, padded)
-            out += list(features[: len(part)])
+    def _checked_size(self, request_id: int, images: list[ImageInput]) -> int:
+        """The one size key of the images' tower inputs. In strict mode an image whose size no
+        warmed image bucket holds is refused here, naming it, before anything runs."""
+        keys = [self.shape_key(image) for image in images]
+        sizes = {size for _, size in keys}
+        if len(sizes) > 1:
+            raise InvalidRequestError(
+                f"request {request_id}: images of tower sizes {sorted(sizes)} in one encode"
+            )
+        size = sizes.pop()
+        if self.planned_size(size) is None and self.adapter.shapes.strict:
+            image = images[0]
+            warmed = ", ".join(f"[{b.count}, {b.size}]" for b in self.planned)
+            raise UnwarmedShapeError(
+                f"request {request_id}: an image of {image.width}x{image.height} pixels needs the "
+                f"vision tower at size {size}, which no warmed image bucket holds (image "
+                f"buckets [inputs, size]: {warmed})"
+            )
+        return size
+
+    def _run_tower(self, pixels: torch.Tensor, size: int) -> list[torch.Tensor]:
+        """Each input's features, on the host; the tower runs at the plan's image buckets
+        (padding inputs are zeros), or, lenient, at the exact shape where none holds the size."""
+        runs = split_run(self.planned, len(pixels), size) or [
+            (len(pixels), ImageBucket(len(pixels), size))
+        ]
+        out, first = [], 0
+        for count, bucket in runs:
+            part = pixels[first : first + count]
+            first += count
+            padded = torch.zeros((bucket.count, *part.shape[1:]), dtype=part.dtype)
+            padded[:count] = part
+            features = self.adapter.run(
+                self.shape(bucket), self._tower, self.adapter.to_device(padded)
+            )
+            out += list(to_host(features[:count]))
         self.adapter.synchronize()
         return out
 
-    def shape(self, bucket: int) -> tuple:
-        return ("vision", bucket, self.spec.image_size)
+    def _tower(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The tower's graph: features in float32, as the prompt's embeddings take them."""
+        return self.model.image_features(pixels).float()
+
+    def shape(self, bucket: ImageBucket) -> tuple:
+        return ("vision", bucket.count, bucket.size)
+
+    def dummy_input(self, bucket: ImageBucket) -> torch.Tensor:
+        """Zero pixels of the bucket's shape: square tiles of its size."""
+        return self.adapter.to_device(torch.zeros((bucket.count, 3, bucket.size, bucket.size)))
+
+    def warm_bucket(self, bucket: ImageBucket, graph: bool = True) -> None:
+        self.adapter.warm(self.shape(bucket), self._tower, self.dummy_input(bucket), graph=graph)
+
+    def replay(self, bucket: ImageBucket) -> None:
+        """One served run at `bucket` on zero pixels (`bucketserve check-shapes`)."""
+        self.adapter.run(self.shape(bucket), self._tower, self.dummy_input(bucket))
 
     def warm(self) -> None:
-        size = self.spec.image_size
-        for bucket in self.buckets:
-            pixels = torch.zeros((bucket, 3, size, size), device=self.adapter.torch_device)
-            self.adapter.warm(self.shape(bucket), self.model.image_features, pixels)
+        """Every planned image bucket (warmup warms them one by one, engine/warmup/warm.py)."""
+        for bucket in self.planned:
+            self.warm_bucket(bucket)

@@ -4,7 +4,8 @@
 DIR/profile.json (and plots, engine/warmup/plots.py). `engine serve --warmup-profile
 DIR/profile.json` then warms exactly those buckets, skipping planning, and picks buckets by
 measured latency. Latencies hold only for the setup they were measured on, so a profile carries
-a fingerprint of it and a shard refuses one measured elsewhere.
+a fingerprint of it and a shard refuses one measured elsewhere. A vision-language model's image
+buckets (engine/buckets/images.py) are measured and reused likewise (entries of phase "image").
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import hashlib
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from engine.buckets.grid import BucketLimits, BucketPlan, DecodeBucket, PrefillBucket, VerifyBucket
+from engine.buckets.images import ImageBucket
 
 PROFILE_VERSION = 1
 
@@ -69,7 +72,9 @@ def check_fingerprint(path, measured: dict, current: dict) -> None:
         )
 
 
-def bucket_of(entry: dict) -> PrefillBucket | DecodeBucket | VerifyBucket:
+def bucket_of(entry: dict) -> PrefillBucket | DecodeBucket | VerifyBucket | ImageBucket:
+    if entry["phase"] == "image":
+        return ImageBucket(entry["batch_size"], entry["size"])
     if entry["phase"] == "verify":
         return VerifyBucket(entry["batch_size"], entry["width"], entry["context_blocks"])
     if entry["phase"] == "prefill":
@@ -77,8 +82,12 @@ def bucket_of(entry: dict) -> PrefillBucket | DecodeBucket | VerifyBucket:
     return DecodeBucket(entry["batch_size"], entry["num_blocks"])
 
 
-def plan_from_profile(path, limits: BucketLimits, current_fingerprint: dict) -> BucketPlan:
-    """Exactly the profile's buckets, choosing among them by measured latency."""
+def plan_from_profile(
+    path, limits: BucketLimits, current_fingerprint: dict, images=None
+) -> BucketPlan:
+    """Exactly the profile's buckets, choosing among them by measured latency; `images` (a vision
+    tower's ImageLimits): its image buckets too (the grid's for a profile that has none)."""
+    from engine.buckets.images import image_grid, image_problems
     from engine.buckets.plan import check_plan
 
     data = read_profile(path)
@@ -89,8 +98,16 @@ def plan_from_profile(path, limits: BucketLimits, current_fingerprint: dict) -> 
         tuple(b for b in buckets if isinstance(b, DecodeBucket)),
         latency=buckets,
         verify=tuple(b for b in buckets if isinstance(b, VerifyBucket)),
+        images=tuple(b for b in buckets if isinstance(b, ImageBucket))
+        if images is not None
+        else (),
     )
     check_plan(plan, limits, f"{path} (the limits differ from the profile's)")
+    if images is not None:
+        plan = replace(plan, images=plan.images or image_grid(images))
+        problems = image_problems(plan.images, images)
+        if problems:
+            raise ValueError(f"{path} (the profile's image buckets): {problems[0]}")
     return plan
 
 
@@ -98,11 +115,15 @@ def time_bucket(runner, bucket, runs: int) -> list[float]:
     """Seconds of `runs` served forwards (adapter.run: replays, not captures) at a warmed bucket.
 
     The dummy inputs are the ones runner.warm builds: its call to adapter.warm is intercepted for
-    them, so the profile times exactly what warmup ran, LoRA inputs and all."""
+    them, so the profile times exactly what warmup ran, LoRA inputs and all. `runner` may be a
+    vision tower's ImageEncoder, for an image bucket: its warm_bucket is intercepted alike."""
     adapter, calls = runner.adapter, []
     adapter.warm = lambda shape, fn, *args, graph=True: calls.append((shape, fn, args))
     try:
-        runner.warm(bucket)
+        if isinstance(bucket, ImageBucket):
+            runner.warm_bucket(bucket)
+        else:
+            runner.warm(bucket)
     finally:
         del adapter.warm  # back to the class's method
     shape, fn, args = calls[0]
@@ -116,6 +137,13 @@ def time_bucket(runner, bucket, runs: int) -> list[float]:
 
 
 def bucket_entry(bucket, warm, seconds: list[float]) -> dict:
+    if isinstance(bucket, ImageBucket):
+        return {
+            "phase": "image",
+            "batch_size": bucket.count,
+            "size": bucket.size,
+            **_figures(warm, seconds),
+        }
     if isinstance(bucket, VerifyBucket):
         phase, size = "verify", {"width": bucket.width, "context_blocks": bucket.context_blocks}
     elif isinstance(bucket, PrefillBucket):
@@ -123,10 +151,11 @@ def bucket_entry(bucket, warm, seconds: list[float]) -> dict:
         size = {"seq_len": bucket.seq_len, "context_blocks": bucket.context_blocks}
     else:
         phase, size = "decode", {"num_blocks": bucket.num_blocks}
+    return {"phase": phase, "batch_size": bucket.batch_size, **size, **_figures(warm, seconds)}
+
+
+def _figures(warm, seconds: list[float]) -> dict:
     return {
-        "phase": phase,
-        "batch_size": bucket.batch_size,
-        **size,
         "warm_s": warm.seconds,
         "latency_s": statistics.median(seconds),
         "latency_runs_s": seconds,
@@ -141,9 +170,8 @@ def measure(shard, runs: int) -> list[dict]:
     entries = []
     with torch.inference_mode():
         for warm in shard.warmup_log.buckets:
-            entries.append(
-                bucket_entry(warm.bucket, warm, time_bucket(shard.runner, warm.bucket, runs))
-            )
+            owner = shard.vision if isinstance(warm.bucket, ImageBucket) else shard.runner
+            entries.append(bucket_entry(warm.bucket, warm, time_bucket(owner, warm.bucket, runs)))
     return entries
 
 
@@ -167,6 +195,7 @@ def write_profile(out_dir: Path, shard, entries: list[dict], strategy: str, extr
         "decode_buckets": [
             [e["batch_size"], e["num_blocks"]] for e in entries if e["phase"] == "decode"
         ],
+        "image_buckets": [[e["batch_size"], e["size"]] for e in entries if e["phase"] == "image"],
         "buckets": entries,
         "warmup_phases": [
             {"phase": n, "seconds": s, "free_bytes": f} for n, s, f in shard.warmup_log.phases
@@ -187,8 +216,8 @@ def summary_table(entries: list[dict]) -> str:
         f"{'memory MiB':>11}"
     ]
     for e in entries:
-        size = e.get("seq_len", e.get("num_blocks", e.get("width")))
-        context = e.get("context_blocks", 0) if e["phase"] != "decode" else "-"
+        size = e.get("seq_len", e.get("num_blocks", e.get("width", e.get("size"))))
+        context = e.get("context_blocks", 0) if e["phase"] not in ("decode", "image") else "-"
         lines.append(
             f"{e['phase']:8} {e['batch_size']:>4} {size:>10} {context:>10} {e['warm_s']:>8.2f} "
             f"{e['latency_s'] * 1e3:>10.2f} {e['memory_bytes'] / 2**20:>11.1f}"

@@ -12,7 +12,7 @@ warming in progressive.py.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.buckets.grid import BucketLimits, BucketPlan
 from engine.config import WARMUP_MODES, EngineConfig, ServingLimits
@@ -22,7 +22,13 @@ from engine.runner import ModelRunner
 from engine.warmup.budget import GraphBudget, split_free_memory
 from engine.warmup.memory import profile_free_memory, size_kv_cache
 from engine.warmup.progressive import BackgroundWarmup, DeviceLock, start_progressive
-from engine.warmup.warm import PhaseLog, report, warm_buckets, warmup_order
+from engine.warmup.warm import (
+    PhaseLog,
+    report,
+    warm_buckets,
+    warm_image_buckets,
+    warmup_order,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +43,7 @@ class ShardModel:
     dtype: object  # torch.dtype
     block_size: int
     parallel: Parallel
+    tower: object = None  # a vision-language model's ImageEncoder (engine/vision/encoder.py)
 
 
 @dataclass
@@ -73,8 +80,17 @@ def start_up(
     planned = bucket_limits(
         limits, shard.block_size, cache.num_blocks, chunked=config.prefix_caching
     )
-    plan = plan_for(config, planned, fingerprint, graphless=not adapter.warm_runs_forward)
+    tower = shard.tower
+    images = tower.limits if tower is not None else None
+    plan = plan_for(
+        config, planned, fingerprint, graphless=not adapter.warm_runs_forward, images=images
+    )
     runner = ModelRunner(shard.model, adapter, cache, plan, shard.dtype)
+    if tower is not None:  # first: few, and the encoder runs them from the first request on
+        tower.planned = plan.images
+        if config.warmup_mode != "none":
+            phases.buckets += warm_image_buckets(tower, plan.images, show_progress, lock)
+            phases.mark("image buckets")
     background = run_warmup(
         runner,
         plan,
@@ -153,17 +169,18 @@ def build_plan(
 
 
 def plan_for(
-    config, limits: BucketLimits, fingerprint: dict, graphless: bool = False
+    config, limits: BucketLimits, fingerprint: dict, graphless: bool = False, images=None
 ) -> BucketPlan:
     """The shard's buckets: a warmup profile's exactly (with its latencies), else the strategy's;
-    `graphless` (a device that compiles nothing) adds a decode bucket for every batch size."""
-    from engine.buckets.plan import make_plan, with_every_decode_batch
+    `graphless` (a device that compiles nothing) adds a decode bucket for every batch size.
+    `images`: a vision tower's ImageLimits, whose image buckets the plan then holds too."""
+    from engine.buckets.plan import image_plan, make_plan, with_every_decode_batch
     from engine.spec.buckets import graph_budget_left, verify_buckets, with_verify
 
     if config.warmup_profile:
         from engine.warmup.profile import plan_from_profile
 
-        return plan_from_profile(config.warmup_profile, limits, fingerprint)
+        return plan_from_profile(config.warmup_profile, limits, fingerprint, images)
     shapes = None
     if config.bucket_shapes:
         from engine.buckets.shapes import load_shapes
@@ -178,7 +195,9 @@ def plan_for(
         graph_budget_left(config.max_graphs, verify),
         prefix_caching=config.prefix_caching,
     )
-    return with_verify(with_every_decode_batch(plan) if graphless else plan, verify)
+    plan = with_verify(with_every_decode_batch(plan) if graphless else plan, verify)
+    tower = image_plan(config.bucket_strategy, images, shapes, config.bucket_file)
+    return replace(plan, images=tower)
 
 
 def run_warmup(
@@ -196,6 +215,7 @@ def run_warmup(
         raise ValueError(f"unknown warmup mode {mode!r} (choose from {', '.join(WARMUP_MODES)})")
     counts = f"{len(plan.prefill)} prefill + {len(plan.decode)} decode buckets"
     counts += f" + {len(plan.verify)} verify" if plan.verify else ""
+    counts += f" + {len(plan.images)} image" if plan.images else ""
     if mode == "none":
         # Nothing warmed: strict shape checking would refuse every forward, so every shape runs eagerly.
         runner.adapter.shapes.strict = False

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from engine.buckets.grid import BucketPlan, DecodeBucket, PrefillBucket, VerifyBucket
+from engine.buckets.images import ImageBucket
 from engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def _gib(delta: int) -> str:
 class BucketWarmup:
     """One bucket's warmup: its first run (where a graph is compiled or captured) and memory."""
 
-    bucket: PrefillBucket | DecodeBucket | VerifyBucket
+    bucket: PrefillBucket | DecodeBucket | VerifyBucket | ImageBucket
     seconds: float
     free_before: int
     free_after: int
@@ -84,6 +85,8 @@ def bucket_size(bucket) -> int:
 
 
 def describe(bucket) -> str:
+    if isinstance(bucket, ImageBucket):
+        return f"image inputs={bucket.count} size={bucket.size}"
     if isinstance(bucket, VerifyBucket):
         return f"verify bs={bucket.batch_size} width={bucket.width} context={bucket.context_blocks}"
     if isinstance(bucket, PrefillBucket):
@@ -133,6 +136,26 @@ def _warm_one(
     runner.warm(bucket, prompt_logprobs, graph=graph)
     adapter.synchronize()
     return BucketWarmup(bucket, time.perf_counter() - start, free_before, adapter.memory_info()[0])
+
+
+def warm_image_buckets(tower, buckets, show_progress: bool, lock=None) -> list[BucketWarmup]:
+    """Warm a vision tower's image buckets (engine/vision/encoder.py), largest first, timed like
+    the others so that warmup profiles measure them too."""
+    lock, adapter, done = lock or threading.Lock(), tower.adapter, []
+    ordered = sorted(buckets, key=lambda b: -b.count * b.size)
+    bar = tqdm(
+        ordered, desc="image buckets", unit="bucket", disable=not show_progress, file=sys.stderr
+    )
+    with bar:
+        for bucket in bar:
+            bar.set_postfix_str(describe(bucket))
+            with lock:
+                free_before, start = adapter.memory_info()[0], time.perf_counter()
+                tower.warm_bucket(bucket)
+                adapter.synchronize()
+                seconds = time.perf_counter() - start
+                done.append(BucketWarmup(bucket, seconds, free_before, adapter.memory_info()[0]))
+    return done
 
 
 def warm_all(
