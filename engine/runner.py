@@ -36,6 +36,8 @@ class PrefillInput:
     context_slots: list[int] = field(default_factory=list)
     # A vision-language model's image features for the image tokens among token_ids, in order
     image_features: torch.Tensor | None = None
+    # M-RoPE (Qwen2.5-VL): the [3, len(token_ids)] positions of a prompt with images; None: text
+    rope_positions: torch.Tensor | None = None
 
 
 @dataclass
@@ -53,6 +55,7 @@ class DecodeInput:
     slot: int  # where its K/V go
     blocks: list[int]  # the blocks covering positions 0..position
     adapter: int = NO_ADAPTER  # LoRA adapter slot; -1: the base model
+    rope_delta: int = 0  # M-RoPE: the rope turns at position + delta (a prompt with images)
 
 
 class ModelRunner:
@@ -320,7 +323,19 @@ class ModelRunner:
             self._tensor(last),
             *lora,
             *images,
+            *self._mrope_positions(seqs, positions),
         )
+
+    def _mrope_positions(self, seqs: list[PrefillInput], positions: torch.Tensor) -> tuple:
+        """An M-RoPE model's last prefill input: [3, rows, width] positions, a text row's (and
+        padding's) its sequence positions on all three rows, in every prefill bucket."""
+        if not getattr(self.model, "takes_mrope", False):
+            return ()
+        table = positions.unsqueeze(0).repeat(3, 1, 1)
+        for row, seq in enumerate(seqs):
+            if seq.rope_positions is not None:
+                table[:, row, : len(seq.token_ids)] = seq.rope_positions
+        return (self._to_device(table),)
 
     def _image_embeds(self, seqs: list[PrefillInput], rows: int, width: int) -> tuple:
         """A vision-language model's last prefill input: [rows, width, hidden] image features at
@@ -376,12 +391,16 @@ class ModelRunner:
         ids = [s.token_id for s in seqs] + [0] * padding_rows
         positions = [s.position for s in seqs] + [0] * padding_rows
         lora = self._lora_index([s.adapter for s in seqs], bucket.batch_size)
+        # M-RoPE: each row's position delta, a tensor of the bucket's rows (padding: 0)
+        deltas = [s.rope_delta for s in seqs] + [0] * padding_rows
+        mrope = (self._tensor(deltas),) if getattr(self.model, "takes_mrope", False) else ()
         return (
             self._tensor(ids),
             self._tensor(positions),
             meta,
             self._tensor(list(range(bucket.batch_size))),
             *lora,
+            *mrope,
         )
 
     def _lora_index(self, adapters: list[int], rows: int, width: int = 1) -> tuple:

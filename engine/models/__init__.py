@@ -8,6 +8,7 @@ from engine.models.llava import LlavaForConditionalGeneration
 from engine.models.llava_next import LlavaNextForConditionalGeneration
 from engine.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
+from engine.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -21,6 +22,7 @@ MODEL_REGISTRY = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # engine/models/llava.py
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,  # M-RoPE
 }
 
 

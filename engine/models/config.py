@@ -82,17 +82,23 @@ class ModelConfig:
 
 
 # vision-language architecture -> its text model's architecture, by text_config.model_type
-VISION_LANGUAGE = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
+VISION_LANGUAGE = (
+    "LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+)
 TEXT_MODELS = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen2_5_vl_text": "Qwen2ForCausalLM",  # Qwen2.5-VL's, with multimodal rope
+    "qwen2_5_vl": "Qwen2ForCausalLM",  # hub configs: the text model's fields at the top level
 }
 
 
 def _parse_vision_language(architecture: str, raw: dict[str, Any]) -> ModelConfig:
     """The text model's config, naming the vision-language architecture (engine/vision/)."""
-    text = raw["text_config"]
+    text = raw.get("text_config") or raw  # hub Qwen2.5-VL: the text fields at the top level
     kind = text.get("model_type", "llama")
     if kind not in TEXT_MODELS:
         raise ModelLoadError(

@@ -30,6 +30,8 @@ class Sequence:
     image_features: object = None  # a VLM prompt's [image tokens, hidden] (engine/vision/)
     image_spans: list = field(default_factory=list)  # each image's [first, last) positions
     keyed_prompt: list | None = None  # its prompt's ids, image tokens keyed (engine/vision/keys.py)
+    rope_positions: object = None  # M-RoPE: the prompt's [3, tokens] positions (vision/grids.py)
+    rope_delta: int = 0  # M-RoPE: a position after the prompt turns at position + delta
 
     @property
     def prefilling(self) -> bool:

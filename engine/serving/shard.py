@@ -185,11 +185,13 @@ class Shard:
     def _image_encoder(self):
         if not getattr(self.model, "takes_images", False):
             return None
+        from engine.vision.dynamic import DynamicResolutionEncoder
         from engine.vision.encoder import ImageEncoder
-        from engine.vision.spec import image_spec
+        from engine.vision.spec import image_spec, processor_config
 
-        spec = image_spec(self.model_config.vision)
-        return ImageEncoder(self.model, self.model_path, self.tokenizer, spec, self.adapter)
+        spec = image_spec(self.model_config.vision, processor_config(self.model_path))
+        encoder = DynamicResolutionEncoder if spec.factor else ImageEncoder  # Qwen2.5-VL's grids
+        return encoder(self.model, self.model_path, self.tokenizer, spec, self.adapter)
 
     def _without_unsound_prefix_caching(self, config: EngineConfig) -> EngineConfig:
         """A model whose keys' rotation depends on the sequence's final length (Phi-3's longrope:

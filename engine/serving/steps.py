@@ -126,6 +126,10 @@ def admit_requests(
         if seq.request.chunks is not None and ctx.vision is not None:
             seq.image_spans = ctx.vision.spans(seq.request, seq.token_ids)
             seq.keyed_prompt = ctx.vision.keyed(seq.request, seq.token_ids)
+            if hasattr(ctx.vision, "rope_index"):  # M-RoPE (engine/vision/grids.py)
+                seq.rope_positions, seq.rope_delta = ctx.vision.rope_index(
+                    seq.request, seq.token_ids
+                )
         if seq.id in resume:
             replay(ctx.tokenizer, seq, resume[seq.id])
         seq.computed, seq.prefill_end = seq.cache_len, len(seq.token_ids)
@@ -242,6 +246,7 @@ def prefill_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation
             adapter_slot(ctx, s.request),
             s.slots(0, a),
             _image_features(ctx, s, a, b),
+            _rope_positions(s, a, b),
         )
         for s, a, b in planned
     ]
@@ -282,6 +287,15 @@ def _image_features(ctx: StepContext, seq: Sequence, start: int, end: int):
     token = ctx.vision.spec.image_token_id
     before = seq.token_ids[:start].count(token)
     return seq.image_features[before : before + seq.token_ids[start:end].count(token)]
+
+
+def _rope_positions(seq: Sequence, start: int, end: int):
+    """M-RoPE positions of tokens [start, end) of a prompt with images (None: plain positions)."""
+    if seq.rope_positions is None:
+        return None
+    from engine.vision.grids import chunk_positions
+
+    return chunk_positions(seq.rope_positions, seq.rope_delta, start, end)
 
 
 def decode_step(
@@ -349,6 +363,7 @@ def _decode_inputs(ctx: StepContext, sequences: list[Sequence]) -> list[DecodeIn
                 seq.slots(position, position + 1)[0],
                 seq.blocks_through(position),
                 adapter_slot(ctx, seq.request),
+                seq.rope_delta,
             )
         )
     return inputs

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SERVED = ("llava", "llava_next")
+SERVED = ("llava", "llava_next", "qwen2_5_vl")
 # Families with a vision config that are not served yet, named so the refusal can say so.
 KNOWN = {
     "qwen2_5_vl": "Qwen2.5-VL",
@@ -33,14 +33,28 @@ class ImageSpec:
     image_size: int  # the tower's square input (one tile), in pixels
     patch_size: int = 14
     grid_pinpoints: tuple = ()  # LLaVA-NeXT: the (height, width) resolutions an image is tiled at
+    # Qwen2.5-VL (engine/vision/grids.py): pixels per merged patch side, the processor's limits
+    factor: int = 0
+    min_pixels: int = 0
+    max_pixels: int = 0
+    wrap: tuple[str, str] = ("", "")  # the text around an image's tokens (vision start and end)
 
     def tokens(self, width: int, height: int) -> int:
         """Positions one image takes. LLaVA: fixed (the processor resizes every image).
         LLaVA-NeXT: the base tile's, then the tiles' grid with its padding cut away and a row
         end per row, as transformers' LlavaNextProcessor counts them."""
+        if self.family == "qwen2_5_vl":
+            rows, columns = self.grid(width, height)
+            return rows * columns
         if self.family != "llava_next":
             return self.tokens_per_image
         return self.tokens_per_image + _unpadded_grid_tokens(self, width, height)
+
+    def grid(self, width: int, height: int) -> tuple[int, int]:
+        """Qwen2.5-VL: the planned (rows, columns) of merged patches the image is served at."""
+        from engine.vision.grids import nearest_grid
+
+        return nearest_grid(self, width, height)
 
     def tiles(self, width: int, height: int) -> int:
         """The tower's inputs for one image: 1 for LLaVA; the base tile and the grid's."""
@@ -51,7 +65,7 @@ class ImageSpec:
 
     def placeholder(self, token_text: str, width: int, height: int) -> str:
         """The prompt text of one image: its image token, once per position."""
-        return token_text * self.tokens(width, height)
+        return self.wrap[0] + token_text * self.tokens(width, height) + self.wrap[1]
 
 
 def _best_resolution(spec: ImageSpec, width: int, height: int) -> tuple[int, int]:
@@ -75,9 +89,10 @@ def _unpadded_grid_tokens(spec: ImageSpec, width: int, height: int) -> int:
     return rows * columns + rows
 
 
-def image_spec(config: dict) -> ImageSpec | None:
-    """The spec of a config.json (as a dict); None for a text-only model. A vision model of a
-    family not served raises UnsupportedVisionModel naming it."""
+def image_spec(config: dict, processor: dict | None = None) -> ImageSpec | None:
+    """The spec of a config.json (as a dict; `processor`: its preprocessor_config.json, which
+    holds Qwen2.5-VL's pixel limits); None for a text-only model. A vision model of a family not
+    served raises UnsupportedVisionModel naming it."""
     vision = config.get("vision_config")
     if vision is None:
         return None
@@ -88,7 +103,27 @@ def image_spec(config: dict) -> ImageSpec | None:
             f"vision-language model type {kind!r} ({name}) is not served: the served families "
             f"are {', '.join(SERVED)}"
         )
+    if kind == "qwen2_5_vl":
+        return _qwen2_5_vl(config, vision, processor or {})
     return _llava(kind, config, vision)
+
+
+def _qwen2_5_vl(config: dict, vision: dict, processor: dict) -> ImageSpec:
+    """Pixel limits as Qwen2VLImageProcessor reads them: min_pixels / max_pixels, else `size`."""
+    size = processor.get("size") or {}
+    patch = processor.get("patch_size", vision.get("patch_size", 14))
+    merge = processor.get("merge_size", vision.get("spatial_merge_size", 2))
+    return ImageSpec(
+        "qwen2_5_vl",
+        config.get("image_token_id", 151655),
+        0,
+        0,
+        patch,
+        factor=patch * merge,
+        min_pixels=processor.get("min_pixels") or size.get("shortest_edge") or 56 * 56,
+        max_pixels=processor.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280,
+        wrap=("<|vision_start|>", "<|vision_end|>"),
+    )
 
 
 def _llava(kind: str, config: dict, vision: dict) -> ImageSpec:
@@ -108,4 +143,10 @@ def spec_of_dir(path: str | Path) -> ImageSpec | None:
     config = Path(path) / "config.json"
     if not config.is_file():
         return None
-    return image_spec(json.loads(config.read_text()))
+    return image_spec(json.loads(config.read_text()), processor_config(path))
+
+
+def processor_config(path: str | Path) -> dict | None:
+    """The model's preprocessor_config.json, None where it has none."""
+    processor = Path(path) / "preprocessor_config.json"
+    return json.loads(processor.read_text()) if processor.is_file() else None
