@@ -217,3 +217,11 @@ def test_generate_command_takes_image_files(qwen_dir, tmp_path):
     ids = json.loads(result.stdout.splitlines()[-1])["token_ids"]
     chunks = [picture.read_bytes(), "Describe it."]
     assert ids == qwen_reference(qwen_dir, chunks, NEW_TOKENS, eos=True)
+
+
+def test_speculation_is_refused_with_multimodal_rope(qwen_dir):
+    """Verify and draft steps carry no 3-row positions yet: one clear error at start."""
+    from engine.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="multimodal rope"):
+        Shard(tiny_config(qwen_dir, speculate="ngram"), show_progress=False)

@@ -164,6 +164,11 @@ class Shard:
                 f"--speculate does not combine with {self.model_config.architecture}'s rope "
                 "switch yet (its cache is recomputed at one position, engine/serving/recompute.py)"
             )
+        if getattr(self.model, "takes_mrope", False):
+            raise ModelLoadError(
+                f"--speculate does not combine with {self.model_config.architecture}'s multimodal "
+                "rope yet (verify and draft steps carry no 3-row positions)"
+            )
         from engine.spec.buckets import SPECULATE_MAX_BATCH
         from engine.spec.step import Speculator
 
