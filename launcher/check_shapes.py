@@ -129,6 +129,7 @@ def _step(shard, what: str, features: str, run) -> list[str]:
 
 def replay_shapes(shard, shapes) -> list[str]:
     """Each recorded batch shape, on dummy rows in the reserved block, then the sampler."""
+    from engine.sampling.penalty_counts import penalty_counts
     from engine.sampling.sampler import new_sampling_state
     from engine.serving.static_sampling import choose_static, sampler_rows
 
@@ -155,9 +156,10 @@ def replay_shapes(shard, shapes) -> list[str]:
                 seqs = [DecodeInput(0, 0, RESERVED_BLOCK, [RESERVED_BLOCK] * k) for k in per_row]
                 logits = runner.decode(seqs)
             states = [new_sampling_state(NextTokenChooserParameters(), 0, 0) for _ in range(rows)]
+            size = sampler_rows(runner, rows)
             choose_static(
                 logits, list(range(rows)), states, [[0]] * rows, [1] * rows, [0] * rows, None,
-                sampler_rows(runner, rows), shard.adapter,
+                size, shard.adapter, penalty_counts(runner, shard.adapter, size, logits.shape[1]),
             )  # fmt: skip
 
         problems += _step(shard, f"line {number}", json.dumps(shape.as_json()), run)

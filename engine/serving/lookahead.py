@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.devices.row_merge import merge_rows
 from engine.runner import DecodeInput, ModelRunner
 from engine.serving.recompute import decode_logits
 from engine.serving.sequence import Sequence
@@ -62,11 +63,32 @@ def logits_using(
     if all(row is None for row in found):
         return decode_logits(runner, sequences, inputs)
     missing = [i for i, row in enumerate(found) if row is None]
-    rows = [ahead.logits[row] if row is not None else None for row in found]
+    computed = None
     if missing:  # rows that joined after the lookahead ran (a batch concatenated to this one)
         computed = decode_logits(
             runner, [sequences[i] for i in missing], [inputs[i] for i in missing]
         )
-        for i, logits in zip(missing, computed):
-            rows[i] = logits
+    if runner.adapter.warm_runs_forward:
+        return _merged(runner, ahead.logits, found, computed, missing)
+    rows = [ahead.logits[row] if row is not None else None for row in found]
+    for i, logits in zip(missing, computed if computed is not None else []):
+        rows[i] = logits
     return torch.stack(rows)
+
+
+def _merged(runner: ModelRunner, early, found: list, computed, missing: list[int]) -> torch.Tensor:
+    """The rows of the lookahead's bucket output that this step uses, and the rows computed now,
+    merged at the plan's shapes (engine/devices/row_merge.py): stacking them would make a tensor
+    as tall as this step's batch, a new graph for every mix on a graph device. The lookahead's
+    rows that left the batch go to the buffer's scratch row."""
+    count = len(found)
+    rows = runner.plan.sampler_rows(count)
+    source = getattr(early, "bucket_output", early)
+    destinations = [rows] * source.shape[0]
+    for i, row in enumerate(found):
+        if row is not None:
+            destinations[row] = i
+    parts = [(source, destinations)]
+    if computed is not None:
+        parts.append((getattr(computed, "bucket_output", computed), missing))
+    return merge_rows(runner.adapter, parts, count, rows)

@@ -6,8 +6,9 @@ rows, with index lists as long as each request's history: right on the CPU, wher
 but on a lazy-graph device every new combination is a graph compile at serving time. Here every
 processor runs on every step, over the bucket's padded rows, with inputs of fixed shapes:
 
-- the penalties read one [rows, vocab] "seen" mask and one [rows, vocab] additive term (frequency,
-  presence and logit bias together), counted on the host from the histories;
+- the penalties read each row's token counts from tables on the device that the sampler's own
+  graph updates in place with each step's tokens (engine/sampling/penalty_counts.py), the logit
+  bias one [rows, vocab] additive term;
 - watermarking adds a [rows, vocab] bonus; a grammar's mask is [rows, vocab] (all True: none);
 - top-k keeps the scores tied with the k-th of a full sort (no `topk(max(k))`);
 - the draw inverts a float32 CDF (Gaudi has no float64) at one host uniform per row;
@@ -15,8 +16,9 @@ processor runs on every step, over the bucket's padded rows, with inputs of fixe
   (rare) is finished on the host from its logprobs, read after the step.
 
 Rows with neutral parameters come out as the logits themselves, so a request gets the same tokens
-here as from choose(), but for the float32 draw. Host work (the counts, the uniforms, detokenizing)
-stays on the host on purpose: it is list work over histories, not device math.
+here as from choose(), but for the float32 draw. Host work (rebuilding a slot's counts when its
+occupant changes, the uniforms, grammar masks, detokenizing) stays on the host on purpose: it is
+list work over histories, not device math.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import math
 import torch
 
 from engine.devices.row_merge import gather_rows, mark_step, warm_merges
+from engine.sampling.penalty_counts import PenaltyCounts, penalty_counts
 from engine.sampling.sampler import (
     WATERMARK_DELTA,
     Choice,
@@ -73,26 +76,34 @@ def choose_static(
     allowed: torch.Tensor | None,
     rows: int,
     adapter,
+    counts: PenaltyCounts | None = None,
 ) -> Choice:
-    """choose()'s result for rows `row_index` of `logits`, computed on `rows` padded rows."""
+    """choose()'s result for rows `row_index` of `logits`, computed on `rows` padded rows.
+    `counts`: the penalties' count tables (None: fresh ones, rebuilt for this call)."""
     n, vocab = len(row_index), logits.shape[1]
     if n == 0:
         return Choice([], [], [])
     _check_batch(torch.empty(n, vocab, device="meta"), states, histories, prompt_lens, top_n, None)
+    counts = counts if counts is not None else penalty_counts(None, adapter, rows, vocab)
+    needed = [s.params.repetition_penalty != 1.0 or bool(s.params.frequency_penalty)
+              or bool(s.params.presence_penalty) for s in states]  # fmt: skip
+    slots = counts.slots_for(states, histories, prompt_lens, needed)
     inputs = [
         adapter.to_device(t)
-        for t in host_inputs(states, histories, prompt_lens, top_n, allowed, rows, vocab)
+        for t in host_inputs(states, histories, top_n, allowed, rows, vocab, slots, counts.scratch)
     ]
-    chosen, logprob, values, ids, counts, logprobs = static_choice(
-        padded_logits(logits, row_index, rows, adapter), *inputs
+    chosen, logprob, values, ids, top_counts, logprobs = static_choice(
+        padded_logits(logits, row_index, rows, adapter), counts.every, counts.generated, *inputs
     )
     mark_step(adapter)  # the sampler's graph ends here: what follows reads finished results
     chosen, logprob = chosen.tolist()[:n], logprob.tolist()[:n]
-    return Choice(chosen, logprob, _top_n(values, ids, counts, logprobs, top_n))
+    counts.counted(slots, histories, chosen)
+    return Choice(chosen, logprob, _top_n(values, ids, top_counts, logprobs, top_n))
 
 
-def host_inputs(states, histories, prompt_lens, top_n, allowed, rows: int, vocab: int):
-    """The sampler's inputs, every one [rows, ...] whatever the batch holds (padding: neutral)."""
+def host_inputs(states, histories, top_n, allowed, rows: int, vocab: int, slots, scratch: int):
+    """The sampler's inputs, every one [rows, ...] whatever the batch holds (padding: neutral).
+    `slots`: each row's slot of the penalty counts (padding reads `scratch`)."""
     params = _Rows.of(states)
     n = len(states)
     pad = rows - n
@@ -100,25 +111,15 @@ def host_inputs(states, histories, prompt_lens, top_n, allowed, rows: int, vocab
     def column(values, neutral, dtype=torch.float32):
         return torch.tensor(list(values) + [neutral] * pad, dtype=dtype).unsqueeze(1)
 
-    seen = torch.zeros(rows, vocab, dtype=torch.bool)
-    additive = torch.zeros(rows, vocab)
+    bias = torch.zeros(rows, vocab)
     bonus = torch.zeros(rows, vocab)
     for i, (state, history) in enumerate(zip(states, histories, strict=True)):
         p = state.params
         if p.watermark:
             bonus[i, _green_list(history[-1], vocab).long()] = WATERMARK_DELTA
-        if p.repetition_penalty != 1.0 or p.frequency_penalty:
-            counts = torch.bincount(torch.tensor(history), minlength=vocab)[:vocab].float()
-            seen[i] = counts > 0 if p.repetition_penalty != 1.0 else False
-            additive[i] -= counts / max(len(history), 1) * p.frequency_penalty
-        if p.presence_penalty:
-            generated = torch.tensor(history[prompt_lens[i] :], dtype=torch.long)
-            present = torch.zeros(vocab)
-            present[generated] = 1.0
-            additive[i] -= present * p.presence_penalty
-        for token, bias in p.logit_bias.items():
+        for token, value in p.logit_bias.items():
             if 0 <= token < vocab:
-                additive[i, token] += bias
+                bias[i, token] += value
     mask = torch.ones(rows, vocab, dtype=torch.bool)
     if allowed is not None:
         mask[:n] = allowed.cpu()
@@ -127,10 +128,13 @@ def host_inputs(states, histories, prompt_lens, top_n, allowed, rows: int, vocab
         for s, draws in zip(states, params.sampling)
     ]
     return (
+        torch.tensor(list(slots) + [scratch] * pad, dtype=torch.long),
+        column([max(len(h), 1) for h in histories], 1.0),
         bonus,
         column(params.repetition_penalty, 1.0),
-        seen,
-        additive,
+        column(params.frequency_penalty, 0.0),
+        column(params.presence_penalty, 0.0),
+        bias,
         mask,
         column(params.temperature, 1.0),
         column([min(k, vocab) for k in params.top_k], 0, torch.long),
@@ -143,27 +147,34 @@ def host_inputs(states, histories, prompt_lens, top_n, allowed, rows: int, vocab
 
 
 def static_choice(
-    logits, bonus, repetition, seen, additive, mask, temperature, top_k, top_p, typical_p,
-    sampling, uniforms, top_n,
+    logits, every, generated, slots, lengths, bonus, repetition, frequency, presence, bias, mask,
+    temperature, top_k, top_p, typical_p, sampling, uniforms, top_n,
 ):  # fmt: skip
-    """The device graph: every processor, every row, in choose()'s order."""
+    """The device graph: every processor, every row, in choose()'s order; then each row's token
+    added to its slot of the penalty counts (`every`, `generated`: [slots + 1, vocab])."""
+    counts = every.index_select(0, slots)
     scores = logits.float() + bonus
     penalized = torch.where(scores < 0, scores * repetition, scores / repetition)
-    scores = torch.where(seen, penalized, scores) + additive
-    scores = scores.masked_fill(~mask, -math.inf) / temperature
+    scores = torch.where((counts > 0) & (repetition != 1.0), penalized, scores)
+    scores = scores - counts / lengths * frequency
+    scores = scores - (generated.index_select(0, slots) > 0).float() * presence
+    scores = (scores + bias).masked_fill(~mask, -math.inf) / temperature
     scores = _top_k(scores, top_k)
     scores = _top_p(scores, top_p)
     scores = _typical_p(scores, typical_p)
     greedy = scores.argmax(dim=1, keepdim=True)
     chosen = torch.where(sampling, _draw(scores, uniforms, greedy), greedy)
+    ones = torch.ones(chosen.shape[0], dtype=every.dtype, device=every.device)
+    every.index_put_((slots, chosen.squeeze(1)), ones, accumulate=True)
+    generated.index_put_((slots, chosen.squeeze(1)), ones, accumulate=True)
     logprobs = torch.log_softmax(scores, dim=1)
     logprob = logprobs.gather(1, chosen)
     width = min(TOP_N_WIDTH, logprobs.shape[1])
     values, ids = logprobs.topk(width, dim=1)
     nth = values.gather(1, (top_n - 1).clamp(min=0, max=width - 1))
     candidates = (logprobs >= nth) & (logprobs > -math.inf)
-    counts = torch.where(top_n > 0, candidates.sum(dim=1, keepdim=True), 0)
-    return chosen.squeeze(1), logprob.squeeze(1), values, ids, counts.squeeze(1), logprobs
+    top_counts = torch.where(top_n > 0, candidates.sum(dim=1, keepdim=True), 0)
+    return chosen.squeeze(1), logprob.squeeze(1), values, ids, top_counts.squeeze(1), logprobs
 
 
 def _top_k(scores, top_k):
@@ -228,9 +239,10 @@ def choose_next(runner, logits, rows: list[int], sequences, allowed) -> Choice:
     prompt_lens = [s.prompt_len for s in sequences]
     top_n = [s.request.top_n_tokens for s in sequences]
     if uses_static_sampling(runner):
-        size = sampler_rows(runner, len(rows))
+        size, adapter = sampler_rows(runner, len(rows)), runner.adapter
+        counts = penalty_counts(runner, adapter, size, logits.shape[1])
         return choose_static(
-            logits, rows, states, histories, prompt_lens, top_n, allowed, size, runner.adapter
+            logits, rows, states, histories, prompt_lens, top_n, allowed, size, adapter, counts
         )
     if rows != list(range(logits.shape[0])):
         logits = logits[rows]
@@ -245,10 +257,14 @@ def warm_sampler(runner, vocab_size: int) -> None:
         return
     adapter, plan = runner.adapter, runner.plan
     sizes = sorted({bucket.batch_size for bucket in plan.decode})
+    counts = penalty_counts(runner, adapter, sizes[-1], vocab_size)
+    counts.warm()  # a slot's rebuild
     for rows in sizes:
         logits = adapter.to_device(torch.zeros(rows, vocab_size))  # the models' logits: float32
-        inputs = host_inputs([], [], [], [], None, rows, vocab_size)
-        static_choice(logits, *[adapter.to_device(t) for t in inputs])
+        inputs = host_inputs([], [], [], None, rows, vocab_size, [], counts.scratch)
+        static_choice(
+            logits, counts.every, counts.generated, *[adapter.to_device(t) for t in inputs]
+        )
         mark_step(adapter)
     outputs = {bucket.batch_size for bucket in plan.prefill + plan.decode}
     warm_merges(adapter, sizes, outputs, vocab_size)  # rows of several buckets, or some rows
