@@ -3,6 +3,7 @@ fallback, and the registry that maps a Hugging Face architecture name to its nat
 
 from engine.errors import ModelLoadError
 from engine.models.gemma import GemmaForCausalLM
+from engine.models.gemma3_vl import Gemma3ForConditionalGeneration
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llava import LlavaForConditionalGeneration
 from engine.models.llava_next import LlavaNextForConditionalGeneration
@@ -21,6 +22,7 @@ MODEL_REGISTRY = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # engine/models/llava.py
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # engine/models/gemma3_vl.py
 }
 
 

@@ -82,11 +82,16 @@ class ModelConfig:
 
 
 # vision-language architecture -> its text model's architecture, by text_config.model_type
-VISION_LANGUAGE = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
+VISION_LANGUAGE = (
+    "LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
+)
 TEXT_MODELS = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
