@@ -130,9 +130,10 @@ def build_tiny_llava_next(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> 
     return out_dir
 
 
-def llava_next_reference(model_dir, chunks: list, new_tokens: int) -> list[int]:
+def llava_next_reference(model_dir, chunks: list, new_tokens: int, **tokenize) -> list[int]:
     """transformers' own LLaVA-NeXT and processor (which counts each image's tokens itself),
-    greedy on one prompt of text pieces and image bytes in order, exactly new_tokens."""
+    greedy on one prompt of text pieces and image bytes in order, exactly new_tokens
+    (`tokenize`: the tokenizer's options, such as add_special_tokens)."""
     import transformers
     from PIL import Image
 
@@ -154,9 +155,9 @@ def llava_next_reference(model_dir, chunks: list, new_tokens: int) -> list[int]:
         if not isinstance(c, str)
     ]
     if images:
-        inputs = processor(text=text, images=images, return_tensors="pt")
+        inputs = processor(text=text, images=images, return_tensors="pt", **tokenize)
     else:
-        inputs = tokenizer(text, return_tensors="pt")
+        inputs = tokenizer(text, return_tensors="pt", **tokenize)
     out = model.generate(
         **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
     )
@@ -179,3 +180,94 @@ def image_request(i: int, chunks: list, new_tokens: int):
     stopping = StoppingCriteriaParameters(max_new_tokens=new_tokens, ignore_eos_token=True)
     has_images = any(not isinstance(c, str) for c in chunks)
     return Request(i, text, stopping_parameters=stopping, chunks=chunks if has_images else None)
+
+
+GEMMA3_IMAGE_TOKENS = 4  # the tiny tower's 16 patches pooled 2x2
+GEMMA3_NAMES = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
+
+
+def build_tiny_gemma3(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A tiny random Gemma 3 VLM (SigLIP tower, Gemma 3 text model with sliding layers) with the
+    embedded model's tokenizer (plus Gemma 3's image tokens) and its own Gemma3Processor."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        tokenizer_dir, extra_special_tokens=GEMMA3_NAMES
+    )
+    config = transformers.Gemma3Config(
+        vision_config=transformers.SiglipVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=IMAGE_SIZE,
+            patch_size=PATCH,
+        ),
+        text_config=transformers.Gemma3TextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=512,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=16,
+            initializer_range=0.02,  # larger ones make this tiny model repeat one token
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),
+        mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
+        boi_token_index=tokenizer.boi_token_id,
+        eoi_token_index=tokenizer.convert_tokens_to_ids(GEMMA3_NAMES["eoi_token"]),
+        image_token_index=tokenizer.image_token_id,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # transformers starts it at zeros: the images would be read as zeros
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.1)
+    model.save_pretrained(out_dir)
+    processor = transformers.Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessorPil(
+            size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+        ),
+        tokenizer=tokenizer,
+        image_seq_length=GEMMA3_IMAGE_TOKENS,
+    )
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def gemma3_reference(model_dir, chunks: list, new_tokens: int, eos=False, **tokenize) -> list:
+    """transformers' own Gemma 3 and Gemma3Processor (each image written as its begin-of-image
+    token, which the processor expands, with token_type_ids for the image mask), greedy on one
+    prompt of text pieces and image bytes in order; eos: stop at EOS (else exactly new_tokens)."""
+    import transformers
+    from PIL import Image
+
+    processor = transformers.AutoProcessor.from_pretrained(model_dir)
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
+    boi = processor.tokenizer.boi_token
+    text = "".join(c if isinstance(c, str) else boi for c in chunks)
+    images = [
+        Image.open(io.BytesIO(getattr(c, "data", c))).convert("RGB")
+        for c in chunks
+        if not isinstance(c, str)
+    ]
+    if images:
+        inputs = processor(text=text, images=images, return_tensors="pt", **tokenize)
+    else:
+        inputs = processor.tokenizer(text, return_tensors="pt", **tokenize)
+    least = {} if eos else {"min_new_tokens": new_tokens}
+    out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, **least)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()

@@ -28,6 +28,9 @@ class PrefillMetadata(NamedTuple):
         None  # [batch, context tokens] cache slot of each context token
     )
     context_lens: torch.Tensor | None = None  # [batch] context tokens of each row (0: none)
+    # Gemma 3's images: [batch, seq] the image of each new token (counted per row from 0; -1 for
+    # text), whose tokens attend to each other both ways (engine/attention/prompt.py)
+    image_groups: torch.Tensor | None = None
 
 
 class DecodeMetadata(NamedTuple):
@@ -117,18 +120,21 @@ def attention(
 
     `window`: a sliding-window layer's window, applied here in prefill; in decode the caller passes
     the windowed metadata (windowed_metadata). `softcap`: Gemma 2's tanh cap on the scores. Device
-    kernels take neither a window nor a cap, so such prefills, and capped decodes, run the pure-torch
-    kernels; a windowed decode keeps the device's kernel, the window being in the block bias."""
+    kernels take neither a window nor a cap (nor Gemma 3's image mask), so such prefills, and capped
+    decodes, run the pure-torch kernels; a windowed decode keeps the device's kernel, the window
+    being in the block bias."""
     write_kv(cache, meta.slots, k, v)
     kernels = active_backend()  # pure torch unless the device adapter supplied its own
     if isinstance(meta, PrefillMetadata):
+        groups = meta.image_groups  # device kernels take no such mask either
+        plain = window is None and softcap is None and groups is None
         if meta.context_slots is not None:
             context = (meta.context_slots, meta.context_lens, scale)
-            if kernels.context is None or window is not None or softcap is not None:
-                return context_attention(q, k, v, *cache, *context, window, softcap)
+            if kernels.context is None or not plain:
+                return context_attention(q, k, v, *cache, *context, window, softcap, groups)
             return kernels.context(q, k, v, *cache, *context)
-        if window is not None or softcap is not None:
-            return prompt_attention(q, k, v, scale, window=window, softcap=softcap)
+        if not plain:
+            return prompt_attention(q, k, v, scale, window=window, softcap=softcap, groups=groups)
         return kernels.prefill(q, k, v, scale, lengths=meta.seq_lens)
     key_cache, value_cache = cache
     if (

@@ -9,6 +9,8 @@ before them (the context) are read from the cache by slot. Everything the kernel
 import torch
 import torch.nn.functional as F
 
+from engine.attention.prompt import same_image
+
 
 def context_attention(
     q: torch.Tensor,
@@ -21,11 +23,15 @@ def context_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] (the new tokens, right-padded);
     key_cache/value_cache: [slots, kv_heads, dim]; context_slots: [batch, context] the cache slot of
     each context token (padding: a slot of the reserved block); context_lens: [batch] tokens of context per row (0 for a row without one).
-    Returns q's shape. Row r's new token i sits at position context_lens[r] + i."""
+    Returns q's shape. Row r's new token i sits at position context_lens[r] + i.
+    `groups` [batch, seq] (Gemma 3): the image of each new token (-1 for text); a new token of an
+    image sees the image's later new tokens too (its earlier ones, new or in context, it sees
+    causally: a chunk never ends inside an image, engine/serving/chunks.py)."""
     batch, seq, heads, dim = q.shape
     kv_heads = k.shape[2]
     keys = torch.cat(
@@ -33,7 +39,7 @@ def context_attention(
     )  # [batch, ctx + seq, kv_heads, dim]
     values = torch.cat([_gather(value_cache, context_slots), v], dim=1)
     allowed = context_mask(
-        context_slots.shape[1], seq, context_lens, window
+        context_slots.shape[1], seq, context_lens, window, groups
     )  # [batch, seq, ctx + seq]
     if softcap is not None:
         return _capped(q, keys, values, allowed, scale, softcap)
@@ -55,7 +61,7 @@ def _gather(cache: torch.Tensor, context_slots: torch.Tensor) -> torch.Tensor:
 
 
 def context_mask(
-    context: int, seq: int, context_lens: torch.Tensor, window: int | None
+    context: int, seq: int, context_lens: torch.Tensor, window: int | None, groups=None
 ) -> torch.Tensor:
     """[batch, seq, context + seq] True where new token i may see a key: a context key j when
     j < context_lens (the rest is the block table's padding), a new key j' when j' <= i; with a
@@ -67,6 +73,8 @@ def context_mask(
     lens = context_lens.view(-1, 1, 1)
     see_context = (ctx_cols < lens).expand(-1, seq, -1)
     see_new = (new_cols <= rows).expand(context_lens.shape[0], -1, -1)
+    if groups is not None:  # an image's tokens see each other both ways
+        see_new = see_new | same_image(groups, groups)
     if window is not None:
         query_pos = lens + rows
         see_context = see_context & (query_pos - ctx_cols < window)

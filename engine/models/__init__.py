@@ -3,6 +3,7 @@ fallback, and the registry that maps a Hugging Face architecture name to its nat
 
 from engine.errors import ModelLoadError
 from engine.models.gemma import GemmaForCausalLM
+from engine.models.gemma3_vl import Gemma3ForConditionalGeneration
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llava import LlavaForConditionalGeneration
 from engine.models.llava_next import LlavaNextForConditionalGeneration
@@ -23,6 +24,7 @@ MODEL_REGISTRY = {
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # engine/models/llava.py
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,  # M-RoPE
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # engine/models/gemma3_vl.py
 }
 
 

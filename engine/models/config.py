@@ -86,6 +86,7 @@ VISION_LANGUAGE = (
     "LlavaForConditionalGeneration",
     "LlavaNextForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
 )
 TEXT_MODELS = {
     "llama": "LlamaForCausalLM",
@@ -93,6 +94,7 @@ TEXT_MODELS = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen2_5_vl_text": "Qwen2ForCausalLM",  # Qwen2.5-VL's, with multimodal rope
     "qwen2_5_vl": "Qwen2ForCausalLM",  # hub configs: the text model's fields at the top level
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 

@@ -29,8 +29,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         hf = getattr(transformers, self.hf_config_class)(**config.vision)
         self.hf_config = hf
         self.image_token_id = hf.image_token_id
-        self.feature_layer = hf.vision_feature_layer
-        self.select = hf.vision_feature_select_strategy
+        self.feature_layer = getattr(hf, "vision_feature_layer", None)  # LLaVA's (not Gemma 3's)
+        self.select = getattr(hf, "vision_feature_select_strategy", None)
         with torch.device("cpu"):  # its buffers are computed here, then kept through to_empty
             self.vision_tower = AutoModel.from_config(hf.vision_config)
             self.multi_modal_projector = self._projector(hf)

@@ -24,9 +24,12 @@ def chunk_cap(longest_bucket: int, block_size: int) -> int:
     )
 
 
-def plan_chunks(sequences, budget: int, cap: int) -> list[tuple[object, int, int]]:
+def plan_chunks(
+    sequences, budget: int, cap: int, uncut: bool = False
+) -> list[tuple[object, int, int]]:
     """(sequence, start, end) of the tokens each sequence computes now, under the step's budget of
-    new tokens; a sequence the budget does not reach computes nothing this step (it waits)."""
+    new tokens; a sequence the budget does not reach computes nothing this step (it waits).
+    `uncut`: images are never cut (a model whose image tokens attend to each other both ways)."""
     planned, whole_step = [], min(cap, budget)
     for seq in sequences:
         size = min(seq.prefill_end - seq.computed, cap, budget)
@@ -34,21 +37,27 @@ def plan_chunks(sequences, budget: int, cap: int) -> list[tuple[object, int, int
         if first:
             size = min(size, first)
         room = min(whole_step, first) if first else whole_step  # the most it computes in a step
-        end = whole_images(seq, seq.computed, seq.computed + size, room)
+        most = min(cap, budget) if uncut else None
+        end = whole_images(seq, seq.computed, seq.computed + size, room, most)
         if end > seq.computed:
             planned.append((seq, seq.computed, end))
             budget -= end - seq.computed
     return planned
 
 
-def whole_images(seq, start: int, end: int, room: int) -> int:
+def whole_images(seq, start: int, end: int, room: int, most: int | None = None) -> int:
     """The chunk's end moved so that it never ends inside an image: back to the start of an image
     that begins inside the chunk; back to the chunk's start (the sequence waits for a step with
     more budget) where the chunk begins at or inside an image whose rest fits in `room`. Only an
-    image longer than `room` is cut (its features are sliced exactly)."""
+    image longer than `room` is cut (its features are sliced exactly). With `most` (the tokens
+    this step may still compute, past a first chunk_len), an image is never cut: a chunk that
+    begins at or inside it holds its rest whole where `most` allows, else it waits (the shard
+    refuses an image longer than any step: ImageEncoder.check_whole)."""
     for first, last in getattr(seq, "image_spans", ()):
         if start < first < end < last:
             return first
+        if first <= start < end < last and most is not None:
+            return last if last - start <= most else start
         if first <= start < end < last and last - start <= room:
             return start
     return end

@@ -100,6 +100,8 @@ def admit_requests(
             )
         check_cache_len(request, len(full), ctx.block_size, ctx.contents is not None)
         check_chunking(request, len(full) - request.cache_len, _cap(ctx))
+        if request.chunks is not None and ctx.vision is not None:
+            ctx.vision.check_whole(request, min(_cap(ctx), ctx.limits.max_prefill_tokens))
         if request.cache_len:
             ctx.contents.check_prefix(request, _keyed(ctx, request, full))
     grammars = [_compile_grammar(ctx, request) for request in requests]
@@ -235,6 +237,7 @@ def prefill_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation
         [s for i, s in enumerate(sequences) if i not in shared],
         ctx.limits.max_prefill_tokens,
         _cap(ctx),
+        uncut=ctx.vision is not None and ctx.vision.spec.bidirectional,
     )
     if not planned:
         return []

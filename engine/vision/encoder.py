@@ -78,11 +78,17 @@ class ImageEncoder:
             self.processor = AutoImageProcessor.from_pretrained(model_dir)
         except (OSError, ValueError) as error:
             raise InvalidRequestError(f"cannot load the model's image processor: {error}") from None
+        if getattr(self.processor, "do_pan_and_scan", False):  # crops: more images an image
+            raise InvalidRequestError(
+                "the image processor's do_pan_and_scan is not served: set it to false in the "
+                "model's processor config"
+            )
         self.model, self.tokenizer, self.spec, self.adapter = model, tokenizer, spec, adapter
         self.token_text = tokenizer.convert_ids_to_tokens(spec.image_token_id)
         self.limits = ImageLimits(max_images, self._size_keys())
         self.planned: tuple[ImageBucket, ...] = image_grid(self.limits)  # warmup sets the plan's
         self.recorder = None  # engine.buckets.shapes.ShapeRecorder of --record-shapes
+        self.around = spec.around(tokenizer)  # the texts around an image's tokens
         self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.stats = {"images_encoded": 0, "encoder_ns": 0, "image_cache_hits": 0}
 
@@ -113,7 +119,19 @@ class ImageEncoder:
         )
 
     def placeholder(self, image: ImageInput) -> str:
-        return self.spec.placeholder(self.token_text, image.width, image.height)
+        return self.spec.placeholder(self.token_text, image.width, image.height, self.around)
+
+    def check_whole(self, request: Request, most: int) -> None:
+        """A model whose image tokens attend both ways computes each image in one forward: an
+        image of more tokens than one forward holds (`most`) is refused, never cut."""
+        if not self.spec.bidirectional:
+            return
+        for count in self.counts(request):
+            if count > most:
+                raise InvalidRequestError(
+                    f"request {request.id}: an image of {count} tokens does not fit one prefill "
+                    f"chunk of at most {most} tokens (its tokens attend to each other both ways)"
+                )
 
     def prompt_ids(self, request: Request) -> list[int]:
         request.chunks = [sized(request.id, c) for c in request.chunks]

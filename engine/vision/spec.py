@@ -8,12 +8,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SERVED = ("llava", "llava_next", "qwen2_5_vl")
+SERVED = ("llava", "llava_next", "qwen2_5_vl", "gemma3")
 # Families with a vision config that are not served yet, named so the refusal can say so.
 KNOWN = {
     "qwen2_5_vl": "Qwen2.5-VL",
     "qwen2_vl": "Qwen2-VL",
-    "gemma3": "Gemma 3",
     "mllama": "mllama",
     "idefics2": "Idefics2",
     "idefics3": "Idefics3",
@@ -38,6 +37,15 @@ class ImageSpec:
     min_pixels: int = 0
     max_pixels: int = 0
     wrap: tuple[str, str] = ("", "")  # the text around an image's tokens (vision start and end)
+    # Gemma 3: the tokens that open and close an image's tokens (its placeholder's ends)
+    boi_token_id: int | None = None
+    eoi_token_id: int | None = None
+
+    @property
+    def bidirectional(self) -> bool:
+        """Whether an image's tokens attend to each other both ways in prefill (Gemma 3): then
+        a prefill chunk must hold an image's tokens whole (engine/serving/chunks.py)."""
+        return self.family == "gemma3"
 
     def tokens(self, width: int, height: int) -> int:
         """Positions one image takes. LLaVA: fixed (the processor resizes every image).
@@ -63,9 +71,21 @@ class ImageSpec:
         best_height, best_width = _best_resolution(self, width, height)
         return (best_height // self.image_size) * (best_width // self.image_size) + 1
 
-    def placeholder(self, token_text: str, width: int, height: int) -> str:
-        """The prompt text of one image: its image token, once per position."""
-        return self.wrap[0] + token_text * self.tokens(width, height) + self.wrap[1]
+    def placeholder(self, token_text: str, width: int, height: int, around=None) -> str:
+        """The prompt text of one image: its image token, once per position, between the texts
+        of `around` (self.around(tokenizer)), by default `wrap`."""
+        before, after = self.wrap if around is None else around
+        return before + token_text * self.tokens(width, height) + after
+
+    def around(self, tokenizer) -> tuple[str, str]:
+        """The texts around an image's tokens in its placeholder: `wrap`, or for Gemma 3 its
+        processor's `full_image_sequence`, a blank line, the begin-of-image token, the image
+        tokens, the end-of-image token and a blank line (Gemma3Processor replaces each image
+        with it)."""
+        if self.family != "gemma3":
+            return self.wrap
+        boi, eoi = tokenizer.convert_ids_to_tokens([self.boi_token_id, self.eoi_token_id])
+        return f"\n\n{boi}", f"{eoi}\n\n"
 
 
 def _best_resolution(spec: ImageSpec, width: int, height: int) -> tuple[int, int]:
@@ -105,6 +125,8 @@ def image_spec(config: dict, processor: dict | None = None) -> ImageSpec | None:
         )
     if kind == "qwen2_5_vl":
         return _qwen2_5_vl(config, vision, processor or {})
+    if kind == "gemma3":
+        return _gemma3(config, vision)
     return _llava(kind, config, vision)
 
 
@@ -123,6 +145,19 @@ def _qwen2_5_vl(config: dict, vision: dict, processor: dict) -> ImageSpec:
         min_pixels=processor.get("min_pixels") or size.get("shortest_edge") or 56 * 56,
         max_pixels=processor.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280,
         wrap=("<|vision_start|>", "<|vision_end|>"),
+    )
+
+
+def _gemma3(config: dict, vision: dict) -> ImageSpec:
+    """A fixed-size SigLIP tower (896 pixels), its patches pooled to mm_tokens_per_image (256)."""
+    return ImageSpec(
+        "gemma3",
+        config.get("image_token_index", config.get("image_token_id", 262_144)),
+        config.get("mm_tokens_per_image", 256),
+        vision.get("image_size", 896),
+        vision.get("patch_size", 14),
+        boi_token_id=config.get("boi_token_index", config.get("boi_token_id", 255_999)),
+        eoi_token_id=config.get("eoi_token_index", config.get("eoi_token_id", 256_000)),
     )
 
 

@@ -25,6 +25,7 @@ class ImagePolicy:
     token_text: str = ""  # the image token as text (the tokenizer's)
     limits: ImageLimits = field(default_factory=ImageLimits)
     allowed: object = public_address  # (address, port) -> bool, for URL fetches
+    around: tuple[str, str] = ("", "")  # the texts around an image's tokens (ImageSpec.around)
 
 
 @dataclass
@@ -56,7 +57,10 @@ def image_prompt(text: str, policy: ImagePolicy) -> ImagePrompt | None:
         if before:
             chunks.append(before)
         chunks.append(image)
-        counted += [before, policy.spec.placeholder(policy.token_text, image.width, image.height)]
+        counted += [
+            before,
+            policy.spec.placeholder(policy.token_text, image.width, image.height, policy.around),
+        ]
         wire += [before, markdown(image)]
         start = match.end()
     if text[start:]:
@@ -95,4 +99,5 @@ def policy_for(model_dir, tokenizer, limits: ImageLimits) -> ImagePolicy:
 
     spec = spec_of_dir(model_dir) if model_dir else None
     token_text = tokenizer.convert_ids_to_tokens(spec.image_token_id) if spec else ""
-    return ImagePolicy(spec, token_text, limits)
+    around = spec.around(tokenizer) if spec else ("", "")
+    return ImagePolicy(spec, token_text, limits, around=around)
