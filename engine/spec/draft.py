@@ -100,29 +100,15 @@ class DraftModel:
 
     def warm(self, limits, num_blocks: int, block_size: int, num_tokens: int, graphless: bool):
         """Its own cache (the target's block count, so that block ids agree) and plan, warmed."""
-        from engine.buckets.plan import make_plan, with_every_decode_batch
-        from engine.spec.buckets import SPECULATE_MAX_BATCH, verify_buckets, with_verify
-
         self.release()
-        config = self.model_config
-        cache = KVCache(
-            config.num_layers,
-            num_blocks,
-            block_size,
-            self.model.local_kv_heads,
-            config.head_dim,
+        self.runner, self.longest_prefill = warmed_runner(
+            ModelRunner,
+            self.model,
+            self.model_config.num_layers,
+            self.adapter,
             self.dtype,
-            self.adapter.torch_device,
-            self.adapter.zeros,
+            (limits, num_blocks, block_size, num_tokens, graphless),
         )
-        small = _with_batch(limits, min(SPECULATE_MAX_BATCH, limits.max_batch_size))
-        plan = make_plan("exponential", small)
-        plan = with_every_decode_batch(plan) if graphless else plan
-        plan = with_verify(plan, verify_buckets(small, num_tokens))
-        self.runner = ModelRunner(self.model, self.adapter, cache, plan, self.dtype)
-        for bucket in plan.buckets:
-            self.runner.warm(bucket)
-        self.longest_prefill = max(b.seq_len for b in plan.prefill if not b.context_blocks)
         self.width = num_tokens + 1
 
     @torch.inference_mode()
@@ -298,3 +284,32 @@ def load_draft(config, target_config, target_tokenizer, adapter, dtype) -> Draft
     )
     adapter.prepare_model(loaded.model, dtype)
     return DraftModel(loaded.model, loaded.config, adapter, dtype)
+
+
+def warmed_runner(runner_class, model, num_layers: int, adapter, dtype, sizes: tuple):
+    """A proposer's runner over its own KV cache (`num_layers` layers, the target's block count so
+    that block ids agree) and its plan: small batches, every decode batch where nothing compiles,
+    the verify widths; every bucket warmed. Returns it and its longest plain prefill."""
+    from engine.buckets.plan import make_plan, with_every_decode_batch
+    from engine.spec.buckets import SPECULATE_MAX_BATCH, verify_buckets, with_verify
+
+    limits, num_blocks, block_size, num_tokens, graphless = sizes
+    config = model.config
+    cache = KVCache(
+        num_layers,
+        num_blocks,
+        block_size,
+        model.local_kv_heads,
+        config.head_dim,
+        dtype,
+        adapter.torch_device,
+        adapter.zeros,
+    )
+    small = _with_batch(limits, min(SPECULATE_MAX_BATCH, limits.max_batch_size))
+    plan = make_plan("exponential", small)
+    plan = with_every_decode_batch(plan) if graphless else plan
+    plan = with_verify(plan, verify_buckets(small, num_tokens))
+    runner = runner_class(model, adapter, cache, plan, dtype)
+    for bucket in plan.buckets:
+        runner.warm(bucket)
+    return runner, max(b.seq_len for b in plan.prefill if not b.context_blocks)

@@ -42,14 +42,14 @@ from engine.attention import DecodeMetadata, prepare_metadata
 from engine.buckets.grid import DecodeBucket, VerifyBucket
 from engine.distributed import SINGLE
 from engine.errors import ModelLoadError
-from engine.kv_cache import RESERVED_BLOCK, KVCache
+from engine.kv_cache import RESERVED_BLOCK
 from engine.layers.linear import qkv_parallel
 from engine.layers.norm import rms_norm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelConfig
 from engine.models.llama import LayerContext, LlamaAttention, LlamaForCausalLM, LlamaMLP
 from engine.runner import DecodeInput, ModelRunner, PrefillInput, _dummy_decode_rows
-from engine.spec.draft import DraftAdapter, _with_batch, host_copy
+from engine.spec.draft import DraftAdapter, host_copy, warmed_runner
 from engine.spec.eagle3_checkpoint import AUX_STATES, Eagle3Config, load_weights, parse_config
 
 
@@ -221,29 +221,15 @@ class Eagle3Drafter:
 
     def warm(self, limits, num_blocks: int, block_size: int, num_tokens: int, graphless: bool):
         """Its one-layer cache (the target's block count: the block ids agree) and plan, warmed."""
-        from engine.buckets.plan import make_plan, with_every_decode_batch
-        from engine.spec.buckets import SPECULATE_MAX_BATCH, verify_buckets, with_verify
-
         self.release()
-        config = self.model.config
-        cache = KVCache(
+        self.runner, self.longest_prefill = warmed_runner(
+            Eagle3Runner,
+            self.model,
             1,
-            num_blocks,
-            block_size,
-            self.model.local_kv_heads,
-            config.head_dim,
+            self.adapter,
             self.dtype,
-            self.adapter.torch_device,
-            self.adapter.zeros,
+            (limits, num_blocks, block_size, num_tokens, graphless),
         )
-        small = _with_batch(limits, min(SPECULATE_MAX_BATCH, limits.max_batch_size))
-        plan = make_plan("exponential", small)
-        plan = with_every_decode_batch(plan) if graphless else plan
-        plan = with_verify(plan, verify_buckets(small, num_tokens))
-        self.runner = Eagle3Runner(self.model, self.adapter, cache, plan, self.dtype)
-        for bucket in plan.buckets:
-            self.runner.warm(bucket)
-        self.longest_prefill = max(b.seq_len for b in plan.prefill if not b.context_blocks)
         self.width = num_tokens + 1
 
     @torch.inference_mode()
