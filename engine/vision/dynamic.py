@@ -11,11 +11,15 @@ import torch
 
 from engine.batch import ImageInput, Request
 from engine.errors import InvalidRequestError
-from engine.vision.encoder import ImageEncoder, images_of
+from engine.vision.encoder import ImageEncoder, images_of, to_host
 from engine.vision.grids import fit_to_grid, plan_grids, rope_index
 
 
 class DynamicResolutionEncoder(ImageEncoder):
+    def _image_limits(self, max_images: int) -> None:
+        """Its tower runs one image at a time at planned grids (`grids`), warmed by warm()."""
+        return None
+
     @property
     def grids(self) -> tuple[tuple[int, int], ...]:
         spec = self.spec
@@ -32,7 +36,7 @@ class DynamicResolutionEncoder(ImageEncoder):
         features = []
         for image in images:
             pixels, grid = self._patches(request_id, image)
-            features.append(self._run_tower(pixels, grid))
+            features.append(to_host(self._run_tower(pixels, grid)))  # joined on the host
         self.adapter.synchronize()
         self.stats["images_encoded"] += len(images)
         self.stats["encoder_ns"] += time.perf_counter_ns() - start

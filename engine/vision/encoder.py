@@ -85,14 +85,19 @@ class ImageEncoder:
             )
         self.model, self.tokenizer, self.spec, self.adapter = model, tokenizer, spec, adapter
         self.token_text = tokenizer.convert_ids_to_tokens(spec.image_token_id)
-        self.limits = ImageLimits(max_images, self._size_keys())
-        self.planned: tuple[ImageBucket, ...] = image_grid(self.limits)  # warmup sets the plan's
+        self.limits = self._image_limits(max_images)
+        # warmup sets the plan's
+        self.planned: tuple[ImageBucket, ...] = image_grid(self.limits) if self.limits else ()
         self.recorder = None  # engine.buckets.shapes.ShapeRecorder of --record-shapes
         self.around = spec.around(tokenizer)  # the texts around an image's tokens
         self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.stats = {"images_encoded": 0, "encoder_ns": 0, "image_cache_hits": 0}
 
     # --- the image-shape interface (module doc) ---------------------------------------------------
+
+    def _image_limits(self, max_images: int) -> ImageLimits | None:
+        """The image buckets' limits (None: the encoder plans and warms its own shapes)."""
+        return ImageLimits(max_images, self._size_keys())
 
     def _size_keys(self) -> tuple[int, ...]:
         own = getattr(self.model, "image_size_keys", None)

@@ -88,7 +88,10 @@ def start_up(
     runner = ModelRunner(shard.model, adapter, cache, plan, shard.dtype)
     if tower is not None:  # first: few, and the encoder runs them from the first request on
         tower.planned = plan.images
-        if config.warmup_mode != "none":
+        if config.warmup_mode != "none" and tower.limits is None:
+            tower.warm()  # a dynamic-resolution tower: its own planned grids
+            phases.mark("image buckets")
+        elif config.warmup_mode != "none":
             phases.buckets += warm_image_buckets(tower, plan.images, show_progress, lock)
             phases.mark("image buckets")
     background = run_warmup(
