@@ -35,7 +35,7 @@ def test_unsupported_architecture_names_the_supported_ones(tiny_model_dirs, tmp_
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(
         ModelLoadError,
-        match=r"'GPT2LMHeadModel' is not supported \(supported: Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, LlavaForConditionalGeneration, LlavaNextForConditionalGeneration, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM\)",
+        match=r"'GPT2LMHeadModel' is not supported \(supported: Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, LlamaForCausalLM, LlavaForConditionalGeneration, LlavaNextForConditionalGeneration, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM, Qwen3MoeForCausalLM\)",
     ):
         load(str(model_dir), tmp_path, torch.float32, CPU, implementation="native")
 
