@@ -26,7 +26,7 @@ from engine.errors import UnwarmedShapeError
 from engine.serving.shard import Shard
 from launcher.generate import request_length, run_requests
 from tests.helpers import tiny_config
-from tests.vision_models import build_tiny_llava_next, image_request, png_image
+from tests.vision_models import build_tiny_gemma3, build_tiny_llava_next, image_request, png_image
 
 TOWER = ImageLimits(8, (28,))
 
@@ -153,8 +153,15 @@ NEW_TOKENS = 5
 
 
 @pytest.fixture(scope="module")
-def vision_dirs(tiny_llava_dir, next_dir):
-    return {"llava": tiny_llava_dir, "llava_next": next_dir}
+def vision_dirs(tiny_llava_dir, next_dir, tmp_path_factory, smollm_dir):
+    from tests.test_vision_qwen2_5_vl import build_tiny_qwen2_5_vl
+
+    return {
+        "llava": tiny_llava_dir,
+        "llava_next": next_dir,
+        "qwen2_5_vl": build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"), smollm_dir),
+        "gemma3": build_tiny_gemma3(tmp_path_factory.mktemp("gemma3"), smollm_dir),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +195,7 @@ PROMPTS = st.tuples(prompt(1), st.lists(prompt(0), max_size=3)).map(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["llava", "llava_next"])
+@pytest.mark.parametrize("model", ["llava", "llava_next", "qwen2_5_vl", "gemma3"])
 @settings(
     max_examples=3,
     deadline=None,

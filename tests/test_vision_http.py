@@ -1,4 +1,4 @@
-"""Tiny random LLaVA-NeXT and Gemma 3 VLMs behind a real shard and router process each: images
+"""Tiny random LLaVA-NeXT, Qwen2.5-VL and Gemma 3 VLMs behind a real shard and router process each: images
 sent as the OpenAI client's `image_url` content parts (data: URLs), and to
 `bucketserve generate --image`, greedy equal to transformers (fp32, strict shapes)."""
 
@@ -30,6 +30,22 @@ LIMITS = ["--max-input-tokens", "160", "--max-total-tokens", "200"]
 LIMITS += ["--max-batch-prefill-tokens", "200", "--max-batch-size", "2"]
 FAMILIES = {"llava_next": (build_tiny_llava_next, llava_next_reference)}
 FAMILIES["gemma3"] = (build_tiny_gemma3, gemma3_reference)
+
+
+def qwen2_5_vl(out_dir, tokenizer_dir):
+    from tests.test_vision_qwen2_5_vl import build_tiny_qwen2_5_vl
+
+    return build_tiny_qwen2_5_vl(out_dir, tokenizer_dir)
+
+
+def qwen2_5_vl_reference(model_dir, chunks, new_tokens, add_special_tokens=False):
+    """The embedded model's tokenizer adds no special tokens either way."""
+    from tests.test_vision_qwen2_5_vl import qwen_reference
+
+    return qwen_reference(model_dir, chunks, new_tokens)
+
+
+FAMILIES["qwen2_5_vl"] = (qwen2_5_vl, qwen2_5_vl_reference)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
