@@ -194,8 +194,16 @@ PROMPTS = st.tuples(prompt(1), st.lists(prompt(0), max_size=3)).map(
 )
 
 
+QWEN_BREAKS = pytest.mark.xfail(
+    strict=True,
+    reason="transformers' Qwen2.5-VL tower reads its grid_thw from the device: graph breaks",
+)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["llava", "llava_next", "qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize(
+    "model", ["llava", "llava_next", pytest.param("qwen2_5_vl", marks=QWEN_BREAKS), "gemma3"]
+)
 @settings(
     max_examples=3,
     deadline=None,
