@@ -149,13 +149,7 @@ class DraftModel:
         return proposals, dists
 
     def _next_input(self, seq, proposed: list[int]) -> DecodeInput:
-        position = len(seq.token_ids) - 1 + len(proposed)
-        return DecodeInput(
-            proposed[-1],
-            position,
-            seq.slots(position, position + 1)[0],
-            seq.blocks_through(position),
-        )
+        return fed_at(seq, proposed[-1], len(seq.token_ids) - 1 + len(proposed))
 
     def _catch_up(self, sequences: list, states: list[DraftRow]) -> list:
         """Feed each row's tokens from its `valid` through its latest; each row's logits at its
@@ -313,3 +307,10 @@ def warmed_runner(runner_class, model, num_layers: int, adapter, dtype, sizes: t
     for bucket in plan.buckets:
         runner.warm(bucket)
     return runner, max(b.seq_len for b in plan.prefill if not b.context_blocks)
+
+
+def fed_at(seq, token: int, position: int) -> DecodeInput:
+    """A proposer's one-token input: `token` at `position` of `seq`'s slots and blocks."""
+    return DecodeInput(
+        token, position, seq.slots(position, position + 1)[0], seq.blocks_through(position)
+    )

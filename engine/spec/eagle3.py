@@ -49,7 +49,7 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelConfig
 from engine.models.llama import LayerContext, LlamaAttention, LlamaForCausalLM, LlamaMLP
 from engine.runner import DecodeInput, ModelRunner, PrefillInput, _dummy_decode_rows
-from engine.spec.draft import DraftAdapter, host_copy, warmed_runner
+from engine.spec.draft import DraftAdapter, fed_at, host_copy, warmed_runner
 from engine.spec.eagle3_checkpoint import AUX_STATES, Eagle3Config, load_weights, parse_config
 
 
@@ -260,13 +260,7 @@ class Eagle3Drafter:
 
     def _next_input(self, seq, proposed: list[int]) -> DecodeInput:
         """The latest proposal at the position after the one that proposed it."""
-        position = len(seq.token_ids) - 2 + len(proposed)
-        return DecodeInput(
-            proposed[-1],
-            position,
-            seq.slots(position, position + 1)[0],
-            seq.blocks_through(position),
-        )
+        return fed_at(seq, proposed[-1], len(seq.token_ids) - 2 + len(proposed))
 
     def _catch_up(self, seqs: list, states: list[Eagle3Row]) -> list:
         """Feed each row's positions from its `valid` through its second-to-last (the latest
