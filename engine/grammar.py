@@ -18,6 +18,13 @@ spend its tokens on whitespace; a schema keyword that the grammar cannot enforce
 character (json_schema_ebnf). Once the text matches completely the EOS tokens become allowed, and when nothing
 else can follow they are the only allowed tokens. Token ids past the tokenizer's vocabulary (padding of the logits)
 and special tokens other than EOS are never allowed.
+
+Generated text is always valid UTF-8. xgrammar 0.2.9's character classes (a negated class, `.`, a
+range up to U+10FFFF) also take the UTF-8 encodings of the surrogates U+D800-U+DFFF, the bytes ED
+A0-BF xx, which no decoder accepts (the client sees U+FFFD, and a `maxLength` string decodes one
+character longer per byte). So every mask drops the tokens that would write such a sequence
+(_utf8_filters): the few holding ED A0-BF inside, and after a token ending in the lead byte ED those
+starting with A0-BF.
 """
 
 from __future__ import annotations
@@ -98,6 +105,8 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self.bitmask_words = (vocab_size + 31) // 32
+        self._utf8_filters = _utf8_filters(self._info.decoded_vocab, self.bitmask_words)
+        self._ends_in_surrogate_lead = _ends_in(self._info.decoded_vocab, _SURROGATE_LEAD)
         self._eos_only_bits = _pack([*stop], self.bitmask_words)  # int32 [words]
         self._eos_only_mask = torch.zeros(vocab_size, dtype=torch.bool)
         self._eos_only_mask[stop] = True
@@ -167,7 +176,16 @@ class GrammarCompiler:
 class GrammarState:
     """One request's position in its grammar. Copies (copy.copy, copy.deepcopy, fork) are independent."""
 
-    __slots__ = ("_compiler", "compiled", "_matcher", "_bits", "_finished", "failed", "tokens")
+    __slots__ = (
+        "_compiler",
+        "compiled",
+        "_matcher",
+        "_bits",
+        "_finished",
+        "failed",
+        "tokens",
+        "_after_lead",
+    )
 
     def __init__(
         self, compiler: GrammarCompiler, compiled: CompiledGrammar, matcher: xgrammar.GrammarMatcher
@@ -181,6 +199,7 @@ class GrammarState:
         )
         self.failed = False  # advance() got a token the grammar forbids
         self.tokens = 0  # tokens consumed
+        self._after_lead = False  # the text so far ends in ED, the lead byte of U+D000-U+DFFF
 
     @property
     def vocab_size(self) -> int:
@@ -196,6 +215,7 @@ class GrammarState:
         if self.terminated:
             return self._compiler._eos_only_mask.clone()
         self._matcher.fill_next_token_bitmask(self._bits)
+        self._bits &= self._compiler._utf8_filters[int(self._after_lead)]
         return _unpack(self._bits, self.vocab_size)[0].contiguous()
 
     def advance(self, token_id: int) -> None:
@@ -215,6 +235,9 @@ class GrammarState:
             self._fail(token_id, f"at token {self.tokens}")
             return
         self.tokens += 1
+        ends_in = self._compiler._ends_in_surrogate_lead
+        if token_id < len(ends_in) and ends_in[token_id] is not None:  # None: no bytes (special)
+            self._after_lead = ends_in[token_id]
 
     def _fail(self, token_id: int, where: str) -> None:
         self.failed = True
@@ -247,6 +270,7 @@ class GrammarState:
         """An independent copy at the same position (e.g. for n > 1 or speculative branches)."""
         twin = GrammarState(self._compiler, self.compiled, self._matcher.fork())
         twin._finished, twin.failed, twin.tokens = self._finished, self.failed, self.tokens
+        twin._after_lead = self._after_lead
         return twin
 
     def __copy__(self) -> GrammarState:
@@ -285,7 +309,7 @@ def fill_masks(states: Sequence[GrammarState | None], out: torch.Tensor) -> torc
             f"out has {out.shape[1]} columns, the grammars' vocab_size is {compiler.vocab_size}"
         )
     bits = torch.empty(n, compiler.bitmask_words, dtype=torch.int32)
-    matchers, rows = [], []
+    matchers, rows, after_lead = [], [], []
     for i, s in enumerate(states):
         if s is None:
             bits[i] = -1
@@ -294,10 +318,13 @@ def fill_masks(states: Sequence[GrammarState | None], out: torch.Tensor) -> torc
         else:
             matchers.append(s._matcher)
             rows.append(i)
+            after_lead.append(int(s._after_lead))
     if len(matchers) == 1:
         matchers[0].fill_next_token_bitmask(bits, rows[0])
     elif matchers:
         _batch_matcher().batch_fill_next_token_bitmask(matchers, bits, rows)
+    if matchers:
+        bits[rows] &= compiler._utf8_filters[after_lead]
     mask = _unpack(bits, compiler.vocab_size)
     if out.device.type == "cpu" and out.is_contiguous():
         np.copyto(
@@ -361,6 +388,28 @@ def _check_pattern_path(pattern: str) -> None:
             f"JSON schema `pattern` {pattern!r} cannot match inside a JSON string "
             "without characters that JSON must escape"
         )
+
+
+_SURROGATE_LEAD = 0xED
+_SURROGATE_SECOND = range(0xA0, 0xC0)  # after ED: U+D800-U+DFFF
+
+
+def _utf8_filters(vocab: list[bytes], words: int) -> torch.Tensor:
+    """int32 [2, words]: the tokens that may follow text not ending (row 0) and ending (row 1) in
+    the byte ED without writing a surrogate."""
+    inside, starting = [], []
+    for token_id, data in enumerate(vocab):
+        if any(a == _SURROGATE_LEAD and b in _SURROGATE_SECOND for a, b in zip(data, data[1:])):
+            inside.append(token_id)
+        elif data and data[0] in _SURROGATE_SECOND:
+            starting.append(token_id)
+    anywhere = ~_pack(inside, words)
+    return torch.stack([anywhere, anywhere & ~_pack(starting, words)])
+
+
+def _ends_in(vocab: list[bytes], byte: int) -> list[bool | None]:
+    """Per token: whether its bytes end in `byte`, None for a token with no bytes."""
+    return [data[-1] == byte if data else None for data in vocab]
 
 
 def _clean(error: Exception) -> str:

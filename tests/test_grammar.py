@@ -352,3 +352,50 @@ def test_no_string_admits_a_raw_control_character(compiler, tokenizer, schema, p
     mask = state.allowed_mask()
     assert not state.failed and mask.sum() > 100
     assert [tokenizer.decode([i]) for i in control if mask[i]] == []
+
+
+def byte_tokens(tokenizer) -> dict[int, bytes]:
+    """Each token id's bytes under the byte-level vocabulary (GPT-2's byte-to-character map)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]  # mapped to U+0100 on, in order
+    to_byte = {chr(b): b for b in printable} | {chr(256 + k): b for k, b in enumerate(others)}
+    vocab = tokenizer.convert_ids_to_tokens(list(range(TOKENIZER_VOCAB)))
+    return {
+        i: bytes(to_byte[c] for c in piece)
+        for i, piece in enumerate(vocab)
+        if all(c in to_byte for c in piece)
+    }
+
+
+@pytest.mark.parametrize(
+    "grammar_type, grammar, prefix",
+    [
+        (GrammarType.JSON, json.dumps({"type": "string", "maxLength": 4}), b'"'),
+        (GrammarType.JSON, json.dumps({"type": "string"}), b'"ab'),
+        (GrammarType.JSON, json.dumps({"type": "string", "pattern": "^[^a]+$"}), b'"'),
+        (GrammarType.REGEX, r"[^a]+", b""),
+        (GrammarType.REGEX, r".*", b"x"),
+    ],
+)
+def test_no_grammar_admits_an_encoded_surrogate(compiler, tokenizer, grammar_type, grammar, prefix):
+    """xgrammar's classes take ED A0-BF (U+D800-U+DFFF, invalid UTF-8): a `maxLength` 4 tool
+    argument once came out as '_dv' and three U+FFFD. After the lead byte ED only 80-9F may follow."""
+    pieces = byte_tokens(tokenizer)
+    lead = next(i for i, data in pieces.items() if data == b"\xed")
+    surrogate_seconds = [i for i, data in pieces.items() if 0xA0 <= data[0] <= 0xBF]
+    valid_seconds = [i for i, data in pieces.items() if 0x80 <= data[0] <= 0x9F]
+    assert len(surrogate_seconds) > 10 and valid_seconds
+    state = compiler.new_state(compiler.compile(grammar_type, grammar))
+    for token in tokenizer.encode(prefix.decode(), add_special_tokens=False):
+        state.advance(token)
+    assert state.allowed_mask()[lead]
+    state.advance(lead)
+    for mask in (
+        state.allowed_mask(),
+        fill_masks([None, state], torch.empty(2, VOCAB, dtype=torch.bool))[1],
+    ):
+        assert not state.failed and mask[valid_seconds].any()
+        assert [pieces[i] for i in surrogate_seconds if mask[i]] == []
+    twin = state.fork()
+    twin.advance(valid_seconds[0])  # now mid-character: any continuation byte may follow
+    assert twin.allowed_mask()[surrogate_seconds].any()

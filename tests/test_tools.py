@@ -109,6 +109,28 @@ RECURSIVE = {
     },
 }
 
+# The reply that once put an encoded surrogate (ED BE 96: three U+FFFD once decoded) in a string of
+# maxLength 4, found by the derandomized run: two tools whose arguments share a `$defs` array.
+
+
+def _shared_strings(min_items: int, max_items: int) -> dict:
+    strings = {"type": "string", "minLength": 2, "maxLength": 4}
+    array = {"type": "array", "items": strings, "minItems": min_items, "maxItems": max_items}
+    empty = {"type": "object", "properties": {}, "required": [], "additionalProperties": False}
+    other = {"type": "object", "properties": {"kbhsf": empty}, "required": ["kbhsf"]}
+    return {
+        "type": "object",
+        "$defs": {"shared": array},
+        "properties": {"_": {"$ref": "#/$defs/shared"}, "__other": other},
+        "required": ["_"],
+    }
+
+
+SURROGATE_IN_SHARED_STRING = [
+    {"type": "function", "function": {"name": "lvfgoq_", "parameters": _shared_strings(0, 2)}},
+    {"type": "function", "function": {"name": "bk", "parameters": _shared_strings(2, 4)}},
+]
+
 
 @pytest.fixture(scope="module")
 def compiler(smollm_dir):
@@ -184,6 +206,7 @@ def request_plan(
 @example(declared=WEATHER_AND_SUM, choice="named", parallel=True)
 @example(declared=[*WEATHER_AND_SUM, RECURSIVE], choice="required", parallel=True)
 @example(declared=[RECURSIVE], choice="named", parallel=False)
+@example(declared=SURROGATE_IN_SHARED_STRING, choice="auto", parallel=True)
 def test_sampled_replies_always_validate(compiler, tokenizer, declared, choice, parallel):
     plan, allowed_names = request_plan(declared, choice, parallel)
     for seed in range(RUNS_PER_SCHEMA):
