@@ -272,12 +272,14 @@ def test_the_readme_examples_run_against_a_live_server(smollm_dir, tmp_path):
         "127.0.0.1",
         "--uds-path",
         f"{folder}/s",
+        # The OpenAI example sets no max_tokens: a reply may run to the context's end, so the
+        # context is kept short.
         "--max-input-tokens",
-        "256",
+        "64",
         "--max-total-tokens",
-        "512",
+        "96",
         "--max-batch-prefill-tokens",
-        "512",
+        "128",
         folder=folder,
     )
     try:
