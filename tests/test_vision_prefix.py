@@ -46,9 +46,12 @@ PROMPTS = [
 
 def as_request(i: int, chunks: list, new_tokens: int = NEW) -> Request:
     text = "".join(c for c in chunks if isinstance(c, str))
-    parts = [c if isinstance(c, str) else checked(c, ImageLimits()) for c in chunks]
+    parts = [
+        c if isinstance(c, str) else checked(getattr(c, "data", c), ImageLimits()) for c in chunks
+    ]
     stopping = StoppingCriteriaParameters(max_new_tokens=new_tokens, ignore_eos_token=True)
-    return Request(i, text, stopping_parameters=stopping, chunks=parts)
+    images = any(not isinstance(c, str) for c in parts)  # a text-only prompt carries none
+    return Request(i, text, stopping_parameters=stopping, chunks=parts if images else None)
 
 
 @pytest.fixture(scope="module")

@@ -281,38 +281,35 @@ def test_a_preempted_image_request_resumes_exact(qwen_dir, references):
     assert sum(shard.adapter.shapes.unwarmed.values()) == 0
 
 
-def test_grids_are_recorded_fitted_profiled_and_served_from_the_profile(qwen_dir, tmp_path):
+def test_grids_are_recorded_fitted_and_profiled(qwen_dir, tmp_path):
     """--record-shapes writes each tower run at its grid's size key; a fitted plan on that trace
     holds that grid (and every other: the router counts tokens at any planned grid); a warmup
-    profile times every grid, and a shard served with the profile warms exactly those."""
+    profile times every grid."""
     from engine.buckets.images import ImageBucket
     from engine.buckets.shapes import Shape, load_shapes
     from engine.vision.grids import grid_key
-    from engine.warmup.profile import measure, write_profile
+    from engine.warmup.profile import measure
 
-    settings = dict(max_input_tokens=64, max_total_tokens=96, max_prefill_tokens=128)
+    settings = dict(
+        max_batch_size=4, max_input_tokens=64, max_total_tokens=96, max_prefill_tokens=128
+    )
     trace = tmp_path / "shapes.jsonl"
     shard = Shard(tiny_config(qwen_dir, record_shapes=str(trace), **settings), show_progress=False)
     shard.warmup()
     run_requests(shard, [image_request(0, PROMPTS[0], 2)])
     key = grid_key(spec_of_dir(qwen_dir).grid(24, 16))
     assert [s for s in load_shapes(trace) if s.phase == "image"] == [Shape("image", 1, key)]
+    every = {ImageBucket(1, grid_key(grid)) for grid in shard.vision.grids}
 
     fitted = Shard(
         tiny_config(qwen_dir, bucket_strategy="fitted", bucket_shapes=str(trace), **settings),
         show_progress=False,
     )
     fitted.warmup()
-    every = {ImageBucket(1, grid_key(grid)) for grid in fitted.vision.grids}
     assert ImageBucket(1, key) in fitted.runner.plan.images
     assert set(fitted.runner.plan.images) == every == set(fitted.vision.planned)
-    entries = measure(fitted, 1)
+
+    entries = measure(fitted, 1)  # warmup-profile's timings: one entry a grid
     timed = {(e["batch_size"], e["size"]) for e in entries if e["phase"] == "image"}
     assert timed == {(b.count, b.size) for b in every}
-    profile = write_profile(tmp_path / "profile", fitted, entries, "fitted", {})
-    served = Shard(
-        tiny_config(qwen_dir, warmup_profile=str(profile), **settings), show_progress=False
-    )
-    served.warmup()
-    warmed = {shape for shape in served.adapter.shapes.warmed if shape[0] == "vision"}
-    assert warmed == {("vision", *grid) for grid in fitted.vision.grids}
+    assert all(e["latency_s"] > 0 for e in entries if e["phase"] == "image")
