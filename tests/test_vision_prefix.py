@@ -78,8 +78,11 @@ def serve_waves(shard, policy, allocator, limits, prompts, waves, new_tokens=NEW
                 streams = {}
                 for i in wave:
                     request = as_request(i, prompts[i], new_tokens)
-                    ids = shard.vision.prompt_ids(request)
-                    keyed = keyed_prompt_ids(ids, request.chunks, policy)
+                    if request.chunks:
+                        ids = shard.vision.prompt_ids(request)
+                        keyed = keyed_prompt_ids(ids, request.chunks, policy)
+                    else:  # a text-only prompt
+                        ids = keyed = shard.tokenizer(request.inputs)["input_ids"]
                     streams[i] = scheduler.submit(request, len(ids), keyed)
                 for i, stream in streams.items():
                     out[i] = [g.tokens.ids[0] async for g in stream]
