@@ -1,8 +1,8 @@
 """Image buckets everywhere a bucket plan goes: a trace's image records fit them, bucket files and
 warmup profiles carry them, `--record-shapes` records the tower's runs, strict mode refuses an
-image no warmed bucket holds; and random traffic with images (LLaVA, LLaVA-NeXT) under strict
-shapes and `--simulate hpu` meets no unwarmed shape and compiles nothing after warmup, its greedy
-tokens those of the same shard without the simulator."""
+image no warmed bucket holds; and random traffic with images (LLaVA, LLaVA-NeXT, Qwen2.5-VL,
+Gemma 3) under strict shapes and `--simulate hpu` meets no unwarmed shape, compiles nothing and
+breaks no graph after warmup, its greedy tokens those of the same shard without the simulator."""
 
 from __future__ import annotations
 
@@ -194,16 +194,8 @@ PROMPTS = st.tuples(prompt(1), st.lists(prompt(0), max_size=3)).map(
 )
 
 
-QWEN_BREAKS = pytest.mark.xfail(
-    strict=True,
-    reason="transformers' Qwen2.5-VL tower reads its grid_thw from the device: graph breaks",
-)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "model", ["llava", "llava_next", pytest.param("qwen2_5_vl", marks=QWEN_BREAKS), "gemma3"]
-)
+@pytest.mark.parametrize("model", ["llava", "llava_next", "qwen2_5_vl", "gemma3"])
 @settings(
     max_examples=3,
     deadline=None,

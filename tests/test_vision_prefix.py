@@ -1,7 +1,9 @@
 """Prefix caching of prompts with images: KV blocks are keyed by each image's content hash
 (engine/vision/keys.py), so a repeated image reuses its KV (and is not encoded again) while the
 same text with a different image never does, exact against transformers through the router's
-scheduler and prefix cache on an in-process tiny LLaVA."""
+scheduler and prefix cache on an in-process tiny LLaVA; and the next turn of a chat continues the
+cached image's KV exactly on Qwen2.5-VL (multimodal rope) and Gemma 3 (images attending both
+ways)."""
 
 from __future__ import annotations
 
@@ -42,11 +44,14 @@ PROMPTS = [
 ]
 
 
-def as_request(i: int, chunks: list) -> Request:
+def as_request(i: int, chunks: list, new_tokens: int = NEW) -> Request:
     text = "".join(c for c in chunks if isinstance(c, str))
-    parts = [c if isinstance(c, str) else checked(c, ImageLimits()) for c in chunks]
-    stopping = StoppingCriteriaParameters(max_new_tokens=NEW, ignore_eos_token=True)
-    return Request(i, text, stopping_parameters=stopping, chunks=parts)
+    parts = [
+        c if isinstance(c, str) else checked(getattr(c, "data", c), ImageLimits()) for c in chunks
+    ]
+    stopping = StoppingCriteriaParameters(max_new_tokens=new_tokens, ignore_eos_token=True)
+    images = any(not isinstance(c, str) for c in parts)  # a text-only prompt carries none
+    return Request(i, text, stopping_parameters=stopping, chunks=parts if images else None)
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +60,16 @@ def shard(tiny_llava_dir):
 
 
 def serve(shard, policy, cache, waves) -> dict[int, list[int]]:
-    """Each wave's requests submitted together after the previous wave finished, with the
-    router's keyed lookup ids."""
+    return serve_waves(shard, policy, cache, LIMITS, PROMPTS, waves)[0]
+
+
+def serve_waves(shard, policy, allocator, limits, prompts, waves, new_tokens=NEW):
+    """({i: tokens}, the scheduler's stats) of prompts[i] of each wave, submitted together after
+    the previous wave finished, with the router's keyed lookup ids."""
 
     async def run():
-        client = InProcessClient(shard, max_batch_size=4)
-        scheduler = Scheduler(client, cache, LIMITS)
+        client = InProcessClient(shard, max_batch_size=limits.max_batch_size)
+        scheduler = Scheduler(client, allocator, limits)
         await scheduler.start()
         out = {}
         try:
@@ -68,16 +77,19 @@ def serve(shard, policy, cache, waves) -> dict[int, list[int]]:
                 shard.vision.cache.clear()  # only the KV cache may spare an image's encode
                 streams = {}
                 for i in wave:
-                    request = as_request(i, PROMPTS[i])
-                    ids = shard.vision.prompt_ids(request)
-                    keyed = keyed_prompt_ids(ids, request.chunks, policy)
+                    request = as_request(i, prompts[i], new_tokens)
+                    if request.chunks:
+                        ids = shard.vision.prompt_ids(request)
+                        keyed = keyed_prompt_ids(ids, request.chunks, policy)
+                    else:  # a text-only prompt
+                        ids = keyed = shard.tokenizer(request.inputs)["input_ids"]
                     streams[i] = scheduler.submit(request, len(ids), keyed)
                 for i, stream in streams.items():
                     out[i] = [g.tokens.ids[0] async for g in stream]
         finally:
             await scheduler.stop()
             await client.close()
-        return out
+        return out, scheduler.stats
 
     return asyncio.run(run())
 
@@ -160,3 +172,54 @@ def test_blocks_from_the_first_image_on_are_not_published():
     ids = keyed_ids([1, 2, 3, 4, 5, 9, 9, 9, 6, 7, 8, 0, 1], 9, [(b"image", 3)])
     cache.register(cache.allocate(len(ids), ids), ids, None)
     assert published == [[1, 2, 3, 4]] and cache.num_cached == 3
+
+
+# --- Qwen2.5-VL (multimodal rope) and Gemma 3 (images attending both ways) ------------------------
+
+LOOK = "Look: "
+LONG_QUESTION = (
+    " What is in this picture? Name every color and every shape you can see, then say which "
+    "of them is the largest and which is the smallest, in two short sentences."
+)
+
+
+def next_turn_prompts(image: bytes) -> list[list]:
+    """A first turn, and the next turn that repeats it (its image first) and asks more."""
+    return [[LOOK, image, LONG_QUESTION], [LOOK, image, LONG_QUESTION + " And the background?"]]
+
+
+def assert_the_next_turn_reuses_the_image_kv(shard, model_dir, prompts, reference):
+    """The second turn's lookup hits the first's blocks past the image: the image is encoded
+    once, the prefill continues the cached context, and both turns equal transformers'."""
+    policy = policy_for(model_dir, shard.tokenizer, ImageLimits())
+    cache = PrefixCache(shard.runner.kv_cache.num_blocks, shard.block_size)
+    before = dict(shard.vision.stats)
+    out, _ = serve_waves(shard, policy, cache, LIMITS, prompts, [[0], [1]])
+    assert cache.stats.hit_requests == 1
+    first = as_request(0, prompts[0])
+    keyed = shard.vision.keyed(first, shard.vision.prompt_ids(first))
+    image_end = first_image(keyed) + shard.vision.counts(first)[0]
+    assert cache.stats.hit_tokens >= image_end  # the hit holds the whole image
+    assert shard.vision.stats["images_encoded"] - before["images_encoded"] == 1
+    assert shard.vision.stats["image_cache_hits"] - before["image_cache_hits"] == 1  # its KV
+    for i, chunks in enumerate(prompts):
+        assert out[i] == reference(model_dir, chunks, NEW), f"turn {i}"
+    assert sum(shard.adapter.shapes.unwarmed.values()) == 0
+
+
+def test_qwen2_5_vl_next_turn_continues_the_cached_image_exact(tmp_path_factory, smollm_dir):
+    from tests.test_vision_qwen2_5_vl import build_tiny_qwen2_5_vl, qwen_reference
+
+    model_dir = build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"), smollm_dir)
+    shard = tiny_shard(model_dir, warmup=LIMITS)
+    prompts = next_turn_prompts(image_bytes(24, 16, seed=21))  # 24 image tokens
+    assert_the_next_turn_reuses_the_image_kv(shard, model_dir, prompts, qwen_reference)
+
+
+def test_gemma3_next_turn_continues_the_cached_image_exact(tmp_path_factory, smollm_dir):
+    from tests.vision_models import build_tiny_gemma3, gemma3_reference
+
+    model_dir = build_tiny_gemma3(tmp_path_factory.mktemp("gemma3"), smollm_dir)
+    shard = tiny_shard(model_dir, warmup=LIMITS)
+    prompts = next_turn_prompts(image_bytes(40, 30, seed=21))
+    assert_the_next_turn_reuses_the_image_kv(shard, model_dir, prompts, gemma3_reference)

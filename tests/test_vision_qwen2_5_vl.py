@@ -2,7 +2,9 @@
 several sizes, some resized to the nearest planned grid), multimodal rope (3-row positions in the
 prefill, a per-row delta in the decode), greedy tokens equal to transformers' generate for a mixed
 batch of text-only prompts and prompts with 1 to 3 images, strict shapes; also computed in chunks
-that never split an image, and through `bucketserve generate --image`."""
+that never split an image, preempted and resumed, and through `bucketserve generate --image`. The
+tower runs on metadata built on the host, exactly transformers' tower; its grids are image
+buckets that `--record-shapes`, `fitted` and warmup profiles carry."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -149,6 +152,29 @@ def qwen_dir(tmp_path_factory, smollm_dir):
     return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"), smollm_dir)
 
 
+def test_tower_on_host_metadata_equals_transformers_tower(qwen_dir):
+    """The tower run on its host-built layout (as the encoder runs it) gives transformers' own
+    tower's features exactly, at grids with one window and with several (edge windows short)."""
+    import transformers
+
+    from engine.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration as Ours
+    from engine.models.qwen2_5_vl import tower_layout
+
+    visual = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        qwen_dir, dtype=torch.float32
+    ).model.visual.eval()
+    ours = SimpleNamespace(visual=visual)
+    torch.manual_seed(0)
+    for thw in [(1, 4, 4), (1, 8, 12), (1, 2, 26), (1, 14, 6)]:
+        pixels = torch.randn(thw[1] * thw[2], 3 * 2 * 2 * 2)
+        with torch.inference_mode():
+            expected = visual(pixels, grid_thw=torch.tensor([thw])).pooler_output
+            layout, full, windows = tower_layout(visual, thw)
+            got = Ours._tower_forward(ours, full, windows, pixels, *layout)
+        assert torch.equal(got, expected), thw
+        assert full == (thw[1] * thw[2],) and sum(windows) == full[0]
+
+
 SIZES = [(24, 16), (20, 36), (40, 40), (50, 12), (33, 47), (8, 8), (90, 7), (5, 60)]
 PROMPTS = [  # text and images, in order; (20, 36) and (33, 47) are resized to a planned grid
     ["Describe this picture: ", png_image(24, 16, 1), " in detail."],
@@ -225,3 +251,65 @@ def test_speculation_is_refused_with_multimodal_rope(qwen_dir):
 
     with pytest.raises(ModelLoadError, match="multimodal rope"):
         Shard(tiny_config(qwen_dir, speculate="ngram"), show_progress=False)
+
+
+def test_a_preempted_image_request_resumes_exact(qwen_dir, references):
+    """A KV budget too small for every request as they grow: the newest are preempted and
+    resumed (their prompt and generated tokens recomputed at their 3-row and delta positions),
+    and every stream still equals transformers'."""
+    from engine.config import ServingLimits
+    from router.images.decode import ImageLimits
+    from router.images.prompt import policy_for
+    from router.sched.allocator import BlockAllocator
+    from tests.test_vision_prefix import serve_waves
+
+    limits = ServingLimits(
+        max_batch_size=4, max_prefill_tokens=512, max_input_tokens=160, max_total_tokens=192
+    )
+    shard = Shard(tiny_config(qwen_dir), show_progress=False)
+    shard.warmup(limits.max_input_tokens, limits.max_prefill_tokens, limits.max_total_tokens, 4)
+    lengths = [request_length(shard, image_request(i, c, 1)) for i, c in enumerate(PROMPTS)]
+    block = shard.block_size
+    blocks = sum(-(-n // block) for n in lengths) + 2  # all admitted; not all can grow
+    assert -(-(max(lengths) + NEW_TOKENS) // block) < blocks  # the longest alone fits
+    policy = policy_for(qwen_dir, shard.tokenizer, ImageLimits())
+    done, stats = serve_waves(
+        shard, policy, BlockAllocator(blocks + 1, block), limits, PROMPTS, [range(4)], NEW_TOKENS
+    )
+    assert stats.preemptions > 0
+    assert [done[i] for i in range(4)] == references
+    assert sum(shard.adapter.shapes.unwarmed.values()) == 0
+
+
+def test_grids_are_recorded_fitted_and_profiled(qwen_dir, tmp_path):
+    """--record-shapes writes each tower run at its grid's size key; a fitted plan on that trace
+    holds that grid (and every other: the router counts tokens at any planned grid); a warmup
+    profile times every grid."""
+    from engine.buckets.images import ImageBucket
+    from engine.buckets.shapes import Shape, load_shapes
+    from engine.vision.grids import grid_key
+    from engine.warmup.profile import measure
+
+    settings = dict(
+        max_batch_size=4, max_input_tokens=64, max_total_tokens=96, max_prefill_tokens=128
+    )
+    trace = tmp_path / "shapes.jsonl"
+    shard = Shard(tiny_config(qwen_dir, record_shapes=str(trace), **settings), show_progress=False)
+    shard.warmup()
+    run_requests(shard, [image_request(0, PROMPTS[0], 2)])
+    key = grid_key(spec_of_dir(qwen_dir).grid(24, 16))
+    assert [s for s in load_shapes(trace) if s.phase == "image"] == [Shape("image", 1, key)]
+    every = {ImageBucket(1, grid_key(grid)) for grid in shard.vision.grids}
+
+    fitted = Shard(
+        tiny_config(qwen_dir, bucket_strategy="fitted", bucket_shapes=str(trace), **settings),
+        show_progress=False,
+    )
+    fitted.warmup()
+    assert ImageBucket(1, key) in fitted.runner.plan.images
+    assert set(fitted.runner.plan.images) == every == set(fitted.vision.planned)
+
+    entries = measure(fitted, 1)  # warmup-profile's timings: one entry a grid
+    timed = {(e["batch_size"], e["size"]) for e in entries if e["phase"] == "image"}
+    assert timed == {(b.count, b.size) for b in every}
+    assert all(e["latency_s"] > 0 for e in entries if e["phase"] == "image")

@@ -6,9 +6,18 @@ image tokens in the prompt's embeddings.
 Inputs past the text model's (after the LoRA index, where adapters are loaded): in a prefill, the
 image embeddings [rows, width, hidden] and the M-RoPE positions [3, rows, width]; in a decode,
 each row's position delta [rows] (the rope turns at position + delta on all three rows), so every
-bucket keeps its one static shape."""
+bucket keeps its one static shape.
+
+The tower runs on metadata built on the host from the planned grid (`tower_at`): transformers'
+own forward derives its rotary positions, window order and attention spans from `grid_thw` on the
+device (`.tolist()`, `unique_consecutive`, a split by tensor lengths), each a graph break. Here they
+are index tensors made once per grid and the spans Python ints of that grid's graph, so the
+device runs transformers' blocks at the grid's static shapes, op for op as its forward does."""
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 
@@ -51,6 +60,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
             for name, buffer in self.visual.named_buffers()
             if name not in persistent
         }
+        self._tower_runs: dict[tuple, tuple] = {}
         self._images: torch.Tensor | None = None
         self._rope_positions: torch.Tensor | None = None
 
@@ -70,12 +80,33 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
             return module, kind, None
         return super().checkpoint_target(name)
 
+    def tower_at(self, thw: tuple[int, int, int]) -> tuple:
+        """(the tower's run at grid `thw` (t, h, w in patches), its host-built TowerLayout): the
+        run is made once per grid, so a device keying graphs by the callable sees one a grid."""
+        found = self._tower_runs.get(thw)
+        if found is None:
+            layout, full, windows = tower_layout(self.visual, thw)
+            run = functools.partial(self._tower_forward, full, windows)
+            found = self._tower_runs[thw] = (run, layout)
+        return found
+
     @torch.inference_mode()
-    def image_features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """[tokens, hidden] of one image's [patches, patch width] at its grid [1, 3] (t, h, w in
-        patches), as transformers' Qwen2_5_VLModel.get_image_features computes them."""
-        dtype = self.visual.patch_embed.proj.weight.dtype
-        return self.visual(pixel_values.to(dtype), grid_thw=grid_thw).pooler_output
+    def _tower_forward(self, full, windows, pixels, position_ids, window_index, reverse_index):
+        """transformers' Qwen2_5_VisionTransformerPretrainedModel.forward on host-built metadata:
+        `full` and `windows` are the lengths of the full and windowed attention's spans."""
+        visual = self.visual
+        hidden = visual.patch_embed(pixels.to(visual.patch_embed.proj.weight.dtype))
+        patches = hidden.shape[0]
+        hidden = visual.permute_input_for_window_attn(hidden, window_index, seq_len=patches)
+        rope = visual.rotary_pos_emb(hidden, position_ids)
+        rope = tuple(
+            visual.permute_input_for_window_attn(f, window_index, seq_len=patches) for f in rope
+        )
+        for number, block in enumerate(visual.blocks):
+            spans = full if number in visual.fullatt_block_indexes else windows
+            hidden = hidden + span_attention(block.attn, block.norm1(hidden), rope, spans)
+            hidden = hidden + block.mlp(block.norm2(hidden))
+        return visual.merger(hidden)[reverse_index, :]
 
     def forward(self, input_ids, positions, meta, logits_indices, *extra) -> torch.Tensor:
         lora_count = 1 if self.lora_set is not None else 0
@@ -107,3 +138,64 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
             return hidden
         places = (input_ids == self.image_token_id).unsqueeze(-1)
         return torch.where(places, self._images.to(hidden.dtype), hidden)
+
+
+class TowerLayout(NamedTuple):
+    """The tower's metadata at one grid, built on the host (its graph's tensor inputs)."""
+
+    position_ids: torch.Tensor  # [patches, 2] each patch's (row, column), merge-block major
+    window_index: torch.Tensor  # [tokens] the merged patches in window order
+    reverse_index: torch.Tensor  # [tokens] window order back to the grid's
+
+
+def tower_layout(visual, thw: tuple[int, int, int]) -> tuple[TowerLayout, tuple, tuple]:
+    """(TowerLayout, full attention's span lengths, windowed attention's) of one image at `thw`,
+    by transformers' own vision_utils on a host grid_thw."""
+    from transformers.vision_utils import (
+        get_vision_cu_seqlens,
+        get_vision_position_ids,
+        get_vision_window_index,
+    )
+
+    grid_thw = torch.tensor([thw])
+    position_ids = get_vision_position_ids(grid_thw, visual.spatial_merge_size)
+    window_index, cu_windows = get_vision_window_index(
+        grid_thw,
+        spatial_merge_size=visual.spatial_merge_size,
+        window_size=visual.window_size,
+        patch_size=visual.patch_size,
+    )
+    layout = TowerLayout(position_ids, window_index, torch.argsort(window_index))
+    return layout, lengths_of(get_vision_cu_seqlens(grid_thw)), lengths_of(cu_windows)
+
+
+def lengths_of(cumulative: torch.Tensor) -> tuple[int, ...]:
+    return tuple((cumulative[1:] - cumulative[:-1]).tolist())
+
+
+def span_attention(attn, hidden: torch.Tensor, rope: tuple, spans: tuple[int, ...]):
+    """transformers' Qwen2_5_VLVisionAttention.forward (its path without flash attention) with
+    the spans' lengths given as Python ints: each span attends within itself."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+        ALL_ATTENTION_FUNCTIONS,
+        apply_rotary_pos_emb_vision,
+        eager_attention_forward,
+    )
+
+    rows = hidden.shape[0]
+    query, key, value = (
+        attn.qkv(hidden).reshape(rows, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    )
+    query, key = apply_rotary_pos_emb_vision(query, key, *rope)
+    query, key, value = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+    implementation = attn.config._attn_implementation
+    if "flash" in (implementation or ""):
+        implementation = "sdpa"  # flash attention would need the spans as device tensors
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+    parts = [
+        interface(
+            attn, q, k, v, attention_mask=None, scaling=attn.scaling, dropout=0.0, is_causal=False
+        )[0]
+        for q, k, v in zip(*(torch.split(t, list(spans), dim=2) for t in (query, key, value)))
+    ]
+    return attn.proj(torch.cat(parts, dim=1).reshape(rows, -1).contiguous())

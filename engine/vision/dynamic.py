@@ -1,6 +1,7 @@
 """The image encoder of a dynamic-resolution model (Qwen2.5-VL): each image resized to its planned
 grid of merged patches (engine/vision/grids.py), preprocessed by the model's own processor, and
-run through the tower at that grid, a warmed bucket shape; and each prompt's M-RoPE positions."""
+run through the tower at that grid: a warmed image bucket of one image, whose size key is its
+grid's (engine/vision/grids.py, `grid_key`); and each prompt's M-RoPE positions."""
 
 from __future__ import annotations
 
@@ -10,15 +11,20 @@ import time
 import torch
 
 from engine.batch import ImageInput, Request
+from engine.buckets.images import ImageBucket, ImageLimits
 from engine.errors import InvalidRequestError
 from engine.vision.encoder import ImageEncoder, images_of, to_host
-from engine.vision.grids import fit_to_grid, plan_grids, rope_index
+from engine.vision.grids import fit_to_grid, grid_key, key_grid, plan_grids, rope_index
 
 
 class DynamicResolutionEncoder(ImageEncoder):
-    def _image_limits(self, max_images: int) -> None:
-        """Its tower runs one image at a time at planned grids (`grids`), warmed by warm()."""
-        return None
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._towers: dict[tuple[int, int], tuple] = {}  # grid -> (run, metadata on the device)
+
+    def _image_limits(self, max_images: int) -> ImageLimits:
+        """Its tower runs one image at a time, at each of the planned grids (`grids`)."""
+        return ImageLimits(1, tuple(grid_key(grid) for grid in self.grids))
 
     @property
     def grids(self) -> tuple[tuple[int, int], ...]:
@@ -36,6 +42,8 @@ class DynamicResolutionEncoder(ImageEncoder):
         features = []
         for image in images:
             pixels, grid = self._patches(request_id, image)
+            if self.recorder is not None:
+                self.recorder.image(1, grid_key(grid))
             features.append(to_host(self._run_tower(pixels, grid)))  # joined on the host
         self.adapter.synchronize()
         self.stats["images_encoded"] += len(images)
@@ -64,23 +72,42 @@ class DynamicResolutionEncoder(ImageEncoder):
         return out["pixel_values"], grid
 
     def _run_tower(self, pixels: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        pixels = pixels.to(self.adapter.torch_device)
-        return self.adapter.run(
-            self.shape(grid), self.model.image_features, pixels, self._thw(grid)
-        )
+        run, layout = self._tower_at(grid)
+        return self.adapter.run(self._shape(grid), run, self.adapter.to_device(pixels), *layout)
 
-    def _thw(self, grid: tuple[int, int]) -> torch.Tensor:
-        """The tower's grid_thw, in patches (the tower reads it on the host)."""
+    def _tower_at(self, grid: tuple[int, int]) -> tuple:
+        """(the tower's run at the grid, its metadata on the device): built on the host from the
+        grid and copied once, so the device reads nothing back to learn the image's layout."""
+        found = self._towers.get(grid)
+        if found is None:
+            run, layout = self.model.tower_at(self._thw(grid))
+            found = self._towers[grid] = (run, tuple(self.adapter.to_device(t) for t in layout))
+        return found
+
+    def _thw(self, grid: tuple[int, int]) -> tuple[int, int, int]:
+        """The tower's grid (t, h, w), in patches."""
         merge = self.spec.factor // self.spec.patch_size
-        return torch.tensor([[1, grid[0] * merge, grid[1] * merge]])
+        return 1, grid[0] * merge, grid[1] * merge
 
-    def shape(self, grid: tuple[int, int]) -> tuple:
+    def _shape(self, grid: tuple[int, int]) -> tuple:
         return ("vision", *grid)
 
-    def warm(self) -> None:
+    def shape(self, bucket: ImageBucket) -> tuple:
+        return self._shape(key_grid(bucket.size))
+
+    def _dummy(self, bucket: ImageBucket) -> tuple:
+        """(the tower's run at the bucket's grid, zero pixels and its metadata on the device)."""
+        grid = key_grid(bucket.size)
         merge = self.spec.factor // self.spec.patch_size
-        width = self.model.patch_width
-        for grid in self.grids:
-            patches = grid[0] * grid[1] * merge * merge
-            pixels = torch.zeros((patches, width), device=self.adapter.torch_device)
-            self.adapter.warm(self.shape(grid), self.model.image_features, pixels, self._thw(grid))
+        patches = grid[0] * grid[1] * merge * merge
+        run, layout = self._tower_at(grid)
+        pixels = self.adapter.to_device(torch.zeros((patches, self.model.patch_width)))
+        return run, (pixels, *layout)
+
+    def warm_bucket(self, bucket: ImageBucket, graph: bool = True) -> None:
+        run, inputs = self._dummy(bucket)
+        self.adapter.warm(self.shape(bucket), run, *inputs, graph=graph)
+
+    def replay(self, bucket: ImageBucket) -> None:
+        run, inputs = self._dummy(bucket)
+        self.adapter.run(self.shape(bucket), run, *inputs)

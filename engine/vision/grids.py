@@ -8,6 +8,11 @@ them), every pair the processor allows is planned (and warmed), and an image is 
 planned grid nearest (in log scale) to the one the processor would pick; an image whose own grid
 is planned is left to the processor as it is. The router counts the same grid's tokens.
 
+In the plan each grid is an image bucket of one image whose size key is `grid_key(grid)`: every
+strategy, fitted included, plans every grid, since the router counts an image's tokens at the
+grid nearest to its own and a grid left out could not run; a `--record-shapes` trace records
+each tower run as `{"phase": "image", "batch_size": 1, "size": grid_key(grid)}`.
+
 M-RoPE: image tokens carry 3-row positions (temporal, height, width) from where the image starts;
 text positions are equal on all three rows and continue from the image's largest position + 1,
 as transformers' Qwen2_5_VLModel.get_rope_index computes them. After the prompt every row's
@@ -21,6 +26,20 @@ from functools import lru_cache
 import torch
 
 MAX_RATIO = 200  # smart_resize refuses a longer side past 200 times the shorter one
+GRID_KEY = 10_000  # a grid's size key in the plan's image buckets: rows * GRID_KEY + columns
+
+
+def grid_key(grid: tuple[int, int]) -> int:
+    """The image buckets' size key of a grid (engine/buckets/images.py): 40006 is 4 x 6."""
+    rows, columns = grid
+    if not (0 < rows < GRID_KEY and 0 < columns < GRID_KEY):
+        raise ValueError(f"grid {rows}x{columns}: each side must be 1 to {GRID_KEY - 1}")
+    return rows * GRID_KEY + columns
+
+
+def key_grid(key: int) -> tuple[int, int]:
+    """The grid of an image bucket's size key."""
+    return divmod(key, GRID_KEY)
 
 
 def ladder(limit: int) -> list[int]:
