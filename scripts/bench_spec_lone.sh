@@ -7,9 +7,10 @@
 # Renders scripts/bench_spec_client.py's two prompts through the model's chat template (the
 # rewrite of scripts/bench_speculative.py, and a short story: nothing to copy), starts two servers
 # (`--dtype bfloat16 --max-batch-size 4`, one with `--speculate ngram --num-speculative-tokens K`)
-# and sends each prompt to each server in turn, RUNS times: greedy, EOS ends it, at most 128
-# tokens. Prints each run, the median decode rate per server and workload, and the ratios. Free
-# text checks the off-switch (speculation must not lose there), the rewrite that it still pays.
+# and sends each prompt to each server in turn, one warm round and then RUNS rounds: greedy, EOS
+# ends it, at most 128 tokens. Prints each run, the median decode rate per server and workload,
+# and the ratios. Free text checks the off-switch (speculation must not lose there), the rewrite
+# that it still pays.
 # A benchmark, not a test: its figures go in docs/benchmarks.md.
 #
 # Environment: RUNS (3), K (4), WORKLOADS ("free rewrite"), PY.
@@ -42,18 +43,20 @@ start_ours() {  # $1: port, $2: label; the rest: extra flags
     echo "$label ready after $(wait_ready "http://127.0.0.1:$port" "$start" "$pid") s"
 }
 
-one() {  # $1: port, $2: label, $3: workload
+one() {  # $1: port, $2: label, $3: workload, $4: the run (0: the warm one)
+    local into=$OUT/$3.jsonl
+    [ "$4" -gt 0 ] || into=$OUT/$3-warm.jsonl
     "$PY" "$ROOT/scripts/bench_spec_client.py" --url "http://127.0.0.1:$1" \
-        --prompt-file "$OUT/$3.txt" --label "$2" | tee -a "$OUT/$3.jsonl"
+        --prompt-file "$OUT/$3.txt" --label "$2" | tee -a "$into"
 }
 
 echo "machine load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 start_ours 3971 "bucketserve-ngram-k$K" --speculate ngram --num-speculative-tokens "$K"
 start_ours 3972 bucketserve-off
-for run in $(seq "$RUNS"); do
+for run in $(seq 0 "$RUNS"); do  # run 0 warms both servers up and is not counted
     for workload in $WORKLOADS; do
-        one 3971 "bucketserve-ngram-k$K" "$workload"
-        one 3972 bucketserve-off "$workload"
+        one 3971 "bucketserve-ngram-k$K" "$workload" "$run"
+        one 3972 bucketserve-off "$workload" "$run"
     done
 done
 echo "machine load after: $(cut -d' ' -f1-3 /proc/loadavg)"
