@@ -85,7 +85,9 @@ class Speculator:
     def tokens_for(self, rows: int) -> int:
         """This step's K for a batch of `rows`: 0 (a plain step) while the recent acceptance does
         not pay for a verify step; a draft model or EAGLE-3 head then probes with all of K after
-        every PROBE_INTERVAL plain steps (n-gram rows measure on plain steps: `shadow`)."""
+        every PROBE_INTERVAL plain steps (n-gram rows measure on plain steps: `note_shadows`).
+        Otherwise all of K for n-gram rows (their proposals cost nothing, and fewer would only be
+        measured as less acceptance), allowed_tokens() for a draft (fewer draft forwards)."""
         if self.adaptive and self.recent_rate is not None and not self.pays(rows):
             self.plain_steps += 1
             if self.draft is None or self.plain_steps <= PROBE_INTERVAL:
@@ -95,6 +97,9 @@ class Speculator:
             self.k_in_use = self.num_tokens
             return self.num_tokens
         self.plain_steps = 0
+        if self.draft is None:  # n-gram proposals cost nothing and the verify width is K + 1
+            self.k_in_use = self.num_tokens
+            return self.num_tokens
         return self.allowed_tokens()
 
     def pays(self, rows: int) -> bool:
