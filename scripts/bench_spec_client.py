@@ -1,6 +1,7 @@
 """One lone greedy request on an input-grounded rewrite, against any OpenAI-compatible server.
 
     python scripts/bench_spec_client.py --render MODEL_DIR > prompt.txt    (the chat-templated text)
+    python scripts/bench_spec_client.py --render MODEL_DIR --free > free.txt    (free text instead)
     python scripts/bench_spec_client.py --url URL --prompt-file prompt.txt --label NAME
 
 The rewrite prompt is scripts/bench_speculative.py's (it imports it from here), rendered once
@@ -31,14 +32,16 @@ TEXT = (
     "continue next quarter, although it warns that currency changes could reduce profits."
 )
 PROMPT = "Rewrite the following text exactly, but in British English spelling:\n\n" + TEXT
+# Free text (`--render MODEL_DIR --free`): nothing in the prompt to copy, speculation's worst case.
+FREE_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def render(model_dir: str) -> str:
+def render(model_dir: str, prompt: str = PROMPT) -> str:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return tokenizer.apply_chat_template(
-        [{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
     )
 
 
@@ -97,21 +100,22 @@ def summarize(path: str) -> None:
         print(f"{label:<44} {rate:7.1f} tok/s ({each}; {last['tokens']} tokens{drafts})")
     ours = {k: v for k, v in medians.items() if k.startswith("bucketserve")}
     peers = {k: v for k, v in medians.items() if not k.startswith("bucketserve")}
+    plain = [v for k, v in ours.items() if "off" in k]
+    for label, rate in ours.items():
+        if plain and "off" not in label:
+            print(f"ratio {label} / bucketserve off: {rate / plain[0]:.2f}x")
     if not ours or not peers:
         return
     best = max(peers, key=peers.get)
     print(f"llama-server's best: {best} ({peers[best]:.1f} tok/s)")
     for label, rate in ours.items():
         print(f"ratio {label} / {best}: {rate / peers[best]:.2f}x")
-    plain = [v for k, v in ours.items() if "off" in k]
-    for label, rate in ours.items():
-        if plain and "off" not in label:
-            print(f"ratio {label} / bucketserve off: {rate / plain[0]:.2f}x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--render", metavar="MODEL_DIR", help="print the chat-templated prompt")
+    parser.add_argument("--free", action="store_true", help="with --render: the free-text prompt")
     parser.add_argument("--url")
     parser.add_argument("--prompt-file")
     parser.add_argument("--label", default="server")
@@ -120,7 +124,7 @@ def main() -> None:
     parser.add_argument("--summarize", metavar="FILE", help="JSON lines of earlier runs")
     args = parser.parse_args()
     if args.render:
-        return print(render(args.render), end="")
+        return print(render(args.render, FREE_PROMPT if args.free else PROMPT), end="")
     if args.summarize:
         return summarize(args.summarize)
     prompt = open(args.prompt_file).read()

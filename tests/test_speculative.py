@@ -204,12 +204,15 @@ def chi2_sf(statistic: float, df: int) -> float:
     return total
 
 
-def test_sampled_tokens_keep_the_targets_distribution(plain, speculating):
+def test_sampled_tokens_keep_the_targets_distribution(plain, speculating, monkeypatch):
     """The token drawn at a speculated position, over many seeds: speculation (one seed set) and
     plain decoding (another) draw from the same distribution (chi-square, 2 x categories). A logit
     bias (applied at every verified position) puts the mass on the prompt's words, which the
-    n-gram proposals offer, so proposals are both accepted and rejected."""
+    n-gram proposals offer, so proposals are both accepted and rejected. Adaptive K is off, so
+    that every step verifies (four rows accepting one token each would not pay for it)."""
     from collections import Counter
+
+    monkeypatch.setattr(speculating.speculator, "adaptive", False)
 
     words = [plain.tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in WORDS]
     warm = NextTokenChooserParameters(do_sample=True, logit_bias={token: 40.0 for token in words})

@@ -24,6 +24,22 @@ from engine.buckets.grid import (
 # while free text loses more (0.56x at 8, 0.52x at 16, against 0.65-0.89x at 1-4).
 SPECULATE_MAX_BATCH = 4
 
+# What a verify step costs, in plain decode steps of the same rows, by the verify batch that holds
+# them (the same measurements: tokens emitted per row and verify step over the speed ratio, 1.2-1.6
+# at one row, 1.4-1.9 at two, 1.8-2.1 at four, the low ends where few tokens are accepted). A
+# verify step pays while each row emits more than this: one token plus its accepted proposals.
+VERIFY_COST = {1: 1.3, 2: 1.5, 4: 2.0}
+# While it does not pay, the batch decodes plainly and measures again: an n-gram row checks every
+# step, for free, what its proposal would have had accepted; a draft model or EAGLE-3 head runs one
+# verify step with all of K after every PROBE_INTERVAL plain steps.
+PROBE_INTERVAL = 16
+
+
+def verify_cost(rows: int) -> float:
+    """VERIFY_COST of the smallest verify batch holding `rows` (the largest beyond them all)."""
+    fitting = [batch for batch in VERIFY_COST if batch >= rows]
+    return VERIFY_COST[min(fitting)] if fitting else VERIFY_COST[max(VERIFY_COST)]
+
 
 def verify_buckets(limits: BucketLimits, num_speculative_tokens: int) -> list[VerifyBucket]:
     """Every verify bucket of a plan speculating `num_speculative_tokens` tokens a row."""

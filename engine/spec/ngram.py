@@ -20,6 +20,30 @@ class NgramIndex:
     def __init__(self) -> None:
         self._last_end: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # n-grams ending before this position are in the index
+        self.shadows: list[tuple[int, list[int]]] = []  # (where, proposal) not verified: below
+
+    def shadow(self, tokens: list[int], count: int) -> None:
+        """While speculation is off: note what would be proposed now, to compare with the tokens
+        plain decoding then chooses (a proposal is accepted exactly while it matches them)."""
+        proposal = self.propose(tokens, count)
+        if proposal:
+            self.shadows.append((len(tokens), proposal))
+
+    def settle_shadows(self, tokens: list[int]) -> list[tuple[int, int]]:
+        """(proposed, accepted) of every noted proposal whose outcome the tokens now tell: all of
+        it matched, or a token differed. The others stay noted."""
+        settled, waiting = [], []
+        for start, proposal in self.shadows:
+            chosen = tokens[start : start + len(proposal)]
+            matched = 0
+            while matched < len(chosen) and chosen[matched] == proposal[matched]:
+                matched += 1
+            if matched < len(chosen) or len(chosen) == len(proposal):
+                settled.append((len(proposal), matched))
+            else:
+                waiting.append((start, proposal))
+        self.shadows = waiting
+        return settled
 
     def propose(self, tokens: list[int], count: int) -> list[int]:
         """Up to `count` tokens that followed the latest earlier occurrence of the longest suffix of

@@ -39,6 +39,7 @@ from engine.sampling.sampler import (
     is_sampling,
     process_scores,
 )
+from engine.spec.buckets import PROBE_INTERVAL, verify_cost
 from engine.spec.draft import draw, host_copy
 from engine.spec.ngram import NgramIndex
 
@@ -51,8 +52,9 @@ NO_SPECULATION = {
     "spec_k": 0,
 }
 # Adaptive K: the proposals a row may make follow the recent acceptance (an exponential average
-# over verify steps). Speculation is off on batches above SPECULATE_MAX_BATCH (engine/spec/
-# buckets.py; not yet measured on this machine), not on low acceptance.
+# over verify steps). Speculation is off on batches above SPECULATE_MAX_BATCH, and on smaller ones
+# while the accepted tokens per row do not pay for a verify step (VERIFY_COST, PROBE_INTERVAL:
+# engine/spec/buckets.py, measured on the 2-core CPU).
 SMOOTHING = 0.3
 
 
@@ -67,8 +69,43 @@ class Speculator:
     draft: object = None  # engine.spec.draft.DraftModel with --speculate draft
     adaptive: bool = True
     recent_rate: float | None = None  # accepted / proposed, averaged over recent verify steps
-    recent_length: float = 0.0  # accepted tokens per row and step, likewise
+    recent_length: float = 0.0  # accepted tokens per batch row and step, likewise
     k_in_use: int = 0  # the K the latest step allowed (0: off)
+    plain_steps: int = 0  # steps decoded plainly since speculation last ran (the off-switch)
+    rows_seen: frozenset = frozenset()  # the request ids of the latest step's batch
+
+    def meet(self, request_ids) -> None:
+        """A batch with a row new to it measures afresh (all of K next): the newcomer's text may
+        be one whose proposals are accepted, whatever the others' were."""
+        ids = frozenset(request_ids)
+        if not ids <= self.rows_seen:
+            self.reset_adaptive()
+        self.rows_seen = ids
+
+    def tokens_for(self, rows: int) -> int:
+        """This step's K for a batch of `rows`: 0 (a plain step) while the recent acceptance does
+        not pay for a verify step; a draft model or EAGLE-3 head then probes with all of K after
+        every PROBE_INTERVAL plain steps (n-gram rows measure on plain steps: `note_shadows`).
+        Otherwise all of K for n-gram rows (their proposals cost nothing, and fewer would only be
+        measured as less acceptance), allowed_tokens() for a draft (fewer draft forwards)."""
+        if self.adaptive and self.recent_rate is not None and not self.pays(rows):
+            self.plain_steps += 1
+            if self.draft is None or self.plain_steps <= PROBE_INTERVAL:
+                self.k_in_use = 0
+                return 0
+            self.plain_steps = 0
+            self.k_in_use = self.num_tokens
+            return self.num_tokens
+        self.plain_steps = 0
+        if self.draft is None:  # n-gram proposals cost nothing and the verify width is K + 1
+            self.k_in_use = self.num_tokens
+            return self.num_tokens
+        return self.allowed_tokens()
+
+    def pays(self, rows: int) -> bool:
+        """Whether a verify step of `rows` rows emits more tokens per row than it costs in plain
+        steps, at the recent acceptance: 1 + accepted per row > verify_cost(rows)."""
+        return 1 + self.recent_length > verify_cost(rows)
 
     def allowed_tokens(self) -> int:
         """This step's K: all of it until acceptance is measured, then one more than the recent
@@ -98,7 +135,7 @@ class Speculator:
     def reset_adaptive(self) -> None:
         """Forget the measured acceptance: the next steps propose all of K again."""
         self.recent_rate, self.recent_length = None, 0.0
-        self.k_in_use = self.num_tokens
+        self.k_in_use, self.plain_steps = self.num_tokens, 0
 
     def summary(self) -> dict:
         """The counters, with the acceptance rate (accepted / proposed), the mean accepted length
@@ -138,6 +175,28 @@ def propose(speculator: Speculator, seq, block_size: int, k: int | None = None) 
     return seq.speculation.propose(seq.token_ids, count)
 
 
+def settle_shadows(speculator: Speculator, sequences: list) -> None:
+    """n-gram rows: what of the proposals noted on plain steps (`note_shadows`) the tokens chosen
+    since then match goes into the recent acceptance, as a verify step's outcome would: for greedy
+    and seeded rows alike a verify step accepts exactly the proposed tokens plain decoding chooses."""
+    proposed = accepted = rows = 0
+    for seq in sequences:
+        if seq.speculation is not None:
+            for count, matched in seq.speculation.settle_shadows(seq.token_ids):
+                proposed, accepted, rows = proposed + count, accepted + matched, rows + 1
+    speculator.observe(proposed, accepted, rows)
+
+
+def note_shadows(speculator: Speculator, sequences: list, block_size: int) -> None:
+    """n-gram rows on a plain step: note what each would propose now (a few dictionary lookups)."""
+    for seq in sequences:
+        count = room(speculator, seq, block_size)
+        if count > 0:
+            if seq.speculation is None:
+                seq.speculation = NgramIndex()
+            seq.speculation.shadow(seq.token_ids, count)
+
+
 def proposals_for(speculator: Speculator, sequences: list, block_size: int, k: int):
     """Every row's proposals (at most k each), and per row the proposer's distributions (draft
     model, sampled rows) or None (a deterministic proposal)."""
@@ -151,13 +210,21 @@ def speculative_step(
     ctx, sequences: list, adapters: list[int], advance: Callable, record: Callable
 ) -> list[Generation] | None:
     """The step's generations, or None where it does not speculate (the caller decodes plainly):
-    no row proposed anything, the batch is too large, or no warmed verify bucket holds it.
+    the recent acceptance does not pay for a verify step (Speculator.tokens_for), no row proposed
+    anything, the batch is too large, or no warmed verify bucket holds it.
     `adapters`: each row's LoRA slot; `advance(ctx, sequences, logits)` chooses and appends one token per row (steps._advance);
     `record(ctx, sequences)` notes the KV blocks they filled (steps.record_contents)."""
     speculator, runner = ctx.speculator, ctx.runner
     if len(sequences) > speculator.max_batch:
         return None
-    k = speculator.allowed_tokens()
+    if speculator.draft is None:
+        settle_shadows(speculator, sequences)
+    speculator.meet(s.id for s in sequences)
+    k = speculator.tokens_for(len(sequences))
+    if k == 0:  # the off-switch: this step decodes plainly
+        if speculator.draft is None:
+            note_shadows(speculator, sequences, ctx.block_size)
+        return None
     proposals, dists = proposals_for(speculator, sequences, ctx.block_size, k)
     if not any(proposals):
         return None
@@ -180,7 +247,7 @@ def speculative_step(
     proposed = sum(len(p) for p in proposals)
     stats["spec_steps"] += 1
     stats["spec_proposed"] += proposed
-    speculator.observe(proposed, stats["spec_accepted"] - accepted, sum(map(bool, proposals)))
+    speculator.observe(proposed, stats["spec_accepted"] - accepted, len(sequences))
     return generations
 
 
