@@ -94,3 +94,16 @@ def test_more_sequences_than_slots_take_the_oldest_slot():
     for step in range(6):  # four of six rows a step, in turns: slots are reused and rebuilt
         _step(adapter, counts, [rows[(step + k) % 6] for k in range(ROWS)], generator)
     assert adapter.graphs.counts()["graph_compiles_serving"] == 0
+
+
+def test_the_memory_profile_leaves_room_for_the_tables(monkeypatch):
+    """The KV cache is sized from the profile's free memory; the tables come after it, so the
+    profile reserves their bytes (two [max_batch_size + 1, vocab] float32 tables)."""
+    from engine.warmup.memory import profile_free_memory
+    from tests.fakes.tiny import BLOCK, CONFIG, LIMITS, tiny_model
+
+    adapter, free = SimulatedHPUAdapter(), 10**9
+    monkeypatch.setattr(adapter, "memory_info", lambda: (free, 2 * free))
+    left = profile_free_memory(tiny_model(), adapter, torch.float32, BLOCK, LIMITS)
+    tables = PenaltyCounts(adapter, LIMITS.max_batch_size, CONFIG.vocab_size)
+    assert free - left == tables.every.nbytes + tables.generated.nbytes

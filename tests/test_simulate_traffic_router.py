@@ -262,6 +262,13 @@ def test_every_feature_with_prefix_hits_chunks_and_preemption(model, request):
 @TRAFFIC
 @given(waves=records())
 def test_random_traffic_compiles_nothing_and_keeps_greedy_tokens(moe, waves):
-    """Hypothesis' traffic on the tiny MoE model (the embedded model's explicit case above costs
-    what this suite can give it)."""
+    """Hypothesis' traffic on the tiny MoE model."""
     check_traffic(*moe, waves)
+
+
+@settings(TRAFFIC, max_examples=2)
+@given(waves=records(("alpha",)))
+def test_random_traffic_on_the_embedded_model_with_an_adapter(embedded, waves):
+    """Hypothesis' traffic on the embedded model (its rows may take the LoRA adapter): fewer
+    examples than on the tiny MoE model, each a real 135M-parameter model twice."""
+    check_traffic(*embedded, waves)

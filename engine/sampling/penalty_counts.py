@@ -21,6 +21,13 @@ import torch
 
 from engine.devices.row_merge import mark_step
 
+TABLE_DTYPE = torch.float32  # counts are small integers: exact in float32
+
+
+def table_bytes(slots: int, vocab: int) -> int:
+    """Device bytes of the two [slots + 1, vocab] tables (the memory profile reserves them)."""
+    return 2 * (slots + 1) * vocab * torch.empty((), dtype=TABLE_DTYPE).element_size()
+
 
 class PenaltyCounts:
     """The two count tables and who holds each slot. `slots`: the most rows a sampler runs on."""
@@ -28,8 +35,8 @@ class PenaltyCounts:
     def __init__(self, adapter, slots: int, vocab: int):
         self.adapter, self.slots, self.vocab = adapter, slots, vocab
         self.scratch = slots
-        self.every = adapter.zeros((slots + 1, vocab), torch.float32)  # prompt and generated
-        self.generated = adapter.zeros((slots + 1, vocab), torch.float32)
+        self.every = adapter.zeros((slots + 1, vocab), TABLE_DTYPE)  # prompt and generated
+        self.generated = adapter.zeros((slots + 1, vocab), TABLE_DTYPE)
         self._owner: list = [None] * slots  # the SamplingState whose counts a slot holds
         self._counted: list = [None] * slots  # (history length, last token) they are counts of
         self._used = [0] * slots  # when each slot was last read: the oldest is taken first
@@ -96,8 +103,9 @@ def _counts(tokens: list[int], vocab: int) -> torch.Tensor:
 
 
 def penalty_counts(runner, adapter, rows: int, vocab: int) -> PenaltyCounts:
-    """The runner's tables, sized for its largest decode batch (made on first use); without a
-    runner (a lone sampler call) a table for `rows` rows."""
+    """The runner's tables, sized for its largest decode batch (made on first use, after the KV
+    cache: engine/warmup/memory.py leaves them room); without a runner (a lone sampler call) a
+    table for `rows` rows."""
     if runner is None:
         return PenaltyCounts(adapter, rows, vocab)
     slots = max(bucket.batch_size for bucket in runner.plan.decode)

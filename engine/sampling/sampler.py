@@ -20,6 +20,7 @@ import torch
 
 from engine.batch import NextTokenChooserParameters
 from engine.errors import InvalidRequestError
+from engine.wire.contract import MAX_LOGIT_BIAS
 
 # Green-list watermarking (Kirchenbauer et al. 2023) with TGI's defaults.
 WATERMARK_GAMMA = 0.5  # share of the vocabulary on each green list
@@ -62,6 +63,12 @@ def validate_parameters(request_id: int, params: NextTokenChooserParameters) -> 
             p.logit_bias,
             all(math.isfinite(v) for v in p.logit_bias.values()),
             "finite",
+        ),
+        (
+            "logit_bias",
+            f"{len(p.logit_bias)} entries",
+            len(p.logit_bias) <= MAX_LOGIT_BIAS,
+            f"at most {MAX_LOGIT_BIAS} entries",
         ),
     )
     for name, value, ok, rule in rules:

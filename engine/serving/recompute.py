@@ -4,7 +4,9 @@ A model may name a position at which its reference implementation throws the seq
 away and recomputes it (Phi-3's longrope: engine/models/phi3.py). The decode step that would feed
 that position runs those sequences as a prefill of their whole token list instead (same slots, so
 the cache is overwritten in place), and the others decode as usual; their logits come back in
-order. The decision reads host state only (token counts), never a device value.
+order. The decision reads host state only (token counts), never a device value. Where graphs
+compile, the two forwards' rows are merged at the plan's shapes (engine/devices/row_merge.py):
+stacking them would make a tensor as tall as the batch, a serving compile for each mix.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import ServingLimits
+from engine.devices.row_merge import merge_rows, stack_rows
 from engine.errors import InvalidRequestError
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
 
@@ -26,11 +29,10 @@ def decode_logits(runner: ModelRunner, sequences, inputs: list[DecodeInput]) -> 
     redo = [i for i, inp in enumerate(inputs) if at is not None and inp.position == at]
     if not redo:
         return runner.decode(inputs)
-    logits = [None] * len(inputs)
     rest = [i for i in range(len(inputs)) if i not in redo]
+    parts = []  # (the rows of a forward, the index in `inputs` of each)
     if rest:
-        for i, row in zip(rest, runner.decode([inputs[i] for i in rest])):
-            logits[i] = row
+        parts.append((runner.decode([inputs[i] for i in rest]), rest))
     whole = [
         PrefillInput(
             list(sequences[i].token_ids),
@@ -39,9 +41,12 @@ def decode_logits(runner: ModelRunner, sequences, inputs: list[DecodeInput]) -> 
         )
         for i in redo
     ]
-    for i, row in zip(redo, runner.prefill(whole).logits):
-        logits[i] = row
-    return torch.stack(logits)
+    parts.append((runner.prefill(whole).logits, redo))
+    count = len(inputs)
+    if not runner.adapter.warm_runs_forward:
+        return stack_rows(parts, count)
+    padded = [(getattr(rows, "bucket_output", rows), index) for rows, index in parts]
+    return merge_rows(runner.adapter, padded, count, runner.plan.sampler_rows(count))
 
 
 def recompute_length(model, max_total_tokens: int) -> int:

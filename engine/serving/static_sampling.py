@@ -7,9 +7,12 @@ but on a lazy-graph device every new combination is a graph compile at serving t
 processor runs on every step, over the bucket's padded rows, with inputs of fixed shapes:
 
 - the penalties read each row's token counts from tables on the device that the sampler's own
-  graph updates in place with each step's tokens (engine/sampling/penalty_counts.py), the logit
-  bias one [rows, vocab] additive term;
-- watermarking adds a [rows, vocab] bonus; a grammar's mask is [rows, vocab] (all True: none);
+  graph updates in place with each step's tokens (engine/sampling/penalty_counts.py);
+- the logit bias is a sparse [rows, MAX_LOGIT_BIAS] pair of token ids and values (padding: id 0,
+  value 0), added on the device by one scatter_add, however many entries a request has;
+- watermarking adds its bonus where a [rows, vocab] bool green mask is set (a green list is half
+  the vocabulary: ids would be twice the bytes of the mask); a grammar's mask is [rows, vocab]
+  (all True: none);
 - top-k keeps the scores tied with the k-th of a full sort (no `topk(max(k))`);
 - the draw inverts a float32 CDF (Gaudi has no float64) at one host uniform per row;
 - top-n tokens and logprobs come from a fixed-width topk; a row whose ties overflow that width
@@ -40,8 +43,10 @@ from engine.sampling.sampler import (
     choose,
 )
 from engine.serving.siblings import warm_prompt_copy
+from engine.wire.contract import MAX_LOGIT_BIAS
 
 TOP_N_WIDTH = 16  # the router allows top_n <= 5; the rest holds the ties of the n-th
+LOGIT_BIAS_WIDTH = MAX_LOGIT_BIAS  # bias entries per row, whatever a request has (padded)
 
 
 def uses_static_sampling(runner) -> bool:
@@ -111,15 +116,11 @@ def host_inputs(states, histories, top_n, allowed, rows: int, vocab: int, slots,
     def column(values, neutral, dtype=torch.float32):
         return torch.tensor(list(values) + [neutral] * pad, dtype=dtype).unsqueeze(1)
 
-    bias = torch.zeros(rows, vocab)
-    bonus = torch.zeros(rows, vocab)
+    green = torch.zeros(rows, vocab, dtype=torch.bool)
     for i, (state, history) in enumerate(zip(states, histories, strict=True)):
-        p = state.params
-        if p.watermark:
-            bonus[i, _green_list(history[-1], vocab).long()] = WATERMARK_DELTA
-        for token, value in p.logit_bias.items():
-            if 0 <= token < vocab:
-                bias[i, token] += value
+        if state.params.watermark:
+            green[i, _green_list(history[-1], vocab).long()] = True
+    bias_ids, bias_values = sparse_logit_bias([s.params.logit_bias for s in states], rows, vocab)
     mask = torch.ones(rows, vocab, dtype=torch.bool)
     if allowed is not None:
         mask[:n] = allowed.cpu()
@@ -130,11 +131,12 @@ def host_inputs(states, histories, top_n, allowed, rows: int, vocab: int, slots,
     return (
         torch.tensor(list(slots) + [scratch] * pad, dtype=torch.long),
         column([max(len(h), 1) for h in histories], 1.0),
-        bonus,
+        green,
         column(params.repetition_penalty, 1.0),
         column(params.frequency_penalty, 0.0),
         column(params.presence_penalty, 0.0),
-        bias,
+        bias_ids,
+        bias_values,
         mask,
         column(params.temperature, 1.0),
         column([min(k, vocab) for k in params.top_k], 0, torch.long),
@@ -146,19 +148,41 @@ def host_inputs(states, histories, top_n, allowed, rows: int, vocab: int, slots,
     )
 
 
+def sparse_logit_bias(biases: list[dict[int, float]], rows: int, vocab: int):
+    """Each row's logit bias as [rows, LOGIT_BIAS_WIDTH] token ids (long) and values (float32):
+    the width is the cap, not the request's entry count, so the sampler's graph keeps one shape.
+    Padding entries add 0 to token 0; ids past the logits' vocabulary are dropped, as choose()
+    drops them."""
+    ids = torch.zeros(rows, LOGIT_BIAS_WIDTH, dtype=torch.long)
+    values = torch.zeros(rows, LOGIT_BIAS_WIDTH)
+    for i, bias in enumerate(biases):
+        entries = [(token, value) for token, value in bias.items() if 0 <= token < vocab]
+        if len(entries) > LOGIT_BIAS_WIDTH:  # validate_parameters refuses such a request
+            raise ValueError(
+                f"row {i}: {len(entries)} logit_bias entries, at most {LOGIT_BIAS_WIDTH}"
+            )
+        if entries:
+            tokens, added = zip(*entries)
+            ids[i, : len(entries)] = torch.tensor(tokens, dtype=torch.long)
+            values[i, : len(entries)] = torch.tensor(added, dtype=torch.float32)
+    return ids, values
+
+
 def static_choice(
-    logits, every, generated, slots, lengths, bonus, repetition, frequency, presence, bias, mask,
-    temperature, top_k, top_p, typical_p, sampling, uniforms, top_n,
+    logits, every, generated, slots, lengths, green, repetition, frequency, presence, bias_ids,
+    bias_values, mask, temperature, top_k, top_p, typical_p, sampling, uniforms, top_n,
 ):  # fmt: skip
     """The device graph: every processor, every row, in choose()'s order; then each row's token
     added to its slot of the penalty counts (`every`, `generated`: [slots + 1, vocab])."""
     counts = every.index_select(0, slots)
-    scores = logits.float() + bonus
+    scores = logits.float()
+    scores = torch.where(green, scores + WATERMARK_DELTA, scores)
     penalized = torch.where(scores < 0, scores * repetition, scores / repetition)
     scores = torch.where((counts > 0) & (repetition != 1.0), penalized, scores)
     scores = scores - counts / lengths * frequency
     scores = scores - (generated.index_select(0, slots) > 0).float() * presence
-    scores = (scores + bias).masked_fill(~mask, -math.inf) / temperature
+    scores = scores.scatter_add(1, bias_ids, bias_values)  # padding adds 0.0 to token 0
+    scores = scores.masked_fill(~mask, -math.inf) / temperature
     scores = _top_k(scores, top_k)
     scores = _top_p(scores, top_p)
     scores = _typical_p(scores, typical_p)

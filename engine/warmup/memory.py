@@ -7,13 +7,17 @@ from engine.config import ServingLimits
 from engine.errors import CapacityError
 from engine.kv_cache import KVCache, blocks_needed
 from engine.runner import ModelRunner
+from engine.sampling.penalty_counts import table_bytes
 
 
 def profile_free_memory(model, adapter, dtype, block_size: int, limits: ServingLimits) -> int:
-    """Free memory after the largest prefill, run on a one-block cache (padding writes only block 0).
+    """Free memory after the largest prefill, run on a one-block cache (padding writes only block 0),
+    less the static sampler's penalty count tables (engine/sampling/penalty_counts.py), which are
+    made after the KV cache and live as long as it.
 
     Where warming runs no forward (eager CPU), neither does this: activations come and go in host
-    memory, and what the KV cache does not take of it (kv_cache_memory_fraction) is their room."""
+    memory, and what the KV cache does not take of it (kv_cache_memory_fraction) is their room;
+    the sampler there counts penalties on the host, with no tables."""
     if not adapter.warm_runs_forward:
         return adapter.memory_info()[0]
     config = model.config
@@ -38,7 +42,9 @@ def profile_free_memory(model, adapter, dtype, block_size: int, limits: ServingL
             largest, prompt_logprobs=True, plain=False
         )
     adapter.synchronize()
-    return adapter.memory_info()[0]
+    # the decode buckets' batch sizes, hence the tables' slots, are at most max_batch_size
+    tables = table_bytes(limits.max_batch_size, config.vocab_size)
+    return max(0, adapter.memory_info()[0] - tables)
 
 
 def size_kv_cache(

@@ -15,6 +15,11 @@ from engine.errors import CapacityError, InvalidRequestError, UnwarmedShapeError
 # A Prefill of a large batch with prompt logprobs is big: both sides raise gRPC's 4 MiB default.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
+# OpenAI's cap on `logit_bias` entries per request; graph devices apply the bias as a
+# [rows, MAX_LOGIT_BIAS] sparse input (engine/serving/static_sampling.py), so it is a hard limit:
+# the router answers more with HTTP 422, the shard with INVALID_ARGUMENT.
+MAX_LOGIT_BIAS = 300
+
 # Block 0 of the KV cache is never handed out: padding tokens write there and padding blocks read
 # from it, and TGI's router health-probes a shard with a 1-token Prefill on blocks=[0], slots=[0].
 RESERVED_BLOCK = 0

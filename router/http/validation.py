@@ -20,6 +20,7 @@ from engine.batch import (
     Request,
     StoppingCriteriaParameters,
 )
+from engine.wire.contract import MAX_LOGIT_BIAS
 from router.images.decode import ImageError
 from router.images.prompt import ImagePolicy, image_prompt
 from router.sched.admission import check_lengths
@@ -152,6 +153,11 @@ def check_sampling(p: Parameters) -> None:
     check(
         all(-100 <= v <= 100 for v in (p.logit_bias or {}).values()),
         "`logit_bias` values must be >= -100 and <= 100",
+    )
+    entries = len(p.logit_bias or {})
+    check(
+        entries <= MAX_LOGIT_BIAS,
+        f"`logit_bias` may hold at most {MAX_LOGIT_BIAS} entries. Given: {entries}",
     )
     check(p.min_new_tokens is None or p.min_new_tokens >= 0, "`min_tokens` must be >= 0")
     top_n = p.top_n_tokens or 0
