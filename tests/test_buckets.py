@@ -445,16 +445,17 @@ def test_a_device_that_compiles_nothing_gets_a_decode_bucket_for_every_batch_siz
         (PrefillBucket(1, 16),),
         (DecodeBucket(1, 4), DecodeBucket(4, 8), DecodeBucket(4, 16), DecodeBucket(8, 32)),
     )
-    every = with_every_decode_batch(plan)
+    every = with_every_decode_batch(plan, blocks_per_sequence=5)
     assert set(plan.decode) <= set(every.decode) and every.prefill == plan.prefill
+    # each capped at what its batch's sequences hold: 2 x 5 = 10 blocks, 3 x 5 = 15
     assert {(b.batch_size, b.num_blocks) for b in set(every.decode) - set(plan.decode)} == {
         (2, 8),
-        (2, 16),
+        (2, 10),
         (3, 8),
-        (3, 16),
-        (5, 32),
-        (6, 32),
+        (3, 15),
+        (5, 25),
+        (6, 30),
         (7, 32),
     }
-    assert every.decode_bucket(3, 10) == DecodeBucket(3, 16)  # no padded row
+    assert every.decode_bucket(3, 10) == DecodeBucket(3, 15)  # no padded row
     assert plan.decode_bucket(3, 10) == DecodeBucket(4, 16)

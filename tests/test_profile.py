@@ -11,9 +11,11 @@ from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 from tests.test_warmup_invariant import trace_file
 
+# Four rows: eager CPU adds a decode bucket for 3 rows, whose blocks must stay within what 3
+# sequences hold for the profile to load.
 LIMIT_ARGS = [
     "--max-batch-size",
-    "2",
+    "4",
     "--max-input-tokens",
     "32",
     "--max-total-tokens",
@@ -53,7 +55,7 @@ def profile(tiny_model_dirs, tmp_path_factory):
 
 
 def config(tiny_model_dirs, path, **overrides):
-    limits = dict(max_batch_size=2, max_input_tokens=32, max_total_tokens=64, max_prefill_tokens=64)
+    limits = dict(max_batch_size=4, max_input_tokens=32, max_total_tokens=64, max_prefill_tokens=64)
     return tiny_config(
         tiny_model_dirs["llama"], **{**limits, **overrides}, warmup_profile=str(path)
     )

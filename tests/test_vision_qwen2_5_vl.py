@@ -284,11 +284,11 @@ def test_a_preempted_image_request_resumes_exact(qwen_dir, references):
 def test_grids_are_recorded_fitted_and_profiled(qwen_dir, tmp_path):
     """--record-shapes writes each tower run at its grid's size key; a fitted plan on that trace
     holds that grid (and every other: the router counts tokens at any planned grid); a warmup
-    profile times every grid."""
+    profile times every grid, and a shard served with it warms every grid."""
     from engine.buckets.images import ImageBucket
     from engine.buckets.shapes import Shape, load_shapes
     from engine.vision.grids import grid_key
-    from engine.warmup.profile import measure
+    from engine.warmup.profile import measure, write_profile
 
     settings = dict(
         max_batch_size=4, max_input_tokens=64, max_total_tokens=96, max_prefill_tokens=128
@@ -313,3 +313,10 @@ def test_grids_are_recorded_fitted_and_profiled(qwen_dir, tmp_path):
     timed = {(e["batch_size"], e["size"]) for e in entries if e["phase"] == "image"}
     assert timed == {(b.count, b.size) for b in every}
     assert all(e["latency_s"] > 0 for e in entries if e["phase"] == "image")
+    profile = write_profile(tmp_path / "profile", fitted, entries, "fitted", {})
+    served = Shard(
+        tiny_config(qwen_dir, warmup_profile=str(profile), **settings), show_progress=False
+    )
+    served.warmup()
+    warmed = {b for b in served.adapter.shapes.warmed if b[0] == "vision"}
+    assert warmed == {served.vision.shape(b) for b in every}

@@ -55,15 +55,17 @@ def make_plan(
     return plan
 
 
-def with_every_decode_batch(plan: BucketPlan) -> BucketPlan:
+def with_every_decode_batch(plan: BucketPlan, blocks_per_sequence: int) -> BucketPlan:
     """The plan plus a decode bucket for every batch size below each planned one, offered that
     bucket's block counts: where a bucket costs no graph (eager CPU), a step of 17 sequences then
     runs 17 rows, not 32 (every padded row is a full row of every GEMM). Registration is all such a
-    bucket costs at warmup, and strict mode still refuses any shape outside the plan."""
+    bucket costs at warmup, and strict mode still refuses any shape outside the plan. A block count
+    is capped at what the smaller batch's sequences can hold, so the plan stays within the limits
+    (a warmup profile of it is checked against them)."""
     batches = sorted({b.batch_size for b in plan.decode})
     below = {size: max((s for s in batches if s < size), default=0) for size in batches}
     extra = {
-        DecodeBucket(n, bucket.num_blocks)
+        DecodeBucket(n, min(bucket.num_blocks, n * blocks_per_sequence))
         for bucket in plan.decode
         for n in range(below[bucket.batch_size] + 1, bucket.batch_size)
     }

@@ -301,7 +301,7 @@ def warmed_runner(runner_class, model, num_layers: int, adapter, dtype, sizes: t
     )
     small = _with_batch(limits, min(SPECULATE_MAX_BATCH, limits.max_batch_size))
     plan = make_plan("exponential", small)
-    plan = with_every_decode_batch(plan) if graphless else plan
+    plan = with_every_decode_batch(plan, small.blocks_per_sequence) if graphless else plan
     plan = with_verify(plan, verify_buckets(small, num_tokens))
     runner = runner_class(model, adapter, cache, plan, dtype)
     for bucket in plan.buckets:

@@ -198,7 +198,9 @@ def plan_for(
         graph_budget_left(config.max_graphs, verify),
         prefix_caching=config.prefix_caching,
     )
-    plan = with_verify(with_every_decode_batch(plan) if graphless else plan, verify)
+    plan = with_verify(
+        with_every_decode_batch(plan, limits.blocks_per_sequence) if graphless else plan, verify
+    )
     tower = image_plan(config.bucket_strategy, images, shapes, config.bucket_file)
     return replace(plan, images=tower)
 
