@@ -183,8 +183,9 @@ def test_a_draft_that_cannot_serve_the_target_is_one_error_line(
 
 @pytest.mark.slow
 def test_the_embedded_models_int4_form_drafts_for_its_float_form(smollm_dir):
-    """The embedded model in fp32, its int4 form as the draft: greedy tokens are plain decoding's,
-    alone and in a mixed batch, and most proposals are accepted."""
+    """The embedded model in fp32, its int4 form as the draft: greedy tokens are plain decoding's
+    in a mixed batch, and most proposals are accepted. (A lone request is the self-draft tests';
+    here each draft prefill of fp32 rows dequantizes the int4 weights, seconds a request.)"""
     plain_shard = tiny_shard(smollm_dir, max_batch_size=4)
     shard = tiny_shard(
         smollm_dir,
@@ -194,9 +195,8 @@ def test_the_embedded_models_int4_form_drafts_for_its_float_form(smollm_dir):
         draft_quantize="int4",
         num_speculative_tokens=K,
     )
-    for batch in ([4], [0, 2, 4]):
-        expected = run(plain_shard, [build_request(i, 24) for i in batch])
-        assert run(shard, [build_request(i, 24) for i in batch]) == expected
+    expected = run(plain_shard, [build_request(i, 24) for i in (0, 2, 4)])
+    assert run(shard, [build_request(i, 24) for i in (0, 2, 4)]) == expected
     stats = shard.speculator.stats
     assert stats["spec_accepted"] > stats["spec_proposed"] // 2
     assert not shard.adapter.shapes.unwarmed
