@@ -14,3 +14,13 @@ now() { "$PY" -c "import time; print(time.time())"; }
 PIDS=()
 cleanup() { for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
+
+start_speculating() {  # bucketserve as the speculation benchmarks run it; $1: port, $2: label;
+    local port=$1 label=$2 start pid  # the rest: extra flags (--speculate ...)
+    shift 2
+    start=$(now)
+    "$PY" -m launcher --device cpu --port "$port" --hostname 127.0.0.1 --max-batch-size 4 \
+        --dtype bfloat16 "$@" >"$OUT/$label.log" 2>&1 &
+    pid=$!; PIDS+=("$pid")
+    echo "$label ready after $(wait_ready "http://127.0.0.1:$port" "$start" "$pid") s"
+}

@@ -37,24 +37,14 @@ HF=$("$PY" -c "from engine.config import default_cache_dir as cache
 from engine.weights.loader import resolve_model_dir; print(resolve_model_dir(None, cache()))")
 "$PY" "$ROOT/scripts/bench_spec_client.py" --render "$HF" >"$OUT/prompt.txt"
 
-start_ours() {  # $1: port, $2: label; the rest: extra flags
-    local port=$1 label=$2 start pid
-    shift 2
-    start=$(now)
-    "$PY" -m launcher --device cpu --port "$port" --hostname 127.0.0.1 --max-batch-size 4 \
-        --dtype bfloat16 "$@" >"$OUT/$label.log" 2>&1 &
-    pid=$!; PIDS+=("$pid")
-    echo "$label ready after $(wait_ready "http://127.0.0.1:$port" "$start" "$pid") s"
-}
-
 one() {  # $1: port, $2: label
     "$PY" "$ROOT/scripts/bench_spec_client.py" --url "http://127.0.0.1:$1" \
         --prompt-file "$OUT/prompt.txt" --label "$2" | tee -a "$OUT/runs.jsonl"
 }
 
 echo "machine load before: $(cut -d' ' -f1-3 /proc/loadavg)"
-start_ours 3951 bucketserve-ngram-k$K --speculate ngram --num-speculative-tokens "$K"
-start_ours 3952 bucketserve-off
+start_speculating 3951 bucketserve-ngram-k$K --speculate ngram --num-speculative-tokens "$K"
+start_speculating 3952 bucketserve-off
 IFS=';' read -ra CONFIGS <<<"$SPEC_CONFIGS"
 for config in "${CONFIGS[@]}"; do
     read -ra flags <<<"$config"

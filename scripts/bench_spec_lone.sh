@@ -33,16 +33,6 @@ from engine.weights.loader import resolve_model_dir; print(resolve_model_dir(Non
 "$PY" "$ROOT/scripts/bench_spec_client.py" --render "$HF" >"$OUT/rewrite.txt"
 "$PY" "$ROOT/scripts/bench_spec_client.py" --render "$HF" --free >"$OUT/free.txt"
 
-start_ours() {  # $1: port, $2: label; the rest: extra flags
-    local port=$1 label=$2 start pid
-    shift 2
-    start=$(now)
-    "$PY" -m launcher --device cpu --port "$port" --hostname 127.0.0.1 --max-batch-size 4 \
-        --dtype bfloat16 "$@" >"$OUT/$label.log" 2>&1 &
-    pid=$!; PIDS+=("$pid")
-    echo "$label ready after $(wait_ready "http://127.0.0.1:$port" "$start" "$pid") s"
-}
-
 one() {  # $1: port, $2: label, $3: workload, $4: the run (0: the warm one)
     local into=$OUT/$3.jsonl
     [ "$4" -gt 0 ] || into=$OUT/$3-warm.jsonl
@@ -51,8 +41,8 @@ one() {  # $1: port, $2: label, $3: workload, $4: the run (0: the warm one)
 }
 
 echo "machine load before: $(cut -d' ' -f1-3 /proc/loadavg)"
-start_ours 3971 "bucketserve-ngram-k$K" --speculate ngram --num-speculative-tokens "$K"
-start_ours 3972 bucketserve-off
+start_speculating 3971 "bucketserve-ngram-k$K" --speculate ngram --num-speculative-tokens "$K"
+start_speculating 3972 bucketserve-off
 for run in $(seq 0 "$RUNS"); do  # run 0 warms both servers up and is not counted
     for workload in $WORKLOADS; do
         one 3971 "bucketserve-ngram-k$K" "$workload" "$run"
