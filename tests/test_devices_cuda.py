@@ -177,6 +177,7 @@ def test_a_second_warmup_frees_the_old_cache_before_sizing_the_new_one(gpus, tin
     used: without empty_cache (and the model letting go of the cache) a second Warmup RPC in the
     same process sizes its cache from what the old one still holds."""
     from engine.kv_cache import KVCache
+    from engine.sampling.penalty_counts import table_bytes
     from tests.helpers import tiny_shard
 
     shard = tiny_shard(tiny_model_dirs["llama"], warmup=False, device="cuda", graph_mode="eager")
@@ -189,9 +190,11 @@ def test_a_second_warmup_frees_the_old_cache_before_sizing_the_new_one(gpus, tin
         shard.dtype,
     )
     # Room for about 60 of the 129 blocks the limits could use, after the weights (what loading
-    # left cached is handed back first, as a freshly started process would have it).
+    # left cached is handed back first, as a freshly started process would have it) and the
+    # sampler's penalty tables.
     allocator.empty_cache()
-    allocator.total = allocator.elsewhere + allocator.reserved + 70 * per_block
+    tables = table_bytes(shard.config.max_batch_size, config.vocab_size)
+    allocator.total = allocator.elsewhere + allocator.reserved + tables + 70 * per_block
     first = shard.warmup().max_supported_total_tokens
     second = shard.warmup().max_supported_total_tokens
     assert first == second and 0 < first < 129 * shard.block_size
