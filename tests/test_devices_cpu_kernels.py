@@ -132,12 +132,50 @@ def test_the_gemv_refuses_what_it_cannot_multiply():
         cpu_kernels.load().gemv_bf16(torch.ones(9, 32).bfloat16(), torch.ones(8, 32).bfloat16())
 
 
+needs_amx = pytest.mark.skipif(
+    not cpu_kernels.load().amx_supported(), reason="this CPU runs no AMX bfloat16 tiles"
+)
+
+
+# Rows: a lone decode, a partial lower tile, two full tiles, past them, past the 256 rows kept in
+# cache. Columns: within one block, a partial last block, many blocks.
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 17, 32, 45, 300])
+@pytest.mark.parametrize("out_features, in_features", [(24, 64), (72, 96), (960, 576)])
+def test_the_amx_projection_multiplies_as_f_linear_does(rows, out_features, in_features):
+    torch.manual_seed(rows + out_features)
+    weight = torch.randn(out_features, in_features).bfloat16()
+    x = torch.randn(rows, in_features).bfloat16()
+    out = cpu_kernels.AmxLinear(weight).linear(x.unsqueeze(1))
+    assert out.shape == (rows, 1, out_features) and out.dtype == torch.bfloat16
+    exact = F.linear(x.double(), weight.double())
+    onednn_error = (F.linear(x, weight).double() - exact).abs().max()
+    # float32 accumulation, one rounding to bfloat16: no further from exact than oneDNN's product
+    assert (out[:, 0].double() - exact).abs().max() <= onednn_error
+
+
+@needs_amx
+def test_the_amx_projection_refuses_what_it_cannot_multiply():
+    kernels = cpu_kernels.load()
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.pack_bf16(torch.ones(8, 40).bfloat16())
+    packed = kernels.pack_bf16(torch.ones(40, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
+        kernels.amx_linear(torch.ones(2, 32).bfloat16(), packed, 40)
+    with pytest.raises(RuntimeError, match="does not match"):
+        kernels.amx_linear(torch.ones(2, 64).bfloat16(), packed, 65)
+    with pytest.raises(RuntimeError, match="bfloat16 expected"):
+        kernels.amx_linear(torch.ones(2, 64), packed, 40)
+
+
 def test_an_eager_bfloat16_shard_uses_the_kernels_and_float32_keeps_pure_torch(tiny_model_dirs):
     model = tiny_model_dirs["llama"]
     shard = Shard(tiny_config(model, dtype="bfloat16"), show_progress=False)
-    if cpu_kernels.load().gemv_supported():
+    kernel = cpu_kernels.kernel_for(torch.ones(8, 32).bfloat16())
+    if kernel is not None:
         lm_head = shard.model.lm_head
-        assert isinstance(lm_head.quantized, cpu_kernels.Bf16Gemv)
+        assert isinstance(lm_head.quantized, kernel)
+        assert isinstance(shard.model.layers[0].mlp.down_proj.quantized, kernel)
         assert lm_head.weight is not None  # a tied embedding still looks rows up in it
     norms = [m for m in shard.model.modules() if isinstance(m, RMSNorm)]
     assert shard.adapter.attention_backend.name == "cpu-kernels"

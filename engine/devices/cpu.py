@@ -59,8 +59,8 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
 
     def prepare_model(self, model, dtype: torch.dtype) -> None:
         """Eager bfloat16: the fused C++ kernels (engine.devices.cpu_kernels) for decode attention,
-        the norms and the projections (those the GEMV kernel cannot take, or all without the
-        kernels, prepacked for oneDNN). Compile mode leaves the weights to inductor; float32 keeps
+        the norms and the projections (AMX tiles where the CPU runs them, else the GEMV kernel;
+        what neither takes, or all without the kernels, prepacked for oneDNN). Compile mode leaves the weights to inductor; float32 keeps
         the pure-torch path, whose greedy output is exact."""
         import engine.devices.cpu_kernels as cpu_kernels
         from engine.devices.cpu_packed import pack_linear_weights, packing_available
@@ -69,9 +69,9 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
             return
         matmuls = []
         if cpu_kernels.load() is not None:
-            gemv = cpu_kernels.install_gemv(model)
-            log.info("%d bfloat16 matrices through the GEMV kernel", gemv)
-            matmuls += ["bucketserve GEMV"] if gemv else []
+            count, kind = cpu_kernels.install_projections(model)
+            log.info("%d bfloat16 matrices through bucketserve's %s kernel", count, kind)
+            matmuls += [f"bucketserve {kind}"] if count else []
         if packing_available():  # what the GEMV kernel does not take
             packed = pack_linear_weights(model)
             log.info("packed %d bfloat16 projections for oneDNN", packed)

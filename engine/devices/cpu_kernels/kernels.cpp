@@ -4,6 +4,8 @@
 // path rounds.
 #include <torch/extension.h>
 
+#include "amx.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -398,9 +400,13 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
 
 }  // namespace
 
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention, blocks read in place");
   m.def("gemv_supported", &gemv_supported, "whether gemv_bf16 was built");
   m.def("gemv_bf16", &gemv_bf16, "small-batch bfloat16 projection");
   m.def("rms_norm", &rms_norm, "RMS norm as engine.layers.norm.RMSNorm");
+  m.def("amx_supported", &bucketserve::amx_supported, "whether this process may run AMX bfloat16 tiles");
+  m.def("pack_bf16", &bucketserve::pack_bf16, "a bfloat16 weight in amx_linear's blocked layout");
+  m.def("amx_linear", &bucketserve::amx_linear, "bfloat16 projection in AMX tiles over a packed weight");
 }
