@@ -62,6 +62,17 @@ def test_decode_attention_reads_the_paged_cache_as_flat_attention_does(case, dim
     assert torch.equal(out[len(lengths) :], torch.zeros_like(out[len(lengths) :]))
 
 
+@pytest.mark.parametrize("spread", [60, 1e15])
+def test_decode_attention_keeps_scores_far_below_the_maximum(spread):
+    """Scores hundreds below their row's maximum: the vectorized exp must underflow to 0, not wrap.
+    (float32 scores of that size carry errors of 1e-5 themselves: compared with float64.)"""
+    q, *rest = paged_case([40, 23], torch.float32)
+    args = (q * spread, *rest)
+    exact = flat_attention(*(a.double() if a.is_floating_point() else a for a in args), 0.125)
+    out = cpu_kernels.decode_attention(*args, 0.125)
+    torch.testing.assert_close(out[:2].double(), exact[:2], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_decode_attention_in_bfloat16_is_within_bfloat16s_rounding(case):
     lengths, padding = CASES[case]

@@ -57,7 +57,8 @@ void amx_block(const char* x, int64_t x_stride, int rows, const char* block, int
   }
   for (int64_t k = 0; k < K; k += 32) {  // 16 input pairs a step: 2 KiB of weights
     if (stream && k + 64 < K)  // the block's first pass reads DRAM: fetch two steps ahead
-      for (int line = 0; line < 32; ++line) _mm_prefetch(block + (k + 64) * 64 + line * 64, _MM_HINT_T0);
+      for (int line = 0; line < 32; ++line)
+        _mm_prefetch(block + (k + 64) * 64 + line * 64, _MM_HINT_T0);
     _tile_loadd(4, x + k * 2, x_stride);
     _tile_loadd(6, block + k * 64, 128);
     _tile_loadd(7, block + k * 64 + 64, 128);
@@ -76,12 +77,15 @@ void amx_block(const char* x, int64_t x_stride, int rows, const char* block, int
     _tile_stored(2, &out[16][0], 128);
     _tile_stored(3, &out[16][16], 128);
   }
-  const auto mask = [](int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1); };
+  const auto mask = [](int64_t n) {
+    return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1);
+  };
   const __mmask16 low = mask(cols), high = mask(cols - 16);
   for (int r = 0; r < rows; ++r) {  // float32 -> bfloat16, round to nearest even as torch does
     uint16_t* row = y + r * y_stride;
-    _mm256_mask_storeu_epi16(row, low, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&out[r][0])));
-    _mm256_mask_storeu_epi16(row + 16, high, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&out[r][16])));
+    for (int half = 0; half < 2; ++half)
+      _mm256_mask_storeu_epi16(row + 16 * half, half ? high : low,
+                               (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&out[r][16 * half])));
   }
 }
 #endif

@@ -59,10 +59,10 @@ inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 is float32's upper h
 }
 #endif
 
-// scores[g] = query[g] . key for the `group` query rows of one kv head (dim floats each)
+// scores[g * stride] = query[g] . key for the `group` query rows of one kv head (dim floats each)
 template <typename T>
 inline void score_position(const float* query, const T* key, int64_t group, int64_t dim,
-                           float* kv, float* scores) {
+                           float* kv, float* scores, int64_t stride) {
 #if defined(__AVX512F__)
   if (dim % 16 == 0 && group <= 8) {
     __m512 acc[8];
@@ -72,25 +72,26 @@ inline void score_position(const float* query, const T* key, int64_t group, int6
       for (int64_t g = 0; g < group; ++g)
         acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(query + g * dim + d), k, acc[g]);
     }
-    for (int64_t g = 0; g < group; ++g) scores[g] = _mm512_reduce_add_ps(acc[g]);
+    for (int64_t g = 0; g < group; ++g) scores[g * stride] = _mm512_reduce_add_ps(acc[g]);
     return;
   }
 #endif
   load_row(key, kv, dim);
-  for (int64_t g = 0; g < group; ++g) scores[g] = dot(query + g * dim, kv, dim);
+  for (int64_t g = 0; g < group; ++g) scores[g * stride] = dot(query + g * dim, kv, dim);
 }
 
-// acc[g] += weights[g] * value for the `group` query rows of one kv head
+// acc[g] += weights[g * stride] * value for the `group` query rows of one kv head
 template <typename T>
-inline void accumulate_position(const float* weights, const T* value, int64_t group, int64_t dim,
-                                float* kv, float* acc) {
+inline void accumulate_position(const float* weights, int64_t stride, const T* value,
+                                int64_t group, int64_t dim, float* kv, float* acc) {
 #if defined(__AVX512F__)
   if (dim % 16 == 0) {
     for (int64_t d = 0; d < dim; d += 16) {
       const __m512 v = load16(value + d);
       for (int64_t g = 0; g < group; ++g) {
         float* a = acc + g * dim + d;
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(weights[g]), v, _mm512_loadu_ps(a)));
+        const __m512 w = _mm512_set1_ps(weights[g * stride]);
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(w, v, _mm512_loadu_ps(a)));
       }
     }
     return;
@@ -99,7 +100,7 @@ inline void accumulate_position(const float* weights, const T* value, int64_t gr
   load_row(value, kv, dim);
   for (int64_t g = 0; g < group; ++g) {
     float* a = acc + g * dim;
-    for (int64_t d = 0; d < dim; ++d) a[d] += weights[g] * kv[d];
+    for (int64_t d = 0; d < dim; ++d) a[d] += weights[g * stride] * kv[d];
   }
 }
 
@@ -119,7 +120,7 @@ void scores_fixed(const float* query, const T* keys, const int64_t* offsets, int
     for (int g = 0; g < G; ++g) {
       __m512 acc = _mm512_mul_ps(qv[g][0], k[0]);
       for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], k[c], acc);
-      scores[j * G + g] = _mm512_reduce_add_ps(acc);
+      scores[g * n + j] = _mm512_reduce_add_ps(acc);
     }
   }
 }
@@ -135,7 +136,7 @@ void accumulate_fixed(const float* weights, const T* values, const int64_t* offs
     __m512 v[C];
     for (int c = 0; c < C; ++c) v[c] = load16(values + offsets[j] + c * 16);
     for (int g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(weights[j * G + g]);
+      const __m512 w = _mm512_set1_ps(weights[g * n + j]);
       for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
     }
   }
@@ -180,6 +181,45 @@ bool attend_fixed(int64_t group, int64_t dim, bool scores_phase, const float* in
   return false;
 }
 
+#if defined(__AVX512F__)
+// e^x for x <= 0, 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor
+// polynomial (relative error under 2e-7), scaled by 2^n. Lanes below -87 give 0 (e^-87 is under
+// float32's smallest normal), as the scalar exp's underflow does.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln2's high part,
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);        // then its low part
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
+}
+#endif
+
+// scores [group, n] -> e^(score - its group's maximum) in place; `sums` gets each group's total.
+inline void softmax_numerators(float* scores, int64_t n, int64_t group, float* sums) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * n;
+    const float maximum = n > 0 ? *std::max_element(row, row + n) : 0.f;
+    int64_t j = 0;
+    float sum = 0.f;
+#if defined(__AVX512F__)
+    __m512 total = _mm512_setzero_ps();
+    for (; j + 16 <= n; j += 16) {
+      const __m512 shifted = _mm512_sub_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(maximum));
+      const __m512 e = exp_nonpositive(shifted);
+      _mm512_storeu_ps(row + j, e);
+      total = _mm512_add_ps(total, e);
+    }
+    sum = _mm512_reduce_add_ps(total);
+#endif
+    for (; j < n; ++j) sum += row[j] = std::exp(row[j] - maximum);
+    sums[g] = sum;
+  }
+}
+
 // out[b, h] = softmax(q[b, h] . K[row b's positions, h / group]) V[...], over every position of
 // row b's blocks whose bias is not negative (the blocks of block_list owned by b, in order).
 template <typename T>
@@ -211,14 +251,15 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cach
   const int64_t slot_stride = key_cache.stride(0), head_stride = key_cache.stride(1);
 
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * dim), acc(group * dim), kv(dim), scores;
+    // one thread's buffers, sized for its longest row
+    std::vector<float> query(group * dim), acc(group * dim), kv(dim), scores, sums(group);
+    std::vector<int64_t> valid;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / kv_heads, kv_head = item % kv_heads;
       const auto& mine = owned[row];
       const int64_t positions = static_cast<int64_t>(mine.size()) * block_size;
-      scores.assign(group * positions, 0.f);
-      std::vector<int64_t> valid;
-      valid.reserve(positions);
+      scores.resize(group * positions);
+      valid.clear();
       for (int64_t g = 0; g < group; ++g) {
         load_row(qp + row * q_row + (kv_head * group + g) * q_head, &query[g * dim], dim);
         for (int64_t d = 0; d < dim; ++d) query[g * dim + d] *= static_cast<float>(scale);
@@ -233,20 +274,12 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cach
       const int64_t n = static_cast<int64_t>(valid.size());
       if (!attend_fixed(group, dim, true, query.data(), kp, valid.data(), n, scores.data()))
         for (int64_t j = 0; j < n; ++j)
-          score_position(query.data(), kp + valid[j], group, dim, kv.data(), &scores[j * group]);
-      std::vector<float> maxima(group, -INFINITY), sums(group, 0.f);
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t g = 0; g < group; ++g) maxima[g] = std::max(maxima[g], scores[j * group + g]);
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t g = 0; g < group; ++g) {
-          float& s = scores[j * group + g];
-          s = std::exp(s - maxima[g]);
-          sums[g] += s;
-        }
+          score_position(query.data(), kp + valid[j], group, dim, kv.data(), &scores[j], n);
+      softmax_numerators(scores.data(), n, group, sums.data());
       if (!attend_fixed(group, dim, false, scores.data(), vp, valid.data(), n, acc.data())) {
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t j = 0; j < n; ++j)
-          accumulate_position(&scores[j * group], vp + valid[j], group, dim, kv.data(), acc.data());
+          accumulate_position(&scores[j], n, vp + valid[j], group, dim, kv.data(), acc.data());
       }
       for (int64_t g = 0; g < group; ++g) {  // a row with no valid position (padding) gets zeros
         const float inv = n > 0 ? 1.f / sums[g] : 0.f;
@@ -406,7 +439,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_supported", &gemv_supported, "whether gemv_bf16 was built");
   m.def("gemv_bf16", &gemv_bf16, "small-batch bfloat16 projection");
   m.def("rms_norm", &rms_norm, "RMS norm as engine.layers.norm.RMSNorm");
-  m.def("amx_supported", &bucketserve::amx_supported, "whether this process may run AMX bfloat16 tiles");
+  m.def("amx_supported", &bucketserve::amx_supported, "whether AMX bfloat16 tiles may run");
   m.def("pack_bf16", &bucketserve::pack_bf16, "a bfloat16 weight in amx_linear's blocked layout");
-  m.def("amx_linear", &bucketserve::amx_linear, "bfloat16 projection in AMX tiles over a packed weight");
+  m.def("amx_linear", &bucketserve::amx_linear, "bfloat16 projection in AMX tiles");
 }
