@@ -179,6 +179,59 @@ def test_the_amx_projection_refuses_what_it_cannot_multiply():
         kernels.amx_linear(torch.ones(2, 64), packed, 40)
 
 
+needs_bf16_vectors = pytest.mark.skipif(
+    not cpu_kernels.load().gemv_supported(), reason="built without AVX512-BF16"
+)
+
+
+def split_qk(lead, heads, kv_heads, dim, seed):
+    """q and k as the model has them: strided views of one fused q/k/v product."""
+    generator = torch.Generator().manual_seed(seed)
+    width = (heads + 2 * kv_heads) * dim
+    qkv = torch.randn(*lead, width, generator=generator).bfloat16()
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    return q.view(*lead, heads, dim), k.view(*lead, kv_heads, dim)
+
+
+@needs_bf16_vectors
+@pytest.mark.parametrize("lead", [(1,), (7,), (2, 5)])  # a lone decode, a batch, a prefill
+@pytest.mark.parametrize("dim", [64, 24])  # vectorized halves, and the plain loop
+def test_the_fused_rope_is_bitwise_apply_rotary(lead, dim):
+    from engine.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+
+    q, k = split_qk(lead, 6, 2, dim, seed=dim)
+    positions = torch.arange(int(torch.tensor(lead).prod())).view(lead) * 3 + 17
+    cos, sin = RotaryEmbedding(RopeConfig(), dim, 512).cos_sin(positions, torch.bfloat16)
+    expected_q, expected_k = apply_rotary(q, k, cos, sin)
+    out_q, out_k = cpu_kernels.rope(q, k, cos, sin)
+    assert torch.equal(out_q, expected_q) and torch.equal(out_k, expected_k)
+
+
+@needs_bf16_vectors
+def test_the_fused_rope_leaves_a_partial_rotation_to_torch():
+    from engine.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+
+    q, k = split_qk((3,), 4, 2, 64, seed=1)
+    rope = RotaryEmbedding(RopeConfig(partial_rotary_factor=0.5), 64, 64)
+    cos, sin = rope.cos_sin(torch.tensor([1, 2, 3]), torch.bfloat16)
+    out_q, out_k = cpu_kernels.rope(q, k, cos, sin)
+    expected_q, expected_k = apply_rotary(q, k, cos, sin)
+    assert torch.equal(out_q, expected_q) and torch.equal(out_k, expected_k)
+
+
+@needs_bf16_vectors
+@pytest.mark.parametrize("rows, width", [(1, 1536), (5, 40)])  # vectorized; a plain-loop tail
+def test_the_fused_silu_and_product_matches_torch(rows, width):
+    torch.manual_seed(width)
+    gate_up = (torch.randn(rows, 2 * width) * 4).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    out = cpu_kernels.silu_and_mul(gate_up)
+    assert out.shape == expected.shape and out.dtype == torch.bfloat16
+    # torch's exp and ours may round a SiLU to neighbouring bfloat16 values; nothing further
+    torch.testing.assert_close(out, expected, atol=0, rtol=2 * 2**-8)
+
+
 def test_an_eager_bfloat16_shard_uses_the_kernels_and_float32_keeps_pure_torch(tiny_model_dirs):
     model = tiny_model_dirs["llama"]
     shard = Shard(tiny_config(model, dtype="bfloat16"), show_progress=False)
@@ -193,6 +246,11 @@ def test_an_eager_bfloat16_shard_uses_the_kernels_and_float32_keeps_pure_torch(t
     assert norms and all(
         m.fused is cpu_kernels.rms_norm for m in norms if not isinstance(m, GemmaRMSNorm)
     )
+    if cpu_kernels.load().gemv_supported():
+        layer = shard.model.layers[0]
+        assert layer.self_attn.fused_rotary is cpu_kernels.rope
+        assert layer.mlp.fused_act_and_mul is cpu_kernels.silu_and_mul
     plain = Shard(tiny_config(model), show_progress=False)
     assert plain.adapter.attention_backend in (None, TORCH)
     assert all(m.fused is None for m in plain.model.modules() if isinstance(m, RMSNorm))
+    assert plain.model.layers[0].self_attn.fused_rotary is None

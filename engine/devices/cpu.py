@@ -79,7 +79,11 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
         self.matmul_kernels = " + ".join(matmuls) or "torch"
         if cpu_kernels.load() is not None:
             self.attention_backend = cpu_kernels.attention_backend()
-            log.info("fused CPU kernels: decode attention, %d norms", cpu_kernels.install(model))
+            counts = cpu_kernels.install(model)
+            log.info(
+                "fused CPU kernels: decode attention, %s",
+                ", ".join(f"{n} {k}" for k, n in counts.items()),
+            )
 
     @property
     def warm_runs_forward(self) -> bool:

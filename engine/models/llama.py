@@ -38,6 +38,10 @@ class LayerContext(NamedTuple):
 
 
 class LlamaAttention(nn.Module):
+    # A device kernel with apply_rotary's contract, fn(q, k, cos, sin), set by the device adapter
+    # (the CPU one's engine.devices.cpu_kernels); None runs apply_rotary.
+    fused_rotary = None
+
     def __init__(self, config: ModelConfig, parallel: Parallel, layer: int = 0):
         super().__init__()
         self.head_dim = config.head_dim
@@ -76,12 +80,16 @@ class LlamaAttention(nn.Module):
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *context.rope)
+        q, k = (self.fused_rotary or apply_rotary)(q, k, *context.rope)
         out = attention(q, k, v, self.kv_cache, context.meta, self.scale, self.window, self.softcap)
         return self.o_proj(out.reshape(*lead, self.q_size), lora)
 
 
 class LlamaMLP(nn.Module):
+    # A device kernel fn(gate_up) = act(gate) * up, set by the device adapter for SiLU MLPs (the
+    # CPU one's engine.devices.cpu_kernels); None runs the torch ops.
+    fused_act_and_mul = None
+
     def __init__(
         self, config: ModelConfig, parallel: Parallel, intermediate_size: int | None = None
     ):
@@ -96,7 +104,10 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x, lora=None):
-        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x, lora)
+        if self.fused_act_and_mul is not None:
+            return self.down_proj(self.fused_act_and_mul(gate_up), lora)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up, lora)
 
 

@@ -32,8 +32,8 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "kernels.cpp", HERE / "amx.cpp"]  # kernels.cpp binds the module
-HEADERS = [HERE / "amx.h"]
+SOURCES = [HERE / name for name in ("kernels.cpp", "amx.cpp", "elementwise.cpp")]  # the first binds
+HEADERS = [HERE / name for name in ("amx.h", "elementwise.h", "vec_math.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 LIBRARY_SUFFIX = ".so"
 
@@ -221,11 +221,48 @@ def install_projections(model: torch.nn.Module) -> tuple[int, str]:
     return count, " + ".join(sorted(kinds))
 
 
-def install(model: torch.nn.Module) -> int:
-    """Give every plain RMS norm of `model` the fused kernel; the number of norms."""
-    from engine.layers.norm import RMSNorm
+def rope(q, k, cos, sin):
+    """engine.layers.rotary.apply_rotary in one pass per tensor (bfloat16, full-width rotation);
+    the torch function elsewhere."""
+    from engine.layers.rotary import apply_rotary
 
-    norms = [module for module in model.modules() if type(module) is RMSNorm]
-    for norm in norms:
-        norm.fused = rms_norm
-    return len(norms)
+    lead = q.shape[:-2]
+    fits = (
+        q.dtype == k.dtype == cos.dtype == sin.dtype == torch.bfloat16
+        and cos.shape[-1] == q.shape[-1]
+        and cos.shape[:-2] == lead == k.shape[:-2]
+    )
+    if not fits:
+        return apply_rotary(q, k, cos, sin)
+    flat = [t.flatten(0, -3) if t.dim() > 3 else t for t in (q, k, cos, sin)]
+    if q.dim() == 2:  # no token dimension
+        flat = [t.unsqueeze(0) for t in (q, k, cos, sin)]
+    q_out, k_out = load().rope_bf16(*flat)
+    return q_out.view(q.shape), k_out.view(k.shape)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return load().silu_and_mul(gate_up)
+
+
+def install(model: torch.nn.Module) -> dict[str, int]:
+    """Give every plain RMS norm of `model` the fused kernel, and with AVX512-BF16 its attention
+    layers the fused rope and its SiLU MLPs the fused SiLU-and-product; how many of each."""
+    import torch.nn.functional as F
+
+    from engine.layers.norm import RMSNorm
+    from engine.models.llama import LlamaAttention, LlamaMLP
+
+    counts = {"norms": 0, "ropes": 0, "silu MLPs": 0}
+    vectors = load().gemv_supported()  # built with AVX512-BF16
+    for module in model.modules():
+        if type(module) is RMSNorm:
+            module.fused = rms_norm
+            counts["norms"] += 1
+        elif isinstance(module, LlamaAttention) and vectors:
+            module.fused_rotary = rope
+            counts["ropes"] += 1
+        elif isinstance(module, LlamaMLP) and module.act is F.silu and vectors:
+            module.fused_act_and_mul = silu_and_mul
+            counts["silu MLPs"] += 1
+    return counts

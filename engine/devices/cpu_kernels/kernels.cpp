@@ -5,6 +5,8 @@
 #include <torch/extension.h>
 
 #include "amx.h"
+#include "elementwise.h"
+#include "vec_math.h"
 
 #include <ATen/Parallel.h>
 
@@ -181,22 +183,6 @@ bool attend_fixed(int64_t group, int64_t dim, bool scores_phase, const float* in
   return false;
 }
 
-#if defined(__AVX512F__)
-// e^x for x <= 0, 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor
-// polynomial (relative error under 2e-7), scaled by 2^n. Lanes below -87 give 0 (e^-87 is under
-// float32's smallest normal), as the scalar exp's underflow does.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln2's high part,
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);        // then its low part
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
-}
-#endif
 
 // scores [group, n] -> e^(score - its group's maximum) in place; `sums` gets each group's total.
 inline void softmax_numerators(float* scores, int64_t n, int64_t group, float* sums) {
@@ -209,7 +195,7 @@ inline void softmax_numerators(float* scores, int64_t n, int64_t group, float* s
     __m512 total = _mm512_setzero_ps();
     for (; j + 16 <= n; j += 16) {
       const __m512 shifted = _mm512_sub_ps(_mm512_loadu_ps(row + j), _mm512_set1_ps(maximum));
-      const __m512 e = exp_nonpositive(shifted);
+      const __m512 e = bucketserve::exp16(shifted);
       _mm512_storeu_ps(row + j, e);
       total = _mm512_add_ps(total, e);
     }
@@ -439,6 +425,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_supported", &gemv_supported, "whether gemv_bf16 was built");
   m.def("gemv_bf16", &gemv_bf16, "small-batch bfloat16 projection");
   m.def("rms_norm", &rms_norm, "RMS norm as engine.layers.norm.RMSNorm");
+  m.def("rope_bf16", &bucketserve::rope_bf16, "rotary embedding as engine.layers.rotary");
+  m.def("silu_and_mul", &bucketserve::silu_and_mul, "silu(gate) * up as LlamaMLP");
   m.def("amx_supported", &bucketserve::amx_supported, "whether AMX bfloat16 tiles may run");
   m.def("pack_bf16", &bucketserve::pack_bf16, "a bfloat16 weight in amx_linear's blocked layout");
   m.def("amx_linear", &bucketserve::amx_linear, "bfloat16 projection in AMX tiles");
