@@ -45,14 +45,41 @@ def time_steps(shard: Shard, rows: list[DecodeInput], steps: int) -> tuple[float
     return statistics.median(wall), statistics.median(cpu)
 
 
+class RecordedKernels:
+    """engine.devices.cpu_kernels' module with every call wrapped in a profiler range: its C++
+    functions are pybind calls, which torch.profiler does not see otherwise."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __getattr__(self, name):
+        from torch.profiler import record_function
+
+        function = getattr(self.module, name)
+
+        def recorded(*args, **kwargs):
+            with record_function(f"bucketserve::{name}"):
+                return function(*args, **kwargs)
+
+        return recorded
+
+
 def profile(shard: Shard, rows: list[DecodeInput]) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    shard.runner.decode(rows)
-    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(5):
-            shard.runner.decode(rows)
+    from engine.devices import cpu_kernels
+
+    load, built = cpu_kernels.load, cpu_kernels.load()
+    if built is not None:
+        cpu_kernels.load = lambda: RecordedKernels(built)
+    try:
+        shard.runner.decode(rows)
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                shard.runner.decode(rows)
+    finally:
+        cpu_kernels.load = load
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
