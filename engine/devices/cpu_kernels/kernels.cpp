@@ -188,8 +188,15 @@ bool attend_fixed(int64_t group, int64_t dim, bool scores_phase, const float* in
 inline void softmax_numerators(float* scores, int64_t n, int64_t group, float* sums) {
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores + g * n;
-    const float maximum = n > 0 ? *std::max_element(row, row + n) : 0.f;
+    float maximum = n > 0 ? row[0] : 0.f;
     int64_t j = 0;
+#if defined(__AVX512F__)
+    __m512 maxima = _mm512_set1_ps(maximum);  // a scalar max chain would wait on each compare
+    for (; j + 16 <= n; j += 16) maxima = _mm512_max_ps(maxima, _mm512_loadu_ps(row + j));
+    maximum = _mm512_reduce_max_ps(maxima);
+#endif
+    for (; j < n; ++j) maximum = std::max(maximum, row[j]);
+    j = 0;
     float sum = 0.f;
 #if defined(__AVX512F__)
     __m512 total = _mm512_setzero_ps();
