@@ -246,12 +246,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def install(model: torch.nn.Module) -> dict[str, int]:
-    """Give every plain RMS norm of `model` the fused kernel, and with AVX512-BF16 its attention
-    layers the fused rope and its SiLU MLPs the fused SiLU-and-product; how many of each."""
+    """Give every plain RMS norm of `model` the fused kernel, and with AVX512-BF16 every module
+    that offers the hooks (the Llama family's attention and SiLU MLPs: `fused_rotary`,
+    `fused_act_and_mul`) the fused rope and SiLU-and-product; how many of each. The hooks are found
+    by name, so the device layer imports no model."""
     import torch.nn.functional as F
 
     from engine.layers.norm import RMSNorm
-    from engine.models.llama import LlamaAttention, LlamaMLP
 
     counts = {"norms": 0, "ropes": 0, "silu MLPs": 0}
     vectors = load().gemv_supported()  # built with AVX512-BF16
@@ -259,10 +260,10 @@ def install(model: torch.nn.Module) -> dict[str, int]:
         if type(module) is RMSNorm:
             module.fused = rms_norm
             counts["norms"] += 1
-        elif isinstance(module, LlamaAttention) and vectors:
+        elif hasattr(module, "fused_rotary") and vectors:
             module.fused_rotary = rope
             counts["ropes"] += 1
-        elif isinstance(module, LlamaMLP) and module.act is F.silu and vectors:
+        elif hasattr(module, "fused_act_and_mul") and module.act is F.silu and vectors:
             module.fused_act_and_mul = silu_and_mul
             counts["silu MLPs"] += 1
     return counts
