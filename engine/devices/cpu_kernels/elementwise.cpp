@@ -8,25 +8,16 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "elementwise.h"
 #include "vec_math.h"
 
 namespace bucketserve {
 namespace {
-inline float widen(uint16_t x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-inline uint16_t narrow(float x) { return c10::BFloat16(x).x; }  // round to nearest even
-inline float rounded(float x) { return widen(narrow(x)); }
+using BF16 = c10::BFloat16;
 
 // One head: out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[half:], x[:half]).
-void rotate_head(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, uint16_t* out,
-                 int64_t dim) {
+void rotate_head(const BF16* x, const BF16* cos, const BF16* sin, BF16* out, int64_t dim) {
   const int64_t half = dim / 2;
   int64_t j = 0;
 #if defined(__AVX512BF16__)
@@ -42,19 +33,20 @@ void rotate_head(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, ui
   }
 #endif
   for (; j < half; ++j) {
-    const float x1 = widen(x[j]), x2 = widen(x[half + j]);
-    out[j] = narrow(rounded(x1 * widen(cos[j])) + rounded(-x2 * widen(sin[j])));
-    out[half + j] = narrow(rounded(x2 * widen(cos[half + j])) + rounded(x1 * widen(sin[half + j])));
+    const float x1 = to_float(x[j]), x2 = to_float(x[half + j]);
+    out[j] = BF16(round_as<BF16>(x1 * to_float(cos[j])) + round_as<BF16>(-x2 * to_float(sin[j])));
+    out[half + j] = BF16(round_as<BF16>(x2 * to_float(cos[half + j])) +
+                         round_as<BF16>(x1 * to_float(sin[half + j])));
   }
 }
 
 torch::Tensor rotate(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
   auto out = torch::empty({tokens, heads, dim}, x.options());
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const auto* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr());
-  const auto* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const auto* xp = x.data_ptr<BF16>();
+  const auto* cp = cos.data_ptr<BF16>();
+  const auto* sp = sin.data_ptr<BF16>();
+  auto* op = out.data_ptr<BF16>();
   const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
   at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
@@ -94,13 +86,13 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   auto sizes = gate_up.sizes().vec();
   sizes.back() = width;
   auto out = torch::empty(sizes, gate_up.options());
-  const auto* in = reinterpret_cast<const uint16_t*>(gate_up.data_ptr());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const auto* in = gate_up.data_ptr<BF16>();
+  auto* op = out.data_ptr<BF16>();
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const uint16_t* gate = in + r * 2 * width;
-      const uint16_t* up = gate + width;
-      uint16_t* o = op + r * width;
+      const BF16* gate = in + r * 2 * width;
+      const BF16* up = gate + width;
+      BF16* o = op + r * width;
       int64_t i = 0;
 #if defined(__AVX512BF16__)
       const __m512 one = _mm512_set1_ps(1.f);
@@ -112,8 +104,8 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
       }
 #endif
       for (; i < width; ++i) {
-        const float g = widen(gate[i]);
-        o[i] = narrow(rounded(g / (1.f + std::exp(-g))) * widen(up[i]));
+        const float g = to_float(gate[i]);
+        o[i] = BF16(round_as<BF16>(g / (1.f + std::exp(-g))) * to_float(up[i]));
       }
     }
   });

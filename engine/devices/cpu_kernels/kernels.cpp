@@ -22,23 +22,9 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-template <typename T>
-inline T from_float(float x) {
-  return static_cast<T>(x);  // BFloat16: round to nearest even, as torch's casts do
-}
-
-template <typename T>
-inline float round_as(float x) {  // x rounded to T and back: where the torch path stores a T
-  return to_float(from_float<T>(x));
-}
+using bucketserve::from_float;
+using bucketserve::round_as;
+using bucketserve::to_float;
 
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
@@ -55,10 +41,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 is float32's upper half
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+inline __m512 load16(const c10::BFloat16* p) { return bucketserve::load_bf16(p); }
 #endif
 
 // scores[g * stride] = query[g] . key for the `group` query rows of one kv head (dim floats each)
@@ -182,7 +165,6 @@ bool attend_fixed(int64_t group, int64_t dim, bool scores_phase, const float* in
 #endif
   return false;
 }
-
 
 // scores [group, n] -> e^(score - its group's maximum) in place; `sums` gets each group's total.
 inline void softmax_numerators(float* scores, int64_t n, int64_t group, float* sums) {
@@ -425,7 +407,6 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
 }
 
 }  // namespace
-
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention, blocks read in place");
