@@ -11,6 +11,7 @@ from engine.attention.backend import TORCH
 from engine.attention.flat import flat_attention, flat_block_tensors, flat_mask
 from engine.devices import cpu_kernels
 from engine.layers.norm import GemmaRMSNorm, RMSNorm
+from engine.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
 from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 
@@ -197,8 +198,6 @@ def split_qk(lead, heads, kv_heads, dim, seed):
 @pytest.mark.parametrize("lead", [(1,), (7,), (2, 5)])  # a lone decode, a batch, a prefill
 @pytest.mark.parametrize("dim", [64, 24])  # vectorized halves, and the plain loop
 def test_the_fused_rope_is_bitwise_apply_rotary(lead, dim):
-    from engine.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
-
     q, k = split_qk(lead, 6, 2, dim, seed=dim)
     positions = torch.arange(int(torch.tensor(lead).prod())).view(lead) * 3 + 17
     cos, sin = RotaryEmbedding(RopeConfig(), dim, 512).cos_sin(positions, torch.bfloat16)
@@ -209,8 +208,6 @@ def test_the_fused_rope_is_bitwise_apply_rotary(lead, dim):
 
 @needs_bf16_vectors
 def test_the_fused_rope_leaves_a_partial_rotation_to_torch():
-    from engine.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
-
     q, k = split_qk((3,), 4, 2, 64, seed=1)
     rope = RotaryEmbedding(RopeConfig(partial_rotary_factor=0.5), 64, 64)
     cos, sin = rope.cos_sin(torch.tensor([1, 2, 3]), torch.bfloat16)

@@ -59,9 +59,10 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
 
     def prepare_model(self, model, dtype: torch.dtype) -> None:
         """Eager bfloat16: the fused C++ kernels (engine.devices.cpu_kernels) for decode attention,
-        the norms and the projections (AMX tiles where the CPU runs them, else the GEMV kernel;
-        what neither takes, or all without the kernels, prepacked for oneDNN). Compile mode leaves the weights to inductor; float32 keeps
-        the pure-torch path, whose greedy output is exact."""
+        the norms, rope, SiLU and the projections (AMX tiles where the CPU runs them, else the GEMV
+        kernel; what neither takes, or all without the kernels, prepacked for oneDNN). Compile mode
+        leaves the weights to inductor; float32 keeps the pure-torch path, whose greedy output is
+        exact."""
         import engine.devices.cpu_kernels as cpu_kernels
         from engine.devices.cpu_packed import pack_linear_weights, packing_available
 
@@ -72,7 +73,7 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
             count, kind = cpu_kernels.install_projections(model)
             log.info("%d bfloat16 matrices through bucketserve's %s kernel", count, kind)
             matmuls += [f"bucketserve {kind}"] if count else []
-        if packing_available():  # what the GEMV kernel does not take
+        if packing_available():  # what the kernels above did not take
             packed = pack_linear_weights(model)
             log.info("packed %d bfloat16 projections for oneDNN", packed)
             matmuls += ["oneDNN packed"] if packed else []

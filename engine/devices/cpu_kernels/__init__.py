@@ -229,15 +229,13 @@ def rope(q, k, cos, sin):
     lead = q.shape[:-2]
     fits = (
         q.dtype == k.dtype == cos.dtype == sin.dtype == torch.bfloat16
+        and q.dim() >= 3
         and cos.shape[-1] == q.shape[-1]
         and cos.shape[:-2] == lead == k.shape[:-2]
     )
     if not fits:
         return apply_rotary(q, k, cos, sin)
-    flat = [t.flatten(0, -3) if t.dim() > 3 else t for t in (q, k, cos, sin)]
-    if q.dim() == 2:  # no token dimension
-        flat = [t.unsqueeze(0) for t in (q, k, cos, sin)]
-    q_out, k_out = load().rope_bf16(*flat)
+    q_out, k_out = load().rope_bf16(*(t.flatten(0, -3) for t in (q, k, cos, sin)))
     return q_out.view(q.shape), k_out.view(k.shape)
 
 
