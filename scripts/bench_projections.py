@@ -48,7 +48,7 @@ def swaps(shard: Shard) -> list[tuple[torch.nn.Module, object, TorchLinear]]:
     found = []
     for module in shard.model.modules():
         kernel = getattr(module, "quantized", None)
-        if isinstance(kernel, (cpu_kernels.AmxLinear, cpu_kernels.Bf16Gemv)):
+        if isinstance(kernel, cpu_kernels.AmxLinear):  # DotLinear is one too
             found.append((module, kernel, TorchLinear(plain_weight(kernel))))
     return found
 

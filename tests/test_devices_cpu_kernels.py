@@ -125,40 +125,38 @@ def test_rms_norm_matches_the_torch_module(dtype, rows):
         torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9])
-def test_the_gemv_projection_multiplies_as_f_linear_does(rows):
-    if not cpu_kernels.load().gemv_supported():
-        pytest.skip("built without AVX512-BF16")
-    torch.manual_seed(rows)
-    weight, x = torch.randn(72, 96).bfloat16(), torch.randn(rows, 1, 96).bfloat16()
-    out = cpu_kernels.Bf16Gemv(weight).linear(x)
-    assert out.shape == (rows, 1, 72) and out.dtype == torch.bfloat16
-    exact = F.linear(x.double(), weight.double())
-    torch.testing.assert_close(out.double(), exact, atol=0.05, rtol=0.01)  # bfloat16's rounding
+def runnable(kernel):
+    """The packed projection `kernel` as a pytest parameter, skipped where this CPU cannot run it."""
+    supported = {"amx-bf16": "amx_supported", "avx512-bf16": "dot_linear_supported"}[kernel.kind]
+    runs = getattr(cpu_kernels.load(), supported)()
+    return pytest.param(
+        kernel, id=kernel.kind, marks=pytest.mark.skipif(not runs, reason="not here")
+    )
 
 
-def test_the_gemv_refuses_what_it_cannot_multiply():
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        cpu_kernels.load().gemv_bf16(torch.ones(1, 40).bfloat16(), torch.ones(8, 40).bfloat16())
-    with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        cpu_kernels.load().gemv_bf16(torch.ones(9, 32).bfloat16(), torch.ones(8, 32).bfloat16())
+PROJECTIONS = [runnable(cpu_kernels.AmxLinear), runnable(cpu_kernels.DotLinear)]
 
 
-needs_amx = pytest.mark.skipif(
-    not cpu_kernels.load().amx_supported(), reason="this CPU runs no AMX bfloat16 tiles"
-)
+def test_a_cpu_with_avx512_bf16_gets_a_packed_projection():
+    """-march=native must have built the dot products where the CPU has them: a kernel that
+    silently fell back to torch would pass every other test here."""
+    if "avx512_bf16" not in cpu_kernels.cpu_identity().split():
+        pytest.skip("this CPU has no AVX512-BF16")
+    assert cpu_kernels.load().dot_linear_supported()
+    assert cpu_kernels.kernel_for(torch.ones(8, 32).bfloat16()) is not None
 
 
-# Rows: a lone decode, a partial lower tile, two full tiles, past them, past the 256 rows kept in
-# cache. Columns: within one block, a partial last block, many blocks.
-@needs_amx
-@pytest.mark.parametrize("rows", [1, 17, 32, 45, 300])
+# Rows: a lone decode, a partial tile, whole tiles (12 rows for dot products, 16 and 32 in AMX),
+# past them, past the 256 rows kept in cache. Columns: within one block, a partial last block,
+# many blocks.
+@pytest.mark.parametrize("kernel", PROJECTIONS)
+@pytest.mark.parametrize("rows", [1, 12, 17, 32, 45, 300])
 @pytest.mark.parametrize("out_features, in_features", [(24, 64), (72, 96), (960, 576)])
-def test_the_amx_projection_multiplies_as_f_linear_does(rows, out_features, in_features):
+def test_the_packed_projection_multiplies_as_f_linear_does(kernel, rows, out_features, in_features):
     torch.manual_seed(rows + out_features)
     weight = torch.randn(out_features, in_features).bfloat16()
     x = torch.randn(rows, in_features).bfloat16()
-    out = cpu_kernels.AmxLinear(weight).linear(x.unsqueeze(1))
+    out = kernel(weight).linear(x.unsqueeze(1))
     assert out.shape == (rows, 1, out_features) and out.dtype == torch.bfloat16
     exact = F.linear(x.double(), weight.double())
     onednn_error = (F.linear(x, weight).double() - exact).abs().max()
@@ -166,22 +164,27 @@ def test_the_amx_projection_multiplies_as_f_linear_does(rows, out_features, in_f
     assert (out[:, 0].double() - exact).abs().max() <= onednn_error
 
 
-@needs_amx
-def test_the_amx_projection_refuses_what_it_cannot_multiply():
+@pytest.mark.parametrize("product", ["amx_linear", "dot_linear"])
+def test_the_packed_projection_refuses_what_it_cannot_multiply(product):
     kernels = cpu_kernels.load()
+    if product == "amx_linear" and not kernels.amx_supported():
+        with pytest.raises(RuntimeError, match="AMX bfloat16 tiles are not available"):
+            kernels.amx_linear(torch.ones(2, 64).bfloat16(), torch.ones(2, 32, 32, 2), 40)
+        return
+    multiply = getattr(kernels, product)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernels.pack_bf16(torch.ones(8, 40).bfloat16())
     packed = kernels.pack_bf16(torch.ones(40, 64).bfloat16())
     with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
-        kernels.amx_linear(torch.ones(2, 32).bfloat16(), packed, 40)
+        multiply(torch.ones(2, 32).bfloat16(), packed, 40)
     with pytest.raises(RuntimeError, match="does not match"):
-        kernels.amx_linear(torch.ones(2, 64).bfloat16(), packed, 65)
+        multiply(torch.ones(2, 64).bfloat16(), packed, 65)
     with pytest.raises(RuntimeError, match="bfloat16 expected"):
-        kernels.amx_linear(torch.ones(2, 64), packed, 40)
+        multiply(torch.ones(2, 64), packed, 40)
 
 
 needs_bf16_vectors = pytest.mark.skipif(
-    not cpu_kernels.load().gemv_supported(), reason="built without AVX512-BF16"
+    not cpu_kernels.load().dot_linear_supported(), reason="built without AVX512-BF16"
 )
 
 
@@ -243,7 +246,7 @@ def test_an_eager_bfloat16_shard_uses_the_kernels_and_float32_keeps_pure_torch(t
     assert norms and all(
         m.fused is cpu_kernels.rms_norm for m in norms if not isinstance(m, GemmaRMSNorm)
     )
-    if cpu_kernels.load().gemv_supported():
+    if cpu_kernels.load().dot_linear_supported():
         layer = shard.model.layers[0]
         assert layer.self_attn.fused_rotary is cpu_kernels.rope
         assert layer.mlp.fused_act_and_mul is cpu_kernels.silu_and_mul

@@ -3,16 +3,17 @@
 Eager PyTorch spends a decode step of the embedded model on hundreds of small aten calls, and its
 decode attention first gathers every row's KV blocks into a copy. kernels.cpp holds what replaces
 them: attention that reads the paged cache in place (the contract of
-engine.attention.flat.flat_attention, without softcap), RMS norm, and a bfloat16 GEMV for decode
-batches of up to 8 rows (AVX512-BF16 dot products). amx.cpp holds the bfloat16 projection of CPUs
-that run AMX tiles: the weight packed once into the tiles' layout, every batch size read from it
-(oneDNN's product through F.linear reorders the plain weight on every call, which at decode batch
+engine.attention.flat.flat_attention, without softcap) and RMS norm; elementwise.cpp the fused
+rope and SiLU-and-product. The bfloat16 projections share one packed weight layout (pack_bf16, in
+amx.cpp) and have two products: AMX tiles where the CPU runs them (amx.cpp), AVX512-BF16 dot
+products elsewhere (dot_linear.cpp), every batch size read from the packed weight (oneDNN's product
+through F.linear reorders the plain weight on every call, which at decode batch
 sizes costs more than the product). Each is tested against the pure-torch path, which stays the
 reference, the fallback where the build fails (no compiler), and the path of every graph device.
 
 The README's set-up (`make`, or `python -m engine.devices.cpu_kernels`) builds them once, about a
-minute on two cores, into bucketserve's cache dir, keyed by the source, the compiler flags and
-torch's version; a start then imports the built library and never runs the compiler. A start that
+minute on two cores, into bucketserve's cache dir, keyed by the source, the compiler flags,
+torch's version and the CPU; a start then imports the built library and never runs the compiler. A start that
 finds none builds it then (a cache dir cleared since set-up). Each build compiles in a directory of
 its own and moves the library into place, so builders that meet (worktrees, test workers) neither
 wait on each other's lock file nor leave one behind when killed. BUCKETSERVE_CPU_KERNELS=0 turns
@@ -32,8 +33,9 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / name for name in ("kernels.cpp", "amx.cpp", "elementwise.cpp")]  # the first binds
-HEADERS = [HERE / name for name in ("amx.h", "elementwise.h", "vec_math.h")]
+# kernels.cpp binds the module
+SOURCES = [HERE / name for name in ("kernels.cpp", "amx.cpp", "dot_linear.cpp", "elementwise.cpp")]
+HEADERS = [HERE / name for name in ("packed.h", "elementwise.h", "vec_math.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 LIBRARY_SUFFIX = ".so"
 
@@ -55,9 +57,23 @@ def library_path() -> Path:
         b"".join(path.read_bytes() for path in SOURCES + HEADERS)
         + " ".join(FLAGS).encode()
         + torch.__version__.encode()
+        + cpu_identity().encode()
     ).hexdigest()[:16]
     name = f"bucketserve_cpu_kernels_{key}"
     return Path(default_cache_dir()) / "cpu_kernels" / key / f"{name}{LIBRARY_SUFFIX}"
+
+
+def cpu_identity() -> str:
+    """The CPU's model and flags: -march=native builds for this CPU, so a cache dir carried to
+    another (a copied home, a shared volume) must not hand it a library of illegal instructions."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+
+        return platform.processor()
+    wanted = ("model name", "flags")
+    return "\n".join(sorted({line for line in lines if line.startswith(wanted)}))
 
 
 @cache
@@ -136,32 +152,6 @@ def attention_backend():
     return AttentionBackend("cpu-kernels", prompt_attention, decode_attention)
 
 
-GEMV_MAX_ROWS = 8  # the kernel's limit; at 8 rows it still beat oneDNN's packed product
-
-
-class Bf16Gemv(torch.nn.Module):
-    """A bfloat16 projection whose small batches (decode) go through gemv_bf16, which streams the
-    weight once with AVX512-BF16 dot products, and larger ones through F.linear. The 120 decoder
-    matrices of SmolLM2 at one row: 22.8 ms against 39.7 ms packed for oneDNN and 30.2 ms by
-    torch.mv (cold, 2 threads, a loaded machine); at 4 rows 24.8 against 43.2, at 8 34.3 / 36.8."""
-
-    kind = "gemv-bf16"
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight", weight.detach().contiguous())
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] > GEMV_MAX_ROWS or x.dtype != torch.bfloat16:
-            return torch.nn.functional.linear(x, self.weight)
-        return load().gemv_bf16(flat, self.weight).reshape(*x.shape[:-1], self.out_features)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:  # as an embedding, should one ask
-        return torch.nn.functional.embedding(ids, self.weight)
-
-
 class AmxLinear(torch.nn.Module):
     """A bfloat16 projection whose weight is packed once into AMX's tile layout (pack_bf16) and
     multiplied there at every batch size (amx_linear). oneDNN's product through F.linear reorders
@@ -182,6 +172,18 @@ class AmxLinear(torch.nn.Module):
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
+class DotLinear(AmxLinear):
+    """AmxLinear's packed weight multiplied in AVX512-BF16 dot products (dot_linear), for CPUs
+    without AMX tiles. Against F.linear at every batch size, see docs/benchmarks.md."""
+
+    kind = "avx512-bf16"
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out = load().dot_linear(flat.to(torch.bfloat16), self.packed, self.out_features)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
 def kernel_for(weight: torch.Tensor | None):
     """The module class that multiplies `weight` on this CPU, or None (torch's path)."""
     fits = (
@@ -195,12 +197,12 @@ def kernel_for(weight: torch.Tensor | None):
         return None
     if load().amx_supported():
         return AmxLinear
-    return Bf16Gemv if load().gemv_supported() else None
+    return DotLinear if load().dot_linear_supported() else None
 
 
 def install_projections(model: torch.nn.Module) -> tuple[int, str]:
     """Every plain bfloat16 decoder projection and the LM head of `model` through this CPU's kernel
-    (AmxLinear, else Bf16Gemv); the decoder weights move into it, the LM head keeps its weight,
+    (AmxLinear, else DotLinear); the decoder weights move into it, the LM head keeps its weight,
     which a tied embedding shares. The number of matrices and the kernel's kind."""
     from engine.layers.embedding import ParallelLMHead
     from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -253,7 +255,7 @@ def install(model: torch.nn.Module) -> dict[str, int]:
     from engine.layers.norm import RMSNorm
 
     counts = {"norms": 0, "ropes": 0, "silu MLPs": 0}
-    vectors = load().gemv_supported()  # built with AVX512-BF16
+    vectors = load().dot_linear_supported()  # built with AVX512-BF16
     for module in model.modules():
         if type(module) is RMSNorm:
             module.fused = rms_norm

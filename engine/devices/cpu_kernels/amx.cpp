@@ -10,7 +10,7 @@
 
 #include <immintrin.h>
 
-#include "amx.h"
+#include "packed.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
@@ -20,7 +20,7 @@
 
 namespace bucketserve {
 namespace {
-constexpr int64_t AMX_BLOCK = 32;  // output columns per packed block: two 16-column tiles
+constexpr int64_t AMX_BLOCK = PACK_BLOCK;  // two 16-column tiles
 
 #if defined(BUCKETSERVE_AMX)
 struct alignas(64) TileConfig {
@@ -128,19 +128,22 @@ torch::Tensor pack_bf16(torch::Tensor w) {
   return packed;
 }
 
+void check_packed(const torch::Tensor& packed, int64_t K, int64_t N) {
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == PACK_BLOCK && packed.size(3) == 2 &&
+                  packed.scalar_type() == torch::kBFloat16,
+              "a weight packed by pack_bf16 expected");
+  TORCH_CHECK(K == packed.size(1) * 2, "x has ", K, " columns, the weight ", packed.size(1) * 2);
+  TORCH_CHECK(N > (packed.size(0) - 1) * PACK_BLOCK && N <= packed.size(0) * PACK_BLOCK,
+              "N does not match the packed weight's blocks");
+}
+
 // x [M, K] @ w.T in bfloat16 with w packed by pack_bf16 (N columns), float32 accumulation in AMX
 // tiles. Each thread owns a range of column blocks and sweeps every row over each block, so a
 // weight is read from memory once per 256 rows, and a decode batch streams it once.
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
   TORCH_CHECK(amx_supported(), "AMX bfloat16 tiles are not available on this CPU");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x [M, K] bfloat16 expected");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == AMX_BLOCK && packed.size(3) == 2 &&
-                  packed.scalar_type() == torch::kBFloat16,
-              "a weight packed by pack_bf16 expected");
-  TORCH_CHECK(x.size(1) == packed.size(1) * 2, "x has ", x.size(1), " columns, the weight ",
-              packed.size(1) * 2);
-  TORCH_CHECK(N > (packed.size(0) - 1) * AMX_BLOCK && N <= packed.size(0) * AMX_BLOCK,
-              "N does not match the packed weight's blocks");
+  check_packed(packed, x.size(1), N);
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
   auto y = torch::empty({M, N}, x.options());

@@ -4,7 +4,7 @@
 // path rounds.
 #include <torch/extension.h>
 
-#include "amx.h"
+#include "packed.h"
 #include "elementwise.h"
 #include "vec_math.h"
 
@@ -333,89 +333,17 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 
-#if defined(__AVX512BF16__)
-// y[m, n..n+R) = x[m] . w[n..n+R) for M rows of x: each weight row is read once for all M rows,
-// R independent rows keep the dot-product units busy. K is a multiple of 32.
-template <int M, int R>
-inline void gemv_block(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y,
-                       int64_t n, int64_t N, int64_t K) {
-  __m512 acc[R][M];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    __m512bh xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (n + r) * K + k);
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) y[m * N + n + r] = c10::BFloat16(_mm512_reduce_add_ps(acc[r][m]));
-}
-
-template <int M>
-void gemv_rows(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y, int64_t N,
-               int64_t K) {
-  constexpr int R = M <= 2 ? 4 : 2;
-  at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t begin, int64_t end) {
-    const int64_t last = std::min(end * 64, N);
-    int64_t n = begin * 64;
-    for (; n + R <= last; n += R) gemv_block<M, R>(x, w, y, n, N, K);
-    for (; n < last; ++n) gemv_block<M, 1>(x, w, y, n, N, K);
-  });
-}
-#endif
-
-bool gemv_supported() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
-
-// x [M, K] @ w[N, K].T in bfloat16 for M <= 8 rows and K a multiple of 32, float32 accumulation
-// (AVX512-BF16 dot products): a small-batch decode projection that streams its weight once.
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
-  TORCH_CHECK(gemv_supported(), "built without AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], w [N, K]");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16,
-              "bfloat16 expected");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8 && x.size(1) % 32 == 0,
-              "1 to 8 rows and a multiple of 32 columns expected");
-  x = x.contiguous();
-  w = w.contiguous();
-  const int64_t N = w.size(0), K = w.size(1);
-  auto y = torch::empty({x.size(0), N}, x.options());
-#if defined(__AVX512BF16__)
-  const auto* xp = x.data_ptr<c10::BFloat16>();
-  const auto* wp = w.data_ptr<c10::BFloat16>();
-  auto* yp = y.data_ptr<c10::BFloat16>();
-  switch (x.size(0)) {
-    case 1: gemv_rows<1>(xp, wp, yp, N, K); break;
-    case 2: gemv_rows<2>(xp, wp, yp, N, K); break;
-    case 3: gemv_rows<3>(xp, wp, yp, N, K); break;
-    case 4: gemv_rows<4>(xp, wp, yp, N, K); break;
-    case 5: gemv_rows<5>(xp, wp, yp, N, K); break;
-    case 6: gemv_rows<6>(xp, wp, yp, N, K); break;
-    case 7: gemv_rows<7>(xp, wp, yp, N, K); break;
-    default: gemv_rows<8>(xp, wp, yp, N, K); break;
-  }
-#endif
-  return y;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention, blocks read in place");
-  m.def("gemv_supported", &gemv_supported, "whether gemv_bf16 was built");
-  m.def("gemv_bf16", &gemv_bf16, "small-batch bfloat16 projection");
   m.def("rms_norm", &rms_norm, "RMS norm as engine.layers.norm.RMSNorm");
   m.def("rope_bf16", &bucketserve::rope_bf16, "rotary embedding as engine.layers.rotary");
   m.def("silu_and_mul", &bucketserve::silu_and_mul, "silu(gate) * up as LlamaMLP");
   m.def("amx_supported", &bucketserve::amx_supported, "whether AMX bfloat16 tiles may run");
   m.def("pack_bf16", &bucketserve::pack_bf16, "a bfloat16 weight in amx_linear's blocked layout");
   m.def("amx_linear", &bucketserve::amx_linear, "bfloat16 projection in AMX tiles");
+  m.def("dot_linear_supported", &bucketserve::dot_linear_supported,
+        "whether dot_linear was built (AVX512-BF16)");
+  m.def("dot_linear", &bucketserve::dot_linear, "bfloat16 projection in AVX512-BF16 dot products");
 }

@@ -1,0 +1,104 @@
+// bfloat16 projections in AVX512-BF16 dot products, for CPUs without AMX tiles (AMD Zen 4 and 5,
+// Intel before Sapphire Rapids): the weight packed once by pack_bf16, then every product, a lone
+// decode row to a prefill, read from it. oneDNN's product through F.linear reorders the plain
+// weight on each call, which at decode batch sizes costs more than the product.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#include <immintrin.h>
+
+#include "packed.h"
+
+namespace bucketserve {
+namespace {
+constexpr int64_t BLOCK = PACK_BLOCK;  // output columns per packed block: two 16-float vectors
+constexpr int MAX_TILE_ROWS = 12;      // 24 accumulators + 2 weights + 1 input of 32 registers
+constexpr int64_t ROWS_RESIDENT = 256;  // rows of x kept in L2 while the weights stream past
+
+#if defined(__AVX512BF16__)
+// y[0..ROWS, block's columns] = x[0..ROWS] . block. Per pair of inputs the block holds its 32
+// columns' two weights side by side (64 bfloat16, two vectors); each row's pair is broadcast and
+// multiplied into both, so a weight vector loaded once serves every row of the tile.
+template <int ROWS>
+void dot_tile(const uint16_t* x, int64_t K, const uint16_t* block, uint16_t* y, int64_t y_stride,
+              int64_t cols) {
+  __m512 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t pair = 0; pair < K / 2; ++pair) {
+    const __m512bh low = (__m512bh)_mm512_loadu_si512(block + pair * 2 * BLOCK);
+    const __m512bh high = (__m512bh)_mm512_loadu_si512(block + pair * 2 * BLOCK + BLOCK);
+    for (int r = 0; r < ROWS; ++r) {
+      int32_t both;  // x[r, 2 pair], x[r, 2 pair + 1] as one 32-bit lane
+      std::memcpy(&both, x + r * K + pair * 2, sizeof(both));
+      const __m512bh input = (__m512bh)_mm512_set1_epi32(both);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], low, input);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], high, input);
+    }
+  }
+  const auto mask = [](int64_t n) {
+    return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1);
+  };
+  const __mmask16 first = mask(cols), second = mask(cols - 16);
+  for (int r = 0; r < ROWS; ++r) {  // float32 -> bfloat16, round to nearest even as torch does
+    _mm256_mask_storeu_epi16(y + r * y_stride, first, (__m256i)_mm512_cvtneps_pbh(acc[r][0]));
+    _mm256_mask_storeu_epi16(y + r * y_stride + 16, second,
+                             (__m256i)_mm512_cvtneps_pbh(acc[r][1]));
+  }
+}
+
+using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, uint16_t*, int64_t, int64_t);
+
+template <int... R>
+constexpr auto tile_table(std::integer_sequence<int, R...>) {
+  return std::array<TileFn, sizeof...(R)>{&dot_tile<R + 1>...};
+}
+constexpr auto TILES = tile_table(std::make_integer_sequence<int, MAX_TILE_ROWS>{});
+#endif
+}  // namespace
+
+bool dot_linear_supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] @ w.T in bfloat16 with w packed by pack_bf16 (N columns), float32 accumulation. Each
+// thread owns a range of column blocks and sweeps every row over each block, so a weight is read
+// from memory once per 256 rows, and a decode batch streams it once.
+torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  TORCH_CHECK(dot_linear_supported(), "built without AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x [M, K] bfloat16 expected");
+  check_packed(packed, x.size(1), N);
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
+  auto y = torch::empty({M, N}, x.options());
+#if defined(__AVX512BF16__)
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t outer = 0; outer < M; outer += ROWS_RESIDENT) {
+      const int64_t outer_end = std::min(M, outer + ROWS_RESIDENT);
+      for (int64_t b = first; b < last; ++b) {
+        const int64_t cols = std::min(BLOCK, N - b * BLOCK);
+        for (int64_t m0 = outer; m0 < outer_end; m0 += MAX_TILE_ROWS) {
+          const int64_t rows = std::min<int64_t>(MAX_TILE_ROWS, outer_end - m0);
+          TILES[rows - 1](xp + m0 * K, K, wp + b * BLOCK * K, yp + m0 * N + b * BLOCK, N, cols);
+        }
+      }
+    }
+  });
+#endif
+  return y;
+}
+
+}  // namespace bucketserve
