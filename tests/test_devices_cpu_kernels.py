@@ -74,10 +74,12 @@ def test_decode_attention_keeps_scores_far_below_the_maximum(spread):
     torch.testing.assert_close(out[:2].double(), exact[:2], atol=1e-4, rtol=1e-4)
 
 
+# Query heads per kv head and head sizes: SmolLM2's 3 x 64, one group of 8 x 128, no grouping.
+@pytest.mark.parametrize("heads, kv_heads, dim", [(6, 2, 64), (8, 1, 128), (4, 4, 64)])
 @pytest.mark.parametrize("case", CASES)
-def test_decode_attention_in_bfloat16_is_within_bfloat16s_rounding(case):
+def test_decode_attention_in_bfloat16_is_within_bfloat16s_rounding(case, heads, kv_heads, dim):
     lengths, padding = CASES[case]
-    args = paged_case(lengths, torch.bfloat16, padding=padding)
+    args = paged_case(lengths, torch.bfloat16, heads, kv_heads, dim, padding=padding)
     exact = flat_attention(*(a.double() if a.is_floating_point() else a for a in args), 0.125)
     out = cpu_kernels.decode_attention(*args, 0.125)
     rows = len(lengths)
