@@ -160,6 +160,7 @@ class AmxLinear(torch.nn.Module):
     2-core VM, 2026-12-02)."""
 
     kind = "amx-bf16"
+    product = "amx_linear"  # the module's function that multiplies the packed weight
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -168,7 +169,8 @@ class AmxLinear(torch.nn.Module):
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = load().amx_linear(flat.to(torch.bfloat16), self.packed, self.out_features)
+        multiply = getattr(load(), self.product)
+        out = multiply(flat.to(torch.bfloat16), self.packed, self.out_features)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
@@ -177,11 +179,7 @@ class DotLinear(AmxLinear):
     without AMX tiles. Against F.linear at every batch size, see docs/benchmarks.md."""
 
     kind = "avx512-bf16"
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        out = load().dot_linear(flat.to(torch.bfloat16), self.packed, self.out_features)
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+    product = "dot_linear"
 
 
 def kernel_for(weight: torch.Tensor | None):

@@ -77,19 +77,43 @@ void amx_block(const char* x, int64_t x_stride, int rows, const char* block, int
     _tile_stored(2, &out[16][0], 128);
     _tile_stored(3, &out[16][16], 128);
   }
-  const auto mask = [](int64_t n) {
-    return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1);
-  };
-  const __mmask16 low = mask(cols), high = mask(cols - 16);
-  for (int r = 0; r < rows; ++r) {  // float32 -> bfloat16, round to nearest even as torch does
-    uint16_t* row = y + r * y_stride;
-    for (int half = 0; half < 2; ++half)
-      _mm256_mask_storeu_epi16(row + 16 * half, half ? high : low,
-                               (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&out[r][16 * half])));
-  }
+  for (int r = 0; r < rows; ++r)
+    store_block_row(y + r * y_stride, _mm512_load_ps(&out[r][0]), _mm512_load_ps(&out[r][16]),
+                    cols);
 }
+
+// One thread's tiles: configured for the row count of the tile at hand (a new count reconfigures),
+// released when the thread's sweep ends.
+class AmxTiles {
+ public:
+  AmxTiles(const char* x, int64_t K, const char* packed, uint16_t* y, int64_t N)
+      : x_(x), K_(K), packed_(packed), y_(y), N_(N) {}
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+  ~AmxTiles() {
+    if (configured_ >= 0) _tile_release();
+  }
+
+  void operator()(int64_t m0, int64_t rows, int64_t b, int64_t cols, bool first_pass) {
+    const int count = static_cast<int>(rows);
+    if (count != configured_) {
+      configure_tiles(std::min(count, 16), std::max(count - 16, 0));
+      configured_ = count;
+    }
+    const int64_t x_stride = K_ * 2;
+    amx_block(x_ + m0 * x_stride, x_stride, count, packed_ + b * K_ * AMX_BLOCK * 2, K_,
+              first_pass, y_ + m0 * N_ + b * AMX_BLOCK, N_, cols);
+  }
+
+ private:
+  const char* x_;
+  int64_t K_;
+  const char* packed_;
+  uint16_t* y_;
+  int64_t N_;
+  int configured_ = -1;
+};
 #endif
-constexpr int64_t AMX_ROWS_RESIDENT = 256;  // rows of x kept in L2 while the weights stream past
 }  // namespace
 
 // The CPU runs AMX bfloat16 tiles and Linux lets this process use them (the tile data state is
@@ -138,8 +162,7 @@ void check_packed(const torch::Tensor& packed, int64_t K, int64_t N) {
 }
 
 // x [M, K] @ w.T in bfloat16 with w packed by pack_bf16 (N columns), float32 accumulation in AMX
-// tiles. Each thread owns a range of column blocks and sweeps every row over each block, so a
-// weight is read from memory once per 256 rows, and a decode batch streams it once.
+// tiles, in sweep_packed's schedule.
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
   TORCH_CHECK(amx_supported(), "AMX bfloat16 tiles are not available on this CPU");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x [M, K] bfloat16 expected");
@@ -151,26 +174,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
   const char* xp = reinterpret_cast<const char*>(x.data_ptr());
   const char* wp = reinterpret_cast<const char*>(packed.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t x_stride = K * 2, block_bytes = K * AMX_BLOCK * 2;
-  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
-    int configured = -1;
-    for (int64_t outer = 0; outer < M; outer += AMX_ROWS_RESIDENT) {
-      const int64_t outer_end = std::min(M, outer + AMX_ROWS_RESIDENT);
-      for (int64_t b = first; b < last; ++b) {
-        const int64_t cols = std::min(AMX_BLOCK, N - b * AMX_BLOCK);
-        for (int64_t m0 = outer; m0 < outer_end; m0 += 32) {
-          const int rows = static_cast<int>(std::min<int64_t>(32, outer_end - m0));
-          if (rows != configured) {
-            configure_tiles(std::min(rows, 16), std::max(rows - 16, 0));
-            configured = rows;
-          }
-          amx_block(xp + m0 * x_stride, x_stride, rows, wp + b * block_bytes, K, m0 == outer,
-                    yp + m0 * N + b * AMX_BLOCK, N, cols);
-        }
-      }
-    }
-    if (configured >= 0) _tile_release();
-  });
+  sweep_packed(M, N, blocks, 32, [&] { return AmxTiles(xp, K, wp, yp, N); });
 #endif
   return y;
 }

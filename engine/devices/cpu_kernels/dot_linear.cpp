@@ -4,9 +4,6 @@
 // weight on each call, which at decode batch sizes costs more than the product.
 #include <torch/extension.h>
 
-#include <ATen/Parallel.h>
-
-#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstring>
@@ -20,7 +17,6 @@ namespace bucketserve {
 namespace {
 constexpr int64_t BLOCK = PACK_BLOCK;  // output columns per packed block: two 16-float vectors
 constexpr int MAX_TILE_ROWS = 12;      // 24 accumulators + 2 weights + 1 input of 32 registers
-constexpr int64_t ROWS_RESIDENT = 256;  // rows of x kept in L2 while the weights stream past
 
 #if defined(__AVX512BF16__)
 // y[0..ROWS, block's columns] = x[0..ROWS] . block. Per pair of inputs the block holds its 32
@@ -42,15 +38,7 @@ void dot_tile(const uint16_t* x, int64_t K, const uint16_t* block, uint16_t* y, 
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], high, input);
     }
   }
-  const auto mask = [](int64_t n) {
-    return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1);
-  };
-  const __mmask16 first = mask(cols), second = mask(cols - 16);
-  for (int r = 0; r < ROWS; ++r) {  // float32 -> bfloat16, round to nearest even as torch does
-    _mm256_mask_storeu_epi16(y + r * y_stride, first, (__m256i)_mm512_cvtneps_pbh(acc[r][0]));
-    _mm256_mask_storeu_epi16(y + r * y_stride + 16, second,
-                             (__m256i)_mm512_cvtneps_pbh(acc[r][1]));
-  }
+  for (int r = 0; r < ROWS; ++r) store_block_row(y + r * y_stride, acc[r][0], acc[r][1], cols);
 }
 
 using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, uint16_t*, int64_t, int64_t);
@@ -71,9 +59,8 @@ bool dot_linear_supported() {
 #endif
 }
 
-// x [M, K] @ w.T in bfloat16 with w packed by pack_bf16 (N columns), float32 accumulation. Each
-// thread owns a range of column blocks and sweeps every row over each block, so a weight is read
-// from memory once per 256 rows, and a decode batch streams it once.
+// x [M, K] @ w.T in bfloat16 with w packed by pack_bf16 (N columns), float32 accumulation, in
+// sweep_packed's schedule.
 torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
   TORCH_CHECK(dot_linear_supported(), "built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x [M, K] bfloat16 expected");
@@ -85,17 +72,10 @@ torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t outer = 0; outer < M; outer += ROWS_RESIDENT) {
-      const int64_t outer_end = std::min(M, outer + ROWS_RESIDENT);
-      for (int64_t b = first; b < last; ++b) {
-        const int64_t cols = std::min(BLOCK, N - b * BLOCK);
-        for (int64_t m0 = outer; m0 < outer_end; m0 += MAX_TILE_ROWS) {
-          const int64_t rows = std::min<int64_t>(MAX_TILE_ROWS, outer_end - m0);
-          TILES[rows - 1](xp + m0 * K, K, wp + b * BLOCK * K, yp + m0 * N + b * BLOCK, N, cols);
-        }
-      }
-    }
+  sweep_packed(M, N, blocks, MAX_TILE_ROWS, [&] {
+    return [&](int64_t m0, int64_t rows, int64_t b, int64_t cols, bool) {
+      TILES[rows - 1](xp + m0 * K, K, wp + b * BLOCK * K, yp + m0 * N + b * BLOCK, N, cols);
+    };
   });
 #endif
   return y;

@@ -1,14 +1,20 @@
-// The packed bfloat16 projections: the layout (pack_bf16, in amx.cpp) and its two products, AMX
-// tiles (amx.cpp) and AVX512-BF16 dot products (dot_linear.cpp); bound into the module by
-// kernels.cpp.
+// The packed bfloat16 projections: the layout (pack_bf16, in amx.cpp), the schedule and the
+// output rounding their two products share, and the products themselves: AMX tiles (amx.cpp) and
+// AVX512-BF16 dot products (dot_linear.cpp); bound into the module by kernels.cpp.
 #pragma once
 
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cstdint>
 
+#include <immintrin.h>
+
 namespace bucketserve {
-constexpr int64_t PACK_BLOCK = 32;  // output columns per packed block
+constexpr int64_t PACK_BLOCK = 32;      // output columns per packed block
+constexpr int64_t ROWS_RESIDENT = 256;  // rows of x kept in L2 while the weights stream past
 
 torch::Tensor pack_bf16(torch::Tensor w);
 void check_packed(const torch::Tensor& packed, int64_t K, int64_t N);  // refuses a mismatch
@@ -18,4 +24,36 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
 
 bool dot_linear_supported();
 torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
+
+// The schedule of both products over M rows and `blocks` packed blocks (N columns): each thread
+// owns a range of column blocks and sweeps every row over each block in tiles of up to
+// `tile_rows`, ROWS_RESIDENT rows at a time, so a weight is read from memory once per 256 rows and
+// a decode batch streams it once. Each thread makes its own `tile = make_tile()` and calls
+// tile(first row, rows, block, columns in it, whether this is the block's first pass).
+template <typename MakeTile>
+void sweep_packed(int64_t M, int64_t N, int64_t blocks, int64_t tile_rows, MakeTile make_tile) {
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    auto tile = make_tile();
+    for (int64_t outer = 0; outer < M; outer += ROWS_RESIDENT) {
+      const int64_t outer_end = std::min(M, outer + ROWS_RESIDENT);
+      for (int64_t b = first; b < last; ++b) {
+        const int64_t cols = std::min(PACK_BLOCK, N - b * PACK_BLOCK);
+        for (int64_t m0 = outer; m0 < outer_end; m0 += tile_rows)
+          tile(m0, std::min(tile_rows, outer_end - m0), b, cols, m0 == outer);
+      }
+    }
+  });
+}
+
+#if defined(__AVX512BF16__)
+// One output row of a block: its 32 float32 sums (two vectors) rounded to bfloat16 to nearest
+// even, as torch rounds, and stored up to `cols` (a last block may be partial).
+inline void store_block_row(uint16_t* row, __m512 low, __m512 high, int64_t cols) {
+  const auto lanes = [](int64_t n) {
+    return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1);
+  };
+  _mm256_mask_storeu_epi16(row, lanes(cols), (__m256i)_mm512_cvtneps_pbh(low));
+  _mm256_mask_storeu_epi16(row + 16, lanes(cols - 16), (__m256i)_mm512_cvtneps_pbh(high));
+}
+#endif
 }  // namespace bucketserve
