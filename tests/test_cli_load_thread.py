@@ -11,17 +11,25 @@ import pytest
 from engine.cli.main import on_a_passing_thread
 
 # Threads of a fresh process before and after one parallel torch op (2 OpenMP threads), run on the
-# main thread or on a passing one.
+# main thread or on a passing one. Python's join() returns before the ended thread's thread-local
+# destructors run, and libgomp releases that thread's pool in one of them, so the passing case
+# waits (up to 10 s) for the count to come back down before it reports.
 PROBE = textwrap.dedent(
     """
-    import os, sys
+    import os, sys, time
     import torch
     from engine.cli.main import on_a_passing_thread
     torch.set_num_threads(2)
     threads = lambda: len(os.listdir("/proc/self/task"))
     before = threads()
     work = lambda: (torch.ones(4_000_000) * 2).sum()
-    on_a_passing_thread(work) if sys.argv[1] == "passing" else work()
+    if sys.argv[1] == "passing":
+        on_a_passing_thread(work)
+        deadline = time.monotonic() + 10
+        while threads() > before and time.monotonic() < deadline:
+            time.sleep(0.01)
+    else:
+        work()
     print(threads() - before)
     """
 )
