@@ -160,16 +160,37 @@ def test_strict_shapes_refuse_an_unwarmed_decode_in_bfloat16_and_quantized(
 
 
 def test_dtype_auto_picks_the_cpus_bfloat16_and_says_so(tiny_model_dirs, capsys):
+    from engine.devices import cpu_kernels
     from engine.devices.cpu import CPUAdapter
 
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    assert CPUAdapter().auto_dtype()[0] == (torch.bfloat16 if native else torch.float32)
+    avx2_product = cpu_kernels.load() is not None and cpu_kernels.load().fma_linear_supported()
+    expected = torch.bfloat16 if native or avx2_product else torch.float32
+    assert CPUAdapter().auto_dtype()[0] == expected
     shard = Shard(tiny_config(tiny_model_dirs["llama"], dtype="auto"), show_progress=True)
     assert shard.dtype == CPUAdapter().auto_dtype()[0] and shard.info().dtype == str(
         shard.dtype
     ).removeprefix("torch.")
     said = capsys.readouterr().err
     assert f"dtype auto: {shard.info().dtype} (" in said and "on this CPU" in said
+
+
+def test_dtype_auto_without_native_bfloat16_takes_it_only_with_the_avx2_product(monkeypatch):
+    """Without AVX512-BF16 and AMX, bfloat16 is faster than float32 only through fma_linear: with
+    the kernels turned off (or not built, or a compiled graph mode) torch emulates it."""
+    from engine.devices import cpu_kernels
+    from engine.devices.cpu import CPUAdapter
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    if cpu_kernels.load() is not None and cpu_kernels.load().fma_linear_supported():
+        assert CPUAdapter().auto_dtype() == (
+            torch.bfloat16,
+            "bucketserve's AVX2 bfloat16 kernels on this CPU",
+        )
+        assert CPUAdapter(graph_mode="compile").auto_dtype()[0] == torch.float32
+    monkeypatch.setenv("BUCKETSERVE_CPU_KERNELS", "0")
+    assert CPUAdapter().auto_dtype() == (torch.float32, "this CPU has neither AVX512-BF16 nor AMX")
 
 
 def test_quantize_and_dtype_flags_reach_the_shard_config():

@@ -42,7 +42,9 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
 
     def auto_dtype(self) -> tuple[torch.dtype, str]:
         """bfloat16 where the CPU multiplies it natively (AVX512-BF16 or AMX): about twice float32's
-        GEMM rate and half its weight traffic. Elsewhere bfloat16 is emulated and slower: float32."""
+        GEMM rate and half its weight traffic. On other x86 CPUs bfloat16 where eager serving has
+        bucketserve's AVX2 product (fma_linear), which beat float32 at every batch size on a Zen 3
+        (docs/benchmarks.md). Elsewhere torch emulates bfloat16, slower than float32: float32."""
         features = [
             name
             for name, has in (
@@ -55,7 +57,18 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
             # As torch reports it: a virtual machine may list AMX tiles that it does not run (this
             # repository's does); AVX512-BF16 alone already makes bfloat16 the faster choice.
             return torch.bfloat16, f"torch reports {' and '.join(features)} on this CPU"
+        if self._has_avx2_bf16_product():
+            return torch.bfloat16, "bucketserve's AVX2 bfloat16 kernels on this CPU"
         return torch.float32, "this CPU has neither AVX512-BF16 nor AMX"
+
+    def _has_avx2_bf16_product(self) -> bool:
+        """Whether eager bfloat16 gets fma_linear: kernels built (not turned off) with AVX2 and FMA."""
+        import engine.devices.cpu_kernels as cpu_kernels
+
+        if getattr(self, "graph_mode", "eager") != "eager":  # inductor's graphs: torch's product
+            return False
+        kernels = cpu_kernels.load()
+        return kernels is not None and kernels.fma_linear_supported()
 
     def prepare_model(self, model, dtype: torch.dtype) -> None:
         """Eager bfloat16: the fused C++ kernels (engine.devices.cpu_kernels) for decode attention,

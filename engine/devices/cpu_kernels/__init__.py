@@ -5,8 +5,9 @@ decode attention first gathers every row's KV blocks into a copy. kernels.cpp ho
 them: attention that reads the paged cache in place (the contract of
 engine.attention.flat.flat_attention, without softcap) and RMS norm; elementwise.cpp the fused
 rope and SiLU-and-product. The bfloat16 projections share one packed weight layout (pack_bf16, in
-amx.cpp) and have two products: AMX tiles where the CPU runs them (amx.cpp), AVX512-BF16 dot
-products elsewhere (dot_linear.cpp), every batch size read from the packed weight (oneDNN's product
+amx.cpp) and three products: AMX tiles where the CPU runs them (amx.cpp), else AVX512-BF16 dot
+products (dot_linear.cpp), else AVX2 fused multiply-adds over weights widened in registers
+(fma_linear.cpp), every batch size read from the packed weight (oneDNN's product
 through F.linear reorders the plain weight on every call, which at decode batch
 sizes costs more than the product). Each is tested against the pure-torch path, which stays the
 reference, the fallback where the build fails (no compiler), and the path of every graph device.
@@ -34,7 +35,10 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 # kernels.cpp binds the module
-SOURCES = [HERE / name for name in ("kernels.cpp", "amx.cpp", "dot_linear.cpp", "elementwise.cpp")]
+SOURCES = [
+    HERE / name
+    for name in ("kernels.cpp", "amx.cpp", "dot_linear.cpp", "fma_linear.cpp", "elementwise.cpp")
+]
 HEADERS = [HERE / name for name in ("packed.h", "elementwise.h", "vec_math.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 LIBRARY_SUFFIX = ".so"
@@ -182,6 +186,15 @@ class DotLinear(AmxLinear):
     product = "dot_linear"
 
 
+class FmaLinear(AmxLinear):
+    """AmxLinear's packed weight widened to float32 in registers and multiplied in AVX2 FMA
+    (fma_linear), for x86 CPUs with neither AMX nor AVX512-BF16, where torch emulates bfloat16
+    products. Against F.linear, see docs/benchmarks.md."""
+
+    kind = "avx2-bf16"
+    product = "fma_linear"
+
+
 def kernel_for(weight: torch.Tensor | None):
     """The module class that multiplies `weight` on this CPU, or None (torch's path)."""
     fits = (
@@ -195,12 +208,14 @@ def kernel_for(weight: torch.Tensor | None):
         return None
     if load().amx_supported():
         return AmxLinear
-    return DotLinear if load().dot_linear_supported() else None
+    if load().dot_linear_supported():
+        return DotLinear
+    return FmaLinear if load().fma_linear_supported() else None
 
 
 def install_projections(model: torch.nn.Module) -> tuple[int, str]:
     """Every plain bfloat16 decoder projection and the LM head of `model` through this CPU's kernel
-    (AmxLinear, else DotLinear); the decoder weights move into it, the LM head keeps its weight,
+    (AmxLinear, else DotLinear, else FmaLinear); the decoder weights move into it, the LM head keeps its weight,
     which a tied embedding shares. The number of matrices and the kernel's kind."""
     from engine.layers.embedding import ParallelLMHead
     from engine.layers.linear import ColumnParallelLinear, RowParallelLinear

@@ -345,4 +345,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dot_linear_supported", &bucketserve::dot_linear_supported,
         "whether dot_linear was built (AVX512-BF16)");
   m.def("dot_linear", &bucketserve::dot_linear, "bfloat16 projection in AVX512-BF16 dot products");
+  m.def("fma_linear_supported", &bucketserve::fma_linear_supported,
+        "whether fma_linear was built (AVX2 and FMA)");
+  m.def("fma_linear", &bucketserve::fma_linear, "bfloat16 projection in AVX2 fused multiply-adds");
 }

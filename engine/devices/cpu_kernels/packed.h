@@ -1,6 +1,7 @@
 // The packed bfloat16 projections: the layout (pack_bf16, in amx.cpp), the schedule and the
-// output rounding their two products share, and the products themselves: AMX tiles (amx.cpp) and
-// AVX512-BF16 dot products (dot_linear.cpp); bound into the module by kernels.cpp.
+// output rounding their products share, and the products themselves: AMX tiles (amx.cpp),
+// AVX512-BF16 dot products (dot_linear.cpp) and AVX2 fused multiply-adds (fma_linear.cpp); bound
+// into the module by kernels.cpp.
 #pragma once
 
 #include <torch/extension.h>
@@ -25,7 +26,10 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
 bool dot_linear_supported();
 torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
 
-// The schedule of both products over M rows and `blocks` packed blocks (N columns): each thread
+bool fma_linear_supported();
+torch::Tensor fma_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
+
+// The schedule of the products over M rows and `blocks` packed blocks (N columns): each thread
 // owns a range of column blocks and sweeps every row over each block in tiles of up to
 // `tile_rows`, ROWS_RESIDENT rows at a time, so a weight is read from memory once per 256 rows and
 // a decode batch streams it once. Each thread makes its own `tile = make_tile()` and calls
