@@ -72,8 +72,9 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
 
     def prepare_model(self, model, dtype: torch.dtype) -> None:
         """Eager bfloat16: the fused C++ kernels (engine.devices.cpu_kernels) for decode attention,
-        the norms, rope, SiLU and the projections (AMX tiles where the CPU runs them, else the GEMV
-        kernel; what neither takes, or all without the kernels, prepacked for oneDNN). Compile mode
+        the norms, rope, SiLU and the projections (AMX tiles where the CPU runs them, else AVX512-BF16
+        dot products, else AVX2 FMA; what none takes, or all without the kernels, prepacked for
+        oneDNN where it packs bfloat16). Compile mode
         leaves the weights to inductor; float32 keeps the pure-torch path, whose greedy output is
         exact."""
         import engine.devices.cpu_kernels as cpu_kernels
