@@ -98,3 +98,37 @@ def test_many_rows_dequantize_once_and_match_the_kernel(make):
     expected = reference(x, layer.dequantize())
     torch.testing.assert_close(layer.linear(x).double(), expected, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(layer.linear(x[:4]).double(), expected[:4], rtol=1e-5, atol=1e-4)
+
+
+UNPACK_CHECK = """
+import torch
+from engine.layers.quant import Int4Weight
+torch.manual_seed(7)
+for rows in (64, 144, 16):  # whole 64- and 32-row blocks, then a partial one; a lone partial block
+    codes = torch.randint(0, 16, (rows, 64), dtype=torch.uint8)
+    layer = Int4Weight(codes, torch.rand(rows, 2) + 0.05, torch.randn(rows, 2), 32, torch.float32)
+    assert layer.unpackable, (torch.backends.cpu.get_cpu_capability(), rows)
+    through_kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        torch.eye(64), layer.packed, 32, layer.scale_zero
+    ).t()[:rows]
+    torch.testing.assert_close(layer.dequantize(), through_kernel, rtol=1e-6, atol=1e-6)
+print(torch.backends.cpu.get_cpu_capability(), layer.layout)
+"""
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_int4_unpacks_every_layout_torch_packs(capability):
+    """torch packs int4 weights in a layout of the CPU build it dispatched to (CI's machines differ):
+    each of its builds that this CPU runs is read back to the codes the kernel multiplies by."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    done = subprocess.run(
+        [sys.executable, "-c", UNPACK_CHECK], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    ran = done.stdout.split()[0].lower()
+    if ran != capability:
+        pytest.skip(f"this CPU does not run torch's {capability} build (it ran {ran})")

@@ -77,11 +77,10 @@ class Int4Weight(nn.Module):
         self.register_buffer(
             "scale_zero", torch.stack([scale.t(), zero.t()], -1).to(dtype).contiguous()
         )
-        # The packed layout is the kernel's own; where our reading of it reproduces the codes, large
-        # batches dequantize from it (else they stay on the kernel).
-        self.unpackable = packed.shape[0] % 64 == 0 and torch.equal(
-            unpack_int4(packed, self.in_features), codes.to(torch.uint8)
-        )
+        # The packed layout is the kernel's own and follows the CPU torch runs on; where one of our
+        # readings reproduces the codes, large batches dequantize from it (else they stay on it).
+        self.layout = int4_layout(packed, codes.to(torch.uint8))
+        self.unpackable = self.layout is not None
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.scale_zero.dtype)
@@ -96,7 +95,8 @@ class Int4Weight(nn.Module):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The padded weight in `dtype`, unpacked from the kernel's layout."""
         rows = self.packed.shape[0]
-        codes = unpack_int4(self.packed, self.in_features).view(rows, -1, self.group).to(dtype)
+        codes = unpack_int4(self.packed, self.in_features, self.layout)
+        codes = codes.view(rows, -1, self.group).to(dtype)
         scale, zero = (self.scale_zero[..., i].t().unsqueeze(-1).to(dtype) for i in (0, 1))
         return ((codes - 8) * scale + zero).view(rows, self.in_features)
 
@@ -112,14 +112,45 @@ class Int4Weight(nn.Module):
         return columns.t()[: self.out_features].contiguous()
 
 
-def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
-    """Codes [N, K] from _convert_weight_to_int4pack_for_cpu's layout for N a multiple of 64 (read off
-    torch 2.13: per block of 64 rows, a [K, 32] byte array, row r in the low nibble and r + 32 in the
-    high one). Callers check it against the codes once (Int4Weight.unpackable)."""
-    rows = packed.shape[0]
-    blocks = packed.view(rows // 64, cols, 32)
-    codes = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)  # [N / 64, K, 64]
-    return codes.permute(0, 2, 1).reshape(rows, cols)
+# _convert_weight_to_int4pack_for_cpu's layouts (torch 2.13, aten/src/ATen/native/cpu/int4mm_kernel.cpp,
+# weight_to_int4pack_kernel), as (rows a block, halves): per block, a [K, rows / 2] byte array. With
+# halves, byte j holds row j in its low nibble and row j + rows / 2 in its high one; without, rows 2j
+# and 2j + 1. AVX512 builds pack blocks of 64 rows in halves, AVX2 builds 32, the rest 32 in pairs; a
+# last, partial block is always in pairs.
+INT4_LAYOUTS = ((64, True), (32, True), (32, False))
+
+
+def int4_layout(packed: torch.Tensor, codes: torch.Tensor) -> tuple[int, bool] | None:
+    """The layout of INT4_LAYOUTS that reads `packed` back as `codes`, or None."""
+    cols = codes.shape[1]
+    for layout in INT4_LAYOUTS:
+        if torch.equal(unpack_int4(packed, cols, layout), codes):
+            return layout
+    return None
+
+
+def unpack_int4(packed: torch.Tensor, cols: int, layout: tuple[int, bool]) -> torch.Tensor:
+    """Codes [N, K] from _convert_weight_to_int4pack_for_cpu's `layout` (see INT4_LAYOUTS)."""
+    block, halves = layout
+    full = packed.shape[0] - packed.shape[0] % block
+    return torch.cat(
+        [
+            unpack_blocks(packed[:full], cols, block, halves),
+            unpack_blocks(packed[full:], cols, packed.shape[0] - full, halves=False),
+        ]
+    )
+
+
+def unpack_blocks(packed: torch.Tensor, cols: int, block: int, halves: bool) -> torch.Tensor:
+    if packed.shape[0] == 0:
+        return packed.new_empty(0, cols)
+    blocks = packed.reshape(-1, cols, block // 2)
+    low, high = blocks & 0x0F, blocks >> 4
+    if halves:
+        codes = torch.cat([low, high], dim=-1)
+    else:
+        codes = torch.stack([low, high], dim=-1).flatten(2)
+    return codes.permute(0, 2, 1).reshape(-1, cols)  # [blocks, K, rows] -> [N, K]
 
 
 def int8_per_channel(weight: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
