@@ -99,6 +99,8 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
                 "fused CPU kernels: decode attention, %s",
                 ", ".join(f"{n} {k}" for k, n in counts.items()),
             )
+            if cpu_kernels.install_decoder(model):
+                log.info("decode steps run every layer in one fused call")
 
     @property
     def warm_runs_forward(self) -> bool:

@@ -11,6 +11,7 @@ and the vocabulary is split too.
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import (
@@ -25,7 +26,7 @@ from engine.distributed import SINGLE, Parallel
 from engine.layers.activation import activation
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import RowParallelLinear, merged_parallel, qkv_parallel
-from engine.layers.norm import rms_norm
+from engine.layers.norm import RMSNorm, rms_norm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.config import FULL, SLIDING, ModelConfig
 
@@ -143,6 +144,10 @@ class LlamaForCausalLM(nn.Module):
     # cache's own.
     aux_layers: tuple[int, ...] = ()
     aux_cache: torch.Tensor | None = None  # [KV slots, len(aux_layers) * hidden]
+    # A device kernel that runs every layer of a decode step at once, fn(hidden, rope, meta) ->
+    # hidden, set by the device adapter where plain_decoder() holds (the CPU one's
+    # engine.devices.cpu_kernels.FusedDecoder); None runs the layers one by one.
+    fused_decode = None
 
     def __init__(
         self,
@@ -186,6 +191,9 @@ class LlamaForCausalLM(nn.Module):
     def run_layers(self, hidden, positions, meta: AttentionMetadata, lora_index=None):
         """The decoder layers over the embedded tokens (or a previous stage's output)."""
         contexts = self.layer_contexts(positions, meta, hidden.dtype)
+        fused = isinstance(meta, DecodeMetadata) and lora_index is None and not self.aux_layers
+        if self.fused_decode is not None and fused:
+            return self.fused_decode(hidden, contexts[FULL].rope, contexts[FULL].meta)
         lora = None if lora_index is None else self.lora_set.selector(lora_index, hidden.dtype)
         taken = []
         kinds = self.config.layer_types or (FULL,) * len(self.layers)
@@ -198,6 +206,28 @@ class LlamaForCausalLM(nn.Module):
             aux = torch.cat(taken, dim=-1).reshape(-1, self.aux_cache.shape[1])
             self.aux_cache.index_copy_(0, meta.slots.reshape(-1), aux.to(self.aux_cache.dtype))
         return hidden
+
+    def plain_decoder(self) -> bool:
+        """Whether every layer is the plain pre-norm Llama layer, which a fused decode kernel may run
+        in place of the modules: RMS norms, full attention with whole-head rope and no q/k norms,
+        cap or output bias, a SiLU MLP without biases, one shard, no pipeline stage."""
+        config = self.config
+        plain_config = (
+            self.parallel.world_size == 1
+            and self.stage is None
+            and SLIDING not in config.layer_types
+            and not (config.qk_norm or config.gemma_norms or config.o_bias or config.mlp_bias)
+            and config.attn_softcap is None
+            and config.rope.rotary_dim(config.head_dim) == config.head_dim
+        )
+        return plain_config and all(
+            type(layer) is LlamaDecoderLayer
+            and type(layer.self_attn) is LlamaAttention
+            and type(layer.mlp) is LlamaMLP
+            and layer.mlp.act is F.silu
+            and type(layer.input_layernorm) is type(layer.post_attention_layernorm) is RMSNorm
+            for layer in self.layers
+        )
 
     def final_logits(self, hidden, logits_indices) -> torch.Tensor:
         hidden = (

@@ -37,9 +37,16 @@ HERE = Path(__file__).parent
 # kernels.cpp binds the module
 SOURCES = [
     HERE / name
-    for name in ("kernels.cpp", "amx.cpp", "dot_linear.cpp", "fma_linear.cpp", "elementwise.cpp")
+    for name in (
+        "kernels.cpp",
+        "amx.cpp",
+        "dot_linear.cpp",
+        "fma_linear.cpp",
+        "elementwise.cpp",
+        "decoder.cpp",
+    )
 ]
-HEADERS = [HERE / name for name in ("packed.h", "elementwise.h", "vec_math.h")]
+HEADERS = [HERE / name for name in ("packed.h", "elementwise.h", "vec_math.h", "decoder.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 LIBRARY_SUFFIX = ".so"
 
@@ -280,3 +287,77 @@ def install(model: torch.nn.Module) -> dict[str, int]:
             module.fused_act_and_mul = silu_and_mul
             counts["silu MLPs"] += 1
     return counts
+
+
+class FusedDecoder:
+    """Every layer of a bfloat16 decode step in one C++ call (decoder.cpp's decode_layers), for a
+    model whose layers are all plain (its plain_decoder()) and whose projections one packed
+    product multiplies. The call runs the kernels the layers would, with the same roundings, so its
+    output is the layers' own bits; what it saves is the Python and the dispatch between a step's
+    ~400 kernel calls (docs/benchmarks.md). Set as the model's `fused_decode` hook, found by name so
+    that the device layer imports no model."""
+
+    def __init__(self, model: torch.nn.Module, product: str):
+        first = model.layers[0]
+        self.model, self.product = model, product
+        self.heads, self.kv_heads = first.self_attn.num_heads, first.self_attn.num_kv_heads
+        self.scale = first.self_attn.scale
+        self.eps = first.input_layernorm.eps
+        self.intermediate = first.mlp.down_proj.quantized.in_features
+        none = torch.empty(0, dtype=torch.bfloat16)
+        self.weights = [
+            [
+                layer.input_layernorm.weight,
+                layer.self_attn.qkv_proj.quantized.packed,
+                none if layer.self_attn.qkv_proj.bias is None else layer.self_attn.qkv_proj.bias,
+                layer.self_attn.o_proj.quantized.packed,
+                layer.post_attention_layernorm.weight,
+                layer.mlp.gate_up_proj.quantized.packed,
+                layer.mlp.down_proj.quantized.packed,
+            ]
+            for layer in model.layers
+        ]
+
+    def __call__(self, hidden: torch.Tensor, rope: tuple, meta) -> torch.Tensor:
+        tensors = []
+        for weights, layer in zip(self.weights, self.model.layers):
+            tensors += [*weights, *layer.self_attn.kv_cache]  # bound after load: read per step
+        cos, sin = rope
+        return load().decode_layers(
+            hidden,
+            tensors,
+            cos,
+            sin,
+            meta.slots,
+            meta.block_list,
+            meta.block_groups,
+            meta.block_bias,
+            self.heads,
+            self.kv_heads,
+            self.intermediate,
+            self.eps,
+            self.scale,
+            self.product,
+        )
+
+
+def install_decoder(model: torch.nn.Module) -> bool:
+    """Give `model` the fused decode step (FusedDecoder) where its layers are plain, every norm has
+    the fused kernel, and every decoder projection is packed for one product; whether it did."""
+    if not (hasattr(model, "fused_decode") and model.plain_decoder()):
+        return False
+    projections = [
+        module
+        for layer in model.layers
+        for module in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    ]
+    kinds = {type(p.quantized) for p in projections}
+    if len(kinds) != 1 or not issubclass(kinds.pop(), AmxLinear):
+        return False  # a quantized or unpacked projection: the layers run as modules
+    model.fused_decode = FusedDecoder(model, projections[0].quantized.product)
+    return True

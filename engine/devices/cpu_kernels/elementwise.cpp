@@ -13,7 +13,6 @@
 #include "vec_math.h"
 
 namespace bucketserve {
-namespace {
 using BF16 = c10::BFloat16;
 
 // One head: out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[half:], x[:half]).
@@ -40,6 +39,7 @@ void rotate_head(const BF16* x, const BF16* cos, const BF16* sin, BF16* out, int
   }
 }
 
+namespace {
 torch::Tensor rotate(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
   auto out = torch::empty({tokens, heads, dim}, x.options());

@@ -6,6 +6,9 @@
 #include <tuple>
 
 namespace bucketserve {
+// One rotated head of `dim` values (out may not alias x): apply_rotary's arithmetic and roundings.
+void rotate_head(const c10::BFloat16* x, const c10::BFloat16* cos, const c10::BFloat16* sin,
+                 c10::BFloat16* out, int64_t dim);
 std::tuple<torch::Tensor, torch::Tensor> rope_bf16(torch::Tensor q, torch::Tensor k,
                                                    torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);

@@ -4,8 +4,9 @@
 // path rounds.
 #include <torch/extension.h>
 
-#include "packed.h"
+#include "decoder.h"
 #include "elementwise.h"
+#include "packed.h"
 #include "vec_math.h"
 
 #include <ATen/Parallel.h>
@@ -195,32 +196,38 @@ inline void softmax_numerators(float* scores, int64_t n, int64_t group, float* s
   }
 }
 
-// out[b, h] = softmax(q[b, h] . K[row b's positions, h / group]) V[...], over every position of
-// row b's blocks whose bias is not negative (the blocks of block_list owned by b, in order).
-template <typename T>
-void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cache,
-                           const torch::Tensor& value_cache, const torch::Tensor& block_list,
-                           const torch::Tensor& block_groups, const torch::Tensor& block_bias,
-                           double scale, torch::Tensor& out) {
-  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = key_cache.size(1), group = heads / kv_heads;
-  const int64_t num_blocks = block_bias.size(0), block_size = block_bias.size(1);
+}  // namespace
+
+namespace bucketserve {
+RowSlots valid_slots(const torch::Tensor& block_list, const torch::Tensor& block_groups,
+                     const torch::Tensor& block_bias, int64_t batch, int64_t cache_slots) {
   const auto blocks = block_list.accessor<int64_t, 1>();
   const auto groups = block_groups.accessor<int64_t, 1>();
-  std::vector<std::vector<int64_t>> owned(batch);  // flat indices of each row's blocks
-  for (int64_t i = 0; i < num_blocks; ++i) {
+  const int64_t num_blocks = block_bias.size(0), block_size = block_bias.size(1);
+  const float* bias = block_bias.data_ptr<float>();
+  RowSlots rows(batch);
+  for (int64_t i = 0; i < num_blocks; ++i) {  // a row's blocks come in its sequence order
     const int64_t row = groups[i];
     TORCH_CHECK(row >= 0 && row < batch, "block ", i, " belongs to row ", row, " of ", batch);
-    owned[row].push_back(i);
+    TORCH_CHECK(blocks[i] >= 0 && (blocks[i] + 1) * block_size <= cache_slots, "block ",
+                blocks[i], " is outside the cache");
+    for (int64_t p = 0; p < block_size; ++p)
+      if (bias[i * block_size + p] >= 0.f)  // negative: past the row's length, or windowed
+        rows[row].push_back(blocks[i] * block_size + p);
   }
-  const int64_t slots = key_cache.size(0);
-  for (int64_t i = 0; i < num_blocks; ++i)
-    TORCH_CHECK(blocks[i] >= 0 && (blocks[i] + 1) * block_size <= slots, "block ", blocks[i],
-                " is outside the cache");
+  return rows;
+}
+
+// out[b, h] = softmax(q[b, h] . K[row b's slots, h / group]) V[...]
+template <typename T>
+void attend_impl(const torch::Tensor& q, const torch::Tensor& key_cache,
+                 const torch::Tensor& value_cache, const RowSlots& slots, double scale,
+                 torch::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = key_cache.size(1), group = heads / kv_heads;
   const T* qp = q.data_ptr<T>();
   const T* kp = key_cache.data_ptr<T>();
   const T* vp = value_cache.data_ptr<T>();
-  const float* bias = block_bias.data_ptr<float>();
   T* op = out.data_ptr<T>();
   const int64_t q_row = q.stride(0), q_head = q.stride(1);
   const int64_t slot_stride = key_cache.stride(0), head_stride = key_cache.stride(1);
@@ -231,22 +238,16 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cach
     std::vector<int64_t> valid;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / kv_heads, kv_head = item % kv_heads;
-      const auto& mine = owned[row];
-      const int64_t positions = static_cast<int64_t>(mine.size()) * block_size;
-      scores.resize(group * positions);
-      valid.clear();
+      const auto& mine = slots[row];
+      const int64_t n = static_cast<int64_t>(mine.size());
+      scores.resize(group * n);
+      valid.resize(n);
+      for (int64_t j = 0; j < n; ++j)  // element offsets of the row's keys and values
+        valid[j] = mine[j] * slot_stride + kv_head * head_stride;
       for (int64_t g = 0; g < group; ++g) {
         load_row(qp + row * q_row + (kv_head * group + g) * q_head, &query[g * dim], dim);
         for (int64_t d = 0; d < dim; ++d) query[g * dim + d] *= static_cast<float>(scale);
       }
-      for (size_t b = 0; b < mine.size(); ++b) {  // element offsets of the valid positions
-        const int64_t block = blocks[mine[b]];
-        for (int64_t p = 0; p < block_size; ++p) {
-          if (bias[mine[b] * block_size + p] < 0.f) continue;  // past the row's length, or windowed
-          valid.push_back((block * block_size + p) * slot_stride + kv_head * head_stride);
-        }
-      }
-      const int64_t n = static_cast<int64_t>(valid.size());
       if (!attend_fixed(group, dim, true, query.data(), kp, valid.data(), n, scores.data()))
         for (int64_t j = 0; j < n; ++j)
           score_position(query.data(), kp + valid[j], group, dim, kv.data(), &scores[j], n);
@@ -265,6 +266,19 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cach
   });
 }
 
+void attend(const torch::Tensor& q, const torch::Tensor& key_cache,
+            const torch::Tensor& value_cache, const RowSlots& slots, double scale,
+            torch::Tensor& out) {
+  if (q.scalar_type() == torch::kFloat) {
+    attend_impl<float>(q, key_cache, value_cache, slots, scale, out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "float32 or bfloat16 expected");
+    attend_impl<c10::BFloat16>(q, key_cache, value_cache, slots, scale, out);
+  }
+}
+}  // namespace bucketserve
+
+namespace {
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                                torch::Tensor block_list, torch::Tensor block_groups,
                                torch::Tensor block_bias, double scale) {
@@ -283,20 +297,19 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::
                   block_groups.size(0) == block_bias.size(0),
               "block_list, block_groups and block_bias must have one entry per block");
   q = q.stride(2) == 1 ? q : q.contiguous();
-  auto blocks = block_list.to(torch::kLong).contiguous();
-  auto groups = block_groups.to(torch::kLong).contiguous();
-  auto bias = block_bias.to(torch::kFloat).contiguous();
+  const auto slots =
+      bucketserve::valid_slots(block_list.to(torch::kLong).contiguous(),
+                               block_groups.to(torch::kLong).contiguous(),
+                               block_bias.to(torch::kFloat).contiguous(), q.size(0),
+                               key_cache.size(0));
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  if (q.scalar_type() == torch::kFloat) {
-    decode_attention_impl<float>(q, key_cache, value_cache, blocks, groups, bias, scale, out);
-  } else {
-    TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "float32 or bfloat16 expected");
-    decode_attention_impl<c10::BFloat16>(q, key_cache, value_cache, blocks, groups, bias, scale,
-                                         out);
-  }
+  bucketserve::attend(q, key_cache, value_cache, slots, scale, out);
   return out;
 }
 
+}  // namespace
+
+namespace bucketserve {
 // engine.layers.norm.RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)) with x in float32, the
 // normalized row stored as T before the product.
 template <typename T>
@@ -332,11 +345,11 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
-}  // namespace
+}  // namespace bucketserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention, blocks read in place");
-  m.def("rms_norm", &rms_norm, "RMS norm as engine.layers.norm.RMSNorm");
+  m.def("rms_norm", &bucketserve::rms_norm, "RMS norm as engine.layers.norm.RMSNorm");
   m.def("rope_bf16", &bucketserve::rope_bf16, "rotary embedding as engine.layers.rotary");
   m.def("silu_and_mul", &bucketserve::silu_and_mul, "silu(gate) * up as LlamaMLP");
   m.def("amx_supported", &bucketserve::amx_supported, "whether AMX bfloat16 tiles may run");
@@ -348,4 +361,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fma_linear_supported", &bucketserve::fma_linear_supported,
         "whether fma_linear was built (AVX2 and FMA)");
   m.def("fma_linear", &bucketserve::fma_linear, "bfloat16 projection in AVX2 fused multiply-adds");
+  m.def("decode_layers", &bucketserve::decode_layers,
+        "every layer of a plain Llama-family bfloat16 decode step in one call");
 }

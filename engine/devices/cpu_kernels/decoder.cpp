@@ -1,0 +1,168 @@
+// A whole bfloat16 decode step of a plain Llama-family decoder (every row one new token) in one
+// call: per layer the RMS norm, the q/k/v product, rope with the new key and value written straight
+// into the paged cache, attention, the output product and its residual, then the MLP's norm,
+// products, SiLU and residual. Each step is the kernel the eager modules call, with the same
+// roundings, so the result is the same bits; what the call saves is the Python and the dispatch
+// between a step's ~400 kernels, and the block tables read once per step instead of once a layer.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "decoder.h"
+#include "elementwise.h"
+#include "packed.h"
+#include "vec_math.h"
+
+namespace bucketserve {
+namespace {
+using BF16 = c10::BFloat16;
+using Product = torch::Tensor (*)(torch::Tensor, torch::Tensor, int64_t);
+
+// A layer's tensors, in the order engine.devices.cpu_kernels.FusedDecoder lists them.
+// QKV_BIAS may be empty (no bias).
+enum LayerTensor {
+  INPUT_NORM,
+  QKV,
+  QKV_BIAS,
+  O,
+  POST_NORM,
+  GATE_UP,
+  DOWN,
+  KEY_CACHE,
+  VALUE_CACHE,
+  COUNT
+};
+
+Product product_named(const std::string& name) {
+  if (name == "amx_linear") return &amx_linear;
+  if (name == "dot_linear") return &dot_linear;
+  TORCH_CHECK(name == "fma_linear", "unknown product ", name);
+  return &fma_linear;
+}
+
+// x [rows, width] += delta in bfloat16, each sum in float32 and rounded, as torch's `x + delta`;
+// delta is [rows, width], or one row (a bias) added to every row.
+void add_into(torch::Tensor& x, const torch::Tensor& delta) {
+  const int64_t width = x.size(-1), rows = x.numel() / width;
+  const int64_t delta_stride = delta.numel() == x.numel() ? width : 0;
+  auto* xp = x.data_ptr<BF16>();
+  const auto* dp = delta.data_ptr<BF16>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      BF16* out = xp + r * width;
+      const BF16* d = dp + r * delta_stride;
+      for (int64_t i = 0; i < width; ++i) out[i] = BF16(to_float(out[i]) + to_float(d[i]));
+    }
+  });
+}
+
+struct Heads {
+  int64_t q, kv, dim;
+};
+
+// The rotated queries [rows, heads, dim]; each row's rotated key and its value go into the caches
+// at its slot (as write_kv's index_copy: padding rows write the reserved block).
+torch::Tensor rotate_and_cache(const torch::Tensor& qkv, const torch::Tensor& cos,
+                               const torch::Tensor& sin, const int64_t* slots, Heads heads,
+                               torch::Tensor& key_cache, torch::Tensor& value_cache) {
+  const int64_t rows = qkv.size(0), width = qkv.size(1), dim = heads.dim;
+  auto q = torch::empty({rows, heads.q, dim}, qkv.options());
+  const auto* in = qkv.data_ptr<BF16>();
+  const auto* cp = cos.data_ptr<BF16>();
+  const auto* sp = sin.data_ptr<BF16>();
+  auto* qp = q.data_ptr<BF16>();
+  auto* keys = key_cache.data_ptr<BF16>();
+  auto* values = value_cache.data_ptr<BF16>();
+  const int64_t slot_stride = key_cache.stride(0), head_stride = key_cache.stride(1);
+  const int64_t items = heads.q + 2 * heads.kv;  // q heads, then k heads, then v heads
+  at::parallel_for(0, rows * items, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / items, h = item % items;
+      const BF16* src = in + r * width + h * dim;
+      if (h < heads.q) {
+        rotate_head(src, cp + r * dim, sp + r * dim, qp + (r * heads.q + h) * dim, dim);
+        continue;
+      }
+      const int64_t kv_head = (h - heads.q) % heads.kv;
+      const int64_t cached = slots[r] * slot_stride + kv_head * head_stride;
+      if (h < heads.q + heads.kv)
+        rotate_head(src, cp + r * dim, sp + r * dim, keys + cached, dim);
+      else
+        std::memcpy(values + cached, src, dim * sizeof(BF16));
+    }
+  });
+  return q;
+}
+
+void check_inputs(const torch::Tensor& hidden, const std::vector<torch::Tensor>& layers,
+                  const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slots,
+                  Heads heads) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kBFloat16,
+              "hidden [rows, hidden] bfloat16 expected");
+  TORCH_CHECK(!layers.empty() && layers.size() % COUNT == 0, COUNT, " tensors a layer expected");
+  const int64_t rows = hidden.size(0);
+  for (const auto* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->is_contiguous() &&
+                    t->numel() == rows * heads.dim,
+                "cos and sin: one contiguous bfloat16 row of head_dim values per row");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.numel() == rows, "one slot a row");
+  const auto& first = layers[KEY_CACHE];
+  const int64_t qkv_width = (heads.q + 2 * heads.kv) * heads.dim;
+  for (size_t l = 0; l < layers.size(); l += COUNT) {
+    const auto& bias = layers[l + QKV_BIAS];
+    TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == torch::kBFloat16 &&
+                                      bias.is_contiguous() && bias.numel() == qkv_width),
+                "a q/k/v bias of ", qkv_width, " bfloat16 values, or none");
+    for (const auto& cache : {layers[l + KEY_CACHE], layers[l + VALUE_CACHE]})
+      TORCH_CHECK(cache.scalar_type() == torch::kBFloat16 && cache.dim() == 3 &&
+                      cache.size(1) == heads.kv && cache.size(2) == heads.dim &&
+                      cache.stride(2) == 1 && cache.sizes() == first.sizes() &&
+                      cache.strides() == first.strides(),
+                  "every cache [slots, kv heads, head dim] bfloat16, alike");
+  }
+  const auto* s = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(s[r] >= 0 && s[r] < first.size(0), "slot ", s[r], " is outside the cache");
+}
+}  // namespace
+
+torch::Tensor decode_layers(torch::Tensor hidden, const std::vector<torch::Tensor>& layers,
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
+                            torch::Tensor block_list, torch::Tensor block_groups,
+                            torch::Tensor block_bias, int64_t heads, int64_t kv_heads,
+                            int64_t intermediate, double eps, double scale,
+                            const std::string& product) {
+  const Heads shape{heads, kv_heads, cos.size(-1)};
+  slots = slots.to(torch::kLong).contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  check_inputs(hidden, layers, cos, sin, slots, shape);
+  const auto multiply = product_named(product);
+  hidden = hidden.contiguous().clone();  // the residual stream, updated in place
+  const int64_t rows = hidden.size(0), width = hidden.size(1);
+  const int64_t q_size = heads * shape.dim, kv_size = kv_heads * shape.dim;
+  const auto plan = valid_slots(block_list.to(torch::kLong).contiguous(),
+                                block_groups.to(torch::kLong).contiguous(),
+                                block_bias.to(torch::kFloat).contiguous(), rows,
+                                layers[KEY_CACHE].size(0));
+  for (size_t l = 0; l < layers.size(); l += COUNT) {
+    const torch::Tensor* w = &layers[l];
+    auto key_cache = w[KEY_CACHE], value_cache = w[VALUE_CACHE];
+    auto qkv = multiply(rms_norm(hidden, w[INPUT_NORM], eps), w[QKV], q_size + 2 * kv_size);
+    if (w[QKV_BIAS].numel()) add_into(qkv, w[QKV_BIAS]);
+    const auto q = rotate_and_cache(qkv, cos, sin, slots.data_ptr<int64_t>(), shape, key_cache,
+                                    value_cache);
+    auto attended = torch::empty_like(q);
+    attend(q, key_cache, value_cache, plan, scale, attended);
+    add_into(hidden, multiply(attended.view({rows, q_size}), w[O], width));
+    const auto gate_up = multiply(rms_norm(hidden, w[POST_NORM], eps), w[GATE_UP], 2 * intermediate);
+    add_into(hidden, multiply(silu_and_mul(gate_up), w[DOWN], width));
+  }
+  return hidden;
+}
+}  // namespace bucketserve

@@ -1,0 +1,32 @@
+// What a whole decode step (decoder.cpp) is made of, beside the products of packed.h and the
+// elementwise kernels of elementwise.h: RMS norm and the paged attention of kernels.cpp, with the
+// attention's reading of the block tables done once per step rather than once per layer.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace bucketserve {
+// Each row's valid KV cache slots in sequence order, from the flat block tensors of
+// engine.attention.flat (block_list and block_groups int64, block_bias float32).
+using RowSlots = std::vector<std::vector<int64_t>>;
+RowSlots valid_slots(const torch::Tensor& block_list, const torch::Tensor& block_groups,
+                     const torch::Tensor& block_bias, int64_t batch, int64_t cache_slots);
+
+// out [batch, heads, dim] = each row's query heads attending over its slots of the caches
+// [slots, kv heads, dim]; a row without slots gets zeros.
+void attend(const torch::Tensor& q, const torch::Tensor& key_cache,
+            const torch::Tensor& value_cache, const RowSlots& slots, double scale,
+            torch::Tensor& out);
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+
+torch::Tensor decode_layers(torch::Tensor hidden, const std::vector<torch::Tensor>& layers,
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
+                            torch::Tensor block_list, torch::Tensor block_groups,
+                            torch::Tensor block_bias, int64_t heads, int64_t kv_heads,
+                            int64_t intermediate, double eps, double scale,
+                            const std::string& product);
+}  // namespace bucketserve

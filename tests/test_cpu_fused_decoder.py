@@ -1,0 +1,138 @@
+"""The fused decode step (engine/devices/cpu_kernels/decoder.cpp): every layer of a bfloat16 decode
+step in one C++ call, bitwise the output of the modules that run the same kernels one by one."""
+
+import shutil
+
+import pytest
+import torch
+
+from engine.devices import cpu_kernels
+from engine.kv_cache import blocks_needed
+from engine.runner import DecodeInput, PrefillInput
+from engine.serving.shard import Shard
+from tests.conftest import tiny_config
+from tests.family_models import build_family_model
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+
+CONTEXTS = [5, 17, 40, 1, 33]  # rows of different lengths; 5 rows pad a bucket of 8
+
+
+def fused_shard(model_dir, **overrides) -> Shard:
+    shard = Shard(tiny_config(model_dir, dtype="bfloat16", **overrides), show_progress=False)
+    shard.warmup()
+    if shard.model.fused_decode is None:
+        pytest.skip("no packed bfloat16 product on this CPU")
+    # The modules take the rope and SiLU kernels the fused step runs, also on CPUs where the
+    # adapter leaves them to torch (no AVX512-BF16), so that both paths run the same arithmetic.
+    generator = torch.Generator().manual_seed(2)
+    for layer in shard.model.layers:
+        layer.self_attn.fused_rotary = cpu_kernels.rope
+        layer.mlp.fused_act_and_mul = cpu_kernels.silu_and_mul
+        bias = layer.self_attn.qkv_proj.bias
+        if bias is not None:  # transformers starts biases at zero, which would hide a lost one
+            bias.data.copy_(torch.randn(bias.shape, generator=generator))
+    return shard
+
+
+def decode_rows(shard: Shard, contexts: list[int]) -> list[DecodeInput]:
+    rows = []
+    for i, position in enumerate(contexts):
+        blocks = shard.allocator.allocate(blocks_needed(position + 1, shard.block_size))
+        slot = blocks[position // shard.block_size] * shard.block_size + position % shard.block_size
+        rows.append(DecodeInput(token_id=300 + 11 * i, position=position, slot=slot, blocks=blocks))
+    return rows
+
+
+def fill_caches(shard: Shard) -> None:
+    """Random keys and values everywhere, so attention reads real, distinct context."""
+    generator = torch.Generator().manual_seed(3)
+    for layer in shard.model.layers:
+        for cache in layer.self_attn.kv_cache:
+            cache.copy_(torch.randn(cache.shape, generator=generator).to(cache.dtype))
+
+
+def decode_both_ways(shard: Shard, rows: list[DecodeInput]):
+    """(logits, the rows' new cache entries) through the modules, then through the fused step."""
+    fused, results = shard.model.fused_decode, []
+    for hook in (None, fused):
+        fill_caches(shard)
+        shard.model.fused_decode = hook
+        logits = shard.runner.decode(rows)
+        written = [
+            torch.stack([cache[[row.slot for row in rows]] for cache in layer.self_attn.kv_cache])
+            for layer in shard.model.layers
+        ]
+        results.append((logits, torch.stack(written)))
+    shard.model.fused_decode = fused
+    return results
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])  # llama3 rope; q/k/v biases, tied head
+@pytest.mark.parametrize("contexts", [CONTEXTS, [9]], ids=["mixed batch", "lone row"])
+def test_the_fused_step_equals_the_layers_bitwise(tiny_model_dirs, variant, contexts):
+    shard = fused_shard(tiny_model_dirs[variant])
+    (modules, modules_kv), (fused, fused_kv) = decode_both_ways(shard, decode_rows(shard, contexts))
+    assert torch.equal(fused, modules)
+    assert torch.equal(fused_kv, modules_kv)
+
+
+def test_the_embedded_models_fused_step_equals_its_layers_bitwise(smollm_dir):
+    shard = fused_shard(smollm_dir, max_total_tokens=512, block_size=16)
+    (modules, modules_kv), (fused, fused_kv) = decode_both_ways(
+        shard, decode_rows(shard, [160, 3, 77])
+    )
+    assert torch.equal(fused, modules)
+    assert torch.equal(fused_kv, modules_kv)
+
+
+def test_only_plain_bfloat16_decoders_get_the_fused_step(tiny_model_dirs, tmp_path, smollm_dir):
+    plain = Shard(tiny_config(tiny_model_dirs["llama"]), show_progress=False)  # float32
+    assert plain.model.fused_decode is None
+    qwen3 = build_family_model("qwen3", tmp_path / "qwen3", smollm_dir)  # q/k norms, windows
+    shard = Shard(tiny_config(qwen3, dtype="bfloat16"), show_progress=False)
+    assert not shard.model.plain_decoder() and shard.model.fused_decode is None
+
+
+def test_prefills_run_the_layers_and_decodes_the_fused_step(tiny_model_dirs):
+    shard = fused_shard(tiny_model_dirs["llama"])
+    calls, fused = [], shard.model.fused_decode
+    shard.model.fused_decode = lambda *args: calls.append("fused") or fused(*args)
+    rows = decode_rows(shard, [4])
+    prompt = PrefillInput(
+        [5, 6, 7, 8], [rows[0].blocks[0] * shard.block_size + i for i in range(4)]
+    )
+    shard.runner.prefill([prompt])
+    assert calls == []
+    shard.runner.decode(rows)
+    assert calls == ["fused"]
+
+
+def test_decode_layers_refuses_what_it_cannot_run(tiny_model_dirs):
+    shard = fused_shard(tiny_model_dirs["llama"])
+    fused, kernels = shard.model.fused_decode, cpu_kernels.load()
+    rows = decode_rows(shard, [4, 9])
+    bucket = shard.runner.plan.decode_bucket(2, sum(len(row.blocks) for row in rows))
+    meta = shard.runner._decode_tensors(bucket, rows)[2]
+    tensors = []
+    for weights, layer in zip(fused.weights, shard.model.layers):
+        tensors += [*weights, *layer.self_attn.kv_cache]
+    hidden = torch.zeros(bucket.batch_size, 64, dtype=torch.bfloat16)
+    rope = torch.zeros(bucket.batch_size, 1, 16, dtype=torch.bfloat16)
+
+    def call(hidden=hidden, tensors=tensors, rope=rope, slots=meta.slots):
+        tables = (meta.block_list, meta.block_groups, meta.block_bias)
+        shapes = (4, 2, 128, 1e-5, 0.25, fused.product)
+        return kernels.decode_layers(hidden, tensors, rope, rope, slots, *tables, *shapes)
+
+    assert call().shape == hidden.shape  # the well-formed call runs
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        call(slots=torch.full_like(meta.slots, tensors[7].shape[0]))
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        call(rope=rope[:1])
+    with pytest.raises(RuntimeError, match="tensors a layer"):
+        call(tensors=tensors[:-1])
+    with pytest.raises(RuntimeError, match="bfloat16 expected"):
+        call(hidden=hidden.float())
+    with pytest.raises(RuntimeError, match="q/k/v bias"):
+        call(tensors=[tensors[0], tensors[1], torch.ones(5, dtype=torch.bfloat16), *tensors[3:]])
