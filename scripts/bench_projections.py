@@ -5,7 +5,8 @@ both sides alike).
     python scripts/bench_projections.py --batches 1 8 32 128 [--context 160] [--steps 12]
 
 The shard is the embedded model's, as `engine serve` builds it in bfloat16 (with the fused
-attention and norm kernels either way); "torch" swaps every projection's kernel for F.linear over
+attention and norm kernels either way), its layers run as modules rather than the fused decode step,
+which reads the packed weights itself; "torch" swaps every projection's kernel for F.linear over
 its plain weight, unpacked from the kernel's layout. Prints the median milliseconds per step of
 each and their ratio.
 """
@@ -76,6 +77,9 @@ def main() -> None:
     )
     shard = Shard(config, show_progress=False)
     shard.warmup()  # sizes the KV cache
+    # Both sides run the layers as modules, whose projections the swap reaches (the fused decode
+    # step reads the packed weights itself).
+    shard.model.fused_decode = None
     pairs = swaps(shard)
     if not pairs:
         raise SystemExit("no projection went through bucketserve's kernels on this CPU")

@@ -297,3 +297,21 @@ def test_an_eager_bfloat16_shard_uses_the_kernels_and_float32_keeps_pure_torch(t
     assert plain.adapter.attention_backend in (None, TORCH)
     assert all(m.fused is None for m in plain.model.modules() if isinstance(m, RMSNorm))
     assert plain.model.layers[0].self_attn.fused_rotary is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_row_by_row_equals_head_by_head(dtype):
+    """A batch of two rows a thread or more reads each row's kv heads together, chunk by chunk;
+    fewer rows split by kv head. The same arithmetic in the same order: the same bits."""
+    case = paged_case([40, 3, 17, 33], dtype, heads=6, kv_heads=2, dim=64, padding=(2, 1))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # 5 rows, 1 thread: row by row
+        by_row = cpu_kernels.decode_attention(*case, 0.125)
+        torch.set_num_threads(4)  # 5 rows, 4 threads: by kv head
+        by_head = cpu_kernels.decode_attention(*case, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(by_row, by_head)
+    reference = flat_attention(*case, 0.125)
+    torch.testing.assert_close(by_row.float(), reference.float(), atol=2e-2, rtol=2e-2)

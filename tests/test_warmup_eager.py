@@ -39,3 +39,23 @@ def test_eager_cpu_warmup_registers_every_bucket_and_runs_no_forward(tiny_model_
 def test_graph_modes_still_run_every_bucket():
     assert not CPUAdapter().warm_runs_forward
     assert CPUAdapter(graph_mode="compile").warm_runs_forward
+
+
+def test_warmup_freezes_what_lives_as_long_as_the_shard(tiny_model_dirs):
+    """The model, its cache and the warmed runner leave the collector's walks (gc.freeze): its older
+    generations had walked them in the middle of decode steps. A new warmup unfreezes first, so
+    what it replaces can still be collected."""
+    import gc
+    import weakref
+
+    shard = Shard(tiny_config(tiny_model_dirs["llama"], max_batch_size=4), show_progress=False)
+    gc.unfreeze()
+    shard.warmup()
+    frozen = gc.get_freeze_count()
+    assert frozen > 0
+    first = weakref.ref(shard.runner)
+    shard.runner.cycle = shard.runner  # only the collector frees a cycle, and only unfrozen
+    shard.warmup()
+    gc.collect()
+    assert first() is None
+    gc.unfreeze()

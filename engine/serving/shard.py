@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import logging
 import secrets
 import time
@@ -266,6 +267,7 @@ class Shard:
             max_input_tokens, max_prefill_tokens, max_total_tokens, max_batch_size
         )
         check_recompute_fits(self.model, limits)
+        gc.unfreeze()  # what the last warmup froze may be garbage now (the old runner and cache)
         start_warmup(self.adapter)
         self.clear()
         if self.turns is not None:
@@ -310,6 +312,11 @@ class Shard:
         self.lookahead_stats.update(lookahead_runs=0, lookahead_steps=0)
         if self.speculator is not None:
             self.speculator.reset_stats()
+        # The model, its cache and everything warmup made live as long as the shard: frozen, the
+        # collector's older generations stop walking them, which it did in the middle of decode
+        # steps (0.5 ms of an 11.5 ms lone-row step of the embedded model, 2026-12-04).
+        gc.collect()
+        gc.freeze()
         return WarmupResult(
             self.runner.kv_cache.capacity_tokens, limits.max_input_tokens, limits.max_total_tokens
         )

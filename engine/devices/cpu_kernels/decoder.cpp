@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include <cstdint>
 #include <cstring>
@@ -150,19 +151,53 @@ torch::Tensor decode_layers(torch::Tensor hidden, const std::vector<torch::Tenso
                                 block_groups.to(torch::kLong).contiguous(),
                                 block_bias.to(torch::kFloat).contiguous(), rows,
                                 layers[KEY_CACHE].size(0));
+  // Each part named for torch.profiler (scripts/step_bench.py --profile); free while it is off.
+#define BUCKETSERVE_PART(name) RECORD_FUNCTION("bucketserve::decode_layers/" name, {})
   for (size_t l = 0; l < layers.size(); l += COUNT) {
     const torch::Tensor* w = &layers[l];
     auto key_cache = w[KEY_CACHE], value_cache = w[VALUE_CACHE];
-    auto qkv = multiply(rms_norm(hidden, w[INPUT_NORM], eps), w[QKV], q_size + 2 * kv_size);
-    if (w[QKV_BIAS].numel()) add_into(qkv, w[QKV_BIAS]);
-    const auto q = rotate_and_cache(qkv, cos, sin, slots.data_ptr<int64_t>(), shape, key_cache,
-                                    value_cache);
-    auto attended = torch::empty_like(q);
-    attend(q, key_cache, value_cache, plan, scale, attended);
-    add_into(hidden, multiply(attended.view({rows, q_size}), w[O], width));
-    const auto gate_up = multiply(rms_norm(hidden, w[POST_NORM], eps), w[GATE_UP], 2 * intermediate);
-    add_into(hidden, multiply(silu_and_mul(gate_up), w[DOWN], width));
+    torch::Tensor normed, qkv, q, attended, gate_up, act;
+    {
+      BUCKETSERVE_PART("norms");
+      normed = rms_norm(hidden, w[INPUT_NORM], eps);
+    }
+    {
+      BUCKETSERVE_PART("products");
+      qkv = multiply(normed, w[QKV], q_size + 2 * kv_size);
+      if (w[QKV_BIAS].numel()) add_into(qkv, w[QKV_BIAS]);
+    }
+    {
+      BUCKETSERVE_PART("rope and cache writes");
+      q = rotate_and_cache(qkv, cos, sin, slots.data_ptr<int64_t>(), shape, key_cache,
+                           value_cache);
+    }
+    {
+      BUCKETSERVE_PART("attention");
+      attended = torch::empty_like(q);
+      attend(q, key_cache, value_cache, plan, scale, attended);
+    }
+    {
+      BUCKETSERVE_PART("products");
+      add_into(hidden, multiply(attended.view({rows, q_size}), w[O], width));
+    }
+    {
+      BUCKETSERVE_PART("norms");
+      normed = rms_norm(hidden, w[POST_NORM], eps);
+    }
+    {
+      BUCKETSERVE_PART("products");
+      gate_up = multiply(normed, w[GATE_UP], 2 * intermediate);
+    }
+    {
+      BUCKETSERVE_PART("silu and product");
+      act = silu_and_mul(gate_up);
+    }
+    {
+      BUCKETSERVE_PART("products");
+      add_into(hidden, multiply(act, w[DOWN], width));
+    }
   }
+#undef BUCKETSERVE_PART
   return hidden;
 }
 }  // namespace bucketserve

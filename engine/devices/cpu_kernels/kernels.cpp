@@ -93,9 +93,11 @@ inline void accumulate_position(const float* weights, int64_t stride, const T* v
 #if defined(__AVX512F__)
 // Both phases of one (row, kv head) with the group and head size known at compile time, so the
 // queries (phase 1) and the accumulators (phase 2) stay in registers across all positions.
+// Scores go to scores[g * stride + j] (stride: the row's positions in all; a chunk of them is n);
+// the accumulators start at zero, or with `resume` from what `out` holds.
 template <typename T, int G, int D>
 void scores_fixed(const float* query, const T* keys, const int64_t* offsets, int64_t n,
-                  float* scores) {
+                  float* scores, int64_t stride) {
   constexpr int C = D / 16;
   __m512 qv[G][C];
   for (int g = 0; g < G; ++g)
@@ -106,23 +108,24 @@ void scores_fixed(const float* query, const T* keys, const int64_t* offsets, int
     for (int g = 0; g < G; ++g) {
       __m512 acc = _mm512_mul_ps(qv[g][0], k[0]);
       for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], k[c], acc);
-      scores[g * n + j] = _mm512_reduce_add_ps(acc);
+      scores[g * stride + j] = _mm512_reduce_add_ps(acc);
     }
   }
 }
 
 template <typename T, int G, int D>
 void accumulate_fixed(const float* weights, const T* values, const int64_t* offsets, int64_t n,
-                      float* out) {
+                      float* out, int64_t stride, bool resume) {
   constexpr int C = D / 16;
   __m512 acc[G][C];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c)
+      acc[g][c] = resume ? _mm512_loadu_ps(out + g * D + c * 16) : _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     __m512 v[C];
     for (int c = 0; c < C; ++c) v[c] = load16(values + offsets[j] + c * 16);
     for (int g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(weights[g * n + j]);
+      const __m512 w = _mm512_set1_ps(weights[g * stride + j]);
       for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
     }
   }
@@ -132,14 +135,15 @@ void accumulate_fixed(const float* weights, const T* values, const int64_t* offs
 
 template <typename T, int D>
 bool attend_fixed_dim(int64_t group, bool scores_phase, const float* in, const T* cache,
-                      const int64_t* offsets, int64_t n, float* out) {
+                      const int64_t* offsets, int64_t n, float* out, int64_t stride,
+                      bool resume) {
   switch (group) {
-#define BUCKETSERVE_GROUP(G)                                        \
-  case G:                                                           \
-    if (scores_phase)                                               \
-      scores_fixed<T, G, D>(in, cache, offsets, n, out);            \
-    else                                                            \
-      accumulate_fixed<T, G, D>(in, cache, offsets, n, out);        \
+#define BUCKETSERVE_GROUP(G)                                                  \
+  case G:                                                                     \
+    if (scores_phase)                                                         \
+      scores_fixed<T, G, D>(in, cache, offsets, n, out, stride);              \
+    else                                                                      \
+      accumulate_fixed<T, G, D>(in, cache, offsets, n, out, stride, resume);  \
     return true;
     BUCKETSERVE_GROUP(1)
     BUCKETSERVE_GROUP(2)
@@ -156,13 +160,28 @@ bool attend_fixed_dim(int64_t group, bool scores_phase, const float* in, const T
 }
 #endif
 
-// One phase over a row's valid positions with a compiled-in shape: false where none fits.
+// Whether attend_fixed has a compiled-in shape for this group and head size.
+inline bool fixed_shape(int64_t group, int64_t dim) {
+#if defined(__AVX512F__)
+  return (dim == 64 || dim == 128) && group >= 1 && group <= 8;
+#else
+  return false;
+#endif
+}
+
+// One phase over n positions with a compiled-in shape (fixed_shape): scores of one kv head's
+// query group (in: its queries) or their weighted values (in: its softmax numerators); `stride`
+// and `resume` as scores_fixed's and accumulate_fixed's. False where no shape fits.
 template <typename T>
 bool attend_fixed(int64_t group, int64_t dim, bool scores_phase, const float* in, const T* cache,
-                  const int64_t* offsets, int64_t n, float* out) {
+                  const int64_t* offsets, int64_t n, float* out, int64_t stride, bool resume) {
 #if defined(__AVX512F__)
-  if (dim == 64) return attend_fixed_dim<T, 64>(group, scores_phase, in, cache, offsets, n, out);
-  if (dim == 128) return attend_fixed_dim<T, 128>(group, scores_phase, in, cache, offsets, n, out);
+  if (dim == 64)
+    return attend_fixed_dim<T, 64>(group, scores_phase, in, cache, offsets, n, out, stride,
+                                   resume);
+  if (dim == 128)
+    return attend_fixed_dim<T, 128>(group, scores_phase, in, cache, offsets, n, out, stride,
+                                    resume);
 #endif
   return false;
 }
@@ -218,50 +237,133 @@ RowSlots valid_slots(const torch::Tensor& block_list, const torch::Tensor& block
   return rows;
 }
 
-// out[b, h] = softmax(q[b, h] . K[row b's slots, h / group]) V[...]
+// What one attention call reads and writes, and its shape.
+template <typename T>
+struct Attention {
+  const T *q, *keys, *values;
+  T* out;
+  int64_t heads, kv_heads, group, dim, q_row, q_head, slot_stride, head_stride;
+  float scale;
+
+  // The `count` query heads from `first` of a row, scaled, into query [count, dim].
+  void load_queries(int64_t row, int64_t first, int64_t count, float* query) const {
+    for (int64_t h = 0; h < count; ++h) {
+      load_row(q + row * q_row + (first + h) * q_head, query + h * dim, dim);
+      for (int64_t d = 0; d < dim; ++d) query[h * dim + d] *= scale;
+    }
+  }
+
+  // out[row, first + h] = acc[h] / sums[h] for `count` heads (zeros where a row has no position).
+  void store(int64_t row, int64_t first, int64_t count, const float* acc, const float* sums,
+             bool empty) const {
+    for (int64_t h = 0; h < count; ++h) {
+      const float inv = empty ? 0.f : 1.f / sums[h];
+      T* o = out + (row * heads + first + h) * dim;
+      for (int64_t d = 0; d < dim; ++d) o[d] = from_float<T>(acc[h * dim + d] * inv);
+    }
+  }
+};
+
+// One (row, kv head): every position of the row for that head's query group.
+template <typename T>
+void attend_head(const Attention<T>& a, int64_t row, int64_t kv_head,
+                 const std::vector<int64_t>& mine, std::vector<float>& query,
+                 std::vector<float>& acc, std::vector<float>& kv, std::vector<float>& scores,
+                 std::vector<float>& sums, std::vector<int64_t>& valid) {
+  const int64_t n = static_cast<int64_t>(mine.size()), group = a.group, dim = a.dim;
+  scores.resize(group * n);
+  valid.resize(n);
+  for (int64_t j = 0; j < n; ++j)  // element offsets of the row's keys and values
+    valid[j] = mine[j] * a.slot_stride + kv_head * a.head_stride;
+  a.load_queries(row, kv_head * group, group, query.data());
+  if (!attend_fixed(group, dim, true, query.data(), a.keys, valid.data(), n, scores.data(), n,
+                    false))
+    for (int64_t j = 0; j < n; ++j)
+      score_position(query.data(), a.keys + valid[j], group, dim, kv.data(), &scores[j], n);
+  softmax_numerators(scores.data(), n, group, sums.data());
+  if (!attend_fixed(group, dim, false, scores.data(), a.values, valid.data(), n, acc.data(), n,
+                    false)) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t j = 0; j < n; ++j)
+      accumulate_position(&scores[j], n, a.values + valid[j], group, dim, kv.data(), acc.data());
+  }
+  a.store(row, kv_head * group, group, acc.data(), sums.data(), n == 0);
+}
+
+constexpr int64_t CHUNK = 16;  // positions a row reads for all its kv heads before moving on
+
+// The lines of `count` slots' entries for every kv head (contiguous within a slot), fetched ahead:
+// a paged cache's blocks lie anywhere, which no hardware prefetcher foresees.
+template <typename T>
+void prefetch_slots(const T* cache, const int64_t* offsets, int64_t count, int64_t bytes) {
+  for (int64_t j = 0; j < count; ++j) {
+    const char* entry = reinterpret_cast<const char*>(cache + offsets[j]);
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(entry + line, 0, 3);
+  }
+}
+
+// One row, all its kv heads, chunk by chunk: a chunk's keys (then values) of every head are read
+// together, so each slot's entries stream in order, and the next chunk's are fetched meanwhile.
+// The same arithmetic in the same order as attend_head (the accumulators carried between chunks
+// in float32), so the same result. Needs fixed_shape.
+template <typename T>
+void attend_row(const Attention<T>& a, int64_t row, const std::vector<int64_t>& mine,
+                std::vector<float>& query, std::vector<float>& acc, std::vector<float>& scores,
+                std::vector<float>& sums, std::vector<int64_t>& offsets) {
+  const int64_t n = static_cast<int64_t>(mine.size()), group = a.group, dim = a.dim;
+  const int64_t entry = a.kv_heads * a.head_stride * static_cast<int64_t>(sizeof(T));
+  scores.resize(a.heads * n);
+  offsets.resize(n);
+  for (int64_t j = 0; j < n; ++j) offsets[j] = mine[j] * a.slot_stride;
+  a.load_queries(row, 0, a.heads, query.data());
+  for (const bool scores_phase : {true, false}) {
+    const T* cache = scores_phase ? a.keys : a.values;
+    prefetch_slots(cache, offsets.data(), std::min(CHUNK, n), entry);
+    for (int64_t start = 0; start < n; start += CHUNK) {
+      const int64_t count = std::min(CHUNK, n - start);
+      prefetch_slots(cache, offsets.data() + start + count, std::min(CHUNK, n - start - count),
+                     entry);
+      for (int64_t h = 0; h < a.kv_heads; ++h) {
+        float* head_scores = scores.data() + h * group * n + start;
+        const T* head_cache = cache + h * a.head_stride;
+        if (scores_phase)
+          attend_fixed(group, dim, true, query.data() + h * group * dim, head_cache,
+                       offsets.data() + start, count, head_scores, n, false);
+        else
+          attend_fixed(group, dim, false, head_scores, head_cache, offsets.data() + start, count,
+                       acc.data() + h * group * dim, n, start > 0);
+      }
+    }
+    if (scores_phase) softmax_numerators(scores.data(), n, a.heads, sums.data());
+  }
+  a.store(row, 0, a.heads, acc.data(), sums.data(), n == 0);
+}
+
+// out[b, h] = softmax(q[b, h] . K[row b's slots, h / group]) V[...]. A batch of at least two rows
+// a thread goes row by row (attend_row); fewer rows split further, by kv head (attend_head).
 template <typename T>
 void attend_impl(const torch::Tensor& q, const torch::Tensor& key_cache,
                  const torch::Tensor& value_cache, const RowSlots& slots, double scale,
                  torch::Tensor& out) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = key_cache.size(1), group = heads / kv_heads;
-  const T* qp = q.data_ptr<T>();
-  const T* kp = key_cache.data_ptr<T>();
-  const T* vp = value_cache.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const int64_t q_row = q.stride(0), q_head = q.stride(1);
-  const int64_t slot_stride = key_cache.stride(0), head_stride = key_cache.stride(1);
-
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const Attention<T> a{q.data_ptr<T>(),      key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
+                       out.data_ptr<T>(),    heads,
+                       kv_heads,             group,
+                       dim,                  q.stride(0),
+                       q.stride(1),          key_cache.stride(0),
+                       key_cache.stride(1),  static_cast<float>(scale)};
+  const bool by_row = fixed_shape(group, dim) && batch >= 2 * at::get_num_threads();
+  at::parallel_for(0, by_row ? batch : batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     // one thread's buffers, sized for its longest row
-    std::vector<float> query(group * dim), acc(group * dim), kv(dim), scores, sums(group);
-    std::vector<int64_t> valid;
+    std::vector<float> query(heads * dim), acc(heads * dim), kv(dim), scores, sums(heads);
+    std::vector<int64_t> offsets;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / kv_heads, kv_head = item % kv_heads;
-      const auto& mine = slots[row];
-      const int64_t n = static_cast<int64_t>(mine.size());
-      scores.resize(group * n);
-      valid.resize(n);
-      for (int64_t j = 0; j < n; ++j)  // element offsets of the row's keys and values
-        valid[j] = mine[j] * slot_stride + kv_head * head_stride;
-      for (int64_t g = 0; g < group; ++g) {
-        load_row(qp + row * q_row + (kv_head * group + g) * q_head, &query[g * dim], dim);
-        for (int64_t d = 0; d < dim; ++d) query[g * dim + d] *= static_cast<float>(scale);
-      }
-      if (!attend_fixed(group, dim, true, query.data(), kp, valid.data(), n, scores.data()))
-        for (int64_t j = 0; j < n; ++j)
-          score_position(query.data(), kp + valid[j], group, dim, kv.data(), &scores[j], n);
-      softmax_numerators(scores.data(), n, group, sums.data());
-      if (!attend_fixed(group, dim, false, scores.data(), vp, valid.data(), n, acc.data())) {
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t j = 0; j < n; ++j)
-          accumulate_position(&scores[j], n, vp + valid[j], group, dim, kv.data(), acc.data());
-      }
-      for (int64_t g = 0; g < group; ++g) {  // a row with no valid position (padding) gets zeros
-        const float inv = n > 0 ? 1.f / sums[g] : 0.f;
-        T* o = op + (row * heads + kv_head * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) o[d] = from_float<T>(acc[g * dim + d] * inv);
-      }
+      if (by_row)
+        attend_row(a, item, slots[item], query, acc, scores, sums, offsets);
+      else
+        attend_head(a, item / kv_heads, item % kv_heads, slots[item / kv_heads], query, acc, kv,
+                    scores, sums, offsets);
     }
   });
 }
