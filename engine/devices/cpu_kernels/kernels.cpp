@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -302,10 +303,91 @@ void prefetch_slots(const T* cache, const int64_t* offsets, int64_t count, int64
   }
 }
 
+#if defined(__AVX512BF16__)
+// r[j] = the sum of the 16 lanes of a[j], for 16 vectors: a transposing tree of adds (45 shuffles
+// and adds for 16 sums, where one horizontal sum each would take about 9).
+inline __m512 sum_lanes16(__m512 a[16]) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane sums of 4 vectors
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // lanes 0+1 and 2+3, of 8 vectors
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
+                       _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+// scores[g * stride + j] = scale * q[g] . k[j] for up to 16 positions and a kv head's G queries,
+// in bfloat16 dot products (each pair of products exact in float32) summed in float32.
+template <int G, int D>
+void scores_chunk_bf16(const c10::BFloat16* q, int64_t q_head, const c10::BFloat16* keys,
+                       const int64_t* offsets, int64_t count, float scale, float* scores,
+                       int64_t stride) {
+  constexpr int C = D / 32;  // 32 bfloat16 a vector
+  const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
+  for (int g = 0; g < G; ++g) {
+    __m512bh query[C];
+    for (int c = 0; c < C; ++c)
+      query[c] = (__m512bh)_mm512_loadu_si512(q + g * q_head + c * 32);
+    __m512 acc[16];
+    for (int j = 0; j < 16; ++j) {
+      acc[j] = _mm512_setzero_ps();
+      if (j >= count) continue;
+      const c10::BFloat16* key = keys + offsets[j];
+      for (int c = 0; c < C; ++c)
+        acc[j] = _mm512_dpbf16_ps(acc[j], query[c], (__m512bh)_mm512_loadu_si512(key + c * 32));
+    }
+    _mm512_mask_storeu_ps(scores + g * stride, valid,
+                          _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale)));
+  }
+}
+
+template <int G>
+bool scores_chunk_group(int64_t dim, const c10::BFloat16* q, int64_t q_head,
+                        const c10::BFloat16* keys, const int64_t* offsets, int64_t count,
+                        float scale, float* scores, int64_t stride) {
+  if (dim == 64)
+    scores_chunk_bf16<G, 64>(q, q_head, keys, offsets, count, scale, scores, stride);
+  else if (dim == 128)
+    scores_chunk_bf16<G, 128>(q, q_head, keys, offsets, count, scale, scores, stride);
+  else
+    return false;
+  return true;
+}
+
+inline bool scores_chunk(int64_t group, int64_t dim, const c10::BFloat16* q, int64_t q_head,
+                         const c10::BFloat16* keys, const int64_t* offsets, int64_t count,
+                         float scale, float* scores, int64_t stride) {
+  switch (group) {
+#define BUCKETSERVE_GROUP(G) \
+  case G:                    \
+    return scores_chunk_group<G>(dim, q, q_head, keys, offsets, count, scale, scores, stride);
+    BUCKETSERVE_GROUP(1)
+    BUCKETSERVE_GROUP(2)
+    BUCKETSERVE_GROUP(3)
+    BUCKETSERVE_GROUP(4)
+    BUCKETSERVE_GROUP(5)
+    BUCKETSERVE_GROUP(6)
+    BUCKETSERVE_GROUP(7)
+    BUCKETSERVE_GROUP(8)
+#undef BUCKETSERVE_GROUP
+    default:
+      return false;
+  }
+}
+#endif
+
 // One row, all its kv heads, chunk by chunk: a chunk's keys (then values) of every head are read
 // together, so each slot's entries stream in order, and the next chunk's are fetched meanwhile.
-// The same arithmetic in the same order as attend_head (the accumulators carried between chunks
-// in float32), so the same result. Needs fixed_shape.
+// In bfloat16 the scores are bfloat16 dot products, 16 positions summed at once (scores_chunk),
+// the scale applied to the sum; in float32, and for the weighted values, the arithmetic and order
+// of attend_head (the accumulators carried between chunks in float32). Needs fixed_shape.
 template <typename T>
 void attend_row(const Attention<T>& a, int64_t row, const std::vector<int64_t>& mine,
                 std::vector<float>& query, std::vector<float>& acc, std::vector<float>& scores,
@@ -326,9 +408,17 @@ void attend_row(const Attention<T>& a, int64_t row, const std::vector<int64_t>& 
       for (int64_t h = 0; h < a.kv_heads; ++h) {
         float* head_scores = scores.data() + h * group * n + start;
         const T* head_cache = cache + h * a.head_stride;
-        if (scores_phase)
+        if (scores_phase) {
+#if defined(__AVX512BF16__)
+          if constexpr (std::is_same_v<T, c10::BFloat16>) {  // dot products of bfloat16 pairs
+            scores_chunk(group, dim, a.q + row * a.q_row + h * group * a.q_head, a.q_head,
+                         head_cache, offsets.data() + start, count, a.scale, head_scores, n);
+            continue;
+          }
+#endif
           attend_fixed(group, dim, true, query.data() + h * group * dim, head_cache,
                        offsets.data() + start, count, head_scores, n, false);
+        }
         else
           attend_fixed(group, dim, false, head_scores, head_cache, offsets.data() + start, count,
                        acc.data() + h * group * dim, n, start > 0);
