@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+from engine.buckets.grid import PrefillBucket
 from engine.devices import cpu_kernels
 from engine.kv_cache import blocks_needed
 from engine.runner import DecodeInput, PrefillInput
@@ -94,18 +95,66 @@ def test_only_plain_bfloat16_decoders_get_the_fused_step(tiny_model_dirs, tmp_pa
     assert not shard.model.plain_decoder() and shard.model.fused_decode is None
 
 
-def test_prefills_run_the_layers_and_decodes_the_fused_step(tiny_model_dirs):
-    shard = fused_shard(tiny_model_dirs["llama"])
-    calls, fused = [], shard.model.fused_decode
-    shard.model.fused_decode = lambda *args: calls.append("fused") or fused(*args)
-    rows = decode_rows(shard, [4])
-    prompt = PrefillInput(
-        [5, 6, 7, 8], [rows[0].blocks[0] * shard.block_size + i for i in range(4)]
+def slots_of(shard: Shard, blocks: list[int], positions: range) -> list[int]:
+    size = shard.block_size
+    return [blocks[p // size] * size + p % size for p in positions]
+
+
+def test_rows_of_several_new_tokens_equal_their_tokens_decoded_one_by_one(tiny_model_dirs):
+    """A verify forward (each row's new tokens after its cached context) through extend_layers is,
+    token for token, decode_layers run once per token: the same products row by row, and each
+    token attends over the same slots in the same order, so the same bits."""
+    shard = fused_shard(tiny_model_dirs["qwen2"])
+    contexts, news = [20, 7, 33], [5, 3, 4]
+    width, rows = max(news), []
+    for i, (context, new) in enumerate(zip(contexts, news)):
+        blocks = shard.allocator.allocate(blocks_needed(context + new, shard.block_size))
+        token_ids = [400 + 17 * i + t for t in range(new)]
+        rows.append((blocks, context, token_ids))
+    seqs = [
+        PrefillInput(
+            ids,
+            slots_of(shard, blocks, range(context, context + len(ids))),
+            context_slots=slots_of(shard, blocks, range(context)),
+        )
+        for blocks, context, ids in rows
+    ]
+    span = max(-(-context // shard.block_size) for context in contexts)
+    bucket = PrefillBucket(len(seqs), width, span)
+    fill_caches(shard)
+    ids, positions, meta, _ = shard.runner._prefill_tensors(bucket, seqs)
+    everywhere = torch.arange(len(seqs) * width)
+    extended = shard.model(ids, positions, meta, everywhere).view(len(seqs), width, -1)
+    fill_caches(shard)  # the same context, new tokens' slots rewritten one by one
+    for step in range(width):
+        live = [i for i, (_, _, ids) in enumerate(rows) if step < len(ids)]
+        decodes = [
+            DecodeInput(rows[i][2][step], rows[i][1] + step, seqs[i].slots[step], rows[i][0])
+            for i in live
+        ]
+        logits = shard.runner.decode(decodes)
+        for row, i in enumerate(live):
+            assert torch.equal(logits[row], extended[i, step]), (i, step)
+
+
+def test_which_forwards_the_fused_step_takes(tiny_model_dirs):
+    from engine.devices.cpu_kernels import EXTEND_WIDTH
+
+    shard = fused_shard(
+        tiny_model_dirs["llama"], max_input_tokens=300, max_total_tokens=320, max_prefill_tokens=512
     )
-    shard.runner.prefill([prompt])
-    assert calls == []
+    calls, fused = [], shard.model.fused_decode
+    shard.model.fused_decode = lambda *args: calls.append(fused(*args)) or calls[-1]
+    rows = decode_rows(shard, [4, EXTEND_WIDTH + 8])
+    short, wide = (
+        PrefillInput(list(range(5, 5 + n)), slots_of(shard, row.blocks, range(n)))
+        for n, row in zip((4, EXTEND_WIDTH + 1), rows)
+    )
+    shard.runner.prefill([short])
+    shard.runner.prefill([wide])
     shard.runner.decode(rows)
-    assert calls == ["fused"]
+    taken = [out is not None for out in calls]
+    assert taken == [True, False, True]  # a short prompt, a wide one (the modules), a decode
 
 
 def test_decode_layers_refuses_what_it_cannot_run(tiny_model_dirs):

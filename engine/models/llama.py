@@ -144,9 +144,9 @@ class LlamaForCausalLM(nn.Module):
     # cache's own.
     aux_layers: tuple[int, ...] = ()
     aux_cache: torch.Tensor | None = None  # [KV slots, len(aux_layers) * hidden]
-    # A device kernel that runs every layer of a decode step at once, fn(hidden, rope, meta) ->
-    # hidden, set by the device adapter where plain_decoder() holds (the CPU one's
-    # engine.devices.cpu_kernels.FusedDecoder); None runs the layers one by one.
+    # A device kernel that runs every layer of a forward at once, fn(hidden, rope, meta) -> hidden,
+    # or None where it does not take that forward; set by the device adapter where plain_decoder()
+    # holds (the CPU one's engine.devices.cpu_kernels.FusedDecoder). None runs the layers one by one.
     fused_decode = None
 
     def __init__(
@@ -191,9 +191,10 @@ class LlamaForCausalLM(nn.Module):
     def run_layers(self, hidden, positions, meta: AttentionMetadata, lora_index=None):
         """The decoder layers over the embedded tokens (or a previous stage's output)."""
         contexts = self.layer_contexts(positions, meta, hidden.dtype)
-        fused = isinstance(meta, DecodeMetadata) and lora_index is None and not self.aux_layers
-        if self.fused_decode is not None and fused:
-            return self.fused_decode(hidden, contexts[FULL].rope, contexts[FULL].meta)
+        if self.fused_decode is not None and lora_index is None and not self.aux_layers:
+            fused = self.fused_decode(hidden, contexts[FULL].rope, contexts[FULL].meta)
+            if fused is not None:
+                return fused
         lora = None if lora_index is None else self.lora_set.selector(lora_index, hidden.dtype)
         taken = []
         kinds = self.config.layer_types or (FULL,) * len(self.layers)

@@ -289,6 +289,13 @@ def install(model: torch.nn.Module) -> dict[str, int]:
     return counts
 
 
+# The widest rows (new tokens a row) of a prefill or verify forward that the fused call takes.
+# Each new token attends on its own over the paged cache (the decode kernel), whose work grows
+# with the square of a row's tokens: at 256 it is still a small part of the step beside the
+# products; wider rows run the modules (SDPA's tiled attention).
+EXTEND_WIDTH = 256
+
+
 class FusedDecoder:
     """Every layer of a bfloat16 decode step in one C++ call (decoder.cpp's decode_layers), for a
     model whose layers are all plain (its plain_decoder()) and whose projections one packed
@@ -318,27 +325,41 @@ class FusedDecoder:
             for layer in model.layers
         ]
 
-    def __call__(self, hidden: torch.Tensor, rope: tuple, meta) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, rope: tuple, meta) -> torch.Tensor | None:
+        """The hidden states after every layer, or None where the step is not one this call takes
+        (a prefill of more than EXTEND_WIDTH tokens a row, or with image tokens): the modules run
+        it."""
+        from engine.attention import DecodeMetadata
+
         tensors = []
         for weights, layer in zip(self.weights, self.model.layers):
             tensors += [*weights, *layer.self_attn.kv_cache]  # bound after load: read per step
         cos, sin = rope
-        return load().decode_layers(
-            hidden,
+        shapes = (self.heads, self.kv_heads, self.intermediate, self.eps, self.scale, self.product)
+        if isinstance(meta, DecodeMetadata):
+            tables = (meta.block_list, meta.block_groups, meta.block_bias)
+            return load().decode_layers(hidden, tensors, cos, sin, meta.slots, *tables, *shapes)
+        rows, width = hidden.shape[:2]
+        if width > EXTEND_WIDTH or meta.image_groups is not None or meta.seq_lens is None:
+            return None
+        context = (meta.context_slots, meta.context_lens)
+        if meta.context_slots is None:  # prompts of their own: no context
+            context = (torch.zeros(rows, 0, dtype=torch.long), torch.zeros(rows, dtype=torch.long))
+        # The rows' real tokens only, packed: no product or attention runs on padding.
+        real = (torch.arange(width) < meta.seq_lens.unsqueeze(1)).flatten().nonzero().squeeze(1)
+        packed = [t.reshape(rows * width, -1).index_select(0, real) for t in (hidden, cos, sin)]
+        out = load().extend_layers(
+            packed[0],
             tensors,
-            cos,
-            sin,
-            meta.slots,
-            meta.block_list,
-            meta.block_groups,
-            meta.block_bias,
-            self.heads,
-            self.kv_heads,
-            self.intermediate,
-            self.eps,
-            self.scale,
-            self.product,
+            packed[1],
+            packed[2],
+            meta.slots.index_select(0, real),
+            *context,
+            meta.seq_lens,
+            *shapes,
         )
+        full = hidden.new_zeros(rows * width, hidden.shape[-1]).index_copy_(0, real, out)
+        return full.view(hidden.shape)
 
 
 def install_decoder(model: torch.nn.Module) -> bool:

@@ -132,25 +132,16 @@ void check_inputs(const torch::Tensor& hidden, const std::vector<torch::Tensor>&
 }
 }  // namespace
 
-torch::Tensor decode_layers(torch::Tensor hidden, const std::vector<torch::Tensor>& layers,
-                            torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
-                            torch::Tensor block_list, torch::Tensor block_groups,
-                            torch::Tensor block_bias, int64_t heads, int64_t kv_heads,
-                            int64_t intermediate, double eps, double scale,
-                            const std::string& product) {
-  const Heads shape{heads, kv_heads, cos.size(-1)};
-  slots = slots.to(torch::kLong).contiguous();
-  cos = cos.contiguous();
-  sin = sin.contiguous();
-  check_inputs(hidden, layers, cos, sin, slots, shape);
-  const auto multiply = product_named(product);
+namespace {
+// Every layer over `hidden` [tokens, hidden size], each token attending over its `plan` entry
+// (cache slots, its own new one among them), after its key and value are written at its slot.
+torch::Tensor run_layers(torch::Tensor hidden, const std::vector<torch::Tensor>& layers,
+                         const torch::Tensor& cos, const torch::Tensor& sin,
+                         const torch::Tensor& slots, const RowSlots& plan, Heads shape,
+                         int64_t intermediate, double eps, double scale, Product multiply) {
   hidden = hidden.contiguous().clone();  // the residual stream, updated in place
-  const int64_t rows = hidden.size(0), width = hidden.size(1);
-  const int64_t q_size = heads * shape.dim, kv_size = kv_heads * shape.dim;
-  const auto plan = valid_slots(block_list.to(torch::kLong).contiguous(),
-                                block_groups.to(torch::kLong).contiguous(),
-                                block_bias.to(torch::kFloat).contiguous(), rows,
-                                layers[KEY_CACHE].size(0));
+  const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1);
+  const int64_t q_size = shape.q * shape.dim, kv_size = shape.kv * shape.dim;
   // Each part named for torch.profiler (scripts/step_bench.py --profile); free while it is off.
 #define BUCKETSERVE_PART(name) RECORD_FUNCTION("bucketserve::decode_layers/" name, {})
   for (size_t l = 0; l < layers.size(); l += COUNT) {
@@ -178,7 +169,7 @@ torch::Tensor decode_layers(torch::Tensor hidden, const std::vector<torch::Tenso
     }
     {
       BUCKETSERVE_PART("products");
-      add_into(hidden, multiply(attended.view({rows, q_size}), w[O], width));
+      add_into(hidden, multiply(attended.view({tokens, q_size}), w[O], hidden_size));
     }
     {
       BUCKETSERVE_PART("norms");
@@ -194,10 +185,81 @@ torch::Tensor decode_layers(torch::Tensor hidden, const std::vector<torch::Tenso
     }
     {
       BUCKETSERVE_PART("products");
-      add_into(hidden, multiply(act, w[DOWN], width));
+      add_into(hidden, multiply(act, w[DOWN], hidden_size));
     }
   }
 #undef BUCKETSERVE_PART
   return hidden;
+}
+
+// The new tokens come row after row, seq_lens[r] of row r: its i-th attends over the row's cached
+// context (its first context_lens[r] slots of context_slots) and the row's new tokens up to itself.
+RowSlots extended_slots(const torch::Tensor& context_slots, const torch::Tensor& context_lens,
+                        const torch::Tensor& slots, const torch::Tensor& seq_lens,
+                        int64_t cache_slots) {
+  const int64_t rows = context_slots.size(0), span = context_slots.size(1);
+  const auto context = context_slots.accessor<int64_t, 2>();
+  const auto* lens = context_lens.data_ptr<int64_t>();
+  const auto* lengths = seq_lens.data_ptr<int64_t>();
+  const auto* own = slots.data_ptr<int64_t>();
+  RowSlots plan;
+  plan.reserve(slots.numel());
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(lens[r] >= 0 && lens[r] <= span, "row ", r, " has ", lens[r],
+                " tokens of context, past its table of ", span);
+    TORCH_CHECK(lengths[r] >= 0 && static_cast<int64_t>(plan.size()) + lengths[r] <= slots.numel(),
+                "seq_lens must add up to the new tokens");
+    std::vector<int64_t> row(context[r].data(), context[r].data() + lens[r]);
+    for (const int64_t slot : row)
+      TORCH_CHECK(slot >= 0 && slot < cache_slots, "slot ", slot, " is outside the cache");
+    for (int64_t i = 0; i < lengths[r]; ++i) {
+      row.push_back(own[plan.size()]);
+      plan.push_back(row);
+    }
+  }
+  TORCH_CHECK(static_cast<int64_t>(plan.size()) == slots.numel(),
+              "seq_lens must add up to the new tokens");
+  return plan;
+}
+}  // namespace
+
+torch::Tensor decode_layers(torch::Tensor hidden, const std::vector<torch::Tensor>& layers,
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
+                            torch::Tensor block_list, torch::Tensor block_groups,
+                            torch::Tensor block_bias, int64_t heads, int64_t kv_heads,
+                            int64_t intermediate, double eps, double scale,
+                            const std::string& product) {
+  const Heads shape{heads, kv_heads, cos.size(-1)};
+  slots = slots.to(torch::kLong).contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  check_inputs(hidden, layers, cos, sin, slots, shape);
+  const auto plan = valid_slots(block_list.to(torch::kLong).contiguous(),
+                                block_groups.to(torch::kLong).contiguous(),
+                                block_bias.to(torch::kFloat).contiguous(), hidden.size(0),
+                                layers[KEY_CACHE].size(0));
+  return run_layers(hidden, layers, cos, sin, slots, plan, shape, intermediate, eps, scale,
+                    product_named(product));
+}
+
+torch::Tensor extend_layers(torch::Tensor hidden, const std::vector<torch::Tensor>& layers,
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
+                            torch::Tensor context_slots, torch::Tensor context_lens,
+                            torch::Tensor seq_lens, int64_t heads, int64_t kv_heads,
+                            int64_t intermediate, double eps, double scale,
+                            const std::string& product) {
+  const Heads shape{heads, kv_heads, cos.size(-1)};
+  slots = slots.to(torch::kLong).contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  check_inputs(hidden, layers, cos, sin, slots, shape);
+  TORCH_CHECK(context_slots.dim() == 2 && context_lens.numel() == context_slots.size(0) &&
+                  seq_lens.numel() == context_slots.size(0),
+              "context_slots [rows, span], context_lens and seq_lens [rows] expected");
+  const auto plan = extended_slots(
+      context_slots.to(torch::kLong).contiguous(), context_lens.to(torch::kLong).contiguous(),
+      slots, seq_lens.to(torch::kLong).contiguous(), layers[KEY_CACHE].size(0));
+  return run_layers(hidden, layers, cos, sin, slots, plan, shape, intermediate, eps, scale,
+                    product_named(product));
 }
 }  // namespace bucketserve

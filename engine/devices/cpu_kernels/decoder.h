@@ -29,4 +29,14 @@ torch::Tensor decode_layers(torch::Tensor hidden, const std::vector<torch::Tenso
                             torch::Tensor block_bias, int64_t heads, int64_t kv_heads,
                             int64_t intermediate, double eps, double scale,
                             const std::string& product);
+
+// decode_layers for rows of several new tokens each (a prompt, or a verify forward over cached
+// context), packed: hidden, cos, sin and slots hold the rows' new tokens one row after the other,
+// seq_lens[r] of row r, whose context is the first context_lens[r] slots of context_slots[r].
+torch::Tensor extend_layers(torch::Tensor hidden, const std::vector<torch::Tensor>& layers,
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
+                            torch::Tensor context_slots, torch::Tensor context_lens,
+                            torch::Tensor seq_lens, int64_t heads, int64_t kv_heads,
+                            int64_t intermediate, double eps, double scale,
+                            const std::string& product);
 }  // namespace bucketserve

@@ -238,71 +238,6 @@ RowSlots valid_slots(const torch::Tensor& block_list, const torch::Tensor& block
   return rows;
 }
 
-// What one attention call reads and writes, and its shape.
-template <typename T>
-struct Attention {
-  const T *q, *keys, *values;
-  T* out;
-  int64_t heads, kv_heads, group, dim, q_row, q_head, slot_stride, head_stride;
-  float scale;
-
-  // The `count` query heads from `first` of a row, scaled, into query [count, dim].
-  void load_queries(int64_t row, int64_t first, int64_t count, float* query) const {
-    for (int64_t h = 0; h < count; ++h) {
-      load_row(q + row * q_row + (first + h) * q_head, query + h * dim, dim);
-      for (int64_t d = 0; d < dim; ++d) query[h * dim + d] *= scale;
-    }
-  }
-
-  // out[row, first + h] = acc[h] / sums[h] for `count` heads (zeros where a row has no position).
-  void store(int64_t row, int64_t first, int64_t count, const float* acc, const float* sums,
-             bool empty) const {
-    for (int64_t h = 0; h < count; ++h) {
-      const float inv = empty ? 0.f : 1.f / sums[h];
-      T* o = out + (row * heads + first + h) * dim;
-      for (int64_t d = 0; d < dim; ++d) o[d] = from_float<T>(acc[h * dim + d] * inv);
-    }
-  }
-};
-
-// One (row, kv head): every position of the row for that head's query group.
-template <typename T>
-void attend_head(const Attention<T>& a, int64_t row, int64_t kv_head,
-                 const std::vector<int64_t>& mine, std::vector<float>& query,
-                 std::vector<float>& acc, std::vector<float>& kv, std::vector<float>& scores,
-                 std::vector<float>& sums, std::vector<int64_t>& valid) {
-  const int64_t n = static_cast<int64_t>(mine.size()), group = a.group, dim = a.dim;
-  scores.resize(group * n);
-  valid.resize(n);
-  for (int64_t j = 0; j < n; ++j)  // element offsets of the row's keys and values
-    valid[j] = mine[j] * a.slot_stride + kv_head * a.head_stride;
-  a.load_queries(row, kv_head * group, group, query.data());
-  if (!attend_fixed(group, dim, true, query.data(), a.keys, valid.data(), n, scores.data(), n,
-                    false))
-    for (int64_t j = 0; j < n; ++j)
-      score_position(query.data(), a.keys + valid[j], group, dim, kv.data(), &scores[j], n);
-  softmax_numerators(scores.data(), n, group, sums.data());
-  if (!attend_fixed(group, dim, false, scores.data(), a.values, valid.data(), n, acc.data(), n,
-                    false)) {
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t j = 0; j < n; ++j)
-      accumulate_position(&scores[j], n, a.values + valid[j], group, dim, kv.data(), acc.data());
-  }
-  a.store(row, kv_head * group, group, acc.data(), sums.data(), n == 0);
-}
-
-constexpr int64_t CHUNK = 16;  // positions a row reads for all its kv heads before moving on
-
-// The lines of `count` slots' entries for every kv head (contiguous within a slot), fetched ahead:
-// a paged cache's blocks lie anywhere, which no hardware prefetcher foresees.
-template <typename T>
-void prefetch_slots(const T* cache, const int64_t* offsets, int64_t count, int64_t bytes) {
-  for (int64_t j = 0; j < count; ++j) {
-    const char* entry = reinterpret_cast<const char*>(cache + offsets[j]);
-    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(entry + line, 0, 3);
-  }
-}
-
 #if defined(__AVX512BF16__)
 // r[j] = the sum of the 16 lanes of a[j], for 16 vectors: a transposing tree of adds (45 shuffles
 // and adds for 16 sums, where one horizontal sum each would take about 9).
@@ -383,6 +318,93 @@ inline bool scores_chunk(int64_t group, int64_t dim, const c10::BFloat16* q, int
 }
 #endif
 
+// What one attention call reads and writes, and its shape.
+template <typename T>
+struct Attention {
+  const T *q, *keys, *values;
+  T* out;
+  int64_t heads, kv_heads, group, dim, q_row, q_head, slot_stride, head_stride;
+  float scale;
+
+  // The `count` query heads from `first` of a row, scaled, into query [count, dim].
+  void load_queries(int64_t row, int64_t first, int64_t count, float* query) const {
+    for (int64_t h = 0; h < count; ++h) {
+      load_row(q + row * q_row + (first + h) * q_head, query + h * dim, dim);
+      for (int64_t d = 0; d < dim; ++d) query[h * dim + d] *= scale;
+    }
+  }
+
+  // out[row, first + h] = acc[h] / sums[h] for `count` heads (zeros where a row has no position).
+  void store(int64_t row, int64_t first, int64_t count, const float* acc, const float* sums,
+             bool empty) const {
+    for (int64_t h = 0; h < count; ++h) {
+      const float inv = empty ? 0.f : 1.f / sums[h];
+      T* o = out + (row * heads + first + h) * dim;
+      for (int64_t d = 0; d < dim; ++d) o[d] = from_float<T>(acc[h * dim + d] * inv);
+    }
+  }
+};
+
+constexpr int64_t CHUNK = 16;  // positions a row reads for all its kv heads before moving on
+
+// A bfloat16 head group's scores at n positions (keys + offsets[j]) into scores[g * stride + j],
+// in scores_chunk's bfloat16 dot products, 16 positions at a time: both attention paths score so,
+// whichever splits the work. False where they do not (float32, other shapes, no AVX512-BF16).
+template <typename T>
+bool bf16_scores(const Attention<T>& a, int64_t row, int64_t kv_head, const T* keys,
+                 const int64_t* offsets, int64_t n, float* scores, int64_t stride) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (!fixed_shape(a.group, a.dim)) return false;
+    const T* q = a.q + row * a.q_row + kv_head * a.group * a.q_head;
+    for (int64_t start = 0; start < n; start += CHUNK)
+      scores_chunk(a.group, a.dim, q, a.q_head, keys, offsets + start, std::min(CHUNK, n - start),
+                   a.scale, scores + start, stride);
+    return true;
+  }
+#endif
+  return false;
+}
+
+// One (row, kv head): every position of the row for that head's query group.
+template <typename T>
+void attend_head(const Attention<T>& a, int64_t row, int64_t kv_head,
+                 const std::vector<int64_t>& mine, std::vector<float>& query,
+                 std::vector<float>& acc, std::vector<float>& kv, std::vector<float>& scores,
+                 std::vector<float>& sums, std::vector<int64_t>& valid) {
+  const int64_t n = static_cast<int64_t>(mine.size()), group = a.group, dim = a.dim;
+  scores.resize(group * n);
+  valid.resize(n);
+  for (int64_t j = 0; j < n; ++j)  // element offsets of the row's keys and values
+    valid[j] = mine[j] * a.slot_stride + kv_head * a.head_stride;
+  a.load_queries(row, kv_head * group, group, query.data());
+  if (!bf16_scores(a, row, kv_head, a.keys, valid.data(), n, scores.data(), n) &&
+      !attend_fixed(group, dim, true, query.data(), a.keys, valid.data(), n, scores.data(), n,
+                    false))
+    for (int64_t j = 0; j < n; ++j)
+      score_position(query.data(), a.keys + valid[j], group, dim, kv.data(), &scores[j], n);
+  softmax_numerators(scores.data(), n, group, sums.data());
+  if (!attend_fixed(group, dim, false, scores.data(), a.values, valid.data(), n, acc.data(), n,
+                    false)) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t j = 0; j < n; ++j)
+      accumulate_position(&scores[j], n, a.values + valid[j], group, dim, kv.data(), acc.data());
+  }
+  a.store(row, kv_head * group, group, acc.data(), sums.data(), n == 0);
+}
+
+
+// The lines of `count` slots' entries for every kv head (contiguous within a slot), fetched ahead:
+// a paged cache's blocks lie anywhere, which no hardware prefetcher foresees.
+template <typename T>
+void prefetch_slots(const T* cache, const int64_t* offsets, int64_t count, int64_t bytes) {
+  for (int64_t j = 0; j < count; ++j) {
+    const char* entry = reinterpret_cast<const char*>(cache + offsets[j]);
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(entry + line, 0, 3);
+  }
+}
+
+
 // One row, all its kv heads, chunk by chunk: a chunk's keys (then values) of every head are read
 // together, so each slot's entries stream in order, and the next chunk's are fetched meanwhile.
 // In bfloat16 the scores are bfloat16 dot products, 16 positions summed at once (scores_chunk),
@@ -409,15 +431,9 @@ void attend_row(const Attention<T>& a, int64_t row, const std::vector<int64_t>& 
         float* head_scores = scores.data() + h * group * n + start;
         const T* head_cache = cache + h * a.head_stride;
         if (scores_phase) {
-#if defined(__AVX512BF16__)
-          if constexpr (std::is_same_v<T, c10::BFloat16>) {  // dot products of bfloat16 pairs
-            scores_chunk(group, dim, a.q + row * a.q_row + h * group * a.q_head, a.q_head,
-                         head_cache, offsets.data() + start, count, a.scale, head_scores, n);
-            continue;
-          }
-#endif
-          attend_fixed(group, dim, true, query.data() + h * group * dim, head_cache,
-                       offsets.data() + start, count, head_scores, n, false);
+          if (!bf16_scores(a, row, h, head_cache, offsets.data() + start, count, head_scores, n))
+            attend_fixed(group, dim, true, query.data() + h * group * dim, head_cache,
+                         offsets.data() + start, count, head_scores, n, false);
         }
         else
           attend_fixed(group, dim, false, head_scores, head_cache, offsets.data() + start, count,
@@ -555,4 +571,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fma_linear", &bucketserve::fma_linear, "bfloat16 projection in AVX2 fused multiply-adds");
   m.def("decode_layers", &bucketserve::decode_layers,
         "every layer of a plain Llama-family bfloat16 decode step in one call");
+  m.def("extend_layers", &bucketserve::extend_layers,
+        "decode_layers for rows of several new tokens over cached context");
 }
