@@ -114,7 +114,21 @@ def busy_jiffies() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
+def settle(quiet_cores: float = 0.15, window_s: float = 0.5, limit_s: float = 15.0) -> None:
+    """Wait until the machine is quiet (under `quiet_cores` busy over `window_s`): a server that
+    has just answered may still spin its threads for a moment (OpenMP's workers, an engine loop
+    polling its model process), and the next run, on the other server, must not start beside it."""
+    deadline = time.perf_counter() + limit_s
+    while time.perf_counter() < deadline:
+        busy0, all0 = busy_jiffies()
+        time.sleep(window_s)
+        busy1, all1 = busy_jiffies()
+        if (os.cpu_count() or 1) * (busy1 - busy0) / max(all1 - all0, 1) < quiet_cores:
+            return
+
+
 def run(url: str, n: int) -> dict:
+    settle()
     results: list = [None] * n
     busy0, all0 = busy_jiffies()
     t0 = time.perf_counter()
