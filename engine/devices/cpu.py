@@ -6,6 +6,7 @@ import psutil
 import torch
 
 from engine.devices.base import DeviceAdapter
+from engine.devices.cpu_malloc import keep_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,10 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
     )
     # int8/int4: PyTorch's packed CPU kernels; fp8: loading and the dequantizing reference (tests)
     quantize_modes = ("int8", "int4", "fp8")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        keep_freed_memory()  # before the model loads: every step's buffers reuse the heap
 
     @property
     def torch_device(self) -> torch.device:
