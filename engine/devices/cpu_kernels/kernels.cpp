@@ -556,21 +556,28 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 }  // namespace bucketserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention, blocks read in place");
-  m.def("rms_norm", &bucketserve::rms_norm, "RMS norm as engine.layers.norm.RMSNorm");
-  m.def("rope_bf16", &bucketserve::rope_bf16, "rotary embedding as engine.layers.rotary");
-  m.def("silu_and_mul", &bucketserve::silu_and_mul, "silu(gate) * up as LlamaMLP");
+  // The kernels run without the GIL: the shard's server thread answers meanwhile (and a lookahead
+  // forward overlaps the router's turn).
+  const auto free = py::call_guard<py::gil_scoped_release>();
+  m.def("decode_attention", &decode_attention, free,
+        "paged decode attention, blocks read in place");
+  m.def("rms_norm", &bucketserve::rms_norm, free, "RMS norm as engine.layers.norm.RMSNorm");
+  m.def("rope_bf16", &bucketserve::rope_bf16, free, "rotary embedding as engine.layers.rotary");
+  m.def("silu_and_mul", &bucketserve::silu_and_mul, free, "silu(gate) * up as LlamaMLP");
   m.def("amx_supported", &bucketserve::amx_supported, "whether AMX bfloat16 tiles may run");
-  m.def("pack_bf16", &bucketserve::pack_bf16, "a bfloat16 weight in amx_linear's blocked layout");
-  m.def("amx_linear", &bucketserve::amx_linear, "bfloat16 projection in AMX tiles");
+  m.def("pack_bf16", &bucketserve::pack_bf16, free,
+        "a bfloat16 weight in amx_linear's blocked layout");
+  m.def("amx_linear", &bucketserve::amx_linear, free, "bfloat16 projection in AMX tiles");
   m.def("dot_linear_supported", &bucketserve::dot_linear_supported,
         "whether dot_linear was built (AVX512-BF16)");
-  m.def("dot_linear", &bucketserve::dot_linear, "bfloat16 projection in AVX512-BF16 dot products");
+  m.def("dot_linear", &bucketserve::dot_linear, free,
+        "bfloat16 projection in AVX512-BF16 dot products");
   m.def("fma_linear_supported", &bucketserve::fma_linear_supported,
         "whether fma_linear was built (AVX2 and FMA)");
-  m.def("fma_linear", &bucketserve::fma_linear, "bfloat16 projection in AVX2 fused multiply-adds");
-  m.def("decode_layers", &bucketserve::decode_layers,
+  m.def("fma_linear", &bucketserve::fma_linear, free,
+        "bfloat16 projection in AVX2 fused multiply-adds");
+  m.def("decode_layers", &bucketserve::decode_layers, free,
         "every layer of a plain Llama-family bfloat16 decode step in one call");
-  m.def("extend_layers", &bucketserve::extend_layers,
+  m.def("extend_layers", &bucketserve::extend_layers, free,
         "decode_layers for rows of several new tokens over cached context");
 }
