@@ -1,12 +1,10 @@
 import logging
-import math
 
-import numpy as np
 import psutil
 import torch
 
 from engine.devices.base import DeviceAdapter
-from engine.devices.cpu_malloc import keep_freed_memory
+from engine.devices.cpu_memory import huge_page_zeros, keep_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +114,11 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
         return memory.available, memory.total
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Zeros from calloc (numpy's): large ones come as fresh pages the kernel zeroes on first
-        touch, so the 3 GiB KV cache costs nothing until blocks are used, where torch.zeros writes
-        every byte at start-up (about 5 s on this machine when it is quiet, 15 s under load)."""
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+        """Zeros in fresh anonymous memory (engine.devices.cpu_memory.huge_page_zeros): the 3 GiB
+        KV cache costs nothing until blocks are used, where torch.zeros writes every byte at
+        start-up (about 5 s on this machine when it is quiet, 15 s under load), and its blocks
+        sit on huge pages where the kernel allows them."""
+        return huge_page_zeros(shape, dtype)
 
 
 def compile_static(fn, backend: str):

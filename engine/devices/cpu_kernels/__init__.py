@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from engine.devices.cpu_memory import on_huge_pages
+
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
@@ -176,7 +178,8 @@ class AmxLinear(torch.nn.Module):
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed", load().pack_bf16(weight.detach()))
+        # streamed once a step: on huge pages its reads miss the TLB far less often
+        self.register_buffer("packed", on_huge_pages(load().pack_bf16(weight.detach())))
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
