@@ -78,6 +78,18 @@ def test_the_fused_step_equals_the_layers_bitwise(tiny_model_dirs, variant, cont
     assert torch.equal(fused_kv, modules_kv)
 
 
+@pytest.mark.parametrize("quantize, product", [("int4", "int4_linear"), ("int8", "int8_linear")])
+def test_a_quantized_fused_step_equals_its_layers_bitwise(tiny_model_dirs, quantize, product):
+    """--quantize's projections run in the fused step through their own products (and the int8
+    LM head through int8_linear), the same kernels as the modules."""
+    shard = fused_shard(tiny_model_dirs["qwen2"], quantize=quantize)
+    assert shard.model.fused_decode.product == product
+    assert isinstance(shard.model.lm_head.quantized, cpu_kernels.Int8Linear)
+    (modules, modules_kv), (fused, fused_kv) = decode_both_ways(shard, decode_rows(shard, CONTEXTS))
+    assert torch.equal(fused, modules)
+    assert torch.equal(fused_kv, modules_kv)
+
+
 def test_the_embedded_models_fused_step_equals_its_layers_bitwise(smollm_dir):
     shard = fused_shard(smollm_dir, max_total_tokens=512, block_size=16)
     (modules, modules_kv), (fused, fused_kv) = decode_both_ways(

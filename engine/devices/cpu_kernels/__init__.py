@@ -9,7 +9,9 @@ amx.cpp) and three products: AMX tiles where the CPU runs them (amx.cpp), else A
 products (dot_linear.cpp), else AVX2 fused multiply-adds over weights widened in registers
 (fma_linear.cpp), every batch size read from the packed weight (oneDNN's product
 through F.linear reorders the plain weight on every call, which at decode batch
-sizes costs more than the product). Each is tested against the pure-torch path, which stays the
+sizes costs more than the product). --quantize's int4 and int8 weights have their own layouts and
+AVX512-BF16 products (int4_linear.cpp, int8_linear.cpp). decoder.cpp runs a whole decode step, or a
+prefill's packed rows, of a plain Llama-family decoder through these in one call. Each is tested against the pure-torch path, which stays the
 reference, the fallback where the build fails (no compiler), and the path of every graph device.
 
 The README's set-up (`make`, or `python -m engine.devices.cpu_kernels`) builds them once, about a
@@ -46,6 +48,8 @@ SOURCES = [
         "fma_linear.cpp",
         "elementwise.cpp",
         "decoder.cpp",
+        "int4_linear.cpp",
+        "int8_linear.cpp",
     )
 ]
 HEADERS = [HERE / name for name in ("packed.h", "elementwise.h", "vec_math.h", "decoder.h")]
@@ -205,6 +209,104 @@ class FmaLinear(AmxLinear):
     product = "fma_linear"
 
 
+class Int4Linear(torch.nn.Module):
+    """An int4 projection (engine.layers.quant.Int4Weight: groups of 32 inputs, a bfloat16 scale
+    and zero each) repacked by block of 32 columns and multiplied straight from the codes in
+    AVX512-BF16 dot products (int4_linear); torch's int4 kernel reads its own layout at about a
+    third of this speed in a decode step. A prefill of over 32 rows widens each block to bfloat16
+    once."""
+
+    kind = "avx512-bf16-int4"
+    product = "int4_linear"
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        packed = load().pack_int4(codes.to(torch.uint8).contiguous(), scale, zero)
+        self.register_buffer("packed", on_huge_pages(packed))
+
+    @classmethod
+    def of(cls, weight) -> Int4Linear | None:
+        """The same weight from an Int4Weight, or None where it does not fit (another group or
+        dtype, or a packed layout this torch build's reading does not reproduce)."""
+        fits = (
+            load() is not None
+            and load().int4_linear_supported()
+            and weight.group == 32
+            and weight.unpackable
+            and weight.scale_zero.dtype == torch.bfloat16
+        )
+        if not fits:
+            return None
+        from engine.layers.quant import unpack_int4
+
+        rows = weight.out_features
+        codes = unpack_int4(weight.packed, weight.in_features, weight.layout)[:rows]
+        scale, zero = (weight.scale_zero[..., i].t()[:rows].contiguous() for i in (0, 1))
+        return cls(codes, scale, zero)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = load().int4_linear(flat, self.packed, self.out_features)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] read back from pack_int4's layout."""
+        blocks, groups, _ = self.packed.shape
+        lanes = self.packed[..., :512].contiguous().view(torch.int32)  # [b, g, chunk, half, col]
+        lanes = lanes.view(blocks, groups, 4, 2, 16, 1)
+        shifts = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28])  # inputs 0..7 of a chunk's lane
+        codes = (lanes >> shifts) & 0xF  # [b, g, chunk, half, col, input]
+        codes = codes.permute(0, 3, 4, 1, 2, 5).reshape(blocks * 32, groups, 32).float()
+        scale, zero = (
+            self.packed[..., start : start + 64].contiguous().view(torch.bfloat16).float()
+            for start in (512, 576)
+        )  # [b, g, col]
+        scale, zero = (t.permute(0, 2, 1).reshape(blocks * 32, groups, 1) for t in (scale, zero))
+        weight = ((codes - 8) * scale + zero).reshape(blocks * 32, -1)
+        return weight[: self.out_features].contiguous()
+
+
+class Int8Linear(torch.nn.Module):
+    """An int8 projection (engine.layers.quant.Int8Weight: a scale per output row) repacked by
+    block of 32 columns and multiplied from the codes in AVX512-BF16 dot products (int8_linear):
+    --quantize's vocabulary, the LM head, where torch's int8 kernel took half a lone-row int4 step.
+    The tied embedding keeps its Int8Weight for lookups."""
+
+    kind = "avx512-bf16-int8"
+    product = "int8_linear"
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("packed", on_huge_pages(load().pack_int8(codes, scale)))
+
+    @classmethod
+    def of(cls, weight) -> Int8Linear | None:
+        """The same weight from an Int8Weight, or None where this CPU lacks the product or the
+        activations are not bfloat16."""
+        fits = (
+            load() is not None
+            and load().dot_linear_supported()
+            and weight.scale.dtype == torch.bfloat16
+            and weight.in_features % 2 == 0
+        )
+        return cls(weight.codes, weight.scale) if fits else None
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = load().int8_linear(flat, self.packed, self.out_features)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] read back from pack_int8's layout."""
+        blocks, K = self.packed.shape[0], self.in_features
+        codes = self.packed[:, : K * 32].contiguous().view(torch.int8).view(blocks, K // 2, 32, 2)
+        codes = codes.permute(0, 2, 1, 3).reshape(blocks * 32, K).float()
+        scale = self.packed[:, K * 32 :].contiguous().view(torch.float32).reshape(-1, 1)
+        return (codes * scale)[: self.out_features].contiguous()
+
+
 def kernel_for(weight: torch.Tensor | None):
     """The module class that multiplies `weight` on this CPU, or None (torch's path)."""
     fits = (
@@ -225,20 +327,29 @@ def kernel_for(weight: torch.Tensor | None):
 
 def install_projections(model: torch.nn.Module) -> tuple[int, str]:
     """Every plain bfloat16 decoder projection and the LM head of `model` through this CPU's kernel
-    (AmxLinear, else DotLinear, else FmaLinear); the decoder weights move into it, the LM head keeps its weight,
-    which a tied embedding shares. The number of matrices and the kernel's kind."""
+    (AmxLinear, else DotLinear, else FmaLinear), every int4 one through Int4Linear and every int8
+    one through Int8Linear; the decoder weights move into it, the LM head keeps its weight, which a
+    tied embedding shares. The number of matrices and the kernels' kinds."""
     from engine.layers.embedding import ParallelLMHead
     from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from engine.layers.quant import Int4Weight, Int8Weight
 
     count, kinds = 0, set()
     for module in model.modules():
         projection = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
         if not (projection or isinstance(module, ParallelLMHead)):
             continue
-        kernel = kernel_for(module.weight) if module.quantized is None else None
+        if isinstance(module.quantized, Int4Weight):
+            kernel = Int4Linear.of(module.quantized)
+        elif isinstance(module.quantized, Int8Weight):
+            kernel = Int8Linear.of(module.quantized)
+        elif module.quantized is None and (kind := kernel_for(module.weight)) is not None:
+            kernel = kind(module.weight)
+        else:
+            kernel = None
         if kernel is None:
             continue
-        module.quantized = kernel(module.weight)
+        module.quantized = kernel
         kinds.add(kernel.kind)
         if projection:
             module.register_parameter("weight", None)
@@ -366,8 +477,8 @@ class FusedDecoder:
 
 
 def install_decoder(model: torch.nn.Module) -> bool:
-    """Give `model` the fused decode step (FusedDecoder) where its layers are plain, every norm has
-    the fused kernel, and every decoder projection is packed for one product; whether it did."""
+    """Give `model` the fused decode step (FusedDecoder) where its layers are plain and every
+    decoder projection is packed for one product (bfloat16 or int4); whether it did."""
     if not (hasattr(model, "fused_decode") and model.plain_decoder()):
         return False
     projections = [
@@ -380,8 +491,8 @@ def install_decoder(model: torch.nn.Module) -> bool:
             layer.mlp.down_proj,
         )
     ]
-    kinds = {type(p.quantized) for p in projections}
-    if len(kinds) != 1 or not issubclass(kinds.pop(), AmxLinear):
-        return False  # a quantized or unpacked projection: the layers run as modules
+    products = {getattr(p.quantized, "product", None) for p in projections}
+    if len(products) != 1 or None in products:
+        return False  # torch's quantized kernels, or unpacked weights: the layers run as modules
     model.fused_decode = FusedDecoder(model, projections[0].quantized.product)
     return True

@@ -42,6 +42,8 @@ enum LayerTensor {
 Product product_named(const std::string& name) {
   if (name == "amx_linear") return &amx_linear;
   if (name == "dot_linear") return &dot_linear;
+  if (name == "int4_linear") return &int4_linear;
+  if (name == "int8_linear") return &int8_linear;
   TORCH_CHECK(name == "fma_linear", "unknown product ", name);
   return &fma_linear;
 }

@@ -16,7 +16,7 @@
 namespace bucketserve {
 namespace {
 constexpr int64_t BLOCK = PACK_BLOCK;  // output columns per packed block: two 16-float vectors
-constexpr int MAX_TILE_ROWS = 12;      // 24 accumulators + 2 weights + 1 input of 32 registers
+constexpr int MAX_TILE_ROWS = DOT_TILE_ROWS;  // 24 accumulators + 2 weights + 1 input
 
 #if defined(__AVX512BF16__)
 // y[0..ROWS, block's columns] = x[0..ROWS] . block. Per pair of inputs the block holds its 32
@@ -50,6 +50,15 @@ constexpr auto tile_table(std::integer_sequence<int, R...>) {
 constexpr auto TILES = tile_table(std::make_integer_sequence<int, MAX_TILE_ROWS>{});
 #endif
 }  // namespace
+
+void dot_rows(const uint16_t* x, int64_t K, const uint16_t* block, uint16_t* y, int64_t y_stride,
+              int64_t cols, int64_t rows) {
+#if defined(__AVX512BF16__)
+  for (int64_t m0 = 0; m0 < rows; m0 += MAX_TILE_ROWS)
+    TILES[std::min<int64_t>(MAX_TILE_ROWS, rows - m0) - 1](x + m0 * K, K, block, y + m0 * y_stride,
+                                                             y_stride, cols);
+#endif
+}
 
 bool dot_linear_supported() {
 #if defined(__AVX512BF16__)

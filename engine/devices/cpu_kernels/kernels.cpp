@@ -576,6 +576,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether fma_linear was built (AVX2 and FMA)");
   m.def("fma_linear", &bucketserve::fma_linear, free,
         "bfloat16 projection in AVX2 fused multiply-adds");
+  m.def("int4_linear_supported", &bucketserve::int4_linear_supported,
+        "whether int4_linear was built (AVX512-BF16)");
+  m.def("pack_int4", &bucketserve::pack_int4, free, "int4 codes, scales and zeros packed by block");
+  m.def("int4_linear", &bucketserve::int4_linear, free,
+        "int4 projection in AVX512-BF16 dot products");
+  m.def("pack_int8", &bucketserve::pack_int8, free, "int8 codes and scales packed by block");
+  m.def("int8_linear", &bucketserve::int8_linear, free,
+        "int8 projection in AVX512-BF16 dot products (dot_linear_supported)");
   m.def("decode_layers", &bucketserve::decode_layers, free,
         "every layer of a plain Llama-family bfloat16 decode step in one call");
   m.def("extend_layers", &bucketserve::extend_layers, free,

@@ -1,7 +1,8 @@
-// The packed bfloat16 projections: the layout (pack_bf16, in amx.cpp), the schedule and the
+// The packed projections: the bfloat16 layout (pack_bf16, in amx.cpp), the schedule and the
 // output rounding their products share, and the products themselves: AMX tiles (amx.cpp),
-// AVX512-BF16 dot products (dot_linear.cpp) and AVX2 fused multiply-adds (fma_linear.cpp); bound
-// into the module by kernels.cpp.
+// AVX512-BF16 dot products (dot_linear.cpp), AVX2 fused multiply-adds (fma_linear.cpp), and
+// int4 and int8 codes in AVX512-BF16 dot products (int4_linear.cpp, int8_linear.cpp, their own
+// layouts); bound into the module by kernels.cpp.
 #pragma once
 
 #include <torch/extension.h>
@@ -25,6 +26,17 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
 
 bool dot_linear_supported();
 torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
+// dot_linear's product of `rows` rows of x over one packed block (int4_linear's many-row path)
+constexpr int DOT_TILE_ROWS = 12;
+void dot_rows(const uint16_t* x, int64_t K, const uint16_t* block, uint16_t* y, int64_t y_stride,
+              int64_t cols, int64_t rows);
+
+bool int4_linear_supported();
+torch::Tensor pack_int4(torch::Tensor codes, torch::Tensor scale, torch::Tensor zero);
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
+
+torch::Tensor pack_int8(torch::Tensor codes, torch::Tensor scale);
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
 
 bool fma_linear_supported();
 torch::Tensor fma_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
