@@ -6,6 +6,7 @@ import pytest
 from engine.batch import Batch, Request, StoppingCriteriaParameters
 from engine.devices.cpu import CPUAdapter
 from engine.errors import UnwarmedShapeError
+from engine.kv_cache import ShardBlockPool
 from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 
@@ -16,7 +17,9 @@ def count_forwards(model) -> list:
     return calls
 
 
-def test_eager_cpu_warmup_registers_every_bucket_and_runs_no_forward(tiny_model_dirs):
+def test_eager_cpu_warmup_registers_every_bucket_and_runs_one_first_forward(tiny_model_dirs):
+    """No bucket runs, but a one-token prompt and one decode step do, in a block freed after: a
+    process's first forward pays one-time set-up that would otherwise fall on the first request."""
     shard = Shard(tiny_config(tiny_model_dirs["llama"], max_batch_size=4), show_progress=False)
     calls = count_forwards(shard.model)
     request = Request(
@@ -25,7 +28,9 @@ def test_eager_cpu_warmup_registers_every_bucket_and_runs_no_forward(tiny_model_
     shard.warmup(batch=Batch(7, [request], 1, 10))  # a router's warmup batch, as TGI sends one
     plan, warmed = shard.runner.plan, shard.adapter.shapes.warmed
     assert {("prefill", b) for b in plan.prefill} | {("decode", b) for b in plan.decode} <= warmed
-    assert calls == []  # no memory-profiling prefill, no bucket, no warmup batch
+    # no memory-profiling prefill, no bucket, no warmup batch: the first prompt and decode only
+    assert len(calls) == 2
+    assert shard.allocator.num_free == ShardBlockPool(shard.runner.kv_cache.num_blocks).num_free
     assert {b.batch_size for b in plan.decode} == {
         1,
         2,
