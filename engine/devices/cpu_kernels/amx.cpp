@@ -157,8 +157,7 @@ void check_packed(const torch::Tensor& packed, int64_t K, int64_t N) {
                   packed.scalar_type() == torch::kBFloat16,
               "a weight packed by pack_bf16 expected");
   TORCH_CHECK(K == packed.size(1) * 2, "x has ", K, " columns, the weight ", packed.size(1) * 2);
-  TORCH_CHECK(N > (packed.size(0) - 1) * PACK_BLOCK && N <= packed.size(0) * PACK_BLOCK,
-              "N does not match the packed weight's blocks");
+  check_blocks(N, packed.size(0));
 }
 
 // x [M, K] @ w.T in bfloat16 with w packed by pack_bf16 (N columns), float32 accumulation in AMX

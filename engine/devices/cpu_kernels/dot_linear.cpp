@@ -43,11 +43,8 @@ void dot_tile(const uint16_t* x, int64_t K, const uint16_t* block, uint16_t* y, 
 
 using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, uint16_t*, int64_t, int64_t);
 
-template <int... R>
-constexpr auto tile_table(std::integer_sequence<int, R...>) {
-  return std::array<TileFn, sizeof...(R)>{&dot_tile<R + 1>...};
-}
-constexpr auto TILES = tile_table(std::make_integer_sequence<int, MAX_TILE_ROWS>{});
+constexpr auto TILES = tile_table<TileFn, MAX_TILE_ROWS>(
+    [](auto rows) -> TileFn { return &dot_tile<decltype(rows)::value>; });
 #endif
 }  // namespace
 

@@ -79,11 +79,8 @@ void fma_tile(const float* x, int64_t K, const uint16_t* block, int64_t half, ui
 using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, uint16_t*, int64_t,
                         int64_t);
 
-template <int... R>
-constexpr auto tile_table(std::integer_sequence<int, R...>) {
-  return std::array<TileFn, sizeof...(R)>{&fma_tile<R + 1>...};
-}
-constexpr auto TILES = tile_table(std::make_integer_sequence<int, MAX_TILE_ROWS>{});
+constexpr auto TILES = tile_table<TileFn, MAX_TILE_ROWS>(
+    [](auto rows) -> TileFn { return &fma_tile<decltype(rows)::value>; });
 #endif
 }  // namespace
 

@@ -96,11 +96,8 @@ void int4_tile(const uint16_t* x, int64_t K, const float* xsums, const uint8_t* 
 using TileFn = void (*)(const uint16_t*, int64_t, const float*, const uint8_t*, uint16_t*,
                         int64_t, int64_t);
 
-template <int... R>
-constexpr auto tile_table(std::integer_sequence<int, R...>) {
-  return std::array<TileFn, sizeof...(R)>{&int4_tile<R + 1>...};
-}
-constexpr auto TILES = tile_table(std::make_integer_sequence<int, MAX_TILE_ROWS>{});
+constexpr auto TILES = tile_table<TileFn, MAX_TILE_ROWS>(
+    [](auto rows) -> TileFn { return &int4_tile<decltype(rows)::value>; });
 
 // One packed block widened to bfloat16 in pack_bf16's layout ([K / 2][32][2]): w = (q - 8) s + z,
 // rounded once.
@@ -189,8 +186,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
   TORCH_CHECK(K == packed.size(1) * GROUP, "x has ", K, " columns, the weight ",
               packed.size(1) * GROUP);
-  TORCH_CHECK(N > (blocks - 1) * PACK_BLOCK && N <= blocks * PACK_BLOCK,
-              "N does not match the packed weight's blocks");
+  check_blocks(N, blocks);
   x = x.contiguous();
   auto y = torch::empty({M, N}, x.options());
 #if defined(__AVX512BF16__)

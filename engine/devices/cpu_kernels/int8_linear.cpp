@@ -58,11 +58,8 @@ void int8_tile(const uint16_t* x, int64_t K, const int8_t* block, uint16_t* y, i
 
 using TileFn = void (*)(const uint16_t*, int64_t, const int8_t*, uint16_t*, int64_t, int64_t);
 
-template <int... R>
-constexpr auto tile_table(std::integer_sequence<int, R...>) {
-  return std::array<TileFn, sizeof...(R)>{&int8_tile<R + 1>...};
-}
-constexpr auto TILES = tile_table(std::make_integer_sequence<int, MAX_TILE_ROWS>{});
+constexpr auto TILES = tile_table<TileFn, MAX_TILE_ROWS>(
+    [](auto rows) -> TileFn { return &int8_tile<decltype(rows)::value>; });
 #endif
 }  // namespace
 
@@ -99,8 +96,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
                   packed.size(1) == block_bytes(K),
               "a weight packed by pack_int8 for ", K, " inputs expected");
   const int64_t blocks = packed.size(0);
-  TORCH_CHECK(N > (blocks - 1) * PACK_BLOCK && N <= blocks * PACK_BLOCK,
-              "N does not match the packed weight's blocks");
+  check_blocks(N, blocks);
   x = x.contiguous();
   auto y = torch::empty({M, N}, x.options());
 #if defined(__AVX512BF16__)

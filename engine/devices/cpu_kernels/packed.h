@@ -7,6 +7,9 @@
 
 #include <torch/extension.h>
 
+#include <array>
+#include <utility>
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -20,6 +23,24 @@ constexpr int64_t ROWS_RESIDENT = 256;  // rows of x kept in L2 while the weight
 
 torch::Tensor pack_bf16(torch::Tensor w);
 void check_packed(const torch::Tensor& packed, int64_t K, int64_t N);  // refuses a mismatch
+
+// Refuses an N that `blocks` packed blocks of PACK_BLOCK columns do not hold (a last one partial).
+inline void check_blocks(int64_t N, int64_t blocks) {
+  TORCH_CHECK(N > (blocks - 1) * PACK_BLOCK && N <= blocks * PACK_BLOCK,
+              "N does not match the packed weight's blocks");
+}
+
+// A tile kernel templated on its row count as a table indexed at run time: TILES[rows - 1].
+// `tile_of(std::integral_constant<int, R>)` names the kernel for R rows.
+template <typename TileFn, typename TileOf, int... R>
+constexpr std::array<TileFn, sizeof...(R)> tile_table_of(TileOf tile_of,
+                                                         std::integer_sequence<int, R...>) {
+  return {tile_of(std::integral_constant<int, R + 1>{})...};
+}
+template <typename TileFn, int MaxRows, typename TileOf>
+constexpr std::array<TileFn, MaxRows> tile_table(TileOf tile_of) {
+  return tile_table_of<TileFn>(tile_of, std::make_integer_sequence<int, MaxRows>{});
+}
 
 bool amx_supported();
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
