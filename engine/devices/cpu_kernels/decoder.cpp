@@ -223,6 +223,18 @@ RowSlots extended_slots(const torch::Tensor& context_slots, const torch::Tensor&
               "seq_lens must add up to the new tokens");
   return plan;
 }
+
+// The step's shape; cos, sin and slots made contiguous (slots as int64), and every input checked.
+Heads prepare_inputs(const torch::Tensor& hidden, const std::vector<torch::Tensor>& layers,
+                     torch::Tensor& cos, torch::Tensor& sin, torch::Tensor& slots, int64_t heads,
+                     int64_t kv_heads) {
+  const Heads shape{heads, kv_heads, cos.size(-1)};
+  slots = slots.to(torch::kLong).contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  check_inputs(hidden, layers, cos, sin, slots, shape);
+  return shape;
+}
 }  // namespace
 
 torch::Tensor decode_layers(torch::Tensor hidden, const std::vector<torch::Tensor>& layers,
@@ -231,11 +243,7 @@ torch::Tensor decode_layers(torch::Tensor hidden, const std::vector<torch::Tenso
                             torch::Tensor block_bias, int64_t heads, int64_t kv_heads,
                             int64_t intermediate, double eps, double scale,
                             const std::string& product) {
-  const Heads shape{heads, kv_heads, cos.size(-1)};
-  slots = slots.to(torch::kLong).contiguous();
-  cos = cos.contiguous();
-  sin = sin.contiguous();
-  check_inputs(hidden, layers, cos, sin, slots, shape);
+  const Heads shape = prepare_inputs(hidden, layers, cos, sin, slots, heads, kv_heads);
   const auto plan = valid_slots(block_list.to(torch::kLong).contiguous(),
                                 block_groups.to(torch::kLong).contiguous(),
                                 block_bias.to(torch::kFloat).contiguous(), hidden.size(0),
@@ -250,11 +258,7 @@ torch::Tensor extend_layers(torch::Tensor hidden, const std::vector<torch::Tenso
                             torch::Tensor seq_lens, int64_t heads, int64_t kv_heads,
                             int64_t intermediate, double eps, double scale,
                             const std::string& product) {
-  const Heads shape{heads, kv_heads, cos.size(-1)};
-  slots = slots.to(torch::kLong).contiguous();
-  cos = cos.contiguous();
-  sin = sin.contiguous();
-  check_inputs(hidden, layers, cos, sin, slots, shape);
+  const Heads shape = prepare_inputs(hidden, layers, cos, sin, slots, heads, kv_heads);
   TORCH_CHECK(context_slots.dim() == 2 && context_lens.numel() == context_slots.size(0) &&
                   seq_lens.numel() == context_slots.size(0),
               "context_slots [rows, span], context_lens and seq_lens [rows] expected");

@@ -134,30 +134,35 @@ void accumulate_fixed(const float* weights, const T* values, const int64_t* offs
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * D + c * 16, acc[g][c]);
 }
 
+// fn(std::integral_constant<int, G>{}) for a run-time query-head group G of 1 to 8, the groups the
+// attention kernels are compiled for; false for any other.
+template <typename Fn>
+bool with_group(int64_t group, Fn&& fn) {
+  switch (group) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+    case 5: return fn(std::integral_constant<int, 5>{});
+    case 6: return fn(std::integral_constant<int, 6>{});
+    case 7: return fn(std::integral_constant<int, 7>{});
+    case 8: return fn(std::integral_constant<int, 8>{});
+    default: return false;
+  }
+}
+
 template <typename T, int D>
 bool attend_fixed_dim(int64_t group, bool scores_phase, const float* in, const T* cache,
                       const int64_t* offsets, int64_t n, float* out, int64_t stride,
                       bool resume) {
-  switch (group) {
-#define BUCKETSERVE_GROUP(G)                                                  \
-  case G:                                                                     \
-    if (scores_phase)                                                         \
-      scores_fixed<T, G, D>(in, cache, offsets, n, out, stride);              \
-    else                                                                      \
-      accumulate_fixed<T, G, D>(in, cache, offsets, n, out, stride, resume);  \
+  return with_group(group, [&](auto g) {
+    constexpr int G = decltype(g)::value;
+    if (scores_phase)
+      scores_fixed<T, G, D>(in, cache, offsets, n, out, stride);
+    else
+      accumulate_fixed<T, G, D>(in, cache, offsets, n, out, stride, resume);
     return true;
-    BUCKETSERVE_GROUP(1)
-    BUCKETSERVE_GROUP(2)
-    BUCKETSERVE_GROUP(3)
-    BUCKETSERVE_GROUP(4)
-    BUCKETSERVE_GROUP(5)
-    BUCKETSERVE_GROUP(6)
-    BUCKETSERVE_GROUP(7)
-    BUCKETSERVE_GROUP(8)
-#undef BUCKETSERVE_GROUP
-    default:
-      return false;
-  }
+  });
 }
 #endif
 
@@ -299,22 +304,10 @@ bool scores_chunk_group(int64_t dim, const c10::BFloat16* q, int64_t q_head,
 inline bool scores_chunk(int64_t group, int64_t dim, const c10::BFloat16* q, int64_t q_head,
                          const c10::BFloat16* keys, const int64_t* offsets, int64_t count,
                          float scale, float* scores, int64_t stride) {
-  switch (group) {
-#define BUCKETSERVE_GROUP(G) \
-  case G:                    \
-    return scores_chunk_group<G>(dim, q, q_head, keys, offsets, count, scale, scores, stride);
-    BUCKETSERVE_GROUP(1)
-    BUCKETSERVE_GROUP(2)
-    BUCKETSERVE_GROUP(3)
-    BUCKETSERVE_GROUP(4)
-    BUCKETSERVE_GROUP(5)
-    BUCKETSERVE_GROUP(6)
-    BUCKETSERVE_GROUP(7)
-    BUCKETSERVE_GROUP(8)
-#undef BUCKETSERVE_GROUP
-    default:
-      return false;
-  }
+  return with_group(group, [&](auto g) {
+    return scores_chunk_group<decltype(g)::value>(dim, q, q_head, keys, offsets, count, scale,
+                                                  scores, stride);
+  });
 }
 #endif
 
