@@ -301,9 +301,9 @@ class Shard:
                 request.chunks = None
             self.prefill(batch)
             self.clear(batch.id)
-        if self.config.warmup_mode != "none" and not self.adapter.warm_runs_forward:
-            self._first_forward()
         if self.config.warmup_mode != "none":
+            if not self.adapter.warm_runs_forward:
+                self._first_forward()
             with self.device_lock, self.adapter.device_scope():
                 warm_sampler(self.runner, self.model_config.vocab_size)
                 warm_verify_gathers(self.runner, self.model_config.vocab_size)
