@@ -399,3 +399,35 @@ def test_no_grammar_admits_an_encoded_surrogate(compiler, tokenizer, grammar_typ
     twin = state.fork()
     twin.advance(valid_seconds[0])  # now mid-character: any continuation byte may follow
     assert twin.allowed_mask()[surrogate_seconds].any()
+
+
+class _UntouchableTokenizer:
+    """A request without a grammar must not build the router's compiler (its first build took
+    0.4 s of the first request's time): any use of the tokenizer fails the test."""
+
+    def __getattr__(self, name):
+        raise AssertionError(
+            f"the grammar check read tokenizer.{name} for a request without grammar"
+        )
+
+    def __len__(self):
+        raise AssertionError("the grammar check sized the vocabulary for a request without grammar")
+
+
+def test_router_check_skips_the_compiler_without_a_grammar():
+    from router.http.grammar_check import GrammarCheck
+
+    check = GrammarCheck(_UntouchableTokenizer())
+    check("", GrammarType.NONE)
+    assert check._compiler is None
+
+
+def test_router_check_builds_the_compiler_for_a_grammar(tokenizer):
+    from router.http.grammar_check import GrammarCheck
+    from router.http.validation import ValidationError
+
+    check = GrammarCheck(tokenizer)
+    check("[0-9]+", GrammarType.REGEX)
+    assert check._compiler is not None
+    with pytest.raises(ValidationError, match="allows no token"):
+        check("[^\\s\\S]", GrammarType.REGEX)
