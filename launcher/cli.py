@@ -67,6 +67,7 @@ def resolve(config: LauncherConfig, console: Console) -> tuple[LauncherConfig, D
             f"--max-concurrent-requests must be at least 1, not {router.max_concurrent_requests}"
         )
     check_port("--port", router.port)
+    check_single_process(config)
     if config.master_port is not None:
         if config.master_port == router.port:
             raise ConfigError(f"--master-port {config.master_port} is also the --port")
@@ -87,6 +88,24 @@ def resolve(config: LauncherConfig, console: Console) -> tuple[LauncherConfig, D
     base = config.uds_path or unique_socket_base()
     check_socket_base(base, config.num_shard)
     return replace(config, engine=replace(engine, device=device.name), uds_path=base), device
+
+
+def check_single_process(config: LauncherConfig) -> None:
+    """--single-process holds one whole shard in the router's process: no group to split a model
+    over, no router-less launch, no shard restart apart from the router."""
+    if not config.single_process:
+        return
+    conflicts = [
+        (config.world_size > 1, f"{config.world_size} ranks (--num-shard, --nnodes)"),
+        (config.engine.pipeline_parallel_size > 1, "--pipeline-parallel-size"),
+        (config.no_router, "--no-router"),
+        (config.restart_on_failure, "--restart-on-failure (shard and router are one process)"),
+    ]
+    for conflicting, what in conflicts:
+        if conflicting:
+            raise ConfigError(
+                f"--single-process runs one shard in the router's process: not with {what}"
+            )
 
 
 def tp_what(config: LauncherConfig, tp: int) -> str:

@@ -59,6 +59,13 @@ class LauncherConfig:
         "$LWS_LEADER_ADDRESS, else 127.0.0.1)",
     )
     no_router: bool = knob(False, "start the shards only and print the master socket", switch=True)
+    single_process: bool = knob(
+        False,
+        "run the one shard inside the router's process, called in place rather than over gRPC "
+        "(one shard on one node; the shard and the router then stop and fail together): on a "
+        "CPU it leaves the shard's OpenMP threads the cores the router took",
+        switch=True,
+    )
     restart_on_failure: bool = knob(
         False,
         "restart the whole group when a shard dies (at most "
@@ -113,6 +120,13 @@ class LauncherConfig:
         """`python -m router` arguments: every router knob that differs from its default (the API
         key travels in the environment instead: router_environment)."""
         return changed_flags(self.router_config())
+
+    def single_process_args(self) -> list[str]:
+        """`python -m launcher.single_process` arguments: the router's flags (the shared knobs as
+        the shard's, no shard socket to wait for), `--`, then the shard's."""
+        shared = {f.name: getattr(self.engine, f.name) for f in fields(SharedKnobs)}
+        router = replace(self.router, **shared)
+        return [*changed_flags(router), "--", "--verbose", *changed_flags(self.engine)]
 
     def router_environment(self, environ) -> dict[str, str]:
         env = child_environment(environ, drop=tuple(knob_environment_names(RouterConfig)))

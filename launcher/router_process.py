@@ -14,6 +14,8 @@ import time
 import urllib.error
 import urllib.request
 
+from engine.cli.flags import knob_environment_names
+from engine.config import EngineConfig
 from launcher.config import LauncherConfig
 from launcher.logs import Console, LogTail
 
@@ -34,13 +36,28 @@ def warming_status(seconds: float, latest: str) -> str:
 
 
 class RouterProcess:
-    def __init__(self, config: LauncherConfig, console: Console):
+    """`python -m router` over the shard group's sockets; with `shard_env` (--single-process),
+    `python -m launcher.single_process`, which holds the shard itself and gets its environment."""
+
+    def __init__(self, config: LauncherConfig, console: Console, shard_env: dict | None = None):
         self.config, self.console = config, console
-        command = [sys.executable, "-m", "router", *config.router_args()]
+        if shard_env is None:
+            command = [sys.executable, "-m", "router", *config.router_args()]
+        else:
+            command = [
+                sys.executable,
+                "-m",
+                "launcher.single_process",
+                *config.single_process_args(),
+            ]
         env = {
             **config.router_environment(os.environ),
+            **(shard_env or {}),
             "BUCKETSERVE_PARENT_PID": str(os.getpid()),
         }  # it stops without us
+        if shard_env is not None:  # the shard's knobs come as its flags only, as a shard's do
+            for name in knob_environment_names(EngineConfig):
+                env.pop(name, None)
         self.process = subprocess.Popen(
             command,
             env=env,

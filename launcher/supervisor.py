@@ -318,6 +318,8 @@ def supervise(
 ) -> int:
     """Start the group (and the router) and watch them until a stop (0) or a failure that is not
     restarted (1)."""
+    if config.single_process:
+        return supervise_single(config, device, console, stop)
     group, routers = ShardGroup(config, device, console), []
     try:
         return _supervise(group, routers, config, device, console, stop)
@@ -331,6 +333,37 @@ def supervise(
         for router in routers:  # asked to stop, a router first drains its admitted requests
             router.stop(max(config.shutdown_timeout, drain))
         group.stop(config.shutdown_timeout if stop.is_set() else FAILURE_GRACE_S)
+
+
+def supervise_single(
+    config: LauncherConfig, device: DevicePlan, console: Console, stop: threading.Event
+) -> int:
+    """--single-process: one child holds the router and the shard. It is watched like a router:
+    when it exits the launcher does (a restart would reload the model; a balancer retries on
+    another replica)."""
+    router = RouterProcess(config, console, shard_env=device.env(0))
+    console.line(
+        f"started the router with its shard in process on {device.name} (pid {router.process.pid})"
+    )
+    try:
+        if not router.wait_ready(stop, config.startup_timeout):
+            return 0
+        announce(config, device, router)
+        while not stop.is_set():
+            router.raise_if_exited("while serving")
+            stop.wait(POLL_S)
+        return 0
+    except RouterFailure as failure:
+        report(console, failure)
+        return 1
+    finally:
+        if stop.is_set():
+            console.line(
+                f"{getattr(stop, 'reason', '') or 'stop requested'}: stopping the router and its "
+                f"shard (SIGTERM, SIGKILL after {config.shutdown_timeout:g}s)"
+            )
+        drain = config.router.drain_timeout + ROUTER_EXIT_S if stop.is_set() else 0.0
+        router.stop(max(config.shutdown_timeout, drain))
 
 
 def _supervise(

@@ -180,8 +180,11 @@ def create_app(
     return app
 
 
-async def build_state(config: RouterConfig, client: ShardClient, tokenizer=None) -> RouterState:
-    """`tokenizer`: the one `load_tokenizer(config)` gives, when the caller loaded it already."""
+async def build_state(
+    config: RouterConfig, client: ShardClient, tokenizer=None, **state_fields
+) -> RouterState:
+    """`tokenizer`: the one `load_tokenizer(config)` gives, when the caller loaded it already;
+    `state_fields`: RouterState's optional fields (the single-process server's grammar check)."""
     tokenizer = load_tokenizer(config) if tokenizer is None else tokenizer
     limits, allocator, info = await warm_up(client, config)
 
@@ -202,7 +205,7 @@ async def build_state(config: RouterConfig, client: ShardClient, tokenizer=None)
     if config.kv_events_endpoint:
         publish_kv_events(allocator, config)
     await scheduler.start()
-    state = RouterState(scheduler, tokenizer, client, info, metrics)
+    state = RouterState(scheduler, tokenizer, client, info, metrics, **state_fields)
     state.images = image_policy(config, tokenizer)
     return state
 
@@ -245,6 +248,7 @@ def publish_kv_events(allocator, config: RouterConfig) -> None:
 
 
 async def serve(config: RouterConfig) -> None:
+    """Serve over the gRPC shards at --master-shard-uds-path."""
     # The tokenizer (seconds: transformers' imports) loads while the shards come up.
     tokenizer = asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config)
     try:
@@ -256,8 +260,14 @@ async def serve(config: RouterConfig) -> None:
     except BaseException:
         tokenizer.add_done_callback(lambda done: done.exception())  # its error, if any, is moot
         raise
+    await serve_over(config, client, tokenizer)
+
+
+async def serve_over(config: RouterConfig, client: ShardClient, tokenizer, **state_fields) -> None:
+    """Warm `client`'s shards up and serve HTTP over them until SIGTERM (drained) or the launcher
+    is gone. `tokenizer`: a future of load_tokenizer's; `state_fields`: as build_state's."""
     try:
-        state = await build_state(config, client, await tokenizer)
+        state = await build_state(config, client, await tokenizer, **state_fields)
     except BaseException:  # a model file that cannot be read, the shards gone during warmup
         await client.close()
         raise

@@ -304,6 +304,11 @@ class InProcessClient:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard")
         self.seconds = {"prefill": 0.0, "decode": 0.0}  # time in the shard's steps, for the bench
 
+    def on_shard_thread(self, fn):
+        """fn() run on the shard's worker thread, between its steps (from any other thread but
+        the event loop's, which it blocks)."""
+        return self.executor.submit(fn).result()
+
     async def _call(self, name: str, fn, *args, **kwargs):
         loop = asyncio.get_running_loop()
         call = functools.partial(self._timed, name.lower(), fn, *args, **kwargs)

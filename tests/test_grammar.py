@@ -431,3 +431,28 @@ def test_router_check_builds_the_compiler_for_a_grammar(tokenizer):
     assert check._compiler is not None
     with pytest.raises(ValidationError, match="allows no token"):
         check("[^\\s\\S]", GrammarType.REGEX)
+
+
+def test_router_check_compiles_on_the_thread_it_is_given(tokenizer):
+    """In one process with the shard, the compiler's torch calls run on the shard's thread."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from router.http.grammar_check import GrammarCheck
+    from router.http.validation import ValidationError
+
+    ran_on = []
+    with ThreadPoolExecutor(1, thread_name_prefix="fake-shard") as shard_thread:
+
+        def on_shard_thread(fn):
+            return shard_thread.submit(
+                lambda: (ran_on.append(threading.current_thread().name), fn())[1]
+            ).result()
+
+        check = GrammarCheck(tokenizer, on_shard_thread=on_shard_thread)
+        check("", GrammarType.NONE)
+        assert ran_on == []  # nothing to compile, nothing sent there
+        check("[0-9]+", GrammarType.REGEX)
+        with pytest.raises(ValidationError, match="allows no token"):
+            check("[^\\s\\S]", GrammarType.REGEX)
+    assert len(ran_on) == 2 and all(name.startswith("fake-shard") for name in ran_on)

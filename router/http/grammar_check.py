@@ -17,8 +17,12 @@ from router.http.validation import ValidationError
 
 
 class GrammarCheck:
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    """`on_shard_thread(fn)`, where the shard runs in this process: fn's result, computed on the
+    shard's worker thread. The compiler's torch calls then open no second OpenMP thread pool
+    (engine/cli/main.py on_a_passing_thread says what a second pool costs every step)."""
+
+    def __init__(self, tokenizer, on_shard_thread=None):
+        self.tokenizer, self.on_shard_thread = tokenizer, on_shard_thread
         self._compiler, self._failed = None, False
         self._lock = threading.Lock()
 
@@ -44,6 +48,15 @@ class GrammarCheck:
         # (xgrammar and torch imported, the vocabulary decoded) took 0.4-1.7 s.
         if grammar_type == GrammarType.NONE:
             return
+        if self.on_shard_thread is not None:
+            return self.on_shard_thread(lambda: self._check(grammar, grammar_type))
+        self._check(grammar, grammar_type)
+
+    def prepare(self) -> None:
+        """Build the compiler now rather than on the first grammar request."""
+        self._get()
+
+    def _check(self, grammar: str, grammar_type: GrammarType) -> None:
         compiler = self._get()
         if compiler is None:
             return
