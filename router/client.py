@@ -13,7 +13,7 @@ import contextvars
 import copy
 import functools
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Protocol
 
 import grpc
@@ -299,9 +299,11 @@ class InProcessClient:
 
     resumes = True
 
-    def __init__(self, shard, max_batch_size: int | None = None):
+    def __init__(self, shard, max_batch_size: int | None = None, executor: Executor | None = None):
+        """`executor`: where the shard's calls run, one at a time (default: a worker thread of
+        its own; router/offline.py gives the thread that built the shard)."""
         self.shard, self.max_batch_size = shard, max_batch_size
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard")
+        self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard")
         self.seconds = {"prefill": 0.0, "decode": 0.0}  # time in the shard's steps, for the bench
 
     def on_shard_thread(self, fn):

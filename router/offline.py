@@ -1,9 +1,18 @@
 """The router's scheduler driving an in-process shard: `generate` and `bench` batch exactly as the
-server does (continuous batching, router-assigned KV blocks), without sockets or HTTP."""
+server does (continuous batching, router-assigned KV blocks), without sockets or HTTP.
+
+The shard's steps run on the calling thread, the one that built and warmed it, while the
+scheduler's event loop runs on a thread of its own: a second thread running torch would keep a
+second OpenMP pool, and with more OpenMP threads than cores each pool sleeps between parallel
+regions instead of spinning (engine/cli/main.py on_a_passing_thread).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import queue
+import threading
+from concurrent.futures import Executor, Future
 
 from engine.batch import Generation, Request
 from engine.config import ServingLimits
@@ -24,6 +33,30 @@ def limits_of(shard, requests: int) -> ServingLimits:
     )
 
 
+class CallerThread(Executor):
+    """An executor whose calls run on the thread that calls `serve()`, in order, until `stop()`."""
+
+    def __init__(self):
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        self._work.put((future, fn, args, kwargs))
+        return future
+
+    def stop(self) -> None:
+        self._work.put(None)
+
+    def serve(self) -> None:
+        while (item := self._work.get()) is not None:
+            future, fn, args, kwargs = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as error:  # noqa: BLE001 - the caller's future holds it
+                    future.set_exception(error)
+
+
 def run_scheduled(
     shard,
     requests: list[Request],
@@ -34,11 +67,27 @@ def run_scheduled(
     """Every request's generations. `lengths` are the prompts' token counts; `capacity_tokens` is
     the KV capacity the shard's warmup reported. `seconds`, when given, accumulates the time the
     shard spent in "prefill" and "decode"."""
-    return asyncio.run(_run(shard, requests, lengths, capacity_tokens, seconds))
+    shard_thread, outcome = CallerThread(), Future()
+
+    def schedule():
+        try:
+            outcome.set_result(
+                asyncio.run(_run(shard, requests, lengths, capacity_tokens, seconds, shard_thread))
+            )
+        except BaseException as error:  # noqa: BLE001 - re-raised on the calling thread
+            outcome.set_exception(error)
+        finally:
+            shard_thread.stop()
+
+    threading.Thread(target=schedule, name="offline-scheduler", daemon=True).start()
+    shard_thread.serve()
+    return outcome.result()
 
 
-async def _run(shard, requests, lengths, capacity_tokens, seconds) -> dict[int, list[Generation]]:
-    client = InProcessClient(shard, max_batch_size=shard.limits.max_batch_size)
+async def _run(
+    shard, requests, lengths, capacity_tokens, seconds, executor
+) -> dict[int, list[Generation]]:
+    client = InProcessClient(shard, max_batch_size=shard.limits.max_batch_size, executor=executor)
     allocator = BlockAllocator(capacity_tokens // shard.block_size + 1, shard.block_size)
     lookahead = lookahead_for("auto", shard.adapter.device_type)
     scheduler = Scheduler(client, allocator, limits_of(shard, len(requests)), lookahead=lookahead)
