@@ -1,5 +1,6 @@
 # The two set-up commands:
-#   make run    set up .venv and serve the embedded model on CPU: launcher, shard and HTTP router
+#   make run    set up .venv and serve the embedded model on CPU: the launcher and one process that
+#               holds the HTTP router and the shard (--single-process)
 #   make test   set up .venv and run the test suite (what CI runs)
 #
 # While working:
@@ -44,7 +45,7 @@ $(STAMP): pyproject.toml
 PORT ?= 8080
 
 run: $(STAMP)
-	$(PY) -m launcher --device cpu --hostname 127.0.0.1 --port $(PORT) --warmup progressive
+	$(PY) -m launcher --device cpu --single-process --hostname 127.0.0.1 --port $(PORT) --warmup progressive
 
 generate: $(STAMP)
 	$(VENV)/bin/bucketserve generate --prompt "What is the capital of France?" --chat --max-new-tokens 20

@@ -16,11 +16,11 @@ cleanup() { for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done; w
 trap cleanup EXIT
 
 start_speculating() {  # bucketserve as the speculation benchmarks run it; $1: port, $2: label;
-    local port=$1 label=$2 start pid  # the rest: extra flags (--speculate ...)
+    local port=$1 label=$2 start pid  # the rest: extra flags (--speculate ...); then OURS_EXTRA
     shift 2
     start=$(now)
     "$PY" -m launcher --device cpu --port "$port" --hostname 127.0.0.1 --max-batch-size 4 \
-        --dtype bfloat16 "$@" >"$OUT/$label.log" 2>&1 &
+        --dtype bfloat16 "$@" ${OURS_EXTRA:-} >"$OUT/$label.log" 2>&1 &
     pid=$!; PIDS+=("$pid")
     echo "$label ready after $(wait_ready "http://127.0.0.1:$port" "$start" "$pid") s"
 }

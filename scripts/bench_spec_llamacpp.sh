@@ -13,7 +13,8 @@
 # ends it, at most 128 tokens. Prints each run, the median decode rate per server, llama-server's
 # best setting and the ratios. A benchmark, not a test: its figures go in docs/benchmarks.md.
 #
-# Environment: RUNS (3), K (8; 4 and 16 measured lower against llama-server here), THREADS (2), PY, SPEC_CONFIGS (settings separated by ';', each a
+# Environment: RUNS (3), K (8; 4 and 16 measured lower against llama-server here), THREADS (2), PY,
+# OURS_EXTRA (extra flags of both bucketserve servers, e.g. --single-process), SPEC_CONFIGS (settings separated by ';', each a
 # --spec-type value and its extra flags; "none" is llama-server without speculation).
 set -euo pipefail
 

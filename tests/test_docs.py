@@ -268,6 +268,7 @@ def test_the_readme_examples_run_against_a_live_server(smollm_dir, tmp_path):
         smollm_dir,
         "--device",
         "cpu",
+        "--single-process",  # as `make run` serves
         "--hostname",
         "127.0.0.1",
         "--uds-path",
