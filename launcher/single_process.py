@@ -27,8 +27,8 @@ from engine.cli.logs import configure_logging
 from engine.cli.main import add_engine_args, engine_config, on_a_passing_thread
 from engine.config import EngineConfig
 from engine.errors import BucketserveError
-from router.app import load_tokenizer, serve_over
-from router.client import InProcessClient, ShardError
+from router.app import load_tokenizer, run_server, serve_over
+from router.client import InProcessClient
 from router.config import RouterConfig
 from router.http.access import log_request_ids
 from router.http.grammar_check import GrammarCheck
@@ -84,13 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     log_request_ids(configure_logging(logging.INFO))
     try:
         router, engine, verbose = parse(sys.argv[1:] if argv is None else argv)
-        asyncio.run(serve(router, engine, verbose))
-    except KeyboardInterrupt:
-        pass
-    except (BucketserveError, ShardError, OSError) as err:
+    except BucketserveError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return 0
+    return run_server(serve(router, engine, verbose))
 
 
 if __name__ == "__main__":

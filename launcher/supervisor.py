@@ -324,15 +324,24 @@ def supervise(
     try:
         return _supervise(group, routers, config, device, console, stop)
     finally:
-        if stop.is_set():
-            console.line(
-                f"{getattr(stop, 'reason', '') or 'stop requested'}: stopping the router and the shards "
-                f"(SIGTERM, SIGKILL after {config.shutdown_timeout:g}s)"
-            )
-        drain = config.router.drain_timeout + ROUTER_EXIT_S if stop.is_set() else 0.0
-        for router in routers:  # asked to stop, a router first drains its admitted requests
-            router.stop(max(config.shutdown_timeout, drain))
+        grace = router_grace(config, console, stop, "the router and the shards")
+        for router in routers:
+            router.stop(grace)
         group.stop(config.shutdown_timeout if stop.is_set() else FAILURE_GRACE_S)
+
+
+def router_grace(
+    config: LauncherConfig, console: Console, stop: threading.Event, stopping: str
+) -> float:
+    """Seconds the router gets to stop; a requested stop is announced, and the router first drains
+    its admitted requests."""
+    if stop.is_set():
+        console.line(
+            f"{getattr(stop, 'reason', '') or 'stop requested'}: stopping {stopping} "
+            f"(SIGTERM, SIGKILL after {config.shutdown_timeout:g}s)"
+        )
+    drain = config.router.drain_timeout + ROUTER_EXIT_S if stop.is_set() else 0.0
+    return max(config.shutdown_timeout, drain)
 
 
 def supervise_single(
@@ -357,13 +366,7 @@ def supervise_single(
         report(console, failure)
         return 1
     finally:
-        if stop.is_set():
-            console.line(
-                f"{getattr(stop, 'reason', '') or 'stop requested'}: stopping the router and its "
-                f"shard (SIGTERM, SIGKILL after {config.shutdown_timeout:g}s)"
-            )
-        drain = config.router.drain_timeout + ROUTER_EXIT_S if stop.is_set() else 0.0
-        router.stop(max(config.shutdown_timeout, drain))
+        router.stop(router_grace(config, console, stop, "the router and its shard"))
 
 
 def _supervise(

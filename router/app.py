@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 
 import uvicorn
 from fastapi import FastAPI
@@ -22,7 +23,7 @@ from engine.cli.flags import config_from_args as knobs_from_args
 from engine.config import ServingLimits, default_cache_dir, shard_secret
 from engine.errors import BucketserveError
 from engine.weights.paths import resolve_model_dir
-from router.client import GrpcShardClient, ShardClient
+from router.client import GrpcShardClient, ShardClient, ShardError
 
 # re-exported: the router's configuration, as before it had a module of its own
 from router.config import DEFAULT_PAYLOAD_LIMIT, EMBEDDED_MODEL_NAME, AccessConfig, RouterConfig  # noqa: F401
@@ -296,6 +297,20 @@ async def serve_over(config: RouterConfig, client: ShardClient, tokenizer, **sta
         if getattr(state.scheduler.allocator, "listener", None) is not None:
             state.scheduler.allocator.listener.close()
         state.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def run_server(serving) -> int:
+    """Run the `serving` coroutine to its end: 0, or 2 after one `error:` line, as the engine's and
+    the launcher's commands print (a corrupt model file, the shards unreachable): the launcher
+    shows it beside the shard's own. Ctrl-C ends it quietly."""
+    try:
+        asyncio.run(serving)
+    except KeyboardInterrupt:
+        pass
+    except (BucketserveError, ShardError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 async def watch_parent(parent_pid: int, server: uvicorn.Server, scheduler: Scheduler) -> None:
