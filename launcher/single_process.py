@@ -35,7 +35,6 @@ from router.http.grammar_check import GrammarCheck
 
 # The router's knobs that name or wait for gRPC shards: there are none here.
 GRPC_ONLY = ("master_url", "wait_for_shards")
-ENGINE_SERVING_ONLY = ("otlp_endpoint",)  # the router traces; the in-process shard's steps do not
 
 
 def parse(argv: list[str]) -> tuple[RouterConfig, EngineConfig, bool]:
@@ -48,7 +47,7 @@ def parse(argv: list[str]) -> tuple[RouterConfig, EngineConfig, bool]:
     router_parser = argparse.ArgumentParser(prog="python -m launcher.single_process")
     add_knob_flags(router_parser, RouterConfig, exclude=GRPC_ONLY)
     engine_parser = argparse.ArgumentParser(prog="python -m launcher.single_process ... --")
-    add_engine_args(engine_parser, exclude=ENGINE_SERVING_ONLY)
+    add_engine_args(engine_parser)  # --otlp-endpoint too: the router traces, the shard ignores it
     engine_args = engine_parser.parse_args(argv[cut + 1 :])
     router = knobs_from_args(RouterConfig, router_parser.parse_args(argv[:cut]))
     return router, engine_config(engine_args), engine_args.verbose

@@ -22,7 +22,7 @@ def launcher_config(*argv):
 def test_one_command_line_splits_into_the_router_and_the_shard():
     config = launcher_config(
         "--single-process", "--port", "4123", "--max-batch-size", "4", "--dtype", "bfloat16",
-        "--max-input-tokens", "300", "--lookahead", "on",
+        "--max-input-tokens", "300", "--lookahead", "on", "--otlp-endpoint", "http://127.0.0.1:4318",
     )  # fmt: skip
     router, engine, verbose = parse(config.single_process_args())
     assert (router.port, router.hostname, router.lookahead) == (4123, "0.0.0.0", "on")
@@ -30,6 +30,7 @@ def test_one_command_line_splits_into_the_router_and_the_shard():
     assert (router.max_input_tokens, engine.max_input_tokens) == (300, 300)
     assert engine.dtype == "bfloat16" and verbose
     assert router.master_url == ""  # no shard socket anywhere
+    assert router.otlp_endpoint == "http://127.0.0.1:4318"  # a shared knob: both parsers take it
 
 
 def test_a_command_line_without_its_separator_is_refused():
