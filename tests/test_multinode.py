@@ -1,12 +1,14 @@
 """Several nodes, pipeline stages: the stage split and the launcher's place in a group (fast), and
 two launchers on loopback with gloo as two nodes, through the HTTP API (slow)."""
 
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -286,6 +288,18 @@ def test_nodes_started_with_different_models_are_refused(three_layer_model, tiny
 
 
 @pytest.mark.slow
+def streamed_ids(url: str, body: dict, decoding: threading.Event) -> list[int]:
+    """The token ids a streamed /generate_stream gives; `decoding` set at its first token."""
+    ids = []
+    with httpx.stream("POST", f"{url}/generate_stream", json=body, timeout=STARTUP_S) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                ids.append(json.loads(line.removeprefix("data:"))["token"]["id"])
+                decoding.set()
+    return ids
+
+
 def test_with_restart_on_failure_the_group_re_forms_and_the_request_in_flight_completes(
     three_layer_model,
 ):
@@ -304,14 +318,15 @@ def test_with_restart_on_failure_the_group_re_forms_and_the_request_in_flight_co
         before = httpx.post(f"{url}/generate", json=body, timeout=STARTUP_S).json()
         from concurrent.futures import ThreadPoolExecutor
 
+        decoding = threading.Event()
         with ThreadPoolExecutor(1) as pool:
-            held = pool.submit(httpx.post, f"{url}/generate", json=body, timeout=STARTUP_S)
-            time.sleep(0.3)  # decoding: 60 tokens take longer than this
+            held = pool.submit(streamed_ids, url, body, decoding)
+            assert decoding.wait(STARTUP_S), "the request never streamed a token"
+            # its first token out, 59 to go: the kill lands mid-decode (a sleep did not, once the
+            # whole request took 0.27 s)
             os.kill(next(iter(worker.shard_pids)), signal.SIGKILL)
-            answer = held.result()
-        assert answer.status_code == 200, answer.text
+            ids = held.result()
         # the ids: a resumed request recomputes its KV, its logprobs may differ in the last bits
-        ids = [t["id"] for t in answer.json()["details"]["tokens"]]
         assert ids == [t["id"] for t in before["details"]["tokens"]]
         assert "restarting all 1 shard(s)" in leader.stderr()
         assert "restarting all 1 shard(s)" in worker.stderr()
