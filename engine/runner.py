@@ -204,12 +204,16 @@ class ModelRunner:
                 max(self._context_blocks(s) for s in seqs),
             )
         self.padding.record("decode", len(seqs), bucket.batch_size, bucket)
-        ids, positions, meta, _, *lora = self._prefill_tensors(bucket.as_prefill, seqs)
-        everywhere = self._to_device(torch.arange(bucket.batch_size * bucket.width))
-        logits = self._run(("verify", bucket), ids, positions, meta, everywhere, *lora)
+        logits = self._run(("verify", bucket), *self._verify_tensors(bucket, seqs))
         rows = logits.view(bucket.batch_size, bucket.width, -1)[: len(seqs)]
         rows.bucket_output = logits  # [batch * width, vocab]: per-position gathers read it whole
         return rows
+
+    def _verify_tensors(self, bucket: VerifyBucket, seqs: list[PrefillInput]) -> tuple:
+        """A verify forward's inputs: a prefill's, with logits at every position of every row."""
+        ids, positions, meta, _, *lora = self._prefill_tensors(bucket.as_prefill, seqs)
+        everywhere = self._to_device(torch.arange(bucket.batch_size * bucket.width))
+        return ids, positions, meta, everywhere, *lora
 
     def _warm_verify(self, bucket: VerifyBucket, graph: bool) -> None:
         context = [RESERVED_BLOCK] * (bucket.context_blocks * self.block_size)
@@ -222,10 +226,8 @@ class ModelRunner:
             )
             for row in range(bucket.batch_size)
         ]
-        ids, positions, meta, _, *lora = self._prefill_tensors(bucket.as_prefill, dummy)
-        everywhere = self._to_device(torch.arange(bucket.batch_size * bucket.width))
         self.adapter.warm(
-            ("verify", bucket), self.model, ids, positions, meta, everywhere, *lora, graph=graph
+            ("verify", bucket), self.model, *self._verify_tensors(bucket, dummy), graph=graph
         )
 
     def _run(self, shape, *inputs, fn=None) -> torch.Tensor:

@@ -6,8 +6,11 @@ import json
 import shutil
 
 import pytest
+import torch
 
-from engine.batch import NextTokenChooserParameters
+from engine.batch import Batch, NextTokenChooserParameters
+from engine.runner import PrefillInput
+from engine.spec.draft import fed_at
 from tests.helpers import build_request, shard_fixture, tiny_shard
 from tests.models import build_tiny_model
 from tests.test_speculative import WORDS, chi2_sf, dataclasses_replace, run
@@ -75,6 +78,48 @@ def test_greedy_tokens_equal_plain_decoding_at_batch_1_and_mixed(plain, drafting
             assert accepted > (stats["spec_proposed"] - before["spec_proposed"]) // 2
     assert not shard.adapter.shapes.unwarmed
     assert any(shape[0] == "draft" for shape in shard.adapter.shapes.warmed)
+
+
+def test_the_prefill_step_primes_the_draft_with_each_prompt(drafting, monkeypatch):
+    """The step that prefills a prompt computes the draft's KV of it (all but the latest token),
+    so the first speculative step feeds the draft one token, not the prompt again."""
+    shard = drafting("self")
+    shard.clear()
+    _, cached = shard.prefill(Batch(1, [build_request(4, NEW), build_request(0, NEW)]))
+    rows = shard.batches[cached.id]
+    assert [seq.speculation.valid for seq in rows] == [seq.prompt_len for seq in rows]
+    draft_prefills = []
+    runner = shard.speculator.draft.runner
+    monkeypatch.setattr(runner, "prefill", lambda inputs: draft_prefills.append(inputs))
+    shard.decode([cached])
+    assert draft_prefills == []
+    assert shard.speculator.stats["spec_proposed"] > 0
+
+
+def test_a_batch_too_large_to_speculate_primes_nothing(drafting, monkeypatch):
+    shard = drafting("self")
+    shard.clear()
+    monkeypatch.setattr(shard.speculator, "max_batch", 1)
+    _, cached = shard.prefill(Batch(1, [build_request(4, NEW), build_request(0, NEW)]))
+    assert all(seq.speculation is None for seq in shard.batches[cached.id])
+
+
+def test_the_drafts_catch_up_reads_the_logits_at_each_rows_last_token(drafting):
+    """The draft's verify forward returns [rows, vocab] at each row's last fed token: with the
+    target as its own draft, after two tokens fed they are the target's next-token logits."""
+    shard = drafting("self")
+    shard.clear()
+    _, cached = shard.prefill(Batch(1, [build_request(4, NEW)]))
+    seq = shard.batches[cached.id][0]
+    n = len(seq.token_ids)
+    runner = shard.speculator.draft.runner
+    bucket = runner.plan.verify_bucket(1, 2, -(-(n - 2) // shard.block_size))
+    fed = PrefillInput(seq.token_ids[-2:], seq.slots(n - 2, n), context_slots=seq.slots(0, n - 2))
+    with torch.inference_mode():
+        drafted = runner.verify(bucket, [fed])
+        expected = shard.runner.decode([fed_at(seq, seq.token_ids[-1], n - 1)])
+    assert drafted.shape == expected.shape == (1, shard.model_config.vocab_size)
+    torch.testing.assert_close(drafted, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_seeded_sampling_is_reproducible(drafting):

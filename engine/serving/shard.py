@@ -453,9 +453,10 @@ class Shard:
         start, ctx = self._start_step()
         check_prefill(batch, cached_batch, self.batches, self.allocator.num_blocks, self.block_size)
         sequences = admit_requests(ctx, batch.requests, resume or {})
+        running = len(self.batches.get(cached_batch.id, ())) if cached_batch else 0
         try:
             with self._overlap():
-                generations = prefill_step(ctx, sequences)
+                generations = prefill_step(ctx, sequences, running + len(sequences))
         except Exception:
             self._release(sequences)
             raise

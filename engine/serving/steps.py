@@ -227,11 +227,14 @@ def _cap(ctx: StepContext) -> int:
     return chunk_cap(longest, ctx.block_size) if ctx.contents is not None else longest
 
 
-def prefill_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation]:
+def prefill_step(
+    ctx: StepContext, sequences: list[Sequence], batch_rows: int | None = None
+) -> list[Generation]:
     """The next chunk of each prefilling sequence (all of a prompt that fits); a sequence whose
     prompt is then computed samples its first token (engine/serving/chunks.py). `n`/`best_of`
     siblings compute nothing: once their source's prompt is computed they copy it and sample
-    from its logits (engine/serving/siblings.py)."""
+    from its logits (engine/serving/siblings.py). `batch_rows`: how many rows the batch these
+    join will decode (a draft model computes its KV of the prompts only where it speculates)."""
     shared = siblings.sources(sequences)
     planned = plan_chunks(
         [s for i, s in enumerate(sequences) if i not in shared],
@@ -273,6 +276,12 @@ def prefill_step(ctx: StepContext, sequences: list[Sequence]) -> list[Generation
     generations = (
         _advance(ctx, [s for s, _ in rows], output.logits, [r for _, r in rows]) if rows else []
     )
+    if ctx.speculator is not None:
+        ctx.speculator.prime(
+            [s for s, _ in rows if s.finish_reason is None],
+            len(sequences) if batch_rows is None else batch_rows,
+            ctx.block_size,
+        )
     by_id = {g.request_id: g for g in generations}
     for seq, row in rows:
         logprobs = output.prompt_logprobs.get(row)
@@ -310,7 +319,9 @@ def decode_step(
         s.id for s in sequences if s.prefilling
     }  # before the chunk: a finished one decodes next step
     generations = (
-        prefill_step(ctx, [s for s in sequences if s.id in prefilling]) if prefilling else []
+        prefill_step(ctx, [s for s in sequences if s.id in prefilling], len(sequences))
+        if prefilling
+        else []
     )
     sequences = [s for s in sequences if s.id not in prefilling]
     if not sequences:

@@ -7,9 +7,11 @@ draft's, so the draft needs no allocator of its own. Its buckets (prefill, decod
 widths) are planned for at most SPECULATE_MAX_BATCH rows and warmed with the target's, under shape
 keys of their own ("draft", kind, bucket), so that strict mode covers them too.
 
-Catching up: the draft's KV is valid for a row's first `valid` tokens. Before proposing, every
-token from there to the row's latest is fed (a prompt in one prefill; a step's accepted tokens, one
-or two usually, in a verify-width forward), and the last forward's logits give the first proposal.
+Catching up: the draft's KV is valid for a row's first `valid` tokens. The step that prefills a
+prompt primes the draft with all of it but the latest token (`prime`, where the batch is small
+enough to speculate). Before proposing, every token from `valid` to the row's latest is fed (a
+prompt not primed in one prefill; a step's accepted tokens, one or two usually, in a verify-width
+forward), and the last forward's logits give the first proposal.
 The draft's KV slots of rejected proposals are simply overwritten when the row catches up.
 
 Proposals follow the row's own sampling: greedy rows take the draft's argmax (after the row's
@@ -30,6 +32,21 @@ from engine.runner import DecodeInput, ModelRunner, PrefillInput
 from engine.sampling.sampler import is_sampling, process_scores
 
 DRAFT_SEED_SALT = 0x5DEECE66D  # the draft's generator: the request's seed, salted
+
+
+class DraftRunner(ModelRunner):
+    """The draft's runner. Its verify forwards only catch the draft up, and the next proposal
+    needs the logits at each row's last fed token alone: its verify buckets (warmed and run
+    alike) return [rows, vocab] there, the LM head over one position a row instead of K + 1."""
+
+    @torch.inference_mode()
+    def verify(self, bucket, seqs: list[PrefillInput]) -> torch.Tensor:
+        self.padding.record("decode", len(seqs), bucket.batch_size, bucket)
+        return self._run(("verify", bucket), *self._verify_tensors(bucket, seqs))[: len(seqs)]
+
+    def _verify_tensors(self, bucket, seqs: list[PrefillInput]) -> tuple:
+        ids, positions, meta, last, *lora = self._prefill_tensors(bucket.as_prefill, seqs)
+        return ids, positions, meta, last, *lora
 
 
 class DraftAdapter:
@@ -102,7 +119,7 @@ class DraftModel:
         """Its own cache (the target's block count, so that block ids agree) and plan, warmed."""
         self.release()
         self.runner, self.longest_prefill = warmed_runner(
-            ModelRunner,
+            DraftRunner,
             self.model,
             self.model_config.num_layers,
             self.adapter,
@@ -110,6 +127,22 @@ class DraftModel:
             (limits, num_blocks, block_size, num_tokens, graphless),
         )
         self.width = num_tokens + 1
+
+    @torch.inference_mode()
+    def prime(self, sequences: list) -> None:
+        """In the step that prefills their prompts: the draft's KV of each prompt but its latest
+        token, so that a row's first speculative step feeds the draft one token, not its whole
+        prompt (the prompt's cost belongs to its prefill, not to the running batch's decode)."""
+        inputs = []
+        for seq in sequences:
+            state = _row_state(seq)
+            end = min(len(seq.token_ids) - 1, self.longest_prefill)
+            if self.runner is None or state.valid > 0 or end < 1:
+                continue
+            inputs.append(PrefillInput(seq.token_ids[:end], seq.slots(0, end)))
+            state.valid = end
+        if inputs:
+            self.runner.prefill(inputs)
 
     @torch.inference_mode()
     def propose(self, sequences: list, rooms: list[int]):
@@ -127,7 +160,7 @@ class DraftModel:
             seqs = [sequences[rows[k]] for k in live]
             chosen = self._choose(
                 seqs,
-                torch.stack([logits[k] for k in live]),
+                torch.stack([logits[k] for k in live]) if len(live) > 1 else logits[live[0]][None],
                 [proposals[rows[k]] for k in live],
                 [states[k] for k in live],
             )
@@ -204,7 +237,7 @@ class DraftModel:
         out = host_copy(self.runner.verify(bucket, inputs))
         for row, (k, s, chunk) in enumerate(zip(indices, states, chunks)):
             s.valid += len(chunk)
-            logits[k] = out[row, len(chunk) - 1]
+            logits[k] = out[row]
         return True
 
     def _choose(self, seqs, logits, proposed, states):

@@ -102,6 +102,13 @@ class Speculator:
             return self.num_tokens
         return self.allowed_tokens()
 
+    def prime(self, sequences: list, batch_rows: int, block_size: int) -> None:
+        """Prompts just prefilled, in a batch that will decode `batch_rows` rows: a draft model
+        computes its KV of them now, where that batch is small enough to speculate."""
+        if batch_rows > self.max_batch or not hasattr(self.draft, "prime"):
+            return
+        self.draft.prime([s for s in sequences if room(self, s, block_size) > 0])
+
     def pays(self, rows: int) -> bool:
         """Whether a verify step of `rows` rows emits more tokens per row than it costs in plain
         steps, at the recent acceptance: 1 + accepted per row > verify_cost(rows)."""
@@ -307,6 +314,8 @@ def _at_position(runner, logits, indices: list[int], position: int) -> torch.Ten
     verify bucket's whole output into the sampler's padded rows: its own warmed graph
     (engine/spec/buckets.py's warm_verify_gathers), so the sampler meets its warmed shape."""
     if not runner.adapter.warm_runs_forward:
+        if indices == list(range(logits.shape[0])):  # every row: a view, no gather
+            return logits[:, position]
         return logits[indices, position]
     width = logits.shape[1]
     rows = runner.plan.sampler_rows(len(indices))
