@@ -6,7 +6,9 @@ K 0: off. PROPOSER: ngram (default), or draft: the embedded model's int4 form dr
 target (the embedded model in DTYPE).
 
 The rewrite prompt is scripts/bench_spec_client.py's (the one the llama-server comparison sends).
-Prints the decode rate of three runs after one warm run, the speculation counters and the text.
+Prints the decode rate of three runs after one warm run (tokens after the first over the time
+after the first), the median request time from prefill to the last token, the speculation
+counters and the text.
 """
 
 import sys
@@ -63,12 +65,14 @@ shard = Shard(
 shard.warmup()
 text = chat_prompt(shard.tokenizer, PROMPT)
 one(shard, text, 1)
-rates = []
+rates, totals = [], []
 for r in range(3):
     ids, rate, total = one(shard, text, 10 + r)
     rates.append(rate)
+    totals.append(total)
 print(
     f"K={spec} tokens={len(ids)} decode tok/s runs={[round(x, 1) for x in rates]} median={sorted(rates)[1]:.1f}"
+    f" request ms (prefill included) median={sorted(totals)[1] * 1e3:.0f}"
 )
 if shard.speculator:
     print(shard.speculator.summary())
