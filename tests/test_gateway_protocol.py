@@ -86,8 +86,9 @@ def test_the_gauges_follow_the_scheduler_under_load(launched, lora_dirs):  # noq
     assert [value(scrape(url)[0], name) for name in GAUGES] == [0, 0, 0]
 
 
-def stream(url: str, i: int, events: list, admitted: list) -> None:
-    body = {"inputs": PROMPTS[i % len(PROMPTS)], "parameters": {"max_new_tokens": 30}}
+def stream(url: str, i: int, events: list, admitted: list, new_tokens: int = 30) -> None:
+    parameters = {"max_new_tokens": new_tokens, "ignore_eos": True}
+    body = {"inputs": PROMPTS[i % len(PROMPTS)], "parameters": parameters}
     with httpx.stream("POST", f"{url}/generate_stream", json=body, timeout=300) as response:
         admitted.append(i)  # its headers came: the router queued it
         lines = [line for line in response.iter_lines() if line.startswith("data:")]
@@ -98,11 +99,16 @@ def test_sigterm_drains_the_streams_refuses_new_ones_and_exits_0(launched):  # n
     folder = short_socket_dir()
     launch = launched(
         "--device", "cpu", "--hostname", "127.0.0.1", "--uds-path", f"{folder}/s",
-        "--drain-timeout", "120",
+        "--drain-timeout", "120", "--max-total-tokens", "512",
     )  # fmt: skip
     url = wait_served(launch)
     done, admitted = [], []
-    threads = [threading.Thread(target=stream, args=(url, i, done, admitted)) for i in range(16)]
+    # Stream 0 outlasts the checks after the SIGTERM: once every stream is done the server exits,
+    # and a fast machine finished 16 streams of 30 tokens before the check of /live.
+    threads = [
+        threading.Thread(target=stream, args=(url, i, done, admitted, 440 if i == 0 else 30))
+        for i in range(16)
+    ]
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + 60
