@@ -45,8 +45,7 @@ class DraftRunner(ModelRunner):
         return self._run(("verify", bucket), *self._verify_tensors(bucket, seqs))[: len(seqs)]
 
     def _verify_tensors(self, bucket, seqs: list[PrefillInput]) -> tuple:
-        ids, positions, meta, last, *lora = self._prefill_tensors(bucket.as_prefill, seqs)
-        return ids, positions, meta, last, *lora
+        return self._prefill_tensors(bucket.as_prefill, seqs)  # its logits: each row's last token
 
 
 class DraftAdapter:
