@@ -49,6 +49,7 @@ CASES = {
     "odd block counts, padding blocks and rows": ([13, 3, 21], (3, 2)),
     "a single block": ([3], (0, 0)),
     "one row over many blocks": ([37], (1, 0)),
+    "a lone long row (bfloat16: spans merged)": ([200], (0, 1)),
 }
 
 
@@ -302,10 +303,11 @@ def test_an_eager_bfloat16_shard_uses_the_kernels_and_float32_keeps_pure_torch(t
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_row_by_row_equals_head_by_head(dtype):
     """A batch of two rows a thread or more reads each row's kv heads together, chunk by chunk;
-    fewer rows split by kv head. Both run the same arithmetic in the same order (in bfloat16 the
-    scores are bfloat16 dot products, 16 positions summed at once, on either path): the same
-    bits, whatever the thread count."""
-    case = paged_case([40, 3, 17, 33], dtype, heads=6, kv_heads=2, dim=64, padding=(2, 1))
+    fewer rows split further (float32 by kv head, bfloat16 by spans of 64 positions, merged after).
+    Both run the same arithmetic in the same order (in bfloat16 the scores are bfloat16 dot
+    products, 16 positions summed at once, and every row goes span by span on either path): the
+    same bits, whatever the thread count. A row of 150 positions has three spans."""
+    case = paged_case([40, 3, 150, 33], dtype, heads=6, kv_heads=2, dim=64, padding=(2, 1))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)  # 5 rows, 1 thread: row by row
@@ -317,3 +319,26 @@ def test_decode_attention_row_by_row_equals_head_by_head(dtype):
     assert torch.equal(by_row, by_head)
     reference = flat_attention(*case, 0.125)
     torch.testing.assert_close(by_row.float(), reference.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_crew_hands_every_item_to_one_member(threads):
+    """The fused step's crew (crew.h): one parallel_for's items in contiguous parts, one a member,
+    each item done once; a parallel_for inside a part runs there, whole."""
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        members = cpu_kernels.load().crew_members(10, 1, -1)
+        few = cpu_kernels.load().crew_members(10, 8, -1)  # grain 8: two parts at most
+    finally:
+        torch.set_num_threads(previous)
+    assert members.tolist() == sorted(members.tolist())  # contiguous parts, in member order
+    assert set(members.tolist()) == set(range(threads))
+    assert set(few.tolist()) == set(range(min(threads, 2)))
+
+
+@pytest.mark.parametrize("failing_item", [0, 9])  # the driver's part, then the last member's
+def test_an_error_in_a_crews_part_reaches_the_caller_and_the_crew_ends(failing_item):
+    with pytest.raises(RuntimeError, match=f"item {failing_item} failed"):
+        cpu_kernels.load().crew_members(10, 1, failing_item)
+    assert (cpu_kernels.load().crew_members(10, 1, -1) >= 0).all()  # the next crew runs

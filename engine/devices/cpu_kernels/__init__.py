@@ -11,7 +11,8 @@ products (dot_linear.cpp), else AVX2 fused multiply-adds over weights widened in
 through F.linear reorders the plain weight on every call, which at decode batch
 sizes costs more than the product). --quantize's int4 and int8 weights have their own layouts and
 AVX512-BF16 products (int4_linear.cpp, int8_linear.cpp). decoder.cpp runs a whole decode step, or a
-prefill's packed rows, of a plain Llama-family decoder through these in one call. Each is tested against the pure-torch path, which stays the
+prefill's packed rows, of a plain Llama-family decoder through these in one call, its threads held
+for the whole call (crew.cpp) instead of forked per kernel. Each is tested against the pure-torch path, which stays the
 reference, the fallback where the build fails (no compiler), and the path of every graph device.
 
 The README's set-up (`make`, or `python -m engine.devices.cpu_kernels`) builds them once, about a
@@ -50,9 +51,12 @@ SOURCES = [
         "decoder.cpp",
         "int4_linear.cpp",
         "int8_linear.cpp",
+        "crew.cpp",
     )
 ]
-HEADERS = [HERE / name for name in ("packed.h", "elementwise.h", "vec_math.h", "decoder.h")]
+HEADERS = [
+    HERE / name for name in ("packed.h", "elementwise.h", "vec_math.h", "decoder.h", "crew.h")
+]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 LIBRARY_SUFFIX = ".so"
 

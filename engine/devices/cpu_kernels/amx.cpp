@@ -10,6 +10,7 @@
 
 #include <immintrin.h>
 
+#include "crew.h"
 #include "packed.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -143,7 +144,7 @@ torch::Tensor pack_bf16(torch::Tensor w) {
   auto packed = torch::zeros({blocks, K / 2, AMX_BLOCK, 2}, w.options());
   const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
   auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
       for (int64_t k = 0; k < K; ++k)
         dst[(((n / AMX_BLOCK) * (K / 2) + k / 2) * AMX_BLOCK + n % AMX_BLOCK) * 2 + k % 2] =

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "crew.h"
 #include "decoder.h"
 #include "elementwise.h"
 #include "packed.h"
@@ -55,7 +56,7 @@ void add_into(torch::Tensor& x, const torch::Tensor& delta) {
   const int64_t delta_stride = delta.numel() == x.numel() ? width : 0;
   auto* xp = x.data_ptr<BF16>();
   const auto* dp = delta.data_ptr<BF16>();
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       BF16* out = xp + r * width;
       const BF16* d = dp + r * delta_stride;
@@ -83,7 +84,7 @@ torch::Tensor rotate_and_cache(const torch::Tensor& qkv, const torch::Tensor& co
   auto* values = value_cache.data_ptr<BF16>();
   const int64_t slot_stride = key_cache.stride(0), head_stride = key_cache.stride(1);
   const int64_t items = heads.q + 2 * heads.kv;  // q heads, then k heads, then v heads
-  at::parallel_for(0, rows * items, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows * items, 16, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / items, h = item % items;
       const BF16* src = in + r * width + h * dim;
@@ -194,6 +195,19 @@ torch::Tensor run_layers(torch::Tensor hidden, const std::vector<torch::Tensor>&
   return hidden;
 }
 
+// run_layers with one crew for the whole step (crew.h): no parallel region opens per kernel.
+torch::Tensor layers_with_crew(torch::Tensor hidden, const std::vector<torch::Tensor>& layers,
+                               const torch::Tensor& cos, const torch::Tensor& sin,
+                               const torch::Tensor& slots, const RowSlots& plan, Heads shape,
+                               int64_t intermediate, double eps, double scale, Product multiply) {
+  torch::Tensor out;
+  with_crew([&] {
+    out = run_layers(hidden, layers, cos, sin, slots, plan, shape, intermediate, eps, scale,
+                     multiply);
+  });
+  return out;
+}
+
 // The new tokens come row after row, seq_lens[r] of row r: its i-th attends over the row's cached
 // context (its first context_lens[r] slots of context_slots) and the row's new tokens up to itself.
 RowSlots extended_slots(const torch::Tensor& context_slots, const torch::Tensor& context_lens,
@@ -248,8 +262,8 @@ torch::Tensor decode_layers(torch::Tensor hidden, const std::vector<torch::Tenso
                                 block_groups.to(torch::kLong).contiguous(),
                                 block_bias.to(torch::kFloat).contiguous(), hidden.size(0),
                                 layers[KEY_CACHE].size(0));
-  return run_layers(hidden, layers, cos, sin, slots, plan, shape, intermediate, eps, scale,
-                    product_named(product));
+  return layers_with_crew(hidden, layers, cos, sin, slots, plan, shape, intermediate, eps, scale,
+                          product_named(product));
 }
 
 torch::Tensor extend_layers(torch::Tensor hidden, const std::vector<torch::Tensor>& layers,
@@ -265,7 +279,7 @@ torch::Tensor extend_layers(torch::Tensor hidden, const std::vector<torch::Tenso
   const auto plan = extended_slots(
       context_slots.to(torch::kLong).contiguous(), context_lens.to(torch::kLong).contiguous(),
       slots, seq_lens.to(torch::kLong).contiguous(), layers[KEY_CACHE].size(0));
-  return run_layers(hidden, layers, cos, sin, slots, plan, shape, intermediate, eps, scale,
-                    product_named(product));
+  return layers_with_crew(hidden, layers, cos, sin, slots, plan, shape, intermediate, eps, scale,
+                          product_named(product));
 }
 }  // namespace bucketserve

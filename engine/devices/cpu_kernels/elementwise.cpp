@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "crew.h"
 #include "elementwise.h"
 #include "vec_math.h"
 
@@ -48,7 +49,7 @@ torch::Tensor rotate(const torch::Tensor& x, const torch::Tensor& cos, const tor
   const auto* sp = sin.data_ptr<BF16>();
   auto* op = out.data_ptr<BF16>();
   const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
-  at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / heads, h = item % heads;
       rotate_head(xp + t * token_stride + h * head_stride, cp + t * dim, sp + t * dim,
@@ -88,7 +89,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   auto out = torch::empty(sizes, gate_up.options());
   const auto* in = gate_up.data_ptr<BF16>();
   auto* op = out.data_ptr<BF16>();
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const BF16* gate = in + r * 2 * width;
       const BF16* up = gate + width;

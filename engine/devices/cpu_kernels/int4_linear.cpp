@@ -93,6 +93,11 @@ void int4_tile(const uint16_t* x, int64_t K, const float* xsums, const uint8_t* 
   for (int r = 0; r < ROWS; ++r) store_block_row(y + r * y_stride, acc[r][0], acc[r][1], cols);
 }
 
+// The sum of one group's 32 bfloat16 inputs, in float32.
+inline float group_sum(const uint16_t* x) {
+  return _mm512_reduce_add_ps(_mm512_add_ps(load_bf16(x), load_bf16(x + 16)));
+}
+
 using TileFn = void (*)(const uint16_t*, int64_t, const float*, const uint8_t*, uint16_t*,
                         int64_t, int64_t);
 
@@ -206,8 +211,8 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
     return y;
   }
   std::vector<float> sums(M * (K / GROUP));  // each row's group sums, for the zeros and offsets
-  const auto* values = x.data_ptr<c10::BFloat16>();
-  for (int64_t i = 0; i < M * K; ++i) sums[i / GROUP] += to_float(values[i]);
+  for (int64_t g = 0; g < M * (K / GROUP); ++g)  // rows are K apart, and K holds whole groups
+    sums[g] = group_sum(xp + g * GROUP);
   const float* xsums = sums.data();
   sweep_packed(M, N, blocks, MAX_TILE_ROWS, [&] {
     return [&](int64_t m0, int64_t rows, int64_t b, int64_t cols, bool) {

@@ -16,6 +16,7 @@
 
 #include <immintrin.h>
 
+#include "crew.h"
 #include "packed.h"
 
 namespace bucketserve {
@@ -75,7 +76,7 @@ torch::Tensor pack_int8(torch::Tensor codes, torch::Tensor scale) {
   const auto* q = codes.data_ptr<int8_t>();
   const auto* sp = s.data_ptr<float>();
   auto* out = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       uint8_t* block = out + (n / PACK_BLOCK) * block_bytes(K);
       const int64_t c = n % PACK_BLOCK;

@@ -4,6 +4,7 @@
 // path rounds.
 #include <torch/extension.h>
 
+#include "crew.h"
 #include "decoder.h"
 #include "elementwise.h"
 #include "packed.h"
@@ -192,8 +193,10 @@ bool attend_fixed(int64_t group, int64_t dim, bool scores_phase, const float* in
   return false;
 }
 
-// scores [group, n] -> e^(score - its group's maximum) in place; `sums` gets each group's total.
-inline void softmax_numerators(float* scores, int64_t n, int64_t group, float* sums) {
+// scores [group, n] -> e^(score - its group's maximum) in place; `sums` gets each group's total
+// and `group_maxima`, where given, each group's maximum.
+inline void softmax_numerators(float* scores, int64_t n, int64_t group, float* sums,
+                               float* group_maxima = nullptr) {
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores + g * n;
     float maximum = n > 0 ? row[0] : 0.f;
@@ -218,6 +221,7 @@ inline void softmax_numerators(float* scores, int64_t n, int64_t group, float* s
 #endif
     for (; j < n; ++j) sum += row[j] = std::exp(row[j] - maximum);
     sums[g] = sum;
+    if (group_maxima != nullptr) group_maxima[g] = maximum;
   }
 }
 
@@ -403,11 +407,14 @@ void prefetch_slots(const T* cache, const int64_t* offsets, int64_t count, int64
 // In bfloat16 the scores are bfloat16 dot products, 16 positions summed at once (scores_chunk),
 // the scale applied to the sum; in float32, and for the weighted values, the arithmetic and order
 // of attend_head (the accumulators carried between chunks in float32). Needs fixed_shape.
+// With `maxima`, over just the n slots given (a span of the row, see attend_spans): acc and sums
+// are left unnormalized, relative to each head's maximum, which goes to maxima.
 template <typename T>
-void attend_row(const Attention<T>& a, int64_t row, const std::vector<int64_t>& mine,
+void attend_row(const Attention<T>& a, int64_t row, const int64_t* mine, int64_t n,
                 std::vector<float>& query, std::vector<float>& acc, std::vector<float>& scores,
-                std::vector<float>& sums, std::vector<int64_t>& offsets) {
-  const int64_t n = static_cast<int64_t>(mine.size()), group = a.group, dim = a.dim;
+                std::vector<float>& sums, std::vector<int64_t>& offsets,
+                float* maxima = nullptr) {
+  const int64_t group = a.group, dim = a.dim;
   const int64_t entry = a.kv_heads * a.head_stride * static_cast<int64_t>(sizeof(T));
   scores.resize(a.heads * n);
   offsets.resize(n);
@@ -433,13 +440,88 @@ void attend_row(const Attention<T>& a, int64_t row, const std::vector<int64_t>& 
                        acc.data() + h * group * dim, n, start > 0);
       }
     }
-    if (scores_phase) softmax_numerators(scores.data(), n, a.heads, sums.data());
+    if (scores_phase) softmax_numerators(scores.data(), n, a.heads, sums.data(), maxima);
   }
-  a.store(row, 0, a.heads, acc.data(), sums.data(), n == 0);
+  if (!maxima) a.store(row, 0, a.heads, acc.data(), sums.data(), n == 0);
 }
 
-// out[b, h] = softmax(q[b, h] . K[row b's slots, h / group]) V[...]. A batch of at least two rows
-// a thread goes row by row (attend_row); fewer rows split further, by kv head (attend_head).
+// Positions a span of attend_spans holds: a fixed count, so that the bits do not depend on how
+// the work is split.
+constexpr int64_t SPAN = 64;
+
+// bfloat16 attention span by span, as flash-decoding splits it: each row's slots cut into spans
+// of SPAN positions, each span's heads attended on their own (attend_row over the span: scores,
+// e^(score - the span's maximum), weighted values), then the row's spans merged in order,
+// acc = sum over spans of acc_s e^(max_s - max). `by_row`: a thread takes whole rows; else the
+// spans are shared out (a lone row, whose few kv heads split badly over the threads) and the rows
+// merged after. Both run the same arithmetic in the same order: the same bits either way.
+template <typename T>
+void attend_spans(const Attention<T>& a, const RowSlots& slots, int64_t batch, bool by_row) {
+  const int64_t heads = a.heads, dim = a.dim, stride = heads * (dim + 2);
+  std::vector<int64_t> first_span(batch + 1, 0);  // row r's spans: first_span[r] to [r + 1]
+  for (int64_t r = 0; r < batch; ++r)
+    first_span[r + 1] = first_span[r] + (static_cast<int64_t>(slots[r].size()) + SPAN - 1) / SPAN;
+  // per span: acc [heads, dim], then the heads' sums, then their maxima
+  std::vector<float> partial(first_span[batch] * stride);
+  struct Buffers {
+    std::vector<float> query, acc, scores, sums;
+    std::vector<int64_t> offsets;
+  };
+  const auto attend_span = [&](int64_t row, int64_t span, Buffers& b) {
+    const int64_t start = (span - first_span[row]) * SPAN;
+    const int64_t n = std::min<int64_t>(SPAN, static_cast<int64_t>(slots[row].size()) - start);
+    float* out = partial.data() + span * stride;
+    attend_row(a, row, slots[row].data() + start, n, b.query, b.acc, b.scores, b.sums, b.offsets,
+               out + heads * dim + heads);
+    std::copy(b.acc.begin(), b.acc.end(), out);
+    std::copy(b.sums.begin(), b.sums.end(), out + heads * dim);
+  };
+  const auto merge_row = [&](int64_t row, Buffers& b) {
+    std::fill(b.acc.begin(), b.acc.end(), 0.f);
+    std::fill(b.sums.begin(), b.sums.end(), 0.f);
+    for (int64_t h = 0; h < heads; ++h) {
+      float maximum = -INFINITY;
+      for (int64_t i = first_span[row]; i < first_span[row + 1]; ++i)
+        maximum = std::max(maximum, partial[i * stride + heads * dim + heads + h]);
+      for (int64_t i = first_span[row]; i < first_span[row + 1]; ++i) {
+        const float* span = partial.data() + i * stride;
+        const float weight = std::exp(span[heads * dim + heads + h] - maximum);
+        b.sums[h] += span[heads * dim + h] * weight;
+        for (int64_t d = 0; d < dim; ++d) b.acc[h * dim + d] += span[h * dim + d] * weight;
+      }
+    }
+    a.store(row, 0, heads, b.acc.data(), b.sums.data(), first_span[row] == first_span[row + 1]);
+  };
+  const auto buffers = [&] {
+    return Buffers{std::vector<float>(heads * dim), std::vector<float>(heads * dim), {},
+                   std::vector<float>(heads), {}};
+  };
+  if (by_row) {
+    parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+      Buffers b = buffers();
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t i = first_span[r]; i < first_span[r + 1]; ++i) attend_span(r, i, b);
+        merge_row(r, b);
+      }
+    });
+    return;
+  }
+  std::vector<int64_t> row_of(first_span[batch]);
+  for (int64_t r = 0; r < batch; ++r)
+    std::fill(row_of.begin() + first_span[r], row_of.begin() + first_span[r + 1], r);
+  parallel_for(0, first_span[batch], 1, [&](int64_t begin, int64_t end) {
+    Buffers b = buffers();
+    for (int64_t i = begin; i < end; ++i) attend_span(row_of[i], i, b);
+  });
+  parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    Buffers b = buffers();
+    for (int64_t r = begin; r < end; ++r) merge_row(r, b);
+  });
+}
+
+// out[b, h] = softmax(q[b, h] . K[row b's slots, h / group]) V[...]. bfloat16 goes span by span
+// (attend_spans). float32: a batch of at least two rows a thread goes row by row (attend_row);
+// fewer rows split further, by kv head (attend_head).
 template <typename T>
 void attend_impl(const torch::Tensor& q, const torch::Tensor& key_cache,
                  const torch::Tensor& value_cache, const RowSlots& slots, double scale,
@@ -453,13 +535,18 @@ void attend_impl(const torch::Tensor& q, const torch::Tensor& key_cache,
                        q.stride(1),          key_cache.stride(0),
                        key_cache.stride(1),  static_cast<float>(scale)};
   const bool by_row = fixed_shape(group, dim) && batch >= 2 * at::get_num_threads();
-  at::parallel_for(0, by_row ? batch : batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  if (std::is_same_v<T, c10::BFloat16> && fixed_shape(group, dim)) {
+    attend_spans(a, slots, batch, by_row);
+    return;
+  }
+  parallel_for(0, by_row ? batch : batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     // one thread's buffers, sized for its longest row
     std::vector<float> query(heads * dim), acc(heads * dim), kv(dim), scores, sums(heads);
     std::vector<int64_t> offsets;
     for (int64_t item = begin; item < end; ++item) {
       if (by_row)
-        attend_row(a, item, slots[item], query, acc, scores, sums, offsets);
+        attend_row(a, item, slots[item].data(), static_cast<int64_t>(slots[item].size()), query,
+                   acc, scores, sums, offsets);
       else
         attend_head(a, item / kv_heads, item % kv_heads, slots[item / kv_heads], query, acc, kv,
                     scores, sums, offsets);
@@ -515,7 +602,7 @@ namespace bucketserve {
 // normalized row stored as T before the product.
 template <typename T>
 void rms_norm_impl(const T* x, const T* weight, T* out, int64_t rows, int64_t hidden, float eps) {
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> row(hidden);
     for (int64_t r = begin; r < end; ++r) {
       load_row(x + r * hidden, row.data(), hidden);
@@ -581,4 +668,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "every layer of a plain Llama-family bfloat16 decode step in one call");
   m.def("extend_layers", &bucketserve::extend_layers, free,
         "decode_layers for rows of several new tokens over cached context");
+  m.def("crew_members", &bucketserve::crew_members, free,
+        "for the tests: which crew thread took each item of one parallel_for");
 }

@@ -7,6 +7,8 @@
 
 #include <torch/extension.h>
 
+#include "crew.h"
+
 #include <array>
 #include <utility>
 
@@ -69,7 +71,7 @@ torch::Tensor fma_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
 // tile(first row, rows, block, columns in it, whether this is the block's first pass).
 template <typename MakeTile>
 void sweep_packed(int64_t M, int64_t N, int64_t blocks, int64_t tile_rows, MakeTile make_tile) {
-  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+  parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
     auto tile = make_tile();
     for (int64_t outer = 0; outer < M; outer += ROWS_RESIDENT) {
       const int64_t outer_end = std::min(M, outer + ROWS_RESIDENT);
