@@ -112,9 +112,7 @@ void with_crew(const std::function<void()>& drive) {
   }
   if (c.error) std::rethrow_exception(c.error);
 }
-}  // namespace bucketserve
 
-namespace bucketserve {
 torch::Tensor crew_members(int64_t items, int64_t grain, int64_t failing_item) {
   auto members = torch::full({items}, -1, torch::kLong);
   auto* out = members.data_ptr<int64_t>();

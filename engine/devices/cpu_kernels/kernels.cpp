@@ -345,8 +345,9 @@ struct Attention {
 constexpr int64_t CHUNK = 16;  // positions a row reads for all its kv heads before moving on
 
 // A bfloat16 head group's scores at n positions (keys + offsets[j]) into scores[g * stride + j],
-// in scores_chunk's bfloat16 dot products, 16 positions at a time: both attention paths score so,
-// whichever splits the work. False where they do not (float32, other shapes, no AVX512-BF16).
+// in scores_chunk's bfloat16 dot products, 16 positions at a time: attend_row scores so, and
+// bfloat16 goes span by span through it on every path. False where it does not (float32, other
+// shapes, no AVX512-BF16).
 template <typename T>
 bool bf16_scores(const Attention<T>& a, int64_t row, int64_t kv_head, const T* keys,
                  const int64_t* offsets, int64_t n, float* scores, int64_t stride) {
@@ -363,7 +364,8 @@ bool bf16_scores(const Attention<T>& a, int64_t row, int64_t kv_head, const T* k
   return false;
 }
 
-// One (row, kv head): every position of the row for that head's query group.
+// One (row, kv head): every position of the row for that head's query group (float32, and
+// bfloat16 heads of a shape attend_row has no compiled form for).
 template <typename T>
 void attend_head(const Attention<T>& a, int64_t row, int64_t kv_head,
                  const std::vector<int64_t>& mine, std::vector<float>& query,
@@ -375,8 +377,7 @@ void attend_head(const Attention<T>& a, int64_t row, int64_t kv_head,
   for (int64_t j = 0; j < n; ++j)  // element offsets of the row's keys and values
     valid[j] = mine[j] * a.slot_stride + kv_head * a.head_stride;
   a.load_queries(row, kv_head * group, group, query.data());
-  if (!bf16_scores(a, row, kv_head, a.keys, valid.data(), n, scores.data(), n) &&
-      !attend_fixed(group, dim, true, query.data(), a.keys, valid.data(), n, scores.data(), n,
+  if (!attend_fixed(group, dim, true, query.data(), a.keys, valid.data(), n, scores.data(), n,
                     false))
     for (int64_t j = 0; j < n; ++j)
       score_position(query.data(), a.keys + valid[j], group, dim, kv.data(), &scores[j], n);
