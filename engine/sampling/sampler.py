@@ -222,6 +222,12 @@ def choose(
     return Choice(chosen.tolist(), chosen_logprobs.tolist(), _top_tokens(logprobs, top_n))
 
 
+def plain_greedy(state: SamplingState) -> bool:
+    """Whether the row's next token is the argmax of its logits as they are: it does not sample,
+    and no processor (penalty, bias, watermark) changes its scores."""
+    return not is_sampling(state.params) and _Rows.of([state]).plain()
+
+
 def process_scores(
     logits: torch.Tensor,
     states: list[SamplingState],

@@ -443,15 +443,64 @@ class FusedDecoder:
             for layer in model.layers
         ]
 
+    def _layer_tensors(self) -> list[torch.Tensor]:
+        tensors = []
+        for weights, layer in zip(self.weights, self.model.layers):
+            tensors += [*weights, *layer.self_attn.kv_cache]  # bound after load: read per step
+        return tensors
+
+    def takes_greedy_steps(self) -> bool:
+        """Whether greedy_steps runs this model: its final norm, LM head and embedding are the
+        fused kernels' own (an RMS norm, a packed LM head, a bfloat16 or int8 embedding of one
+        shard) and nothing follows the LM head (no final soft cap)."""
+        from engine.layers.norm import RMSNorm
+        from engine.layers.quant import Int8Weight
+
+        model = self.model
+        head, table = model.lm_head.quantized, model.embed_tokens.quantized
+        return (
+            type(model.norm) is RMSNorm
+            and model.norm.fused is not None
+            and model.config.final_softcap is None
+            and getattr(head, "product", None) is not None
+            and head.out_features == model.config.vocab_size
+            and getattr(model.rotary, "long_from", None) is None
+            and (
+                table is None or (type(table) is Int8Weight and table.scale.dtype == torch.bfloat16)
+            )
+        )
+
+    def greedy_steps(self, token: int, position: int, steps: int, slots: list[int]) -> list[int]:
+        """`steps` greedy decode steps of one row, each feeding the token the last one chose (the
+        first: `token`, at `position`) and taking the argmax of its logits, in one call: the
+        tokens the row's steps one by one through the model's forward and torch.argmax choose.
+        `slots`: the row's cache slots of positions 0 through position + steps - 1."""
+        model = self.model
+        table = model.embed_tokens.quantized
+        embedding, table_scale = (
+            (model.embed_tokens.weight, torch.empty(0))
+            if table is None
+            else (table.codes, table.scale)
+        )
+        positions = torch.arange(position, position + steps)
+        cos, sin = model.rotary.cos_sin(positions, torch.bfloat16)
+        head = model.lm_head.quantized
+        tokens = load().greedy_steps(
+            token, position, steps, self._layer_tensors(),
+            embedding, table_scale, model.norm.weight, model.norm.eps,
+            head.packed, head.out_features, head.product,
+            cos, sin, torch.tensor(slots, dtype=torch.long),
+            self.heads, self.kv_heads, self.intermediate, self.eps, self.scale, self.product,
+        )  # fmt: skip
+        return tokens.tolist()
+
     def __call__(self, hidden: torch.Tensor, rope: tuple, meta) -> torch.Tensor | None:
         """The hidden states after every layer, or None where the step is not one this call takes
         (a prefill of more than EXTEND_WIDTH tokens a row, or with image tokens): the modules run
         it."""
         from engine.attention import DecodeMetadata
 
-        tensors = []
-        for weights, layer in zip(self.weights, self.model.layers):
-            tensors += [*weights, *layer.self_attn.kv_cache]  # bound after load: read per step
+        tensors = self._layer_tensors()
         cos, sin = rope
         shapes = (self.heads, self.kv_heads, self.intermediate, self.eps, self.scale, self.product)
         if isinstance(meta, DecodeMetadata):

@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -264,6 +265,81 @@ torch::Tensor decode_layers(torch::Tensor hidden, const std::vector<torch::Tenso
                                 layers[KEY_CACHE].size(0));
   return layers_with_crew(hidden, layers, cos, sin, slots, plan, shape, intermediate, eps, scale,
                           product_named(product));
+}
+
+namespace {
+// One token's embedding row: a bfloat16 table's row, or an int8 table's codes times the token's
+// scale, rounded to bfloat16 as engine.layers.quant.Int8Weight.rows computes it.
+torch::Tensor embedding_row(const torch::Tensor& table, const torch::Tensor& scale, int64_t token) {
+  if (scale.numel() == 0) return table.narrow(0, token, 1).clone();
+  const int64_t width = table.size(1);
+  auto row = torch::empty({1, width}, table.options().dtype(torch::kBFloat16));
+  const int8_t* codes = table.data_ptr<int8_t>() + token * width;
+  const float s = static_cast<float>(scale.data_ptr<BF16>()[token]);
+  auto* out = row.data_ptr<BF16>();
+  for (int64_t j = 0; j < width; ++j) out[j] = BF16(static_cast<float>(codes[j]) * s);
+  return row;
+}
+
+// torch.argmax of one row of bfloat16 logits: the first largest value (the first NaN, if any).
+int64_t first_argmax(const torch::Tensor& logits) {
+  const auto* v = logits.data_ptr<BF16>();
+  int64_t best = 0;
+  float top = static_cast<float>(v[0]);
+  if (std::isnan(top)) return 0;
+  for (int64_t i = 1; i < logits.numel(); ++i) {
+    const float x = static_cast<float>(v[i]);
+    if (std::isnan(x)) return i;
+    if (x > top) top = x, best = i;
+  }
+  return best;
+}
+}  // namespace
+
+torch::Tensor greedy_steps(int64_t token, int64_t position, int64_t steps,
+                           const std::vector<torch::Tensor>& layers, torch::Tensor embedding,
+                           torch::Tensor embedding_scale, torch::Tensor norm_weight,
+                           double norm_eps, torch::Tensor lm_head, int64_t vocab,
+                           const std::string& lm_product, torch::Tensor cos, torch::Tensor sin,
+                           torch::Tensor slots, int64_t heads, int64_t kv_heads,
+                           int64_t intermediate, double eps, double scale,
+                           const std::string& product) {
+  TORCH_CHECK(steps >= 1 && position >= 0, "at least one step, from a position >= 0");
+  TORCH_CHECK(embedding.dim() == 2 && token >= 0 && token < embedding.size(0), "token ", token,
+              " is outside the embedding");
+  TORCH_CHECK(embedding_scale.numel() == 0
+                  ? embedding.scalar_type() == torch::kBFloat16
+                  : embedding.scalar_type() == torch::kChar &&
+                        embedding_scale.scalar_type() == torch::kBFloat16 &&
+                        embedding_scale.numel() == embedding.size(0),
+              "a bfloat16 embedding, or int8 codes with one bfloat16 scale a row");
+  embedding = embedding.contiguous();
+  slots = slots.to(torch::kLong).contiguous();
+  cos = cos.reshape({steps, -1}).contiguous();
+  sin = sin.reshape({steps, -1}).contiguous();
+  TORCH_CHECK(slots.numel() == position + steps, "one slot for every position through the last");
+  const auto* every = slots.data_ptr<int64_t>();
+  const int64_t cache_slots = layers.at(KEY_CACHE).size(0);
+  for (int64_t i = 0; i < slots.numel(); ++i)
+    TORCH_CHECK(every[i] >= 0 && every[i] < cache_slots, "slot ", every[i], " is outside the cache");
+  const Product multiply = product_named(product), lm = product_named(lm_product);
+  auto tokens = torch::empty({steps}, torch::kLong);
+  auto* chosen = tokens.data_ptr<int64_t>();
+  with_crew([&] {
+    for (int64_t i = 0; i < steps; ++i) {
+      auto hidden = embedding_row(embedding, embedding_scale, token);
+      auto step_cos = cos.narrow(0, i, 1), step_sin = sin.narrow(0, i, 1);
+      auto slot = slots.narrow(0, position + i, 1);
+      const Heads shape = prepare_inputs(hidden, layers, step_cos, step_sin, slot, heads, kv_heads);
+      // the row attends over every position through its new one, in order (valid_slots' order)
+      const RowSlots plan{std::vector<int64_t>(every, every + position + i + 1)};
+      hidden = run_layers(hidden, layers, step_cos, step_sin, slot, plan, shape, intermediate,
+                          eps, scale, multiply);
+      token = first_argmax(lm(rms_norm(hidden, norm_weight, norm_eps), lm_head, vocab));
+      chosen[i] = token;
+    }
+  });
+  return tokens;
 }
 
 torch::Tensor extend_layers(torch::Tensor hidden, const std::vector<torch::Tensor>& layers,

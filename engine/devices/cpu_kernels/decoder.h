@@ -39,4 +39,18 @@ torch::Tensor extend_layers(torch::Tensor hidden, const std::vector<torch::Tenso
                             torch::Tensor seq_lens, int64_t heads, int64_t kv_heads,
                             int64_t intermediate, double eps, double scale,
                             const std::string& product);
+
+// `steps` greedy decode steps of one row (a draft model's proposals) in one call: each embeds
+// `token` (a bfloat16 table, or int8 codes and their per-row bfloat16 scales), runs every layer
+// as decode_layers does at the next position from `position` on, the final RMS norm and the LM
+// head (`lm_product` over `lm_head`, `vocab` columns), and takes torch.argmax's token as the next.
+// slots: the row's cache slots of positions 0 through position + steps - 1. Returns the tokens.
+torch::Tensor greedy_steps(int64_t token, int64_t position, int64_t steps,
+                           const std::vector<torch::Tensor>& layers, torch::Tensor embedding,
+                           torch::Tensor embedding_scale, torch::Tensor norm_weight,
+                           double norm_eps, torch::Tensor lm_head, int64_t vocab,
+                           const std::string& lm_product, torch::Tensor cos, torch::Tensor sin,
+                           torch::Tensor slots, int64_t heads, int64_t kv_heads,
+                           int64_t intermediate, double eps, double scale,
+                           const std::string& product);
 }  // namespace bucketserve
