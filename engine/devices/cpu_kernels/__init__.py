@@ -12,7 +12,9 @@ through F.linear reorders the plain weight on every call, which at decode batch
 sizes costs more than the product). --quantize's int4 and int8 weights have their own layouts and
 AVX512-BF16 products (int4_linear.cpp, int8_linear.cpp). decoder.cpp runs a whole decode step, or a
 prefill's packed rows, of a plain Llama-family decoder through these in one call, its threads held
-for the whole call (crew.cpp) instead of forked per kernel. Each is tested against the pure-torch path, which stays the
+for the whole call (crew.cpp) instead of forked per kernel; its greedy_steps runs several greedy
+decode steps of one row (a draft model's proposals) with the final norm, LM head and argmax in the
+same call. Each is tested against the pure-torch path, which stays the
 reference, the fallback where the build fails (no compiler), and the path of every graph device.
 
 The README's set-up (`make`, or `python -m engine.devices.cpu_kernels`) builds them once, about a
