@@ -54,18 +54,21 @@ def fill_caches(shard: Shard) -> None:
 
 
 def decode_both_ways(shard: Shard, rows: list[DecodeInput]):
-    """(logits, the rows' new cache entries) through the modules, then through the fused step."""
-    fused, results = shard.model.fused_decode, []
-    for hook in (None, fused):
+    """(logits, the rows' new cache entries) through the modules, then through the fused step
+    and final logits."""
+    model, results = shard.model, []
+    fused, final = model.fused_decode, model.fused_final
+    assert final is not None
+    for hooks in ((None, None), (fused, final)):
         fill_caches(shard)
-        shard.model.fused_decode = hook
+        model.fused_decode, model.fused_final = hooks
         logits = shard.runner.decode(rows)
         written = [
             torch.stack([cache[[row.slot for row in rows]] for cache in layer.self_attn.kv_cache])
             for layer in shard.model.layers
         ]
         results.append((logits, torch.stack(written)))
-    shard.model.fused_decode = fused
+    model.fused_decode, model.fused_final = fused, final
     return results
 
 

@@ -148,6 +148,9 @@ class LlamaForCausalLM(nn.Module):
     # or None where it does not take that forward; set by the device adapter where plain_decoder()
     # holds (the CPU one's engine.devices.cpu_kernels.FusedDecoder). None runs the layers one by one.
     fused_decode = None
+    # Likewise fn(hidden, logits_indices) -> the float32 logits of final_logits (norm and LM head)
+    # in one call, or None where it does not take them.
+    fused_final = None
 
     def __init__(
         self,
@@ -231,6 +234,10 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def final_logits(self, hidden, logits_indices) -> torch.Tensor:
+        if self.fused_final is not None:  # the device's norm and LM head in one call
+            logits = self.fused_final(hidden, logits_indices)
+            if logits is not None:
+                return logits
         hidden = (
             self.norm(hidden).reshape(-1, self.config.hidden_size).index_select(0, logits_indices)
         )

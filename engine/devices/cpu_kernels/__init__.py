@@ -431,6 +431,8 @@ class FusedDecoder:
         self.scale = first.self_attn.scale
         self.eps = first.input_layernorm.eps
         self.intermediate = first.mlp.down_proj.quantized.in_features
+        self.attentions = [layer.self_attn for layer in model.layers]
+        self._tensors, self._caches = None, []
         none = torch.empty(0, dtype=torch.bfloat16)
         self.weights = [
             [
@@ -446,30 +448,49 @@ class FusedDecoder:
         ]
 
     def _layer_tensors(self) -> list[torch.Tensor]:
-        tensors = []
-        for weights, layer in zip(self.weights, self.model.layers):
-            tensors += [*weights, *layer.self_attn.kv_cache]  # bound after load: read per step
-        return tensors
+        """Every layer's weights and KV cache, in decode_layers' order. The caches are bound
+        after load and again at each warmup: the list is rebuilt when one of them changed."""
+        caches = [attention.kv_cache for attention in self.attentions]
+        if self._tensors is None or any(a is not b for a, b in zip(caches, self._caches)):
+            self._tensors = [t for w, cache in zip(self.weights, caches) for t in (*w, *cache)]
+            self._caches = caches
+        return self._tensors
 
-    def takes_greedy_steps(self) -> bool:
-        """Whether greedy_steps runs this model: its final norm, LM head and embedding are the
-        fused kernels' own (an RMS norm, a packed LM head, a bfloat16 or int8 embedding of one
-        shard) and nothing follows the LM head (no final soft cap)."""
+    def takes_final_logits(self) -> bool:
+        """Whether final_logits runs this model's: an RMS norm of the fused kernel, a packed LM
+        head of the whole vocabulary (one shard) and nothing after it (no final soft cap)."""
         from engine.layers.norm import RMSNorm
-        from engine.layers.quant import Int8Weight
 
-        model = self.model
-        head, table = model.lm_head.quantized, model.embed_tokens.quantized
+        model, head = self.model, self.model.lm_head.quantized
         return (
             type(model.norm) is RMSNorm
             and model.norm.fused is not None
             and model.config.final_softcap is None
             and getattr(head, "product", None) is not None
             and head.out_features == model.config.vocab_size
+        )
+
+    def takes_greedy_steps(self) -> bool:
+        """Whether greedy_steps runs this model: final_logits does, its embedding is a bfloat16 or
+        int8 table of one shard and its rope one table (no longrope switch)."""
+        from engine.layers.quant import Int8Weight
+
+        model, table = self.model, self.model.embed_tokens.quantized
+        int8_table = type(table) is Int8Weight and table.scale.dtype == torch.bfloat16
+        return (
+            self.takes_final_logits()
             and getattr(model.rotary, "long_from", None) is None
-            and (
-                table is None or (type(table) is Int8Weight and table.scale.dtype == torch.bfloat16)
-            )
+            and (table is None or int8_table)
+        )
+
+    def final_logits(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor | None:
+        """The model's final_logits (norm, LM head, float32) in one call, or None where it does
+        not take them (takes_final_logits, bfloat16 hidden states)."""
+        if hidden.dtype != torch.bfloat16 or not self.takes_final_logits():
+            return None
+        norm, head = self.model.norm, self.model.lm_head.quantized
+        return load().final_logits(
+            hidden, indices, norm.weight, norm.eps, head.packed, head.out_features, head.product
         )
 
     def greedy_steps(self, token: int, position: int, steps: int, slots: list[int]) -> list[int]:
@@ -550,4 +571,6 @@ def install_decoder(model: torch.nn.Module) -> bool:
     if len(products) != 1 or None in products:
         return False  # torch's quantized kernels, or unpacked weights: the layers run as modules
     model.fused_decode = FusedDecoder(model, projections[0].quantized.product)
+    if hasattr(model, "fused_final"):
+        model.fused_final = model.fused_decode.final_logits
     return True

@@ -296,6 +296,16 @@ int64_t first_argmax(const torch::Tensor& logits) {
 }
 }  // namespace
 
+torch::Tensor final_logits(torch::Tensor hidden, torch::Tensor indices, torch::Tensor norm_weight,
+                           double norm_eps, torch::Tensor lm_head, int64_t vocab,
+                           const std::string& lm_product) {
+  TORCH_CHECK(hidden.scalar_type() == torch::kBFloat16, "bfloat16 hidden states expected");
+  // the norm works row by row: norming the chosen rows alone gives the same bits
+  auto rows = hidden.reshape({-1, hidden.size(-1)}).index_select(0, indices);
+  return product_named(lm_product)(rms_norm(rows, norm_weight, norm_eps), lm_head, vocab)
+      .to(torch::kFloat);
+}
+
 torch::Tensor greedy_steps(int64_t token, int64_t position, int64_t steps,
                            const std::vector<torch::Tensor>& layers, torch::Tensor embedding,
                            torch::Tensor embedding_scale, torch::Tensor norm_weight,

@@ -40,6 +40,13 @@ torch::Tensor extend_layers(torch::Tensor hidden, const std::vector<torch::Tenso
                             int64_t intermediate, double eps, double scale,
                             const std::string& product);
 
+// The float32 logits of `indices`' rows of hidden [.., hidden size] (bfloat16): the final RMS norm
+// and the packed LM head (`lm_product`, `vocab` columns), as the model's final_logits computes
+// them, in one call.
+torch::Tensor final_logits(torch::Tensor hidden, torch::Tensor indices, torch::Tensor norm_weight,
+                           double norm_eps, torch::Tensor lm_head, int64_t vocab,
+                           const std::string& lm_product);
+
 // `steps` greedy decode steps of one row (a draft model's proposals) in one call: each embeds
 // `token` (a bfloat16 table, or int8 codes and their per-row bfloat16 scales), runs every layer
 // as decode_layers does at the next position from `position` on, the final RMS norm and the LM

@@ -669,6 +669,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "every layer of a plain Llama-family bfloat16 decode step in one call");
   m.def("extend_layers", &bucketserve::extend_layers, free,
         "decode_layers for rows of several new tokens over cached context");
+  m.def("final_logits", &bucketserve::final_logits, free,
+        "the final RMS norm and packed LM head of chosen rows, as float32 logits");
   m.def("greedy_steps", &bucketserve::greedy_steps, free,
         "greedy decode steps of one row: layers, final norm, LM head and argmax, in one call");
   m.def("crew_members", &bucketserve::crew_members, free,
