@@ -47,7 +47,7 @@ def test_the_gauges_follow_the_scheduler_under_load(launched, lora_dirs):  # noq
     spec = ",".join(f"{name}={path}" for name, path in lora_dirs.items())
     launch = launched(
         "--device", "cpu", "--hostname", "127.0.0.1", "--uds-path", f"{folder}/s",
-        "--lora-adapters", spec, "--max-batch-size", "4",
+        "--lora-adapters", spec, "--max-batch-size", "2",
     )  # fmt: skip
     url = wait_served(launch)
     samples, types = scrape(url)
