@@ -485,10 +485,13 @@ class FusedDecoder:
         not take them (takes_final_logits, bfloat16 hidden states)."""
         if hidden.dtype != torch.bfloat16 or not self.takes_final_logits():
             return None
+        return load().final_logits(hidden, indices, *self._final_tensors())
+
+    def _final_tensors(self) -> tuple:
+        """The final norm's and the packed LM head's arguments, as final_logits and greedy_steps
+        take them: norm weight and eps, head, vocabulary, the head's product."""
         norm, head = self.model.norm, self.model.lm_head.quantized
-        return load().final_logits(
-            hidden, indices, norm.weight, norm.eps, head.packed, head.out_features, head.product
-        )
+        return norm.weight, norm.eps, head.packed, head.out_features, head.product
 
     def greedy_steps(self, token: int, position: int, steps: int, slots: list[int]) -> list[int]:
         """`steps` greedy decode steps of one row, each feeding the token the last one chose (the
@@ -504,11 +507,9 @@ class FusedDecoder:
         )
         positions = torch.arange(position, position + steps)
         cos, sin = model.rotary.cos_sin(positions, torch.bfloat16)
-        head = model.lm_head.quantized
         tokens = load().greedy_steps(
             token, position, steps, self._layer_tensors(),
-            embedding, table_scale, model.norm.weight, model.norm.eps,
-            head.packed, head.out_features, head.product,
+            embedding, table_scale, *self._final_tensors(),
             cos, sin, torch.tensor(slots, dtype=torch.long),
             self.heads, self.kv_heads, self.intermediate, self.eps, self.scale, self.product,
         )  # fmt: skip

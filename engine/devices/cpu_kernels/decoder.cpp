@@ -294,6 +294,14 @@ int64_t first_argmax(const torch::Tensor& logits) {
   }
   return best;
 }
+
+// The model's last step on some rows of hidden states: the final RMS norm, then the LM head
+// (bfloat16 logits, as the modules round them).
+torch::Tensor normed_logits(const torch::Tensor& rows, const torch::Tensor& norm_weight,
+                            double norm_eps, const torch::Tensor& lm_head, int64_t vocab,
+                            Product lm) {
+  return lm(rms_norm(rows, norm_weight, norm_eps), lm_head, vocab);
+}
 }  // namespace
 
 torch::Tensor final_logits(torch::Tensor hidden, torch::Tensor indices, torch::Tensor norm_weight,
@@ -302,7 +310,7 @@ torch::Tensor final_logits(torch::Tensor hidden, torch::Tensor indices, torch::T
   TORCH_CHECK(hidden.scalar_type() == torch::kBFloat16, "bfloat16 hidden states expected");
   // the norm works row by row: norming the chosen rows alone gives the same bits
   auto rows = hidden.reshape({-1, hidden.size(-1)}).index_select(0, indices);
-  return product_named(lm_product)(rms_norm(rows, norm_weight, norm_eps), lm_head, vocab)
+  return normed_logits(rows, norm_weight, norm_eps, lm_head, vocab, product_named(lm_product))
       .to(torch::kFloat);
 }
 
@@ -345,7 +353,7 @@ torch::Tensor greedy_steps(int64_t token, int64_t position, int64_t steps,
       const RowSlots plan{std::vector<int64_t>(every, every + position + i + 1)};
       hidden = run_layers(hidden, layers, step_cos, step_sin, slot, plan, shape, intermediate,
                           eps, scale, multiply);
-      token = first_argmax(lm(rms_norm(hidden, norm_weight, norm_eps), lm_head, vocab));
+      token = first_argmax(normed_logits(hidden, norm_weight, norm_eps, lm_head, vocab, lm));
       chosen[i] = token;
     }
   });
