@@ -250,7 +250,8 @@ RowSlots valid_slots(const torch::Tensor& block_list, const torch::Tensor& block
 #if defined(__AVX512BF16__)
 // r[j] = the sum of the 16 lanes of a[j], for 16 vectors: a transposing tree of adds (45 shuffles
 // and adds for 16 sums, where one horizontal sum each would take about 9).
-inline __m512 sum_lanes16(__m512 a[16]) {
+// Inlined into its caller, so that the 16 sums stay in registers (a call spilled them to the stack).
+__attribute__((always_inline)) inline __m512 sum_lanes16(__m512 a[16]) {
   __m512 b[8], c[4], d[2];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
     b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
@@ -364,6 +365,16 @@ bool bf16_scores(const Attention<T>& a, int64_t row, int64_t kv_head, const T* k
   return false;
 }
 
+// Whether bf16_scores takes this attention's scores (its float32 queries then go unused).
+template <typename T>
+bool scores_in_bf16(const Attention<T>& a) {
+#if defined(__AVX512BF16__)
+  return std::is_same_v<T, c10::BFloat16> && fixed_shape(a.group, a.dim);
+#else
+  return false;
+#endif
+}
+
 // One (row, kv head): every position of the row for that head's query group (float32, and
 // bfloat16 heads of a shape attend_row has no compiled form for).
 template <typename T>
@@ -420,7 +431,8 @@ void attend_row(const Attention<T>& a, int64_t row, const int64_t* mine, int64_t
   scores.resize(a.heads * n);
   offsets.resize(n);
   for (int64_t j = 0; j < n; ++j) offsets[j] = mine[j] * a.slot_stride;
-  a.load_queries(row, 0, a.heads, query.data());
+  const bool in_bf16 = scores_in_bf16(a);
+  if (!in_bf16) a.load_queries(row, 0, a.heads, query.data());  // bf16 scores read q as it is
   for (const bool scores_phase : {true, false}) {
     const T* cache = scores_phase ? a.keys : a.values;
     prefetch_slots(cache, offsets.data(), std::min(CHUNK, n), entry);
@@ -432,7 +444,8 @@ void attend_row(const Attention<T>& a, int64_t row, const int64_t* mine, int64_t
         float* head_scores = scores.data() + h * group * n + start;
         const T* head_cache = cache + h * a.head_stride;
         if (scores_phase) {
-          if (!bf16_scores(a, row, h, head_cache, offsets.data() + start, count, head_scores, n))
+          if (!in_bf16 ||
+              !bf16_scores(a, row, h, head_cache, offsets.data() + start, count, head_scores, n))
             attend_fixed(group, dim, true, query.data() + h * group * dim, head_cache,
                          offsets.data() + start, count, head_scores, n, false);
         }
