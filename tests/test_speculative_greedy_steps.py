@@ -59,9 +59,9 @@ def recorded(shard, requests, monkeypatch):
         proposals.append(out[0])
         return out
 
-    def counting_steps(self, *args):
-        calls.append(args[2])  # steps
-        return steps(self, *args)
+    def counting_steps(self, fed, position, count, slots):
+        calls.append((len(fed), count))
+        return steps(self, fed, position, count, slots)
 
     with monkeypatch.context() as patch:
         patch.setattr(DraftModel, "propose", recording_propose)
@@ -71,7 +71,7 @@ def recorded(shard, requests, monkeypatch):
 
 
 def the_loop_only(patch):
-    patch.setattr(DraftRunner, "greedy_steps", lambda self, seq, token, count: None)
+    patch.setattr(DraftRunner, "greedy_steps", lambda self, seq, fed, position, count: None)
 
 
 @pytest.mark.parametrize("quantize", ["none", "int4"])
@@ -79,7 +79,8 @@ def test_a_lone_greedy_rows_proposals_are_the_one_step_loops(shards, quantize, m
     shard = shards(quantize)
     assert shard.speculator.draft.model.fused_decode.takes_greedy_steps()
     tokens, fused, calls = recorded(shard, [build_request(0, NEW)], monkeypatch)
-    assert calls and max(calls) == K - 1  # the first proposal comes from the catch-up's logits
+    # every call but the last few (fewer tokens left to propose) catches up and proposes all of K
+    assert calls and max(count for _, count in calls) == K
     with monkeypatch.context() as patch:
         the_loop_only(patch)
         loop_tokens, looped, loop_calls = recorded(shard, [build_request(0, NEW)], monkeypatch)
@@ -121,7 +122,33 @@ def test_a_step_at_an_unwarmed_bucket_leaves_the_row_to_the_loop(shards, monkeyp
             size = runner.block_size
             return [self.blocks[p // size] * size + p % size for p in range(start, end)]
 
-    assert runner.greedy_steps(Row(), 5, 3) is None
+    assert runner.greedy_steps(Row(), [5], 20, 3) is None  # proposals at positions 20-22
+    assert runner.greedy_steps(Row(), [18, 19], 18, 3) is None  # a catch-up, then 21 and 22
+    assert runner.greedy_steps(Row(), [13, 14], 13, 2) is not None  # positions 13-15: one block
+
+
+def test_the_catch_up_and_the_proposals_are_one_call(shards, monkeypatch):
+    """After the prompt's prefill primed the draft, a lone greedy row's catch-up (its latest
+    token, then each verify's last proposal and bonus token: the bfloat16 draft has every proposal
+    accepted) runs inside the fused call, not through the draft runner's verify forward, and the
+    proposals are still the loop's (whose catch-up runs in the width-2 verify bucket)."""
+    shard = shards("none")
+    verify, catch_ups = DraftRunner.verify, []
+
+    def counting_verify(self, bucket, seqs):
+        catch_ups.append(bucket.width)
+        return verify(self, bucket, seqs)
+
+    monkeypatch.setattr(DraftRunner, "verify", counting_verify)
+    tokens, fused, calls = recorded(shard, [build_request(0, NEW)], monkeypatch)
+    assert not catch_ups
+    assert {width for width, _ in calls} == {1, 2}
+    with monkeypatch.context() as patch:
+        the_loop_only(patch)
+        loop_tokens, looped, _ = recorded(shard, [build_request(0, NEW)], monkeypatch)
+    assert catch_ups and set(catch_ups) == {2}
+    assert fused == looped
+    assert tokens == loop_tokens == run(shards("plain"), [build_request(0, NEW)])
 
 
 @pytest.mark.slow

@@ -10,8 +10,10 @@ keys of their own ("draft", kind, bucket), so that strict mode covers them too.
 Catching up: the draft's KV is valid for a row's first `valid` tokens. The step that prefills a
 prompt primes the draft with all of it but the latest token (`prime`, where the batch is small
 enough to speculate). Before proposing, every token from `valid` to the row's latest is fed (a
-prompt not primed in one prefill; a step's accepted tokens, one or two usually, in a verify-width
-forward), and the last forward's logits give the first proposal.
+prompt not primed in one prefill; a step's accepted tokens, one or two usually, in a verify
+forward of their own width, CATCH_UP_WIDTH), and the last forward's logits give the first
+proposal. A lone greedy row on the CPU kernels does its catch-up and all its proposals in one
+fused call (DraftRunner.greedy_steps).
 The draft's KV slots of rejected proposals are simply overwritten when the row catches up.
 
 Proposals follow the row's own sampling: greedy rows take the draft's argmax (after the row's
@@ -33,6 +35,9 @@ from engine.runner import DecodeInput, ModelRunner, PrefillInput
 from engine.sampling.sampler import is_sampling, plain_greedy, process_scores
 
 DRAFT_SEED_SALT = 0x5DEECE66D  # the draft's generator: the request's seed, salted
+# The draft's catch-up verify width: a step's accepted tokens are one (a rejection) or two (all
+# accepted) new tokens to feed; buckets of their own spare them K - 1 padded tokens.
+CATCH_UP_WIDTH = 2
 
 
 class DraftRunner(ModelRunner):
@@ -48,32 +53,51 @@ class DraftRunner(ModelRunner):
     def _verify_tensors(self, bucket, seqs: list[PrefillInput]) -> tuple:
         return self._prefill_tensors(bucket.as_prefill, seqs)  # its logits: each row's last token
 
-    def greedy_steps(self, seq, token: int, count: int) -> list[int] | None:
+    def greedy_steps(self, seq, fed: list[int], position: int, count: int) -> list[int] | None:
         """A lone greedy row's next `count` proposals in one call of the model's fused kernel
-        (FusedDecoder.greedy_steps: every step's layers, norm, LM head and argmax), after `token`
-        fed at the row's next position: the tokens the one-step loop would choose, without its
-        Python between steps (0.7-0.9 ms a draft step on the 2-core VM). Each step is still one
-        decode bucket of the plan, counted and checked as runner.decode would. None where the
-        model has no such kernel or a step's bucket was not warmed: the caller loops."""
+        (FusedDecoder.greedy_steps: every step's layers, norm, LM head and argmax): the first
+        step feeds `fed` at `position` on, the others each proposal in turn. `fed` is either the
+        row's own tokens the draft has not seen (its catch-up, ending at the row's latest) or
+        its first proposal. The tokens the runner's forwards one by one would choose, without
+        their Python between steps (0.7-0.9 ms a draft step, and 1.4 ms a catch-up, on the
+        2-core VM). Each step is still a bucket of the plan (the catch-up a verify bucket, the
+        rest decode buckets), counted and checked as verify and decode would. None where the
+        model has no such kernel or a bucket was not warmed: the caller loops."""
         fused = self.model.fused_decode
         if fused is None or not getattr(fused, "takes_greedy_steps", lambda: False)():
             return None
-        first = len(seq.token_ids)  # the position `token` is fed at
-        steps = []
-        for position in range(first, first + count):
-            blocks = len(seq.blocks_through(position))
-            bucket = self.plan.decode_bucket(1, blocks)
-            if not self.adapter.warmed(("decode", bucket)):
-                return None
-            steps.append((blocks, bucket))
-        for blocks, bucket in steps:
-            if self.recorder is not None:
+        shapes = self._step_shapes(seq, fed, position, count)
+        if shapes is None:
+            return None
+        for kind, bucket, blocks in shapes:
+            if kind == "decode" and self.recorder is not None:
                 self.recorder.decode(1, blocks)
             self.padding.record("decode", 1, bucket.batch_size, bucket)
+        last = position + len(fed) + count - 1  # the last step's position, exclusive
         start = time.perf_counter_ns()
-        tokens = fused.greedy_steps(token, first, count, seq.slots(0, first + count))
+        tokens = fused.greedy_steps(fed, position, count, seq.slots(0, last))
         self.forward_ns += time.perf_counter_ns() - start
         return tokens
+
+    def _step_shapes(self, seq, fed: list[int], position: int, count: int):
+        """(kind, bucket, blocks) of each step greedy_steps would run, or None if one was not
+        warmed. A first step feeding the row's own tokens is its catch-up, a verify bucket as
+        DraftModel._continue picks it; every other step one token, a decode bucket."""
+        shapes = []
+        if position + len(fed) == len(seq.token_ids):
+            context_blocks = -(-position // self.block_size)
+            bucket = self.plan.verify_bucket(1, len(fed), context_blocks)
+            shapes.append(("verify", bucket, context_blocks))
+            fed_positions = []
+        else:
+            fed_positions = [position]
+        after = position + len(fed)
+        for at in [*fed_positions, *range(after, after + count - 1)]:
+            blocks = len(seq.blocks_through(at))
+            shapes.append(("decode", self.plan.decode_bucket(1, blocks), blocks))
+        if any(b is None or not self.adapter.warmed((kind, b)) for kind, b, _ in shapes):
+            return None
+        return shapes
 
 
 class DraftAdapter:
@@ -155,6 +179,7 @@ class DraftModel:
             self.adapter,
             self.dtype,
             (limits, num_blocks, block_size, num_tokens, graphless),
+            extra_widths=(CATCH_UP_WIDTH,),
         )
         self.width = num_tokens + 1
 
@@ -184,6 +209,12 @@ class DraftModel:
         if not rows or self.runner is None:
             return proposals, dists
         states = [_row_state(sequences[i]) for i in rows]
+        if len(rows) == 1 and plain_greedy(sequences[rows[0]].sampling):
+            folded = self._propose_folded(sequences[rows[0]], states[0], rooms[rows[0]])
+            if folded is not None:
+                proposals[rows[0]] = folded
+                states[0].written = folded[:-1]  # the last one was never fed to the draft
+                return proposals, dists
         logits = self._catch_up([sequences[i] for i in rows], states)
         live = [k for k, row_logits in enumerate(logits) if row_logits is not None]
         if len(live) == 1 and plain_greedy(sequences[rows[live[0]]].sampling):
@@ -219,12 +250,29 @@ class DraftModel:
                 states[k].written = proposals[i][:-1]  # the last one was never fed to the draft
         return proposals, dists
 
+    def _propose_folded(self, seq, state: DraftRow, room: int) -> list[int] | None:
+        """A lone greedy row already in the draft's KV: its catch-up (the one or two tokens since
+        the draft's last forward) and all its proposals in one fused call. None where that call
+        does not run (no kernel, an unwarmed bucket, a longer catch-up): the caller catches up
+        and proposes as usual."""
+        state.settle(seq.token_ids)
+        pending = seq.token_ids[state.valid :]
+        # Up to 2: the catch-up's verify bucket is then the width-2 one (warmed_runner), whose
+        # products sum each row as the fused call's do, so the proposals are the loop's.
+        if state.valid == 0 or not 1 <= len(pending) <= CATCH_UP_WIDTH:
+            return None
+        tokens = self.runner.greedy_steps(seq, pending, state.valid, room)
+        if tokens is not None:
+            state.valid = len(seq.token_ids)
+        return tokens
+
     def _propose_greedy(self, seq, logits, proposed: list[int], room: int, live: list[int]):
         """A lone greedy row: its first proposal from the catch-up's logits, the rest in one
         fused call where the device has one (DraftRunner.greedy_steps). The rows left for the
         one-step loop: none where the call ran, else `live` as it was."""
         first = int(logits.float().argmax())  # the plain row's processed scores are its logits
-        rest = self.runner.greedy_steps(seq, first, room - 1) if room > 1 else []
+        position = len(seq.token_ids)  # where the first proposal is fed
+        rest = self.runner.greedy_steps(seq, [first], position, room - 1) if room > 1 else []
         if rest is None:
             return live
         proposed += [first, *rest]
@@ -362,10 +410,13 @@ def load_draft(config, target_config, target_tokenizer, adapter, dtype) -> Draft
     return DraftModel(loaded.model, loaded.config, adapter, dtype)
 
 
-def warmed_runner(runner_class, model, num_layers: int, adapter, dtype, sizes: tuple):
+def warmed_runner(
+    runner_class, model, num_layers: int, adapter, dtype, sizes: tuple, extra_widths=()
+):
     """A proposer's runner over its own KV cache (`num_layers` layers, the target's block count so
     that block ids agree) and its plan: small batches, every decode batch where nothing compiles,
-    the verify widths; every bucket warmed. Returns it and its longest plain prefill."""
+    the verify width (K + 1) and `extra_widths` below it; every bucket warmed. Returns it and its
+    longest plain prefill."""
     from engine.buckets.plan import make_plan, with_every_decode_batch
     from engine.spec.buckets import SPECULATE_MAX_BATCH, verify_buckets, with_verify
 
@@ -384,7 +435,8 @@ def warmed_runner(runner_class, model, num_layers: int, adapter, dtype, sizes: t
     small = _with_batch(limits, min(SPECULATE_MAX_BATCH, limits.max_batch_size))
     plan = make_plan("exponential", small)
     plan = with_every_decode_batch(plan, small.blocks_per_sequence) if graphless else plan
-    plan = with_verify(plan, verify_buckets(small, num_tokens))
+    widths = sorted({num_tokens + 1, *(w for w in extra_widths if w <= num_tokens)})
+    plan = with_verify(plan, [b for w in widths for b in verify_buckets(small, w - 1)])
     runner = runner_class(model, adapter, cache, plan, dtype)
     for bucket in plan.buckets:
         runner.warm(bucket)

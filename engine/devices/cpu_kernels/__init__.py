@@ -493,11 +493,14 @@ class FusedDecoder:
         norm, head = self.model.norm, self.model.lm_head.quantized
         return norm.weight, norm.eps, head.packed, head.out_features, head.product
 
-    def greedy_steps(self, token: int, position: int, steps: int, slots: list[int]) -> list[int]:
-        """`steps` greedy decode steps of one row, each feeding the token the last one chose (the
-        first: `token`, at `position`) and taking the argmax of its logits, in one call: the
-        tokens the row's steps one by one through the model's forward and torch.argmax choose.
-        `slots`: the row's cache slots of positions 0 through position + steps - 1."""
+    def greedy_steps(
+        self, fed: list[int], position: int, steps: int, slots: list[int]
+    ) -> list[int]:
+        """`steps` greedy steps of one row in one call: the first feeds every token of `fed` from
+        `position` on in one pass (as an extend forward), each later one the token the step
+        before chose; each takes the argmax of its logits at its last token. The tokens the row's
+        forwards one by one through the model and torch.argmax choose. `slots`: the row's cache
+        slots of positions 0 through the last step's."""
         model = self.model
         table = model.embed_tokens.quantized
         embedding, table_scale = (
@@ -505,10 +508,10 @@ class FusedDecoder:
             if table is None
             else (table.codes, table.scale)
         )
-        positions = torch.arange(position, position + steps)
+        positions = torch.arange(position, position + len(fed) + steps - 1)
         cos, sin = model.rotary.cos_sin(positions, torch.bfloat16)
         tokens = load().greedy_steps(
-            token, position, steps, self._layer_tensors(),
+            torch.tensor(fed, dtype=torch.long), position, steps, self._layer_tensors(),
             embedding, table_scale, *self._final_tensors(),
             cos, sin, torch.tensor(slots, dtype=torch.long),
             self.heads, self.kv_heads, self.intermediate, self.eps, self.scale, self.product,

@@ -314,7 +314,7 @@ torch::Tensor final_logits(torch::Tensor hidden, torch::Tensor indices, torch::T
       .to(torch::kFloat);
 }
 
-torch::Tensor greedy_steps(int64_t token, int64_t position, int64_t steps,
+torch::Tensor greedy_steps(torch::Tensor fed, int64_t position, int64_t steps,
                            const std::vector<torch::Tensor>& layers, torch::Tensor embedding,
                            torch::Tensor embedding_scale, torch::Tensor norm_weight,
                            double norm_eps, torch::Tensor lm_head, int64_t vocab,
@@ -322,9 +322,15 @@ torch::Tensor greedy_steps(int64_t token, int64_t position, int64_t steps,
                            torch::Tensor slots, int64_t heads, int64_t kv_heads,
                            int64_t intermediate, double eps, double scale,
                            const std::string& product) {
-  TORCH_CHECK(steps >= 1 && position >= 0, "at least one step, from a position >= 0");
-  TORCH_CHECK(embedding.dim() == 2 && token >= 0 && token < embedding.size(0), "token ", token,
-              " is outside the embedding");
+  fed = fed.to(torch::kLong).contiguous();
+  const int64_t width = fed.numel(), positions = width + steps - 1;
+  TORCH_CHECK(width >= 1 && steps >= 1 && position >= 0,
+              "at least one token fed and one step, from a position >= 0");
+  TORCH_CHECK(embedding.dim() == 2, "an embedding table [vocab, hidden] expected");
+  const auto* fed_tokens = fed.data_ptr<int64_t>();
+  for (int64_t i = 0; i < width; ++i)
+    TORCH_CHECK(fed_tokens[i] >= 0 && fed_tokens[i] < embedding.size(0), "token ", fed_tokens[i],
+                " is outside the embedding");
   TORCH_CHECK(embedding_scale.numel() == 0
                   ? embedding.scalar_type() == torch::kBFloat16
                   : embedding.scalar_type() == torch::kChar &&
@@ -333,9 +339,10 @@ torch::Tensor greedy_steps(int64_t token, int64_t position, int64_t steps,
               "a bfloat16 embedding, or int8 codes with one bfloat16 scale a row");
   embedding = embedding.contiguous();
   slots = slots.to(torch::kLong).contiguous();
-  cos = cos.reshape({steps, -1}).contiguous();
-  sin = sin.reshape({steps, -1}).contiguous();
-  TORCH_CHECK(slots.numel() == position + steps, "one slot for every position through the last");
+  cos = cos.reshape({positions, -1}).contiguous();
+  sin = sin.reshape({positions, -1}).contiguous();
+  TORCH_CHECK(slots.numel() == position + positions,
+              "one slot for every position through the last");
   const auto* every = slots.data_ptr<int64_t>();
   const int64_t cache_slots = layers.at(KEY_CACHE).size(0);
   for (int64_t i = 0; i < slots.numel(); ++i)
@@ -344,17 +351,30 @@ torch::Tensor greedy_steps(int64_t token, int64_t position, int64_t steps,
   auto tokens = torch::empty({steps}, torch::kLong);
   auto* chosen = tokens.data_ptr<int64_t>();
   with_crew([&] {
+    int64_t first = 0;  // the step's first position, relative to `position`
     for (int64_t i = 0; i < steps; ++i) {
-      auto hidden = embedding_row(embedding, embedding_scale, token);
-      auto step_cos = cos.narrow(0, i, 1), step_sin = sin.narrow(0, i, 1);
-      auto slot = slots.narrow(0, position + i, 1);
-      const Heads shape = prepare_inputs(hidden, layers, step_cos, step_sin, slot, heads, kv_heads);
-      // the row attends over every position through its new one, in order (valid_slots' order)
-      const RowSlots plan{std::vector<int64_t>(every, every + position + i + 1)};
-      hidden = run_layers(hidden, layers, step_cos, step_sin, slot, plan, shape, intermediate,
-                          eps, scale, multiply);
-      token = first_argmax(normed_logits(hidden, norm_weight, norm_eps, lm_head, vocab, lm));
-      chosen[i] = token;
+      // the first step feeds every token of `fed` at once, as an extend forward does; the others
+      // feed the token the step before chose
+      const int64_t rows = i == 0 ? width : 1;
+      std::vector<torch::Tensor> embedded;
+      for (int64_t r = 0; r < rows; ++r)
+        embedded.push_back(embedding_row(embedding, embedding_scale,
+                                         i == 0 ? fed_tokens[r] : chosen[i - 1]));
+      auto hidden = rows == 1 ? embedded[0] : torch::cat(embedded);
+      auto step_cos = cos.narrow(0, first, rows), step_sin = sin.narrow(0, first, rows);
+      auto step_slots = slots.narrow(0, position + first, rows);
+      const Heads shape =
+          prepare_inputs(hidden, layers, step_cos, step_sin, step_slots, heads, kv_heads);
+      // each new token attends over every position through its own, in order (valid_slots' and
+      // extended_slots' order)
+      RowSlots plan;
+      for (int64_t r = 0; r < rows; ++r)
+        plan.emplace_back(every, every + position + first + r + 1);
+      hidden = run_layers(hidden, layers, step_cos, step_sin, step_slots, plan, shape,
+                          intermediate, eps, scale, multiply);
+      chosen[i] = first_argmax(normed_logits(hidden.narrow(0, rows - 1, 1), norm_weight, norm_eps,
+                                             lm_head, vocab, lm));
+      first += rows;
     }
   });
   return tokens;

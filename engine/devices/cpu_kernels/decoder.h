@@ -47,12 +47,14 @@ torch::Tensor final_logits(torch::Tensor hidden, torch::Tensor indices, torch::T
                            double norm_eps, torch::Tensor lm_head, int64_t vocab,
                            const std::string& lm_product);
 
-// `steps` greedy decode steps of one row (a draft model's proposals) in one call: each embeds
-// `token` (a bfloat16 table, or int8 codes and their per-row bfloat16 scales), runs every layer
-// as decode_layers does at the next position from `position` on, the final RMS norm and the LM
-// head (`lm_product` over `lm_head`, `vocab` columns), and takes torch.argmax's token as the next.
-// slots: the row's cache slots of positions 0 through position + steps - 1. Returns the tokens.
-torch::Tensor greedy_steps(int64_t token, int64_t position, int64_t steps,
+// `steps` greedy decode steps of one row (a draft model's proposals) in one call. The first feeds
+// every token of `fed` at once at positions `position` on (a catch-up after a verify, or one
+// proposal), as extend_layers does; each later step feeds the token the step before chose, at
+// the next position. Each step: the embedding (a bfloat16 table, or int8 codes and their per-row
+// bfloat16 scales), every layer, the final RMS norm and the LM head (`lm_product` over `lm_head`,
+// `vocab` columns) at its last token, and torch.argmax's token as the step's choice.
+// slots: the row's cache slots of positions 0 through the last step's. Returns the choices.
+torch::Tensor greedy_steps(torch::Tensor fed, int64_t position, int64_t steps,
                            const std::vector<torch::Tensor>& layers, torch::Tensor embedding,
                            torch::Tensor embedding_scale, torch::Tensor norm_weight,
                            double norm_eps, torch::Tensor lm_head, int64_t vocab,
