@@ -5,7 +5,7 @@ takes the loop. bfloat16, where the fused decoder runs."""
 
 import pytest
 
-from engine.devices.cpu_kernels import FusedDecoder, load
+from engine.devices.cpu_kernels import FusedDecoder, ScreenedHead, load
 from engine.spec.draft import DraftModel, DraftRunner
 from tests.helpers import build_request, tiny_shard
 from tests.test_speculative import run
@@ -23,8 +23,8 @@ K = 6
 @pytest.fixture(scope="module")
 def shards(tiny_model_dirs):
     """quantize -> a bfloat16 shard on the tiny llama drafting with its own weights in that form
-    ("none": a bfloat16 embedding and packed bfloat16 LM head; "int4": int8 ones); "plain": no
-    speculation."""
+    ("none": a bfloat16 embedding and packed bfloat16 LM head; "int4": an int8 embedding and an
+    int8 head screened in int4); "plain": no speculation."""
     built = {}
 
     def get(quantize):
@@ -77,7 +77,10 @@ def the_loop_only(patch):
 @pytest.mark.parametrize("quantize", ["none", "int4"])
 def test_a_lone_greedy_rows_proposals_are_the_one_step_loops(shards, quantize, monkeypatch):
     shard = shards(quantize)
-    assert shard.speculator.draft.model.fused_decode.takes_greedy_steps()
+    draft = shard.speculator.draft.model
+    assert draft.fused_decode.takes_greedy_steps()
+    # an int8 draft head is screened in int4 (ScreenedHead); a bfloat16 one stays as it is
+    assert isinstance(draft.lm_head.quantized, ScreenedHead) == (quantize == "int4")
     tokens, fused, calls = recorded(shard, [build_request(0, NEW)], monkeypatch)
     # every call but the last few (fewer tokens left to propose) catches up and proposes all of K
     assert calls and max(count for _, count in calls) == K

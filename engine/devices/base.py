@@ -153,6 +153,11 @@ class DeviceAdapter(ABC):
         """Put a loaded model's weights in the form this device multiplies fastest (CPU: packed
         bfloat16, engine/devices/cpu_packed.py). Elsewhere they stay as loaded."""
 
+    def prepare_draft(self, model, dtype: torch.dtype) -> None:
+        """prepare_model for a draft model, whose kernels may trade exactness for speed: the
+        target checks every token it proposes. Elsewhere the same as prepare_model."""
+        self.prepare_model(model, dtype)
+
     def reset(self) -> None:
         """Forget the warmed shapes (and graphs): a new KV cache was bound, so they must be warmed again."""
         self.shapes.clear()

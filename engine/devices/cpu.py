@@ -80,6 +80,15 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
         oneDNN where it packs bfloat16). Compile mode
         leaves the weights to inductor; float32 keeps the pure-torch path, whose greedy output is
         exact."""
+        self._prepare(model, dtype, draft=False)
+
+    def prepare_draft(self, model, dtype: torch.dtype) -> None:
+        """prepare_model, with an int8 LM head screened in int4 (cpu_kernels.ScreenedHead): a
+        draft's lone-row steps stream the whole head every step. matmul_kernels stays the
+        target's."""
+        self._prepare(model, dtype, draft=True)
+
+    def _prepare(self, model, dtype: torch.dtype, draft: bool) -> None:
         import engine.devices.cpu_kernels as cpu_kernels
         from engine.devices.cpu_packed import pack_linear_weights, packing_available
 
@@ -87,14 +96,15 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
             return
         matmuls = []
         if cpu_kernels.load() is not None:
-            count, kind = cpu_kernels.install_projections(model)
+            count, kind = cpu_kernels.install_projections(model, draft)
             log.info("%d bfloat16 matrices through bucketserve's %s kernel", count, kind)
             matmuls += [f"bucketserve {kind}"] if count else []
         if packing_available():  # what the kernels above did not take
             packed = pack_linear_weights(model)
             log.info("packed %d bfloat16 projections for oneDNN", packed)
             matmuls += ["oneDNN packed"] if packed else []
-        self.matmul_kernels = " + ".join(matmuls) or "torch"
+        if not draft:
+            self.matmul_kernels = " + ".join(matmuls) or "torch"
         if cpu_kernels.load() is not None:
             self.attention_backend = cpu_kernels.attention_backend()
             counts = cpu_kernels.install(model)

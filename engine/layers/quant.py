@@ -163,6 +163,12 @@ def int8_per_channel(weight: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
 
 def int4_groupwise(weight: torch.Tensor, dtype: torch.dtype, group: int = INT4_GROUP) -> Int4Weight:
     """Asymmetric int4 per group of `group` inputs: each group's [min, max] spans codes 0..15."""
+    return Int4Weight(*int4_codes(weight, dtype, group), group, dtype)
+
+
+def int4_codes(weight: torch.Tensor, dtype: torch.dtype, group: int = INT4_GROUP) -> tuple:
+    """int4_groupwise's codes [N, K] (0..15, float), scales and zeros [N, K // group] (float32
+    values that `dtype` holds exactly)."""
     rows, cols = weight.shape
     if cols % group:
         raise ValueError(f"int4 needs input sizes divisible by the group of {group}, got {cols}")
@@ -173,7 +179,7 @@ def int4_groupwise(weight: torch.Tensor, dtype: torch.dtype, group: int = INT4_G
     codes = torch.round((grouped - (zero - 8 * scale).unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(
         0, 15
     )
-    return Int4Weight(codes.reshape(rows, cols), scale, zero, group, dtype)
+    return codes.reshape(rows, cols), scale, zero
 
 
 def weight_bytes(module: nn.Module) -> int:

@@ -406,7 +406,7 @@ def load_draft(config, target_config, target_tokenizer, adapter, dtype) -> Draft
     check_compatible(
         target_config, target_tokenizer, loaded.config, loaded.tokenizer, config.draft_model
     )
-    adapter.prepare_model(loaded.model, dtype)
+    adapter.prepare_draft(loaded.model, dtype)
     return DraftModel(loaded.model, loaded.config, adapter, dtype)
 
 

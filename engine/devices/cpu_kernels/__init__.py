@@ -10,7 +10,8 @@ products (dot_linear.cpp), else AVX2 fused multiply-adds over weights widened in
 (fma_linear.cpp), every batch size read from the packed weight (oneDNN's product
 through F.linear reorders the plain weight on every call, which at decode batch
 sizes costs more than the product). --quantize's int4 and int8 weights have their own layouts and
-AVX512-BF16 products (int4_linear.cpp, int8_linear.cpp). decoder.cpp runs a whole decode step, or a
+AVX512-BF16 products (int4_linear.cpp, int8_linear.cpp); a draft model's int8 LM head is screened
+in int4 and its best rescored in int8 (screened_head.cpp). decoder.cpp runs a whole decode step, or a
 prefill's packed rows, of a plain Llama-family decoder through these in one call, its threads held
 for the whole call (crew.cpp) instead of forked per kernel; its greedy_steps runs several greedy
 decode steps of one row (a draft model's proposals) with the final norm, LM head and argmax in the
@@ -53,11 +54,13 @@ SOURCES = [
         "decoder.cpp",
         "int4_linear.cpp",
         "int8_linear.cpp",
+        "screened_head.cpp",
         "crew.cpp",
     )
 ]
 HEADERS = [
-    HERE / name for name in ("packed.h", "elementwise.h", "vec_math.h", "decoder.h", "crew.h")
+    HERE / name
+    for name in ("packed.h", "int4_layout.h", "elementwise.h", "vec_math.h", "decoder.h", "crew.h")
 ]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 LIBRARY_SUFFIX = ".so"
@@ -313,6 +316,51 @@ class Int8Linear(torch.nn.Module):
         return (codes * scale)[: self.out_features].contiguous()
 
 
+class ScreenedHead(torch.nn.Module):
+    """A draft model's int8 LM head (engine.layers.quant.Int8Weight) screened in int4
+    (screened_head.cpp): every logit from int4 codes of the same weight, then each row's 16 largest
+    recomputed from the int8 codes. A lone-row draft step streams its head whole, and the int8 head
+    of the embedded model is 28 of the step's 94 MB; the screen is 18. The argmax is the int8
+    head's wherever that token ranks among the screen's 16 best; the other logits are the
+    screen's. Only for a draft: the target checks what it proposes."""
+
+    kind = "int4-screened-int8"
+    product = "screened_linear"
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        from engine.layers.quant import int4_codes
+
+        self.out_features, self.in_features = codes.shape
+        screen = int4_codes(codes.float() * scale.float().unsqueeze(1), torch.bfloat16)
+        screen_codes, screen_scale, screen_zero = screen
+        packed = load().pack_screened(
+            codes,
+            scale,
+            screen_codes.to(torch.uint8),
+            screen_scale.to(torch.bfloat16),
+            screen_zero.to(torch.bfloat16),
+        )
+        self.register_buffer("packed", on_huge_pages(packed))
+
+    @classmethod
+    def of(cls, weight) -> ScreenedHead | None:
+        """The head screened, from an Int8Weight, or None where this CPU lacks the int4 product
+        or the head's inputs are not whole groups of 32."""
+        fits = (
+            load() is not None
+            and load().int4_linear_supported()
+            and weight.scale.dtype == torch.bfloat16
+            and weight.in_features % 32 == 0
+        )
+        return cls(weight.codes, weight.scale) if fits else None
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = load().screened_linear(flat, self.packed, self.out_features)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
 def kernel_for(weight: torch.Tensor | None):
     """The module class that multiplies `weight` on this CPU, or None (torch's path)."""
     fits = (
@@ -331,11 +379,12 @@ def kernel_for(weight: torch.Tensor | None):
     return FmaLinear if load().fma_linear_supported() else None
 
 
-def install_projections(model: torch.nn.Module) -> tuple[int, str]:
+def install_projections(model: torch.nn.Module, draft: bool = False) -> tuple[int, str]:
     """Every plain bfloat16 decoder projection and the LM head of `model` through this CPU's kernel
     (AmxLinear, else DotLinear, else FmaLinear), every int4 one through Int4Linear and every int8
-    one through Int8Linear; the decoder weights move into it, the LM head keeps its weight, which a
-    tied embedding shares. The number of matrices and the kernels' kinds."""
+    one through Int8Linear (a `draft` model's int8 LM head: ScreenedHead); the decoder weights move
+    into it, the LM head keeps its weight, which a tied embedding shares. The number of matrices
+    and the kernels' kinds."""
     from engine.layers.embedding import ParallelLMHead
     from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
     from engine.layers.quant import Int4Weight, Int8Weight
@@ -347,6 +396,8 @@ def install_projections(model: torch.nn.Module) -> tuple[int, str]:
             continue
         if isinstance(module.quantized, Int4Weight):
             kernel = Int4Linear.of(module.quantized)
+        elif isinstance(module.quantized, Int8Weight) and draft and not projection:
+            kernel = ScreenedHead.of(module.quantized)
         elif isinstance(module.quantized, Int8Weight):
             kernel = Int8Linear.of(module.quantized)
         elif module.quantized is None and (kind := kernel_for(module.weight)) is not None:

@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -46,6 +47,7 @@ Product product_named(const std::string& name) {
   if (name == "dot_linear") return &dot_linear;
   if (name == "int4_linear") return &int4_linear;
   if (name == "int8_linear") return &int8_linear;
+  if (name == "screened_linear") return &screened_linear;
   TORCH_CHECK(name == "fma_linear", "unknown product ", name);
   return &fma_linear;
 }
@@ -281,20 +283,50 @@ torch::Tensor embedding_row(const torch::Tensor& table, const torch::Tensor& sca
   return row;
 }
 
-// torch.argmax of one row of bfloat16 logits: the first largest value (the first NaN, if any).
+}  // namespace
+
+// torch.argmax of one row of bfloat16 logits: the first largest value (the first NaN, if any). One
+// vector pass finds the largest value and whether any is NaN, a second the first index holding
+// it: a scalar loop over a 49152-token vocabulary cost a draft step tens of microseconds.
 int64_t first_argmax(const torch::Tensor& logits) {
   const auto* v = logits.data_ptr<BF16>();
-  int64_t best = 0;
-  float top = static_cast<float>(v[0]);
-  if (std::isnan(top)) return 0;
-  for (int64_t i = 1; i < logits.numel(); ++i) {
-    const float x = static_cast<float>(v[i]);
-    if (std::isnan(x)) return i;
-    if (x > top) top = x, best = i;
+  const int64_t n = logits.numel();
+  int64_t whole = 0;  // values the vector passes cover
+  float top = -INFINITY;
+  bool nan = false;
+#if defined(__AVX512F__)
+  whole = n - n % 16;
+  __m512 tops = _mm512_set1_ps(-INFINITY);
+  __mmask16 nans = 0;
+  for (int64_t i = 0; i < whole; i += 16) {
+    const __m512 x = load_bf16(v + i);
+    nans |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    tops = _mm512_max_ps(tops, x);
   }
-  return best;
+  top = _mm512_reduce_max_ps(tops);
+  nan = nans != 0;
+#endif
+  for (int64_t i = whole; i < n; ++i) {
+    const float x = to_float(v[i]);
+    nan = nan || std::isnan(x);
+    top = std::max(top, x);
+  }
+  const auto wanted = [&](float x) { return nan ? std::isnan(x) : x == top; };
+#if defined(__AVX512F__)
+  const __m512 target = _mm512_set1_ps(top);
+  for (int64_t i = 0; i < whole; i += 16) {
+    const __m512 x = load_bf16(v + i);
+    const __mmask16 hit = nan ? _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q)
+                              : _mm512_cmp_ps_mask(x, target, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#endif
+  for (int64_t i = whole; i < n; ++i)
+    if (wanted(to_float(v[i]))) return i;
+  return 0;  // not reached: the largest value is somewhere
 }
 
+namespace {
 // The model's last step on some rows of hidden states: the final RMS norm, then the LM head
 // (bfloat16 logits, as the modules round them).
 torch::Tensor normed_logits(const torch::Tensor& rows, const torch::Tensor& norm_weight,

@@ -47,6 +47,9 @@ torch::Tensor final_logits(torch::Tensor hidden, torch::Tensor indices, torch::T
                            double norm_eps, torch::Tensor lm_head, int64_t vocab,
                            const std::string& lm_product);
 
+// torch.argmax of one row of bfloat16 logits: the first largest value (the first NaN, if any).
+int64_t first_argmax(const torch::Tensor& logits);
+
 // `steps` greedy decode steps of one row (a draft model's proposals) in one call. The first feeds
 // every token of `fed` at once at positions `position` on (a catch-up after a verify, or one
 // proposal), as extend_layers does; each later step feeds the token the step before chose, at

@@ -675,6 +675,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_int4", &bucketserve::pack_int4, free, "int4 codes, scales and zeros packed by block");
   m.def("int4_linear", &bucketserve::int4_linear, free,
         "int4 projection in AVX512-BF16 dot products");
+  m.def("pack_screened", &bucketserve::pack_screened, free,
+        "a draft's LM head: an int4 screen and the int8 rows that rescore its best");
+  m.def("screened_linear", &bucketserve::screened_linear, free,
+        "a screened head's bfloat16 logits: int4 for all, int8 for each row's best");
   m.def("pack_int8", &bucketserve::pack_int8, free, "int8 codes and scales packed by block");
   m.def("int8_linear", &bucketserve::int8_linear, free,
         "int8 projection in AVX512-BF16 dot products (dot_linear_supported)");
@@ -686,6 +690,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the final RMS norm and packed LM head of chosen rows, as float32 logits");
   m.def("greedy_steps", &bucketserve::greedy_steps, free,
         "greedy decode steps of one row: layers, final norm, LM head and argmax, in one call");
+  m.def("first_argmax", &bucketserve::first_argmax, free,
+        "for the tests: greedy_steps' argmax of bfloat16 logits (torch.argmax's rule)");
   m.def("crew_members", &bucketserve::crew_members, free,
         "for the tests: which crew thread took each item of one parallel_for");
 }

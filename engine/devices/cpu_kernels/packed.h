@@ -2,7 +2,8 @@
 // output rounding their products share, and the products themselves: AMX tiles (amx.cpp),
 // AVX512-BF16 dot products (dot_linear.cpp), AVX2 fused multiply-adds (fma_linear.cpp), and
 // int4 and int8 codes in AVX512-BF16 dot products (int4_linear.cpp, int8_linear.cpp, their own
-// layouts); bound into the module by kernels.cpp.
+// layouts), and a draft's LM head screened in int4 (screened_head.cpp); bound into the module by
+// kernels.cpp.
 #pragma once
 
 #include <torch/extension.h>
@@ -57,6 +58,10 @@ void dot_rows(const uint16_t* x, int64_t K, const uint16_t* block, uint16_t* y, 
 bool int4_linear_supported();
 torch::Tensor pack_int4(torch::Tensor codes, torch::Tensor scale, torch::Tensor zero);
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
+
+torch::Tensor pack_screened(torch::Tensor codes, torch::Tensor scale, torch::Tensor screen_codes,
+                            torch::Tensor screen_scale, torch::Tensor screen_zero);
+torch::Tensor screened_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
 
 torch::Tensor pack_int8(torch::Tensor codes, torch::Tensor scale);
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
