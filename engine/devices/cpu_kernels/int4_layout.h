@@ -1,10 +1,8 @@
-// pack_int4's layout (int4_linear.cpp), read by both int4 products (int4_linear.cpp's bfloat16
-// inputs, int4_q8_linear.cpp's int8-quantized inputs). Per block of 32 columns and group of 32
-// inputs: 512 bytes of codes, then 32 bfloat16 scales and 32 bfloat16 zeros (w = (q - 8) s + z).
-// The codes come in 4 chunks of 8 inputs, each two vectors (columns 0-15, 16-31) of one 32-bit lane
-// a column: for the chunk's pair p, the code of its first input sits at bits 4p, that of its second
-// at bits 16 + 4p. So a lane's bytes hold inputs (0, 2), (4, 6), (1, 3), (5, 7) of the chunk, the
-// first of each in the low nibble.
+// pack_int4's layout (int4_linear.cpp), shared with screened_head.cpp, whose int4 screen is one.
+// Per block of 32 columns and group of 32 inputs: 512 bytes of codes, then 32 bfloat16 scales and
+// 32 bfloat16 zeros (w = (q - 8) s + z). The codes come in 4 chunks of 8 inputs, each two vectors
+// (columns 0-15, 16-31) of one 32-bit lane a column: for the chunk's pair p, the code of its first
+// input sits at bits 4p, that of its second at bits 16 + 4p.
 #pragma once
 
 #include <cstdint>
