@@ -85,3 +85,8 @@ def logits_cases():
 def test_greedy_steps_argmax_is_torch_argmax(case):
     logits = list(logits_cases())[case]
     assert kernels.first_argmax(logits) == torch.argmax(logits).item()
+
+
+def test_the_screened_head_reads_back_the_int8_weight_it_screens():
+    weight = head(100, 64, seed=0)
+    assert torch.equal(cpu_kernels.ScreenedHead.of(weight).dequantize(), weight.dequantize())

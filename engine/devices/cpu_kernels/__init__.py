@@ -284,27 +284,36 @@ class Int8Linear(torch.nn.Module):
 
     kind = "avx512-bf16-int8"
     product = "int8_linear"
+    input_multiple = 2  # the layout's pairs of inputs
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor):
         super().__init__()
         self.out_features, self.in_features = codes.shape
-        self.register_buffer("packed", on_huge_pages(load().pack_int8(codes, scale)))
+        self.register_buffer("packed", on_huge_pages(self.pack(codes, scale)))
+
+    @staticmethod
+    def pack(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return load().pack_int8(codes, scale)
+
+    @staticmethod
+    def supported() -> bool:
+        return load().dot_linear_supported()
 
     @classmethod
     def of(cls, weight) -> Int8Linear | None:
-        """The same weight from an Int8Weight, or None where this CPU lacks the product or the
-        activations are not bfloat16."""
+        """The same weight from an Int8Weight, or None where this CPU lacks the product, the
+        activations are not bfloat16 or the inputs do not fill the layout."""
         fits = (
             load() is not None
-            and load().dot_linear_supported()
+            and cls.supported()
             and weight.scale.dtype == torch.bfloat16
-            and weight.in_features % 2 == 0
+            and weight.in_features % cls.input_multiple == 0
         )
         return cls(weight.codes, weight.scale) if fits else None
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        out = load().int8_linear(flat, self.packed, self.out_features)
+        out = getattr(load(), self.product)(flat, self.packed, self.out_features)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
@@ -316,7 +325,7 @@ class Int8Linear(torch.nn.Module):
         return (codes * scale)[: self.out_features].contiguous()
 
 
-class ScreenedHead(torch.nn.Module):
+class ScreenedHead(Int8Linear):
     """A draft model's int8 LM head (engine.layers.quant.Int8Weight) screened in int4
     (screened_head.cpp): every logit from int4 codes of the same weight, then each row's 16 largest
     recomputed from the int8 codes. A lone-row draft step streams its head whole, and the int8 head
@@ -326,39 +335,35 @@ class ScreenedHead(torch.nn.Module):
 
     kind = "int4-screened-int8"
     product = "screened_linear"
+    input_multiple = 32  # the screen's groups
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor):
-        super().__init__()
+    @staticmethod
+    def pack(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         from engine.layers.quant import int4_codes
 
-        self.out_features, self.in_features = codes.shape
-        screen = int4_codes(codes.float() * scale.float().unsqueeze(1), torch.bfloat16)
-        screen_codes, screen_scale, screen_zero = screen
-        packed = load().pack_screened(
+        screen_codes, screen_scale, screen_zero = int4_codes(
+            codes.float() * scale.float().unsqueeze(1), torch.bfloat16
+        )
+        return load().pack_screened(
             codes,
             scale,
             screen_codes.to(torch.uint8),
             screen_scale.to(torch.bfloat16),
             screen_zero.to(torch.bfloat16),
         )
-        self.register_buffer("packed", on_huge_pages(packed))
 
-    @classmethod
-    def of(cls, weight) -> ScreenedHead | None:
-        """The head screened, from an Int8Weight, or None where this CPU lacks the int4 product
-        or the head's inputs are not whole groups of 32."""
-        fits = (
-            load() is not None
-            and load().int4_linear_supported()
-            and weight.scale.dtype == torch.bfloat16
-            and weight.in_features % 32 == 0
-        )
-        return cls(weight.codes, weight.scale) if fits else None
+    @staticmethod
+    def supported() -> bool:
+        return load().int4_linear_supported()
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        out = load().screened_linear(flat, self.packed, self.out_features)
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+    def dequantize(self) -> torch.Tensor:
+        """The float32 int8 weight [N, K] that the screen stands for, read back from its part of
+        pack_screened's layout (after the screen: the codes row by row, then the scales)."""
+        vocab, width = self.out_features, self.in_features
+        codes_end = self.packed.numel() - 4 * vocab
+        codes = self.packed[codes_end - vocab * width : codes_end].view(torch.int8)
+        scale = self.packed[codes_end:].view(torch.float32)
+        return codes.view(vocab, width).float() * scale.unsqueeze(1)
 
 
 def kernel_for(weight: torch.Tensor | None):
