@@ -23,10 +23,13 @@
 namespace bucketserve {
 namespace {
 constexpr int64_t GROUP = INT4_GROUP;
-constexpr int64_t CHUNKS = INT4_CHUNKS;
+constexpr int64_t CHUNKS = GROUP / 8;  // 8 inputs (4 pairs) a 32-bit lane
 constexpr int64_t CODES = INT4_CODES;
 constexpr int64_t GROUP_BYTES = INT4_GROUP_BYTES;
 constexpr int MAX_TILE_ROWS = 6;  // 24 accumulators + codes, input, scales and zeros
+// Above this many rows, widening each block once and running dot_linear's tiles costs less than
+// the codes' tiles (measured on a Zen 4: at 32 rows the two take about the same time a step).
+constexpr int64_t WIDEN_ROWS = 32;
 
 #if defined(__AVX512BF16__)
 // Pair p's codes of 16 columns' lanes as bfloat16 pairs (128 + q[c, first], 128 + q[c, second]).
@@ -34,6 +37,11 @@ inline __m512bh widen_codes(__m512i lanes, int p) {
   return (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(lanes, 4 * p),
                                              _mm512_set1_epi32(0x000F000F),
                                              _mm512_set1_epi32(0x43004300), 0xEA);  // a & b | c
+}
+
+inline __m512 widen_bf16(const uint8_t* p) {  // 16 bfloat16 to float32
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
 // y[0..ROWS, block's columns] from one packed block; xsums [ROWS, groups] the inputs' group sums.
@@ -169,9 +177,8 @@ torch::Tensor pack_int4(torch::Tensor codes, torch::Tensor scale, torch::Tensor 
   return packed;
 }
 
-// x [M, K] bfloat16 through a weight packed by pack_int4 (N columns): up to INT4_WIDEN_ROWS rows
-// straight from the codes, tiles of MAX_TILE_ROWS, more through each block widened once to
-// bfloat16.
+// x [M, K] bfloat16 through a weight packed by pack_int4 (N columns): up to WIDEN_ROWS rows straight
+// from the codes, tiles of MAX_TILE_ROWS, more through each block widened once to bfloat16.
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
   TORCH_CHECK(int4_linear_supported(), "built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x [M, K] bfloat16 expected");
@@ -189,7 +196,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
   const auto* wp = packed.data_ptr<uint8_t>();
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t block_bytes = packed.size(1) * GROUP_BYTES;
-  if (M > INT4_WIDEN_ROWS) {
+  if (M > WIDEN_ROWS) {
     sweep_packed(M, N, blocks, DOT_TILE_ROWS, [&] {
       return [&, wide = std::vector<uint16_t>(K * PACK_BLOCK)](int64_t m0, int64_t rows,
                                                                 int64_t b, int64_t cols,
