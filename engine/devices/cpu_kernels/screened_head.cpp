@@ -37,19 +37,15 @@ struct Parts {
   const float* scales;   // [vocab]
 };
 
-int64_t screen_bytes(int64_t vocab, int64_t K) {
-  return (vocab + PACK_BLOCK - 1) / PACK_BLOCK * (K / INT4_GROUP) * INT4_GROUP_BYTES;
-}
-
 Parts parts_of(const torch::Tensor& packed, int64_t vocab, int64_t K) {
   TORCH_CHECK(K % INT4_GROUP == 0, "a multiple of ", INT4_GROUP, " inputs expected, got ", K);
-  const int64_t screen = screen_bytes(vocab, K);
+  const int64_t blocks = (vocab + PACK_BLOCK - 1) / PACK_BLOCK, groups = K / INT4_GROUP;
+  const int64_t screen = blocks * groups * INT4_GROUP_BYTES;
   TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == torch::kUInt8 &&
                   packed.numel() == screen + vocab * K + vocab * 4,
               "a head packed by pack_screened for ", vocab, " tokens of ", K, " inputs expected");
   const auto* base = packed.data_ptr<uint8_t>();
-  return {packed.narrow(0, 0, screen)
-              .view({(vocab + PACK_BLOCK - 1) / PACK_BLOCK, K / INT4_GROUP, INT4_GROUP_BYTES}),
+  return {packed.narrow(0, 0, screen).view({blocks, groups, INT4_GROUP_BYTES}),
           reinterpret_cast<const int8_t*>(base + screen),
           reinterpret_cast<const float*>(base + screen + vocab * K)};
 }
