@@ -11,7 +11,7 @@ import heapq
 import torch
 
 from engine.errors import CapacityError
-from engine.wire.contract import RESERVED_BLOCK
+from engine.wire.contract import RESERVED_BLOCK, chain_hashes
 
 
 class ShardBlockPool:
@@ -101,3 +101,37 @@ class KVCache:
     def capacity_tokens(self) -> int:
         """Tokens the cache can hold for requests (block 0 excluded)."""
         return (self.num_blocks - 1) * self.block_size
+
+
+class BlockContents:
+    """block -> hash chain of the tokens it holds (engine.wire.contract.chain_hashes), for blocks
+    filled by a completed forward: what a prefix cache may reuse. The shard keeps one for its
+    cache (engine/serving/prefix.py checks a router's cache_len with it), a draft model one for
+    its own."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._hashes: dict[int, int] = {}
+
+    def forget(self, blocks) -> None:
+        """Blocks about to be written with new tokens hold nothing reusable any more."""
+        for block in blocks:
+            self._hashes.pop(block, None)
+
+    def record(
+        self, blocks: list[int], token_ids: list[int], adapter: str | None, filled: int
+    ) -> None:
+        """After a forward: the sequence's first `filled` tokens are in its blocks."""
+        full = filled // self.block_size
+        for block, value in zip(
+            blocks[:full], chain_hashes(token_ids, self.block_size, adapter, full)
+        ):
+            self._hashes[block] = value
+
+    def held(self, blocks: list[int], token_ids: list[int], adapter: str | None, count: int) -> int:
+        """How many of the first `count` blocks, from the first on, hold those tokens."""
+        expected = chain_hashes(token_ids, self.block_size, adapter, count)
+        for position, (block, value) in enumerate(zip(blocks, expected)):
+            if self._hashes.get(block) != value:
+                return position
+        return min(count, len(blocks))

@@ -14,7 +14,8 @@ import pytest
 from engine.batch import Request, StoppingCriteriaParameters
 from engine.config import ServingLimits
 from engine.errors import InvalidRequestError
-from engine.serving.prefix import BlockContents
+from engine.kv_cache import BlockContents
+from engine.serving.prefix import check_prefix
 from engine.vision.keys import image_start, keyed_ids
 from router.client import InProcessClient
 from router.images.decode import ImageLimits, checked
@@ -138,10 +139,10 @@ def test_the_shard_refuses_a_prefix_block_that_holds_another_image(shard):
     contents.record(blocks, shard.vision.keyed(first, ids), None, len(ids))
     size = len(ids) // shard.block_size * shard.block_size
     first.blocks, first.cache_len = blocks, size
-    contents.check_prefix(first, shard.vision.keyed(first, ids))
+    check_prefix(contents, first, shard.vision.keyed(first, ids))
     other.blocks, other.cache_len = blocks, size
     with pytest.raises(InvalidRequestError, match="does not hold this request's tokens"):
-        contents.check_prefix(other, shard.vision.keyed(other, ids))
+        check_prefix(contents, other, shard.vision.keyed(other, ids))
 
 
 def test_keys_say_which_image_and_where_it_begins():

@@ -19,13 +19,12 @@ from engine.devices import get_adapter
 from engine.devices.simulate.counters import graph_counts, start_serving, start_warmup
 from engine.distributed import Parallel, broadcast_int, init_distributed
 from engine.errors import InvalidRequestError, ModelLoadError
-from engine.kv_cache import ShardBlockPool
+from engine.kv_cache import BlockContents, ShardBlockPool
 from engine.pipeline.grid import join_grid
 from engine.pipeline.turns import StepTurns
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
 from engine.serving.checks import check_decode, check_grown, check_prefill
 from engine.serving.lookahead import Ahead
-from engine.serving.prefix import BlockContents
 from engine.serving.recompute import check_recompute_fits, recompute_position
 from engine.serving.sequence import Sequence
 from engine.serving.static_sampling import warm_sampler

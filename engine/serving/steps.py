@@ -16,7 +16,7 @@ from engine.batch import (
 )
 from engine.config import ServingLimits
 from engine.errors import InvalidRequestError
-from engine.kv_cache import ShardBlockPool, blocks_needed
+from engine.kv_cache import BlockContents, ShardBlockPool, blocks_needed
 from engine.layers.lora import NO_ADAPTER, LoraSet
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
 from engine.sampling.sampler import (
@@ -29,7 +29,7 @@ from engine.serving import siblings
 from engine.serving.chunks import check_chunking, chunk_cap, plan_chunks
 from engine.serving.detokenize import decode_next
 from engine.serving.lookahead import Ahead, logits_using, run_ahead
-from engine.serving.prefix import BlockContents, check_cache_len
+from engine.serving.prefix import check_cache_len, check_prefix
 from engine.serving.resume import check_resumed, replay
 from engine.serving.sequence import Sequence
 from engine.serving.static_sampling import choose_next
@@ -103,7 +103,7 @@ def admit_requests(
         if request.chunks is not None and ctx.vision is not None:
             ctx.vision.check_whole(request, min(_cap(ctx), ctx.limits.max_prefill_tokens))
         if request.cache_len:
-            ctx.contents.check_prefix(request, _keyed(ctx, request, full))
+            check_prefix(ctx.contents, request, _keyed(ctx, request, full))
     grammars = [_compile_grammar(ctx, request) for request in requests]
     needed = sum(
         blocks_needed(kv_tokens(len(ids), r.stopping_parameters.max_new_tokens), ctx.block_size)
