@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.batch import Batch, NextTokenChooserParameters
+from engine.kv_cache import slots_for
 from engine.runner import PrefillInput
 from engine.spec.draft import fed_at
 from tests.helpers import build_request, shard_fixture, tiny_shard
@@ -120,6 +121,76 @@ def test_the_drafts_catch_up_reads_the_logits_at_each_rows_last_token(drafting):
         expected = shard.runner.decode([fed_at(seq, seq.token_ids[-1], n - 1)])
     assert drafted.shape == expected.shape == (1, shard.model_config.vocab_size)
     torch.testing.assert_close(drafted, expected, rtol=1e-4, atol=1e-4)
+
+
+# A prompt of more than three blocks of 16, and one shorter than a block.
+LONG = " ".join(WORDS * 20)
+SHORT = " and so on"
+
+
+def blocks_for(shard, text, first):
+    """Enough blocks from `first` on for the prompt and its NEW tokens."""
+    count = -(-(len(shard.tokenizer(text)["input_ids"]) + NEW) // shard.block_size)
+    return list(range(first, first + count))
+
+
+def prefix_request(shard, i, text, blocks, cache_len=0, new=NEW):
+    count = len(shard.tokenizer(text)["input_ids"])
+    slots = slots_for(blocks, 0, count, shard.block_size)
+    return build_request(i, new, text, blocks=blocks, slots=slots, cache_len=cache_len)
+
+
+def run_keeping_blocks(shard, batch_id, requests):
+    """As run, without clearing the shard first: what its blocks hold stays on record."""
+    tokens: dict[int, list[int]] = {}
+    generations, cached = shard.prefill(Batch(batch_id, requests))
+    while True:
+        for generation in generations:
+            tokens.setdefault(generation.request_id, []).extend(generation.tokens.ids)
+        if cached is None:
+            return tokens
+        generations, cached = shard.decode([cached])
+
+
+def draft_primes(shard, monkeypatch) -> list:
+    """Every input of the draft's prefills from now on (the prefills still run)."""
+    runner, seen = shard.speculator.draft.runner, []
+    prefill = runner.prefill
+    monkeypatch.setattr(runner, "prefill", lambda inputs: seen.extend(inputs) or prefill(inputs))
+    return seen
+
+
+def test_a_prefix_hit_primes_the_draft_after_the_blocks_it_already_holds(drafting, monkeypatch):
+    """With prefix caching the draft records what its own blocks hold: a request whose first
+    blocks an earlier one filled primes the draft with only the rest of its prompt, after them
+    as context, and gets the same tokens and the same accepted proposals as the first time."""
+    shard = drafting("small")
+    shard.clear()
+    owner = blocks_for(shard, LONG, 1)
+    first = run_keeping_blocks(shard, 1, [prefix_request(shard, 0, LONG, owner)])
+    accepted = shard.speculator.stats["spec_accepted"]
+    primes = draft_primes(shard, monkeypatch)
+    reused = owner[:3] + blocks_for(shard, LONG, 40)[3:]
+    again = prefix_request(shard, 1, LONG, reused, cache_len=3 * shard.block_size)
+    assert run_keeping_blocks(shard, 2, [again]) == {1: first[0]}
+    assert shard.speculator.stats["spec_accepted"] - accepted == accepted
+    assert [len(p.context_slots) for p in primes] == [3 * shard.block_size]
+    assert primes[0].slots[0] == reused[3] * shard.block_size  # the first position after them
+
+
+def test_the_draft_forgets_a_block_it_overwrites(drafting):
+    """A block the draft writes for other tokens, even in part, is no longer vouched for: here a
+    request too short to fill the block (it is never recorded again) but primed all the same."""
+    shard = drafting("small")
+    shard.clear()
+    draft = shard.speculator.draft
+    owner = blocks_for(shard, LONG, 1)
+    ids = shard.tokenizer(LONG)["input_ids"]
+    run_keeping_blocks(shard, 1, [prefix_request(shard, 0, LONG, owner)])
+    assert draft.contents.held(owner, ids, None, 3) == 3
+    assert len(shard.tokenizer(SHORT)["input_ids"]) + 4 < shard.block_size
+    run_keeping_blocks(shard, 2, [prefix_request(shard, 1, SHORT, [owner[1]], new=4)])
+    assert draft.contents.held(owner, ids, None, 3) == 1  # block 1 now holds some of SHORT
 
 
 def test_seeded_sampling_is_reproducible(drafting):

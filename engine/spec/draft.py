@@ -9,7 +9,11 @@ keys of their own ("draft", kind, bucket), so that strict mode covers them too.
 
 Catching up: the draft's KV is valid for a row's first `valid` tokens. The step that prefills a
 prompt primes the draft with all of it but the latest token (`prime`, where the batch is small
-enough to speculate). Before proposing, every token from `valid` to the row's latest is fed (a
+enough to speculate). With prefix caching the draft's blocks are reused as the target's are: the
+draft keeps its own record of what each full block holds (a BlockContents over token ids alone,
+since the draft sees no adapter and no image), a block being forgotten before every draft forward
+that may write it, so a prompt whose first blocks the draft already holds primes only the rest,
+after them as context. Before proposing, every token from `valid` to the row's latest is fed (a
 prompt not primed in one prefill; a step's accepted tokens, one or two usually, in a verify
 forward of their own width, CATCH_UP_WIDTH), and the last forward's logits give the first
 proposal. A lone greedy row on the CPU kernels does its catch-up and all its proposals in one
@@ -30,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import ModelLoadError
-from engine.kv_cache import KVCache
+from engine.kv_cache import BlockContents, KVCache
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
 from engine.sampling.sampler import is_sampling, plain_greedy, process_scores
 
@@ -130,6 +134,7 @@ class DraftRow:
     valid: int = 0
     written: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    recorded: int = 0  # full blocks below `valid` in the draft's block record
 
     def settle(self, token_ids: list[int]) -> None:
         """Proposals the target accepted are now the row's tokens: their draft KV holds."""
@@ -163,14 +168,24 @@ class DraftModel:
         self.adapter = DraftAdapter(adapter)
         self.runner: ModelRunner | None = None
         self.longest_prefill = 0
+        self.contents: BlockContents | None = None  # with prefix caching: what its blocks hold
 
     def release(self) -> None:
         """Before a new warmup: let go of the old cache."""
         self.runner = None
         self.model.bind_kv_cache([None] * self.model_config.num_layers)
 
-    def warm(self, limits, num_blocks: int, block_size: int, num_tokens: int, graphless: bool):
-        """Its own cache (the target's block count, so that block ids agree) and plan, warmed."""
+    def warm(
+        self,
+        limits,
+        num_blocks: int,
+        block_size: int,
+        num_tokens: int,
+        graphless: bool,
+        prefix_caching: bool = False,
+    ):
+        """Its own cache (the target's block count, so that block ids agree) and plan, warmed.
+        With prefix caching the plan has context prefill buckets, for primes after reused blocks."""
         self.release()
         self.runner, self.longest_prefill = warmed_runner(
             DraftRunner,
@@ -180,7 +195,9 @@ class DraftModel:
             self.dtype,
             (limits, num_blocks, block_size, num_tokens, graphless),
             extra_widths=(CATCH_UP_WIDTH,),
+            context=prefix_caching,
         )
+        self.contents = BlockContents(block_size) if prefix_caching else None
         self.width = num_tokens + 1
 
     @torch.inference_mode()
@@ -188,16 +205,52 @@ class DraftModel:
         """In the step that prefills their prompts: the draft's KV of each prompt but its latest
         token, so that a row's first speculative step feeds the draft one token, not its whole
         prompt (the prompt's cost belongs to its prefill, not to the running batch's decode)."""
-        inputs = []
+        inputs, primed = [], []
         for seq in sequences:
             state = _row_state(seq)
-            end = min(len(seq.token_ids) - 1, self.longest_prefill)
-            if self.runner is None or state.valid > 0 or end < 1:
+            if self.runner is None or state.valid > 0:
                 continue
-            inputs.append(PrefillInput(seq.token_ids[:end], seq.slots(0, end)))
+            last = len(seq.token_ids) - 1
+            start = min(self._held(seq, last), last)
+            end = min(last, start + self.longest_prefill)
+            if end < 1:
+                continue
+            self._forget_from(seq, start)
+            if start < end:
+                context = seq.slots(0, start) if start else []
+                inputs.append(
+                    PrefillInput(
+                        seq.token_ids[start:end], seq.slots(start, end), context_slots=context
+                    )
+                )
             state.valid = end
+            primed.append(seq)
         if inputs:
             self.runner.prefill(inputs)
+        for seq in primed:
+            self._record(seq)
+
+    def _held(self, seq, last: int) -> int:
+        """Tokens from the first whose draft KV the draft's blocks already hold (whole blocks of
+        the row's tokens before `last`); 0 without prefix caching."""
+        if self.contents is None:
+            return 0
+        blocks = last // self.runner.block_size
+        return self.contents.held(seq.blocks, seq.token_ids, None, blocks) * self.runner.block_size
+
+    def _forget_from(self, seq, position: int) -> None:
+        """The row's blocks from the one holding `position` on are about to be written: the
+        record no longer vouches for them (another row's tokens may have been there)."""
+        if self.contents is not None:
+            self.contents.forget(seq.blocks[position // self.runner.block_size :])
+
+    def _record(self, seq) -> None:
+        """The row's full blocks below its `valid` hold its tokens' draft KV."""
+        state = seq.speculation
+        full = state.valid // self.runner.block_size
+        if self.contents is not None and full > state.recorded:
+            self.contents.record(seq.blocks, seq.token_ids, None, state.valid)
+            state.recorded = full
 
     @torch.inference_mode()
     def propose(self, sequences: list, rooms: list[int]):
@@ -209,6 +262,15 @@ class DraftModel:
         if not rows or self.runner is None:
             return proposals, dists
         states = [_row_state(sequences[i]) for i in rows]
+        for i, state in zip(rows, states):  # accepted proposals first: then what gets written
+            state.settle(sequences[i].token_ids)
+            self._forget_from(sequences[i], state.valid)
+        out = self._propose_rows(sequences, rooms, rows, states, proposals, dists)
+        for i in rows:
+            self._record(sequences[i])
+        return out
+
+    def _propose_rows(self, sequences, rooms, rows, states, proposals, dists):
         if len(rows) == 1 and plain_greedy(sequences[rows[0]].sampling):
             folded = self._propose_folded(sequences[rows[0]], states[0], rooms[rows[0]])
             if folded is not None:
@@ -411,13 +473,20 @@ def load_draft(config, target_config, target_tokenizer, adapter, dtype) -> Draft
 
 
 def warmed_runner(
-    runner_class, model, num_layers: int, adapter, dtype, sizes: tuple, extra_widths=()
+    runner_class,
+    model,
+    num_layers: int,
+    adapter,
+    dtype,
+    sizes: tuple,
+    extra_widths=(),
+    context: bool = False,
 ):
     """A proposer's runner over its own KV cache (`num_layers` layers, the target's block count so
     that block ids agree) and its plan: small batches, every decode batch where nothing compiles,
-    the verify width (K + 1) and `extra_widths` below it; every bucket warmed. Returns it and its
-    longest plain prefill."""
-    from engine.buckets.plan import make_plan, with_every_decode_batch
+    the verify width (K + 1) and `extra_widths` below it, and with `context` prefill buckets after
+    cached context; every bucket warmed. Returns it and its longest plain prefill."""
+    from engine.buckets.plan import make_plan, with_context, with_every_decode_batch
     from engine.spec.buckets import SPECULATE_MAX_BATCH, verify_buckets, with_verify
 
     limits, num_blocks, block_size, num_tokens, graphless = sizes
@@ -434,6 +503,7 @@ def warmed_runner(
     )
     small = _with_batch(limits, min(SPECULATE_MAX_BATCH, limits.max_batch_size))
     plan = make_plan("exponential", small)
+    plan = with_context(plan, small) if context else plan
     plan = with_every_decode_batch(plan, small.blocks_per_sequence) if graphless else plan
     widths = sorted({num_tokens + 1, *(w for w in extra_widths if w <= num_tokens)})
     plan = with_verify(plan, [b for w in widths for b in verify_buckets(small, w - 1)])
