@@ -354,7 +354,6 @@ class Shard:
                 self.block_size,
                 self.speculator.num_tokens,
                 graphless=not self.adapter.warm_runs_forward,
-                prefix_caching=self.config.prefix_caching,
             )
         if hasattr(self.speculator.draft, "slot_states"):  # EAGLE-3: copied prompts carry them
             self.runner.kv_cache.extras = self.speculator.draft.slot_states()

@@ -163,11 +163,12 @@ def check_compatible(target_config, target_tokenizer, draft_config, draft_tokeni
 class DraftModel:
     """The loaded draft, and after warmup its runner (its KV cache and warmed buckets)."""
 
-    def __init__(self, model, model_config, adapter, dtype):
+    def __init__(self, model, model_config, adapter, dtype, prefix_caching: bool = False):
         self.model, self.model_config, self.dtype = model, model_config, dtype
         self.adapter = DraftAdapter(adapter)
         self.runner: ModelRunner | None = None
         self.longest_prefill = 0
+        self.prefix_caching = prefix_caching  # the shard's: then the draft reuses blocks too
         self.contents: BlockContents | None = None  # with prefix caching: what its blocks hold
 
     def release(self) -> None:
@@ -175,15 +176,7 @@ class DraftModel:
         self.runner = None
         self.model.bind_kv_cache([None] * self.model_config.num_layers)
 
-    def warm(
-        self,
-        limits,
-        num_blocks: int,
-        block_size: int,
-        num_tokens: int,
-        graphless: bool,
-        prefix_caching: bool = False,
-    ):
+    def warm(self, limits, num_blocks: int, block_size: int, num_tokens: int, graphless: bool):
         """Its own cache (the target's block count, so that block ids agree) and plan, warmed.
         With prefix caching the plan has context prefill buckets, for primes after reused blocks."""
         self.release()
@@ -195,9 +188,9 @@ class DraftModel:
             self.dtype,
             (limits, num_blocks, block_size, num_tokens, graphless),
             extra_widths=(CATCH_UP_WIDTH,),
-            context=prefix_caching,
+            context=self.prefix_caching,
         )
-        self.contents = BlockContents(block_size) if prefix_caching else None
+        self.contents = BlockContents(block_size) if self.prefix_caching else None
         self.width = num_tokens + 1
 
     @torch.inference_mode()
@@ -469,7 +462,7 @@ def load_draft(config, target_config, target_tokenizer, adapter, dtype) -> Draft
         target_config, target_tokenizer, loaded.config, loaded.tokenizer, config.draft_model
     )
     adapter.prepare_draft(loaded.model, dtype)
-    return DraftModel(loaded.model, loaded.config, adapter, dtype)
+    return DraftModel(loaded.model, loaded.config, adapter, dtype, config.prefix_caching)
 
 
 def warmed_runner(

@@ -219,18 +219,8 @@ class Eagle3Drafter:
         aux = self.model.target[0].aux_cache
         return [] if aux is None else [aux]
 
-    def warm(
-        self,
-        limits,
-        num_blocks: int,
-        block_size: int,
-        num_tokens: int,
-        graphless: bool,
-        prefix_caching: bool = False,
-    ):
-        """Its one-layer cache (the target's block count: the block ids agree) and plan, warmed.
-        `prefix_caching` changes nothing here: the head's KV is not reused across requests (a
-        new row's head catches up over its whole prompt)."""
+    def warm(self, limits, num_blocks: int, block_size: int, num_tokens: int, graphless: bool):
+        """Its one-layer cache (the target's block count: the block ids agree) and plan, warmed."""
         self.release()
         self.runner, self.longest_prefill = warmed_runner(
             Eagle3Runner,
