@@ -14,6 +14,7 @@ from engine.runner import PrefillInput
 from engine.spec.draft import fed_at
 from tests.helpers import build_request, shard_fixture, tiny_shard
 from tests.models import build_tiny_model
+from tests.test_equivalence import PROMPTS
 from tests.test_speculative import WORDS, chi2_sf, dataclasses_replace, run
 
 NEW = 40  # crosses block boundaries (blocks of 16)
@@ -174,8 +175,9 @@ def test_a_prefix_hit_primes_the_draft_after_the_blocks_it_already_holds(draftin
     again = prefix_request(shard, 1, LONG, reused, cache_len=3 * shard.block_size)
     assert run_keeping_blocks(shard, 2, [again]) == {1: first[0]}
     assert shard.speculator.stats["spec_accepted"] - accepted == accepted
-    assert [len(p.context_slots) for p in primes] == [3 * shard.block_size]
-    assert primes[0].slots[0] == reused[3] * shard.block_size  # the first position after them
+    prime = primes[0]  # the prefill step's (later ones: catch-ups after plain steps)
+    assert len(prime.context_slots) == 3 * shard.block_size
+    assert prime.slots[0] == reused[3] * shard.block_size  # the first position after them
 
 
 def test_the_draft_forgets_a_block_it_overwrites(drafting):
@@ -191,6 +193,67 @@ def test_the_draft_forgets_a_block_it_overwrites(drafting):
     assert len(shard.tokenizer(SHORT)["input_ids"]) + 4 < shard.block_size
     run_keeping_blocks(shard, 2, [prefix_request(shard, 1, SHORT, [owner[1]], new=4)])
     assert draft.contents.held(owner, ids, None, 3) == 1  # block 1 now holds some of SHORT
+
+
+def test_a_draft_far_behind_catches_up_in_one_prefill_after_its_kv(drafting, plain, monkeypatch):
+    """A row whose draft fell more than a verify forward behind (plain steps in between: here a
+    batch too large to speculate) catches up in one prefill after the draft's KV as context, not
+    in verify-width forwards; its tokens are plain decoding's."""
+    shard = drafting("self")
+    expected = run(plain, [build_request(4, NEW)])[4]
+    shard.clear()
+    generations, cached = shard.prefill(Batch(1, [build_request(4, NEW)]))
+    tokens = [t for g in generations for t in g.tokens.ids]
+
+    def step():
+        nonlocal cached
+        generations, cached = shard.decode([cached])
+        tokens.extend(t for g in generations for t in g.tokens.ids)
+
+    step()  # speculative
+    seq = shard.batches[cached.id][0]
+    monkeypatch.setattr(shard.speculator, "max_batch", 0)
+    for _ in range(K + 2):  # plain: the draft falls behind
+        step()
+    monkeypatch.undo()
+    seq.speculation.settle(seq.token_ids)
+    valid, behind = seq.speculation.valid, len(seq.token_ids) - seq.speculation.valid
+    assert behind > K + 1
+    primes = draft_primes(shard, monkeypatch)
+    step()
+    assert [(len(p.context_slots), len(p.token_ids)) for p in primes] == [(valid, behind)]
+    while cached is not None:
+        step()
+    assert tokens == expected
+
+
+def test_a_prompt_beyond_the_prefill_budget_primes_the_draft_chunk_by_chunk(
+    tiny_model_dirs, draft_dirs, monkeypatch
+):
+    """A prompt computed in chunks (chunked prefill) primes the draft in chunks of its longest
+    prefill bucket, each after the KV so far, all of it but the latest token before the first
+    speculative step; its tokens are plain decoding's."""
+    limits = dict(max_batch_size=4, max_prefill_tokens=32, max_input_tokens=192)
+    text = " ".join([PROMPTS[4]] * 3)
+
+    def request():
+        return build_request(0, NEW, text)
+
+    expected = run(tiny_shard(tiny_model_dirs["llama"], **limits), [request()])
+    shard = tiny_shard(
+        tiny_model_dirs["llama"],
+        **limits,
+        speculate="draft",
+        draft_model=str(draft_dirs["self"]),
+        num_speculative_tokens=K,
+    )
+    primes = draft_primes(shard, monkeypatch)
+    assert run(shard, [request()]) == expected
+    longest = shard.speculator.draft.longest_prefill
+    fed = len(shard.tokenizer(text)["input_ids"])  # the prompt: all but the first token sampled
+    assert fed > 3 * longest
+    assert [len(p.context_slots) for p in primes] == list(range(0, fed, longest))
+    assert sum(len(p.token_ids) for p in primes) == fed
 
 
 def test_seeded_sampling_is_reproducible(drafting):

@@ -12,12 +12,14 @@ prompt primes the draft with all of it but the latest token (`prime`, where the 
 enough to speculate). With prefix caching the draft's blocks are reused as the target's are: the
 draft keeps its own record of what each full block holds (a BlockContents over token ids alone,
 since the draft sees no adapter and no image), a block being forgotten before every draft forward
-that may write it, so a prompt whose first blocks the draft already holds primes only the rest,
-after them as context. Before proposing, every token from `valid` to the row's latest is fed (a
-prompt not primed in one prefill; a step's accepted tokens, one or two usually, in a verify
-forward of their own width, CATCH_UP_WIDTH), and the last forward's logits give the first
-proposal. A lone greedy row on the CPU kernels does its catch-up and all its proposals in one
-fused call (DraftRunner.greedy_steps).
+that may write it, so a row starts after the blocks the draft already holds of it; and its plan
+has context prefill buckets, so a prompt longer than the longest prefill is primed chunk by chunk,
+each after the KV so far. Before proposing, every token from `valid` to the row's latest is fed:
+in prefills where the row is new, or (with prefix caching) more than a verify forward behind, as
+after plain steps; otherwise (a step's accepted tokens, one or two usually) in a verify forward of
+their own width, CATCH_UP_WIDTH. The last forward's logits give the first proposal. A lone greedy
+row on the CPU kernels does its catch-up and all its proposals in one fused call
+(DraftRunner.greedy_steps).
 The draft's KV slots of rejected proposals are simply overwritten when the row catches up.
 
 Proposals follow the row's own sampling: greedy rows take the draft's argmax (after the row's
@@ -198,30 +200,58 @@ class DraftModel:
         """In the step that prefills their prompts: the draft's KV of each prompt but its latest
         token, so that a row's first speculative step feeds the draft one token, not its whole
         prompt (the prompt's cost belongs to its prefill, not to the running batch's decode)."""
-        inputs, primed = [], []
+        primed = []
         for seq in sequences:
             state = _row_state(seq)
-            if self.runner is None or state.valid > 0:
+            if self.runner is None or state.valid > 0 or len(seq.token_ids) < 2:
                 continue
-            last = len(seq.token_ids) - 1
-            start = min(self._held(seq, last), last)
-            end = min(last, start + self.longest_prefill)
-            if end < 1:
-                continue
-            self._forget_from(seq, start)
-            if start < end:
-                context = seq.slots(0, start) if start else []
-                inputs.append(
-                    PrefillInput(
-                        seq.token_ids[start:end], seq.slots(start, end), context_slots=context
-                    )
-                )
-            state.valid = end
+            self._claim(seq, state)
             primed.append(seq)
-        if inputs:
-            self.runner.prefill(inputs)
+        fed = [s for s in primed if s.speculation.valid < len(s.token_ids) - 1]
+        if fed:
+            self._prefill_rows(fed, [len(s.token_ids) - 1 for s in fed])
         for seq in primed:
             self._record(seq)
+
+    def _claim(self, seq, state: DraftRow) -> None:
+        """Before the draft's forwards of a row: a row not yet begun starts after the blocks the
+        draft already holds of it (never past its latest token, which is fed to propose), and the
+        row's blocks from its first unwritten position on are forgotten."""
+        if state.valid == 0:
+            state.valid = self._held(seq, len(seq.token_ids) - 1)
+        self._forget_from(seq, state.valid)
+
+    def _prefill_rows(self, seqs: list, ends: list[int]) -> list:
+        """Each row's tokens from its `valid` to its end, in prefills of at most the longest
+        prefill bucket, each after the row's KV so far as context; the logits at each row's end
+        (a host copy). Without prefix caching the plan has no context buckets: one prefill from
+        the start, as far as the longest bucket reaches (the catch-up feeds the rest)."""
+        logits: list = [None] * len(seqs)
+        pending = list(range(len(seqs)))
+        while pending:
+            chunks = {}
+            for k in pending:
+                seq, valid = seqs[k], seqs[k].speculation.valid
+                end = min(ends[k], valid + self.longest_prefill)
+                context = -(-valid // self.runner.block_size)
+                if self.runner.plan.prefill_bucket(1, end - valid, context) is None:
+                    continue  # context past a prompt's (a resumed row): the catch-up feeds it
+                chunks[k] = PrefillInput(
+                    seq.token_ids[valid:end],
+                    seq.slots(valid, end),
+                    context_slots=seq.slots(0, valid),
+                )
+            pending, inputs = list(chunks), list(chunks.values())
+            if not inputs:
+                break
+            out = host_copy(self.runner.prefill(inputs).logits)
+            for row, (k, fed) in enumerate(zip(pending, inputs)):
+                seqs[k].speculation.valid += len(fed.token_ids)
+                logits[k] = out[row]
+            pending = [
+                k for k in pending if self.prefix_caching and seqs[k].speculation.valid < ends[k]
+            ]
+        return logits
 
     def _held(self, seq, last: int) -> int:
         """Tokens from the first whose draft KV the draft's blocks already hold (whole blocks of
@@ -257,7 +287,7 @@ class DraftModel:
         states = [_row_state(sequences[i]) for i in rows]
         for i, state in zip(rows, states):  # accepted proposals first: then what gets written
             state.settle(sequences[i].token_ids)
-            self._forget_from(sequences[i], state.valid)
+            self._claim(sequences[i], state)
         out = self._propose_rows(sequences, rooms, rows, states, proposals, dists)
         for i in rows:
             self._record(sequences[i])
@@ -344,12 +374,13 @@ class DraftModel:
             state.settle(seq.token_ids)
         pending = list(range(len(sequences)))
         while pending:
-            fresh = [k for k in pending if states[k].valid == 0]
-            going = [k for k in pending if states[k].valid > 0]
-            if fresh:
-                self._prefill_fresh(
-                    [sequences[k] for k in fresh], [states[k] for k in fresh], fresh, logits
-                )
+            long = [k for k in pending if self._by_prefill(sequences[k], states[k])]
+            going = [k for k in pending if k not in long]
+            if long:
+                seqs = [sequences[k] for k in long]
+                filled = self._prefill_rows(seqs, [len(seq.token_ids) for seq in seqs])
+                for k, row_logits in zip(long, filled):
+                    logits[k] = row_logits
             if going and not self._continue(
                 [sequences[k] for k in going], [states[k] for k in going], going, logits
             ):
@@ -360,15 +391,18 @@ class DraftModel:
         done = [s.valid == len(seq.token_ids) for seq, s in zip(sequences, states)]
         return [row if ok else None for row, ok in zip(logits, done)]
 
-    def _prefill_fresh(self, seqs, states, indices, logits) -> None:
-        inputs = []
-        for seq, state in zip(seqs, states):
-            end = min(len(seq.token_ids), self.longest_prefill)
-            inputs.append(PrefillInput(seq.token_ids[:end], seq.slots(0, end)))
-            state.valid = end
-        out = host_copy(self.runner.prefill(inputs).logits)
-        for row, k in enumerate(indices):
-            logits[k] = out[row]
+    def _by_prefill(self, seq, state: DraftRow) -> bool:
+        """Whether a row catches up in prefills (_prefill_rows) rather than verify-width forwards:
+        a row not begun; and, with prefix caching, one more than a verify forward behind whose
+        catch-up a context bucket holds (a context bucket reaches a prompt's length, not a long
+        generation's)."""
+        if state.valid == 0:
+            return True
+        behind = len(seq.token_ids) - state.valid
+        if not self.prefix_caching or not self.width < behind <= self.longest_prefill:
+            return False
+        context = -(-state.valid // self.runner.block_size)
+        return self.runner.plan.prefill_bucket(1, behind, context) is not None
 
     def _continue(self, seqs, states, indices, logits) -> bool:
         """One verify-width forward of each row's next pending tokens, after its draft context."""
