@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import ModelLoadError
-from engine.kv_cache import BlockContents, KVCache
+from engine.kv_cache import BlockContents, KVCache, blocks_needed
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
 from engine.sampling.sampler import is_sampling, plain_greedy, process_scores
 
@@ -233,8 +233,7 @@ class DraftModel:
             for k in pending:
                 seq, valid = seqs[k], seqs[k].speculation.valid
                 end = min(ends[k], valid + self.longest_prefill)
-                context = -(-valid // self.runner.block_size)
-                if self.runner.plan.prefill_bucket(1, end - valid, context) is None:
+                if not self._prefill_fits(valid, end - valid):
                     continue  # context past a prompt's (a resumed row): the catch-up feeds it
                 chunks[k] = PrefillInput(
                     seq.token_ids[valid:end],
@@ -339,8 +338,7 @@ class DraftModel:
         """A lone greedy row already in the draft's KV: its catch-up (the one or two tokens since
         the draft's last forward) and all its proposals in one fused call. None where that call
         does not run (no kernel, an unwarmed bucket, a longer catch-up): the caller catches up
-        and proposes as usual."""
-        state.settle(seq.token_ids)
+        and proposes as usual. (`propose` settled the row.)"""
         pending = seq.token_ids[state.valid :]
         # Up to 2: the catch-up's verify bucket is then the width-2 one (warmed_runner), whose
         # products sum each row as the fused call's do, so the proposals are the loop's.
@@ -368,10 +366,9 @@ class DraftModel:
 
     def _catch_up(self, sequences: list, states: list[DraftRow]) -> list:
         """Feed each row's tokens from its `valid` through its latest; each row's logits at its
-        latest token (None where no warmed bucket holds its catch-up: it proposes nothing)."""
+        latest token (None where no warmed bucket holds its catch-up: it proposes nothing).
+        (`propose` settled the rows.)"""
         logits: list = [None] * len(sequences)
-        for seq, state in zip(sequences, states):
-            state.settle(seq.token_ids)
         pending = list(range(len(sequences)))
         while pending:
             long = [k for k in pending if self._by_prefill(sequences[k], states[k])]
@@ -401,8 +398,12 @@ class DraftModel:
         behind = len(seq.token_ids) - state.valid
         if not self.prefix_caching or not self.width < behind <= self.longest_prefill:
             return False
-        context = -(-state.valid // self.runner.block_size)
-        return self.runner.plan.prefill_bucket(1, behind, context) is not None
+        return self._prefill_fits(state.valid, behind)
+
+    def _prefill_fits(self, context: int, count: int) -> bool:
+        """Whether a planned prefill bucket holds `count` new tokens after `context` of KV."""
+        blocks = blocks_needed(context, self.runner.block_size)
+        return self.runner.plan.prefill_bucket(1, count, blocks) is not None
 
     def _continue(self, seqs, states, indices, logits) -> bool:
         """One verify-width forward of each row's next pending tokens, after its draft context."""
