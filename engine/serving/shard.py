@@ -66,12 +66,8 @@ class Shard:
     def __init__(
         self, config: EngineConfig, rank: int = 0, world_size: int = 1, show_progress: bool = True
     ):
-        self.config, self.rank, self.world_size, self.show_progress = (
-            config,
-            rank,
-            world_size,
-            show_progress,
-        )
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.show_progress = show_progress
         self.adapter = get_adapter(
             config.device,
             config.graph_mode,
@@ -83,8 +79,14 @@ class Shard:
         )
         self.dtype = self._choose_dtype(config)
         self.block_size = config.block_size or self.adapter.default_block_size
-        # The whole group (host values agree across it), and this rank's tensor-parallel group
-        # and pipeline stage within it (engine/pipeline/grid.py).
+        self._join_group(config, rank, world_size)
+        self._load_model(config)
+        self._init_serving_state()
+        self.speculator = self._speculator(self.config)  # --speculate (engine/spec/); None: off
+
+    def _join_group(self, config: EngineConfig, rank: int, world_size: int) -> None:
+        """The whole group (host values agree across it), and this rank's tensor-parallel group
+        and pipeline stage within it (engine/pipeline/grid.py)."""
         self.world = Parallel(rank, world_size)
         init_distributed(self.world, self.adapter.dist_backend, *distributed_address())
         self.parallel, self.pipe = join_grid(rank, world_size, config.pipeline_parallel_size)
@@ -93,6 +95,10 @@ class Shard:
         check_same_model(config, self.world)
         # Requests without a seed get one derived from this, which rank 0 picks for the whole group.
         self.group_seed = broadcast_int(secrets.randbits(62), self.world)
+
+    def _load_model(self, config: EngineConfig) -> None:
+        """The model, its tokenizer, its LoRA adapters and its image encoder, prepared for the
+        device; `self.config` loses prefix caching where the model cannot keep it sound."""
         loaded = loader.load(
             config.model_id,
             config.resolved_cache_dir,
@@ -126,35 +132,30 @@ class Shard:
         self.lora_set = load_adapters(
             self.model, config, self.adapter.default_lora_impl, self.parallel
         )
-        self.adapter.prepare_model(
-            self.model, self.dtype
-        )  # after the adapters: they read the plain weights' dtype
+        # after the adapters: they read the plain weights' dtype
+        self.adapter.prepare_model(self.model, self.dtype)
         self.special_token_ids = frozenset(self.tokenizer.all_special_ids)
         self.vision = self._image_encoder()  # a vision-language model's (engine/vision/)
+
+    def _init_serving_state(self) -> None:
+        """What warmup fills in (the runner, the block pool, the limits) and what serving counts."""
         self.limits: ServingLimits | None = None
         self.runner: ModelRunner | None = None
         self.allocator: ShardBlockPool | None = None
-        self.contents: BlockContents | None = (
-            None  # what each filled KV block holds (prefix caching)
-        )
-        self.chunk_stats = {
-            "chunked_prompts": 0,
-            "prefill_chunks": 0,
-        }  # chunked prefill, since warmup
+        # what each filled KV block holds (prefix caching)
+        self.contents: BlockContents | None = None
+        # chunked prefill, since warmup
+        self.chunk_stats = {"chunked_prompts": 0, "prefill_chunks": 0}
         self.batches: dict[int, list[Sequence]] = {}
-        self.ahead: Ahead | None = (
-            None  # the next forward of a batch, run early (engine/serving/lookahead.py)
-        )
-        self.lookahead_stats = {
-            "lookahead_runs": 0,
-            "lookahead_steps": 0,
-        }  # forwards run early; steps that used one
+        # the next forward of a batch, run early (engine/serving/lookahead.py)
+        self.ahead: Ahead | None = None
+        # forwards run early; steps that used one
+        self.lookahead_stats = {"lookahead_runs": 0, "lookahead_steps": 0}
         self._grammar_compiler = None
         self.last_timings: StepTimings | None = None  # of the latest prefill or decode
         self.device_lock = DeviceLock()  # a step, or one bucket of background warmup (steps first)
         self.background = None  # progressive warmup's BackgroundWarmup while it runs
         self.recorder = None  # ShapeRecorder of --record-shapes
-        self.speculator = self._speculator(config)  # --speculate (engine/spec/); None: off
 
     def _speculator(self, config: EngineConfig):
         if not config.speculate:
@@ -266,17 +267,7 @@ class Shard:
             max_input_tokens, max_prefill_tokens, max_total_tokens, max_batch_size
         )
         check_recompute_fits(self.model, limits)
-        gc.unfreeze()  # what the last warmup froze may be garbage now (the old runner and cache)
-        start_warmup(self.adapter)
-        self.clear()
-        if self.turns is not None:
-            self.turns.reset()  # the router numbers its steps from 1 again
-        self._stop_background_warmup()
-        self.runner = None  # drop the previous cache before measuring free memory
-        if self.speculator is not None and self.speculator.draft is not None:
-            self.speculator.draft.release()
-        self.adapter.release_memory(self.model)  # and what still holds it or caches its memory
-        self.adapter.shapes.clear()  # new limits, new cache: only what this warmup runs counts as warm
+        self._drop_previous_warmup()
         parts = ShardModel(
             self.model,
             self.model_config,
@@ -295,24 +286,10 @@ class Shard:
         self.warmup_log = warmed.phases  # per-phase and per-bucket times and memory
         self.allocator, self.limits = ShardBlockPool(warmed.num_blocks), limits
         self.contents = BlockContents(self.block_size) if self.config.prefix_caching else None
-        if batch is not None and batch.requests and self.adapter.warm_runs_forward:
-            for request in batch.requests:  # TGI's warmup image is no real image: its text stays
-                request.chunks = None
-            self.prefill(batch)
-            self.clear(batch.id)
-        if self.config.warmup_mode != "none":
-            if not self.adapter.warm_runs_forward:
-                self._first_forward()
-            with self.device_lock, self.adapter.device_scope():
-                warm_sampler(self.runner, self.model_config.vocab_size)
-                warm_verify_gathers(self.runner, self.model_config.vocab_size)
+        self._warm_serving_paths(batch)
         start_serving(self.adapter)
         self._start_recording()
-        self.runner.padding = PaddingStats()  # serving_stats counts served traffic, not warmup
-        self.chunk_stats.update(chunked_prompts=0, prefill_chunks=0)
-        self.lookahead_stats.update(lookahead_runs=0, lookahead_steps=0)
-        if self.speculator is not None:
-            self.speculator.reset_stats()
+        self._reset_stats()
         # The model, its cache and everything warmup made live as long as the shard: frozen, the
         # collector's older generations stop walking them, which it did in the middle of decode
         # steps (0.5 ms of an 11.5 ms lone-row step of the embedded model, 2026-12-04).
@@ -321,6 +298,46 @@ class Shard:
         return WarmupResult(
             self.runner.kv_cache.capacity_tokens, limits.max_input_tokens, limits.max_total_tokens
         )
+
+    def _drop_previous_warmup(self) -> None:
+        """Everything a previous warmup made (its batches, runner, cache and background warming),
+        released before this one measures free memory."""
+        gc.unfreeze()  # what the last warmup froze may be garbage now (the old runner and cache)
+        start_warmup(self.adapter)
+        self.clear()
+        if self.turns is not None:
+            self.turns.reset()  # the router numbers its steps from 1 again
+        self._stop_background_warmup()
+        self.runner = None  # drop the previous cache before measuring free memory
+        if self.speculator is not None and self.speculator.draft is not None:
+            self.speculator.draft.release()
+        self.adapter.release_memory(self.model)  # and what still holds it or caches its memory
+        self.adapter.shapes.clear()  # new limits, new cache: only what this warmup runs counts as warm
+
+    def _warm_serving_paths(self, batch: Batch | None) -> None:
+        """What serving runs beside the buckets: the router's warmup `batch` prefilled once and
+        dropped (where warming runs forwards), the first forward (where it does not), the sampler
+        and the verify gathers."""
+        if batch is not None and batch.requests and self.adapter.warm_runs_forward:
+            for request in batch.requests:  # TGI's warmup image is no real image: its text stays
+                request.chunks = None
+            self.prefill(batch)
+            self.clear(batch.id)
+        if self.config.warmup_mode == "none":
+            return
+        if not self.adapter.warm_runs_forward:
+            self._first_forward()
+        with self.device_lock, self.adapter.device_scope():
+            warm_sampler(self.runner, self.model_config.vocab_size)
+            warm_verify_gathers(self.runner, self.model_config.vocab_size)
+
+    def _reset_stats(self) -> None:
+        """serving_stats and the metrics count served traffic, not warmup."""
+        self.runner.padding = PaddingStats()
+        self.chunk_stats.update(chunked_prompts=0, prefill_chunks=0)
+        self.lookahead_stats.update(lookahead_runs=0, lookahead_steps=0)
+        if self.speculator is not None:
+            self.speculator.reset_stats()
 
     def _first_forward(self) -> None:
         """A one-token prompt and one decode step through the model, in a block freed after: where

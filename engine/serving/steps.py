@@ -83,37 +83,9 @@ def admit_requests(
     `resume`: request id -> the tokens it generated before a shard restart (engine/serving/resume.py)."""
     tokenized = [_tokenize(ctx, request) for request in requests]
     for request, ids in zip(requests, tokenized):
-        if request.id in resume:
-            check_resumed(
-                request.id,
-                len(ids),
-                resume[request.id],
-                request.stopping_parameters.max_new_tokens,
-                ctx.limits.max_input_tokens,
-                ctx.vocab_size,
-            )
-        full = ids + resume.get(request.id, [])
-        if request.blocks and len(request.blocks) * ctx.block_size < len(full):
-            raise InvalidRequestError(
-                f"request {request.id}: {len(request.blocks)} blocks hold fewer than the "
-                f"{len(full)} tokens it prefills"
-            )
-        check_cache_len(request, len(full), ctx.block_size, ctx.contents is not None)
-        check_chunking(request, len(full) - request.cache_len, _cap(ctx))
-        if request.chunks is not None and ctx.vision is not None:
-            ctx.vision.check_whole(request, min(_cap(ctx), ctx.limits.max_prefill_tokens))
-        if request.cache_len:
-            check_prefix(ctx.contents, request, _keyed(ctx, request, full))
+        _check_admission(ctx, request, ids, resume.get(request.id))
     grammars = [_compile_grammar(ctx, request) for request in requests]
-    needed = sum(
-        blocks_needed(kv_tokens(len(ids), r.stopping_parameters.max_new_tokens), ctx.block_size)
-        for r, ids in zip(requests, tokenized)
-        if not r.blocks
-    )
-    if not ctx.allocator.can_allocate(needed):
-        raise InvalidRequestError(
-            f"KV cache full: the batch needs {needed} blocks, {ctx.allocator.num_free} are free"
-        )
+    _check_room(ctx, requests, tokenized)
     # Images are encoded before any block is allocated: an unreadable one refuses the batch.
     # `n` siblings copy their source's prompt KV, so only the source encodes its images.
     features = [
@@ -126,18 +98,63 @@ def admit_requests(
     for seq, image_features in zip(sequences, features):
         seq.image_features = image_features
         if seq.request.chunks is not None and ctx.vision is not None:
-            seq.image_spans = ctx.vision.spans(seq.request, seq.token_ids)
-            seq.keyed_prompt = ctx.vision.keyed(seq.request, seq.token_ids)
-            if hasattr(ctx.vision, "rope_index"):  # M-RoPE (engine/vision/grids.py)
-                seq.rope_positions, seq.rope_delta = ctx.vision.rope_index(
-                    seq.request, seq.token_ids
-                )
+            _place_images(ctx, seq)
         if seq.id in resume:
             replay(ctx.tokenizer, seq, resume[seq.id])
         seq.computed, seq.prefill_end = seq.cache_len, len(seq.token_ids)
         if ctx.contents is not None:  # the blocks it writes no longer hold what they held
             ctx.contents.forget(seq.blocks[seq.cache_len // ctx.block_size :])
     return sequences
+
+
+def _check_admission(
+    ctx: StepContext, request: Request, ids: list[int], resumed: list[int] | None
+) -> None:
+    """Refuses a request whose prompt (with the tokens it `resumed`) does not fit its blocks, its
+    cached prefix, its chunks or its images."""
+    if resumed is not None:
+        check_resumed(
+            request.id,
+            len(ids),
+            resumed,
+            request.stopping_parameters.max_new_tokens,
+            ctx.limits.max_input_tokens,
+            ctx.vocab_size,
+        )
+    full = ids + (resumed or [])
+    if request.blocks and len(request.blocks) * ctx.block_size < len(full):
+        raise InvalidRequestError(
+            f"request {request.id}: {len(request.blocks)} blocks hold fewer than the "
+            f"{len(full)} tokens it prefills"
+        )
+    check_cache_len(request, len(full), ctx.block_size, ctx.contents is not None)
+    check_chunking(request, len(full) - request.cache_len, _cap(ctx))
+    if request.chunks is not None and ctx.vision is not None:
+        ctx.vision.check_whole(request, min(_cap(ctx), ctx.limits.max_prefill_tokens))
+    if request.cache_len:
+        check_prefix(ctx.contents, request, _keyed(ctx, request, full))
+
+
+def _check_room(ctx: StepContext, requests: list[Request], tokenized: list[list[int]]) -> None:
+    """Refuses a batch whose requests without blocks of their own need more than are free."""
+    needed = sum(
+        blocks_needed(kv_tokens(len(ids), r.stopping_parameters.max_new_tokens), ctx.block_size)
+        for r, ids in zip(requests, tokenized)
+        if not r.blocks
+    )
+    if not ctx.allocator.can_allocate(needed):
+        raise InvalidRequestError(
+            f"KV cache full: the batch needs {needed} blocks, {ctx.allocator.num_free} are free"
+        )
+
+
+def _place_images(ctx: StepContext, seq: Sequence) -> None:
+    """Where a sequence's images sit among its tokens, its prompt as prefix caching keys it, and
+    its M-RoPE positions where the model has them (engine/vision/grids.py)."""
+    seq.image_spans = ctx.vision.spans(seq.request, seq.token_ids)
+    seq.keyed_prompt = ctx.vision.keyed(seq.request, seq.token_ids)
+    if hasattr(ctx.vision, "rope_index"):
+        seq.rope_positions, seq.rope_delta = ctx.vision.rope_index(seq.request, seq.token_ids)
 
 
 def _compile_grammar(ctx: StepContext, request: Request):
@@ -244,27 +261,10 @@ def prefill_step(
     )
     if not planned:
         return []
-    inputs = [
-        PrefillInput(
-            s.token_ids[a:b],
-            s.slots(a, b),
-            s.request.prefill_logprobs and a == 0,
-            adapter_slot(ctx, s.request),
-            s.slots(0, a),
-            _image_features(ctx, s, a, b),
-            _rope_positions(s, a, b),
-        )
-        for s, a, b in planned
-    ]
-    output = ctx.runner.prefill(inputs)
+    output = ctx.runner.prefill([_prefill_input(ctx, s, a, b) for s, a, b in planned])
     for seq, start, end in planned:
         seq.computed = end
-        if ctx.chunk_stats is not None and (start, end) != (
-            seq.cache_len,
-            seq.prefill_end,
-        ):  # a part of its prompt
-            ctx.chunk_stats["prefill_chunks"] += 1
-            ctx.chunk_stats["chunked_prompts"] += start == seq.cache_len
+        _count_chunk(ctx, seq, start, end)
     finished = {seq.id: row for row, (seq, _, _) in enumerate(planned) if not seq.prefilling}
     copies = {i: j for i, j in shared.items() if sequences[j].id in finished}
     siblings.copy_prompts(ctx.runner, sequences, copies, ctx.limits.max_input_tokens)
@@ -282,14 +282,40 @@ def prefill_step(
             len(sequences) if batch_rows is None else batch_rows,
             ctx.block_size,
         )
+    _attach_prompt_logprobs(ctx, rows, output.prompt_logprobs, generations)
+    return generations
+
+
+def _prefill_input(ctx: StepContext, seq: Sequence, start: int, end: int) -> PrefillInput:
+    """The runner's input for prompt positions [start, end) of `seq`, after its first `start`."""
+    return PrefillInput(
+        seq.token_ids[start:end],
+        seq.slots(start, end),
+        seq.request.prefill_logprobs and start == 0,
+        adapter_slot(ctx, seq.request),
+        seq.slots(0, start),
+        _image_features(ctx, seq, start, end),
+        _rope_positions(seq, start, end),
+    )
+
+
+def _count_chunk(ctx: StepContext, seq: Sequence, start: int, end: int) -> None:
+    """chunk_stats counts a prefill of a part of a prompt, and each prompt so cut once."""
+    if ctx.chunk_stats is not None and (start, end) != (seq.cache_len, seq.prefill_end):
+        ctx.chunk_stats["prefill_chunks"] += 1
+        ctx.chunk_stats["chunked_prompts"] += start == seq.cache_len
+
+
+def _attach_prompt_logprobs(ctx: StepContext, rows, prompt_logprobs, generations) -> None:
+    """Each first generation of a request that asked for its prompt's logprobs gets them:
+    `rows` pairs each sequence with its row of the prefill output."""
     by_id = {g.request_id: g for g in generations}
     for seq, row in rows:
-        logprobs = output.prompt_logprobs.get(row)
+        logprobs = prompt_logprobs.get(row)
         if logprobs is not None and seq.request.prefill_logprobs and seq.id in by_id:
             by_id[seq.id].prefill_tokens = _scored_tokens(
                 ctx, seq.token_ids[: seq.prompt_len], logprobs
             )
-    return generations
 
 
 def _image_features(ctx: StepContext, seq: Sequence, start: int, end: int):
