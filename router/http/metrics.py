@@ -40,83 +40,70 @@ class ShardStatsCollector:
         stats = self.client.serving_stats()
         if stats is None:
             return
-        for phase in ("prefill", "decode"):
-            real, padded = stats[f"{phase}_real"], stats[f"{phase}_padded"]
-            unit = "tokens" if phase == "prefill" else "rows"
-            yield counter(
-                f"bucketserve_shard_{phase}_real_{unit}", f"real {unit} the shard computed", real
-            )
-            yield counter(
-                f"bucketserve_shard_{phase}_padded_{unit}", f"{unit} incl. bucket padding", padded
-            )
-            waste = GaugeMetricFamily(
-                f"bucketserve_shard_{phase}_padding_waste_ratio",
-                f"share of the {phase} bucket work that was padding",
-            )
-            waste.add_metric([], 1 - real / padded if padded else 0.0)
-            yield waste
+        yield from padding_metrics(stats)
         yield counter(
             "bucketserve_shard_unwarmed_shapes",
             "forwards at a shape warmup did not run",
             stats["unwarmed_shapes"],
         )
-        for phase in ("prefill", "decode"):  # shards of older versions did not count them
-            if f"{phase}_forwards" in stats:
-                yield counter(
-                    f"bucketserve_shard_{phase}_forwards",
-                    f"{phase} bucket runs",
-                    stats[f"{phase}_forwards"],
-                )
-        if "copied_prompts" in stats:
-            yield counter(
-                "bucketserve_shard_copied_prompts",
-                "prompts whose KV an `n`/`best_of` sibling copied instead of computing them",
-                stats["copied_prompts"],
-            )
-        if (
-            "chunked_prompts" in stats
-        ):  # chunked prefill (issue 15): chunks per prompt = the ratio of these
-            yield counter(
-                "bucketserve_shard_chunked_prompts",
-                "prompts computed in several chunks",
-                stats["chunked_prompts"],
-            )
-            yield counter(
-                "bucketserve_shard_prefill_chunks",
-                "chunks of those prompts",
-                stats["prefill_chunks"],
-            )
+        for key, text, unit in OPTIONAL_COUNTERS:
+            if key in stats:  # shards of older versions did not count them
+                yield counter(f"bucketserve_shard_{key}", text, stats[key] / unit)
         yield from graph_counters(stats)
         yield from speculation_metrics(stats)
         if stats.get("images_encoded") or stats.get("image_cache_hits"):  # a VLM's shard
-            yield counter(
-                "bucketserve_shard_images_encoded",
-                "images the vision tower encoded",
-                stats["images_encoded"],
-            )
-            yield counter(
-                "bucketserve_shard_encoder_seconds",
-                "the vision tower's time",
-                stats["encoder_ns"] / 1e9,
-            )
-            yield counter(
-                "bucketserve_shard_image_cache_hits",
-                "images whose features were kept from an earlier encode",
-                stats["image_cache_hits"],
-            )
-        if (
-            "lookahead_runs" in stats
-        ):  # async scheduling: runs beyond steps are forwards thrown away
-            yield counter(
-                "bucketserve_shard_lookahead_runs",
-                "decode forwards run before their step was asked for",
-                stats["lookahead_runs"],
-            )
-            yield counter(
-                "bucketserve_shard_lookahead_steps",
-                "decode steps that used such a forward",
-                stats["lookahead_steps"],
-            )
+            for key, name, text, unit in IMAGE_COUNTERS:
+                yield counter(f"bucketserve_shard_{name}", text, stats[key] / unit)
+
+
+# A shard's counters that only newer shards send: the stats key (also the metric's name after
+# bucketserve_shard_), the help text, and what divides the value into the metric's unit.
+OPTIONAL_COUNTERS = (
+    ("prefill_forwards", "prefill bucket runs", 1),
+    ("decode_forwards", "decode bucket runs", 1),
+    (
+        "copied_prompts",
+        "prompts whose KV an `n`/`best_of` sibling copied instead of computing them",
+        1,
+    ),
+    # chunked prefill: chunks per prompt is the ratio of these two
+    ("chunked_prompts", "prompts computed in several chunks", 1),
+    ("prefill_chunks", "chunks of those prompts", 1),
+    # async scheduling: runs beyond steps are forwards thrown away
+    ("lookahead_runs", "decode forwards run before their step was asked for", 1),
+    ("lookahead_steps", "decode steps that used such a forward", 1),
+)
+# A vision-language model's shard's counters: the stats key, the metric's name after
+# bucketserve_shard_, the help text, and what divides the value into the metric's unit.
+IMAGE_COUNTERS = (
+    ("images_encoded", "images_encoded", "images the vision tower encoded", 1),
+    ("encoder_ns", "encoder_seconds", "the vision tower's time", 1e9),
+    (
+        "image_cache_hits",
+        "image_cache_hits",
+        "images whose features were kept from an earlier encode",
+        1,
+    ),
+)
+
+
+def padding_metrics(stats: dict):
+    """Per phase, the real and padded work of the shard's buckets and the share that was padding."""
+    for phase in ("prefill", "decode"):
+        real, padded = stats[f"{phase}_real"], stats[f"{phase}_padded"]
+        unit = "tokens" if phase == "prefill" else "rows"
+        yield counter(
+            f"bucketserve_shard_{phase}_real_{unit}", f"real {unit} the shard computed", real
+        )
+        yield counter(
+            f"bucketserve_shard_{phase}_padded_{unit}", f"{unit} incl. bucket padding", padded
+        )
+        waste = GaugeMetricFamily(
+            f"bucketserve_shard_{phase}_padding_waste_ratio",
+            f"share of the {phase} bucket work that was padding",
+        )
+        waste.add_metric([], 1 - real / padded if padded else 0.0)
+        yield waste
 
 
 SPECULATION_COUNTERS = (

@@ -283,7 +283,29 @@ def build_request(
     bad = sorted(t for t in (p.logit_bias or {}) if not 0 <= t < vocab)
     check(not bad, f"`logit_bias` token ids must be in [0, {vocab}). Given: {bad[:5]}")
     check((p.min_new_tokens or 0) <= new, f"`min_tokens` must be <= the tokens to generate ({new})")
-    params = NextTokenChooserParameters(
+    request = Request(
+        request_id,
+        pictured.wire if pictured else inputs,
+        truncate=p.truncate or 0,
+        parameters=chooser_parameters(p, grammar, grammar_type),
+        stopping_parameters=StoppingCriteriaParameters(
+            new, list(p.stop), p.ignore_eos, p.min_new_tokens or 0
+        ),
+        prefill_logprobs=p.decoder_input_details,
+        top_n_tokens=p.top_n_tokens or 0,
+        adapter_id=p.adapter_id or None,
+        add_special_tokens=add_special_tokens,
+        chunks=pictured.chunks if pictured else None,
+    )
+    return request, ids
+
+
+def chooser_parameters(
+    p: Parameters, grammar: str, grammar_type: GrammarType
+) -> NextTokenChooserParameters:
+    """The protocol's sampling fields for TGI parameters `p`, their defaults where `p` leaves them
+    out; a request without a seed gets a random one."""
+    return NextTokenChooserParameters(
         temperature=p.temperature or 1.0,
         top_k=p.top_k or 0,
         top_p=p.top_p or 1.0,
@@ -298,18 +320,3 @@ def build_request(
         presence_penalty=p.presence_penalty or 0.0,
         logit_bias=dict(p.logit_bias or {}),
     )
-    request = Request(
-        request_id,
-        pictured.wire if pictured else inputs,
-        truncate=p.truncate or 0,
-        parameters=params,
-        stopping_parameters=StoppingCriteriaParameters(
-            new, list(p.stop), p.ignore_eos, p.min_new_tokens or 0
-        ),
-        prefill_logprobs=p.decoder_input_details,
-        top_n_tokens=p.top_n_tokens or 0,
-        adapter_id=p.adapter_id or None,
-        add_special_tokens=add_special_tokens,
-        chunks=pictured.chunks if pictured else None,
-    )
-    return request, ids
