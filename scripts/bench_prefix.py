@@ -1,4 +1,4 @@
-"""Benchmarks of issue 15 (not tests): prefix caching, multi-turn chat, KV allocated on demand.
+"""Benchmarks (not tests) of prefix caching, multi-turn chat and KV allocated on demand.
 
     PYTHONPATH=. python scripts/bench_prefix.py [--model-id DIR] [--only shared|chat|demand]
 
