@@ -363,8 +363,7 @@ def test_a_draft_that_cannot_serve_the_target_is_one_error_line(
 @pytest.mark.slow
 def test_the_embedded_models_int4_form_drafts_for_its_float_form(smollm_dir):
     """The embedded model in fp32, its int4 form as the draft: greedy tokens are plain decoding's
-    in a mixed batch, and most proposals are accepted. (A lone request is the self-draft tests';
-    here each draft prefill of fp32 rows dequantizes the int4 weights, seconds a request.)"""
+    in a mixed batch, and most proposals are accepted. (A lone request is the self-draft tests'.)"""
     plain_shard = tiny_shard(smollm_dir, max_batch_size=4)
     shard = tiny_shard(
         smollm_dir,
@@ -379,6 +378,10 @@ def test_the_embedded_models_int4_form_drafts_for_its_float_form(smollm_dir):
     stats = shard.speculator.stats
     assert stats["spec_accepted"] > stats["spec_proposed"] // 2
     assert not shard.adapter.shapes.unwarmed
+    # the float32 draft's int4 layers and int8 head run in the packed kernels, not torch's int4
+    draft = shard.speculator.draft.runner.model
+    kernels = {type(m.quantized).__name__ for m in draft.modules() if hasattr(m, "quantized")}
+    assert {"Int4Linear", "ScreenedHead"} <= kernels, kernels
 
 
 def test_counters_reach_serving_stats_the_wire_and_the_routers_metrics(drafting):

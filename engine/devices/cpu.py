@@ -84,15 +84,22 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
 
     def prepare_draft(self, model, dtype: torch.dtype) -> None:
         """prepare_model, with an int8 LM head screened in int4 (cpu_kernels.ScreenedHead): a
-        draft's lone-row steps stream the whole head every step. matmul_kernels stays the
-        target's."""
+        draft's lone-row steps stream the whole head every step. A float32 draft's int4 and int8
+        weights go through the same kernels, their inputs rounded to bfloat16 (torch's int4 product
+        with float32 inputs took 7 ms a projection here, the draft of the embedded model then
+        slower than its float32 target). matmul_kernels stays the target's."""
         self._prepare(model, dtype, draft=True)
 
     def _prepare(self, model, dtype: torch.dtype, draft: bool) -> None:
         import engine.devices.cpu_kernels as cpu_kernels
         from engine.devices.cpu_packed import pack_linear_weights, packing_available
 
-        if self.graph_mode != "eager" or dtype != torch.bfloat16:
+        if self.graph_mode != "eager":
+            return
+        if dtype != torch.bfloat16:
+            if draft and dtype == torch.float32 and cpu_kernels.load() is not None:
+                count, kind = cpu_kernels.install_projections(model, draft)
+                log.info("%d quantized draft matrices through bucketserve's %s kernel", count, kind)
             return
         matmuls = []
         if cpu_kernels.load() is not None:

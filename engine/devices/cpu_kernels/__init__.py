@@ -235,15 +235,17 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("packed", on_huge_pages(packed))
 
     @classmethod
-    def of(cls, weight) -> Int4Linear | None:
+    def of(cls, weight, draft: bool = False) -> Int4Linear | None:
         """The same weight from an Int4Weight, or None where it does not fit (another group or
-        dtype, or a packed layout this torch build's reading does not reproduce)."""
+        dtype, or a packed layout this torch build's reading does not reproduce). A `draft`'s
+        float32 scales and zeros are rounded to bfloat16: its arithmetic moves only how much of
+        it the target accepts."""
         fits = (
             load() is not None
             and load().int4_linear_supported()
             and weight.group == 32
             and weight.unpackable
-            and weight.scale_zero.dtype == torch.bfloat16
+            and (weight.scale_zero.dtype == torch.bfloat16 or draft)
         )
         if not fits:
             return None
@@ -251,7 +253,9 @@ class Int4Linear(torch.nn.Module):
 
         rows = weight.out_features
         codes = unpack_int4(weight.packed, weight.in_features, weight.layout)[:rows]
-        scale, zero = (weight.scale_zero[..., i].t()[:rows].contiguous() for i in (0, 1))
+        scale, zero = (
+            weight.scale_zero[..., i].t()[:rows].to(torch.bfloat16).contiguous() for i in (0, 1)
+        )
         return cls(codes, scale, zero)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
@@ -300,13 +304,14 @@ class Int8Linear(torch.nn.Module):
         return load().dot_linear_supported()
 
     @classmethod
-    def of(cls, weight) -> Int8Linear | None:
+    def of(cls, weight, draft: bool = False) -> Int8Linear | None:
         """The same weight from an Int8Weight, or None where this CPU lacks the product, the
-        activations are not bfloat16 or the inputs do not fill the layout."""
+        activations are not bfloat16 (a `draft`'s may be float32, rounded to bfloat16 for it) or
+        the inputs do not fill the layout."""
         fits = (
             load() is not None
             and cls.supported()
-            and weight.scale.dtype == torch.bfloat16
+            and (weight.scale.dtype == torch.bfloat16 or draft)
             and weight.in_features % cls.input_multiple == 0
         )
         return cls(weight.codes, weight.scale) if fits else None
@@ -388,7 +393,8 @@ def install_projections(model: torch.nn.Module, draft: bool = False) -> tuple[in
     """Every plain bfloat16 decoder projection and the LM head of `model` through this CPU's kernel
     (AmxLinear, else DotLinear, else FmaLinear), every int4 one through Int4Linear and every int8
     one through Int8Linear (a `draft` model's int8 LM head: ScreenedHead); the decoder weights move
-    into it, the LM head keeps its weight, which a tied embedding shares. The number of matrices
+    into it, the LM head keeps its weight, which a tied embedding shares. In a float32 `draft`
+    only the int4 and int8 weights move (their inputs rounded to bfloat16). The number of matrices
     and the kernels' kinds."""
     from engine.layers.embedding import ParallelLMHead
     from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -400,11 +406,11 @@ def install_projections(model: torch.nn.Module, draft: bool = False) -> tuple[in
         if not (projection or isinstance(module, ParallelLMHead)):
             continue
         if isinstance(module.quantized, Int4Weight):
-            kernel = Int4Linear.of(module.quantized)
+            kernel = Int4Linear.of(module.quantized, draft)
         elif isinstance(module.quantized, Int8Weight) and draft and not projection:
-            kernel = ScreenedHead.of(module.quantized)
+            kernel = ScreenedHead.of(module.quantized, draft)
         elif isinstance(module.quantized, Int8Weight):
-            kernel = Int8Linear.of(module.quantized)
+            kernel = Int8Linear.of(module.quantized, draft)
         elif module.quantized is None and (kind := kernel_for(module.weight)) is not None:
             kernel = kind(module.weight)
         else:
