@@ -96,10 +96,9 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
 
         if self.graph_mode != "eager":
             return
+        if draft and dtype == torch.float32:
+            self._prepare_float32_draft(model)
         if dtype != torch.bfloat16:
-            if draft and dtype == torch.float32 and cpu_kernels.load() is not None:
-                count, kind = cpu_kernels.install_projections(model, draft)
-                log.info("%d quantized draft matrices through bucketserve's %s kernel", count, kind)
             return
         matmuls = []
         if cpu_kernels.load() is not None:
@@ -121,6 +120,17 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
             )
             if cpu_kernels.install_decoder(model):
                 log.info("decode steps run every layer in one fused call")
+
+    def _prepare_float32_draft(self, model) -> None:
+        """A float32 draft's int4 and int8 weights through the packed kernels (prepare_draft);
+        its float32 ones stay on torch."""
+        import engine.devices.cpu_kernels as cpu_kernels
+
+        if cpu_kernels.load() is None:
+            return
+        count, kind = cpu_kernels.install_projections(model, draft=True)
+        if count:
+            log.info("%d quantized draft matrices through bucketserve's %s kernel", count, kind)
 
     @property
     def warm_runs_forward(self) -> bool:
