@@ -164,3 +164,24 @@ def test_float32_scales_keep_torchs_quantized_kernels():
     """The products take bfloat16 activations; a float32 model's weights stay on torch's kernels."""
     assert cpu_kernels.Int8Linear.of(int8_per_channel(torch.randn(8, 64), torch.float32)) is None
     assert cpu_kernels.Int4Linear.of(int4_groupwise(torch.randn(32, 64), torch.float32)) is None
+
+
+@pytest.mark.parametrize("rows", [1, 9, 40])
+def test_a_float32_drafts_weights_take_the_products_within_bfloat16s_rounding(rows):
+    """A draft's float32 int4 and int8 weights do take the products (its scales, zeros and inputs
+    rounded to bfloat16): torch's float32 product of the same weights, within what those roundings
+    move (one bfloat16 step of the sum of the |x w| terms; seen: a fifth of that)."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=generator)
+    for weight in (
+        int4_groupwise(torch.randn(100, 576, generator=generator), torch.float32),
+        int8_per_channel(torch.randn(100, 576, generator=generator), torch.float32),
+    ):
+        kind = cpu_kernels.Int4Linear if isinstance(weight, Int4Weight) else cpu_kernels.Int8Linear
+        kernel = kind.of(weight, draft=True)
+        assert kernel is not None
+        out = kernel.linear(x)
+        assert out.dtype == torch.float32 and out.shape == (rows, 100)
+        exact = weight.linear(x)
+        scale = F.linear(x.abs(), weight.dequantize().abs())
+        assert ((out - exact).abs() <= 2**-8 * scale).all()
