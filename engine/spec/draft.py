@@ -91,7 +91,7 @@ class DraftRunner(ModelRunner):
         DraftModel._continue picks it; every other step one token, a decode bucket."""
         shapes = []
         if position + len(fed) == len(seq.token_ids):
-            context_blocks = -(-position // self.block_size)
+            context_blocks = blocks_needed(position, self.block_size)
             bucket = self.plan.verify_bucket(1, len(fed), context_blocks)
             shapes.append(("verify", bucket, context_blocks))
             fed_positions = []
@@ -409,7 +409,7 @@ class DraftModel:
         """One verify-width forward of each row's next pending tokens, after its draft context."""
         block_size = self.runner.block_size
         chunks = [seq.token_ids[s.valid : s.valid + self.width] for seq, s in zip(seqs, states)]
-        context_blocks = max(-(-s.valid // block_size) for s in states)
+        context_blocks = max(blocks_needed(s.valid, block_size) for s in states)
         bucket = self.runner.plan.verify_bucket(
             len(seqs), max(len(c) for c in chunks), context_blocks
         )

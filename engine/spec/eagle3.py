@@ -42,7 +42,7 @@ from engine.attention import DecodeMetadata, prepare_metadata
 from engine.buckets.grid import DecodeBucket, VerifyBucket
 from engine.distributed import SINGLE
 from engine.errors import ModelLoadError
-from engine.kv_cache import RESERVED_BLOCK
+from engine.kv_cache import RESERVED_BLOCK, blocks_needed
 from engine.layers.linear import qkv_parallel
 from engine.layers.norm import rms_norm
 from engine.layers.rotary import RotaryEmbedding
@@ -299,7 +299,7 @@ class Eagle3Drafter:
         if fresh:
             bucket = self.runner.plan.prefill_bucket(len(inputs), longest)
         else:
-            blocks = max(-(-states[k].valid // self.runner.block_size) for k in group)
+            blocks = max(blocks_needed(states[k].valid, self.runner.block_size) for k in group)
             bucket = self.runner.plan.verify_bucket(len(inputs), longest, blocks)
         if bucket is None:
             return False

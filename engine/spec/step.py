@@ -31,6 +31,7 @@ import torch
 
 from engine.batch import Generation, Tokens
 from engine.devices.row_merge import gather_rows
+from engine.kv_cache import blocks_needed
 from engine.runner import PrefillInput
 from engine.sampling.sampler import (
     Choice,
@@ -235,7 +236,7 @@ def speculative_step(
     proposals, dists = proposals_for(speculator, sequences, ctx.block_size, k)
     if not any(proposals):
         return None
-    context_blocks = max(-(-(len(s.token_ids) - 1) // ctx.block_size) for s in sequences)
+    context_blocks = max(blocks_needed(len(s.token_ids) - 1, ctx.block_size) for s in sequences)
     width = max(len(p) for p in proposals) + 1
     bucket = runner.plan.verify_bucket(len(sequences), width, context_blocks)
     if bucket is None:
