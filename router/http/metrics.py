@@ -46,9 +46,9 @@ class ShardStatsCollector:
             "forwards at a shape warmup did not run",
             stats["unwarmed_shapes"],
         )
-        for key, text, unit in OPTIONAL_COUNTERS:
+        for key, text in OPTIONAL_COUNTERS:
             if key in stats:  # shards of older versions did not count them
-                yield counter(f"bucketserve_shard_{key}", text, stats[key] / unit)
+                yield counter(f"bucketserve_shard_{key}", text, stats[key])
         yield from graph_counters(stats)
         yield from speculation_metrics(stats)
         if stats.get("images_encoded") or stats.get("image_cache_hits"):  # a VLM's shard
@@ -57,21 +57,20 @@ class ShardStatsCollector:
 
 
 # A shard's counters that only newer shards send: the stats key (also the metric's name after
-# bucketserve_shard_), the help text, and what divides the value into the metric's unit.
+# bucketserve_shard_) and the help text.
 OPTIONAL_COUNTERS = (
-    ("prefill_forwards", "prefill bucket runs", 1),
-    ("decode_forwards", "decode bucket runs", 1),
+    ("prefill_forwards", "prefill bucket runs"),
+    ("decode_forwards", "decode bucket runs"),
     (
         "copied_prompts",
         "prompts whose KV an `n`/`best_of` sibling copied instead of computing them",
-        1,
     ),
     # chunked prefill: chunks per prompt is the ratio of these two
-    ("chunked_prompts", "prompts computed in several chunks", 1),
-    ("prefill_chunks", "chunks of those prompts", 1),
+    ("chunked_prompts", "prompts computed in several chunks"),
+    ("prefill_chunks", "chunks of those prompts"),
     # async scheduling: runs beyond steps are forwards thrown away
-    ("lookahead_runs", "decode forwards run before their step was asked for", 1),
-    ("lookahead_steps", "decode steps that used such a forward", 1),
+    ("lookahead_runs", "decode forwards run before their step was asked for"),
+    ("lookahead_steps", "decode steps that used such a forward"),
 )
 # A vision-language model's shard's counters: the stats key, the metric's name after
 # bucketserve_shard_, the help text, and what divides the value into the metric's unit.
