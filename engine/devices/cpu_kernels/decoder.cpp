@@ -25,7 +25,8 @@
 namespace bucketserve {
 namespace {
 using BF16 = c10::BFloat16;
-using Product = torch::Tensor (*)(torch::Tensor, torch::Tensor, int64_t);
+// A packed product writing into its output y [rows, N] (packed.h's *_into forms).
+using Product = void (*)(torch::Tensor, const torch::Tensor&, int64_t, torch::Tensor&);
 
 // A layer's tensors, in the order engine.devices.cpu_kernels.FusedDecoder lists them.
 // QKV_BIAS may be empty (no bias).
@@ -43,13 +44,13 @@ enum LayerTensor {
 };
 
 Product product_named(const std::string& name) {
-  if (name == "amx_linear") return &amx_linear;
-  if (name == "dot_linear") return &dot_linear;
-  if (name == "int4_linear") return &int4_linear;
-  if (name == "int8_linear") return &int8_linear;
-  if (name == "screened_linear") return &screened_linear;
+  if (name == "amx_linear") return &amx_linear_into;
+  if (name == "dot_linear") return &dot_linear_into;
+  if (name == "int4_linear") return &int4_linear_into;
+  if (name == "int8_linear") return &int8_linear_into;
+  if (name == "screened_linear") return &screened_linear_into;
   TORCH_CHECK(name == "fma_linear", "unknown product ", name);
-  return &fma_linear;
+  return &fma_linear_into;
 }
 
 // x [rows, width] += delta in bfloat16, each sum in float32 and rounded, as torch's `x + delta`;
@@ -72,13 +73,12 @@ struct Heads {
   int64_t q, kv, dim;
 };
 
-// The rotated queries [rows, heads, dim]; each row's rotated key and its value go into the caches
-// at its slot (as write_kv's index_copy: padding rows write the reserved block).
-torch::Tensor rotate_and_cache(const torch::Tensor& qkv, const torch::Tensor& cos,
-                               const torch::Tensor& sin, const int64_t* slots, Heads heads,
-                               torch::Tensor& key_cache, torch::Tensor& value_cache) {
+// The rotated queries into q [rows, heads, dim]; each row's rotated key and its value go into the
+// caches at its slot (as write_kv's index_copy: padding rows write the reserved block).
+void rotate_and_cache(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                      const int64_t* slots, Heads heads, torch::Tensor& key_cache,
+                      torch::Tensor& value_cache, torch::Tensor& q) {
   const int64_t rows = qkv.size(0), width = qkv.size(1), dim = heads.dim;
-  auto q = torch::empty({rows, heads.q, dim}, qkv.options());
   const auto* in = qkv.data_ptr<BF16>();
   const auto* cp = cos.data_ptr<BF16>();
   const auto* sp = sin.data_ptr<BF16>();
@@ -103,7 +103,6 @@ torch::Tensor rotate_and_cache(const torch::Tensor& qkv, const torch::Tensor& co
         std::memcpy(values + cached, src, dim * sizeof(BF16));
     }
   });
-  return q;
 }
 
 void check_inputs(const torch::Tensor& hidden, const std::vector<torch::Tensor>& layers,
@@ -139,6 +138,24 @@ void check_inputs(const torch::Tensor& hidden, const std::vector<torch::Tensor>&
 }  // namespace
 
 namespace {
+// A step's intermediate tensors, made once for its rows and written by every layer's kernels in
+// turn: a lone row's draft step otherwise spent a tenth of its time making and freeing the
+// layers' outputs.
+struct Workspace {
+  torch::Tensor normed, qkv, q, attended, attended_rows, gate_up, act, delta;
+
+  Workspace(int64_t tokens, int64_t hidden_size, Heads shape, int64_t intermediate,
+            const torch::TensorOptions& options)
+      : normed(torch::empty({tokens, hidden_size}, options)),
+        qkv(torch::empty({tokens, (shape.q + 2 * shape.kv) * shape.dim}, options)),
+        q(torch::empty({tokens, shape.q, shape.dim}, options)),
+        attended(torch::empty({tokens, shape.q, shape.dim}, options)),
+        attended_rows(attended.view({tokens, shape.q * shape.dim})),
+        gate_up(torch::empty({tokens, 2 * intermediate}, options)),
+        act(torch::empty({tokens, intermediate}, options)),
+        delta(torch::empty({tokens, hidden_size}, options)) {}
+};
+
 // Every layer over `hidden` [tokens, hidden size], each token attending over its `plan` entry
 // (cache slots, its own new one among them), after its key and value are written at its slot.
 torch::Tensor run_layers(torch::Tensor hidden, const std::vector<torch::Tensor>& layers,
@@ -148,50 +165,51 @@ torch::Tensor run_layers(torch::Tensor hidden, const std::vector<torch::Tensor>&
   hidden = hidden.contiguous().clone();  // the residual stream, updated in place
   const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1);
   const int64_t q_size = shape.q * shape.dim, kv_size = shape.kv * shape.dim;
+  Workspace ws(tokens, hidden_size, shape, intermediate, hidden.options());
   // Each part named for torch.profiler (scripts/step_bench.py --profile); free while it is off.
 #define BUCKETSERVE_PART(name) RECORD_FUNCTION("bucketserve::decode_layers/" name, {})
   for (size_t l = 0; l < layers.size(); l += COUNT) {
     const torch::Tensor* w = &layers[l];
     auto key_cache = w[KEY_CACHE], value_cache = w[VALUE_CACHE];
-    torch::Tensor normed, qkv, q, attended, gate_up, act;
     {
       BUCKETSERVE_PART("norms");
-      normed = rms_norm(hidden, w[INPUT_NORM], eps);
+      rms_norm_into(hidden, w[INPUT_NORM], eps, ws.normed);
     }
     {
       BUCKETSERVE_PART("products");
-      qkv = multiply(normed, w[QKV], q_size + 2 * kv_size);
-      if (w[QKV_BIAS].numel()) add_into(qkv, w[QKV_BIAS]);
+      multiply(ws.normed, w[QKV], q_size + 2 * kv_size, ws.qkv);
+      if (w[QKV_BIAS].numel()) add_into(ws.qkv, w[QKV_BIAS]);
     }
     {
       BUCKETSERVE_PART("rope and cache writes");
-      q = rotate_and_cache(qkv, cos, sin, slots.data_ptr<int64_t>(), shape, key_cache,
-                           value_cache);
+      rotate_and_cache(ws.qkv, cos, sin, slots.data_ptr<int64_t>(), shape, key_cache,
+                       value_cache, ws.q);
     }
     {
       BUCKETSERVE_PART("attention");
-      attended = torch::empty_like(q);
-      attend(q, key_cache, value_cache, plan, scale, attended);
+      attend(ws.q, key_cache, value_cache, plan, scale, ws.attended);
     }
     {
       BUCKETSERVE_PART("products");
-      add_into(hidden, multiply(attended.view({tokens, q_size}), w[O], hidden_size));
+      multiply(ws.attended_rows, w[O], hidden_size, ws.delta);
+      add_into(hidden, ws.delta);
     }
     {
       BUCKETSERVE_PART("norms");
-      normed = rms_norm(hidden, w[POST_NORM], eps);
+      rms_norm_into(hidden, w[POST_NORM], eps, ws.normed);
     }
     {
       BUCKETSERVE_PART("products");
-      gate_up = multiply(normed, w[GATE_UP], 2 * intermediate);
+      multiply(ws.normed, w[GATE_UP], 2 * intermediate, ws.gate_up);
     }
     {
       BUCKETSERVE_PART("silu and product");
-      act = silu_and_mul(gate_up);
+      silu_and_mul_into(ws.gate_up, ws.act);
     }
     {
       BUCKETSERVE_PART("products");
-      add_into(hidden, multiply(act, w[DOWN], hidden_size));
+      multiply(ws.act, w[DOWN], hidden_size, ws.delta);
+      add_into(hidden, ws.delta);
     }
   }
 #undef BUCKETSERVE_PART
@@ -332,7 +350,9 @@ namespace {
 torch::Tensor normed_logits(const torch::Tensor& rows, const torch::Tensor& norm_weight,
                             double norm_eps, const torch::Tensor& lm_head, int64_t vocab,
                             Product lm) {
-  return lm(rms_norm(rows, norm_weight, norm_eps), lm_head, vocab);
+  torch::Tensor logits;
+  lm(rms_norm(rows, norm_weight, norm_eps), lm_head, vocab, logits);
+  return logits;
 }
 }  // namespace
 

@@ -22,6 +22,8 @@ void attend(const torch::Tensor& q, const torch::Tensor& key_cache,
             torch::Tensor& out);
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+// rms_norm into out, shaped as x (a fused step's workspace).
+void rms_norm_into(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor& out);
 
 torch::Tensor decode_layers(torch::Tensor hidden, const std::vector<torch::Tensor>& layers,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,

@@ -68,12 +68,18 @@ bool dot_linear_supported() {
 // x [M, K] @ w.T in bfloat16 with w packed by pack_bf16 (N columns), float32 accumulation, in
 // sweep_packed's schedule.
 torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  torch::Tensor y;
+  dot_linear_into(std::move(x), packed, N, y);
+  return y;
+}
+
+void dot_linear_into(torch::Tensor x, const torch::Tensor& packed, int64_t N, torch::Tensor& y) {
   TORCH_CHECK(dot_linear_supported(), "built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x [M, K] bfloat16 expected");
   check_packed(packed, x.size(1), N);
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  claim_output(y, M, N, x.options());
 #if defined(__AVX512BF16__)
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
@@ -84,7 +90,6 @@ torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
     };
   });
 #endif
-  return y;
 }
 
 }  // namespace bucketserve

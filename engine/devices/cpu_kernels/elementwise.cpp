@@ -4,6 +4,8 @@
 // the rope is bitwise torch's and SiLU differs only by its exp.
 #include <torch/extension.h>
 
+#include <utility>
+
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -82,11 +84,21 @@ std::tuple<torch::Tensor, torch::Tensor> rope_bf16(torch::Tensor q, torch::Tenso
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16 && gate_up.size(-1) % 2 == 0,
               "bfloat16 [..., 2 * I] expected");
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() /= 2;
+  auto out = torch::empty(sizes, gate_up.options());
+  silu_and_mul_into(std::move(gate_up), out);
+  return out;
+}
+
+void silu_and_mul_into(torch::Tensor gate_up, torch::Tensor& out) {
+  TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16 && gate_up.size(-1) % 2 == 0,
+              "bfloat16 [..., 2 * I] expected");
   gate_up = gate_up.contiguous();
   const int64_t width = gate_up.size(-1) / 2, rows = gate_up.numel() / gate_up.size(-1);
-  auto sizes = gate_up.sizes().vec();
-  sizes.back() = width;
-  auto out = torch::empty(sizes, gate_up.options());
+  TORCH_CHECK(out.scalar_type() == torch::kBFloat16 && out.is_contiguous() &&
+                  out.numel() == rows * width,
+              "an output of ", rows, " contiguous bfloat16 rows of ", width, " expected");
   const auto* in = gate_up.data_ptr<BF16>();
   auto* op = out.data_ptr<BF16>();
   parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
@@ -110,6 +122,5 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
       }
     }
   });
-  return out;
 }
 }  // namespace bucketserve

@@ -95,11 +95,17 @@ bool fma_linear_supported() {
 // x [M, K] @ w.T in bfloat16 with w packed by pack_bf16 (N columns), float32 products and sums,
 // in sweep_packed's schedule.
 torch::Tensor fma_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  torch::Tensor y;
+  fma_linear_into(std::move(x), packed, N, y);
+  return y;
+}
+
+void fma_linear_into(torch::Tensor x, const torch::Tensor& packed, int64_t N, torch::Tensor& y) {
   TORCH_CHECK(fma_linear_supported(), "built without AVX2 and FMA");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x [M, K] bfloat16 expected");
   check_packed(packed, x.size(1), N);
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  claim_output(y, M, N, x.options());
 #if defined(__AVX2__) && defined(__FMA__)
   // Widened once here, not per block: every thread reads every row of x for each of its blocks.
   const auto wide = x.to(torch::kFloat32).contiguous();
@@ -114,7 +120,6 @@ torch::Tensor fma_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
     };
   });
 #endif
-  return y;
 }
 
 }  // namespace bucketserve

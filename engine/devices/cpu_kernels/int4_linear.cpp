@@ -180,6 +180,12 @@ torch::Tensor pack_int4(torch::Tensor codes, torch::Tensor scale, torch::Tensor 
 // x [M, K] bfloat16 through a weight packed by pack_int4 (N columns): up to WIDEN_ROWS rows straight
 // from the codes, tiles of MAX_TILE_ROWS, more through each block widened once to bfloat16.
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  torch::Tensor y;
+  int4_linear_into(std::move(x), packed, N, y);
+  return y;
+}
+
+void int4_linear_into(torch::Tensor x, const torch::Tensor& packed, int64_t N, torch::Tensor& y) {
   TORCH_CHECK(int4_linear_supported(), "built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x [M, K] bfloat16 expected");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == GROUP_BYTES &&
@@ -190,7 +196,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
               packed.size(1) * GROUP);
   check_blocks(N, blocks);
   x = x.contiguous();
-  auto y = torch::empty({M, N}, x.options());
+  claim_output(y, M, N, x.options());
 #if defined(__AVX512BF16__)
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = packed.data_ptr<uint8_t>();
@@ -205,7 +211,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
         dot_rows(xp + m0 * K, K, wide.data(), yp + m0 * N + b * PACK_BLOCK, N, cols, rows);
       };
     });
-    return y;
+    return;
   }
   std::vector<float> sums(M * (K / GROUP));  // each row's group sums, for the zeros and offsets
   for (int64_t g = 0; g < M * (K / GROUP); ++g)  // rows are K apart, and K holds whole groups
@@ -218,7 +224,6 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
     };
   });
 #endif
-  return y;
 }
 
 }  // namespace bucketserve

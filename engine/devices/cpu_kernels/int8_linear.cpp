@@ -90,6 +90,12 @@ torch::Tensor pack_int8(torch::Tensor codes, torch::Tensor scale) {
 
 // x [M, K] bfloat16 through a weight packed by pack_int8 (N columns), in sweep_packed's schedule.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  torch::Tensor y;
+  int8_linear_into(std::move(x), packed, N, y);
+  return y;
+}
+
+void int8_linear_into(torch::Tensor x, const torch::Tensor& packed, int64_t N, torch::Tensor& y) {
   TORCH_CHECK(dot_linear_supported(), "built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x [M, K] bfloat16 expected");
   const int64_t M = x.size(0), K = x.size(1);
@@ -99,7 +105,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
   const int64_t blocks = packed.size(0);
   check_blocks(N, blocks);
   x = x.contiguous();
-  auto y = torch::empty({M, N}, x.options());
+  claim_output(y, M, N, x.options());
 #if defined(__AVX512BF16__)
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const int8_t*>(packed.data_ptr());
@@ -111,7 +117,6 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
     };
   });
 #endif
-  return y;
 }
 
 }  // namespace bucketserve

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -630,12 +631,20 @@ void rms_norm_impl(const T* x, const T* weight, T* out, int64_t rows, int64_t hi
 }
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
+  rms_norm_into(std::move(x), std::move(weight), eps, out);
+  return out;
+}
+
+void rms_norm_into(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor& out) {
   TORCH_CHECK(weight.dim() == 1 && x.size(-1) == weight.size(0), "weight must match x's last dim");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must share a dtype");
   x = x.contiguous();
   weight = weight.contiguous();
   const int64_t hidden = x.size(-1), rows = x.numel() / std::max<int64_t>(hidden, 1);
-  auto out = torch::empty_like(x);
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.is_contiguous() &&
+                  out.numel() == x.numel(),
+              "an output shaped as x, contiguous, expected");
   if (x.scalar_type() == torch::kFloat) {
     rms_norm_impl(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), rows,
                   hidden, static_cast<float>(eps));
@@ -644,7 +653,6 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
     rms_norm_impl(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),
                   out.data_ptr<c10::BFloat16>(), rows, hidden, static_cast<float>(eps));
   }
-  return out;
 }
 
 }  // namespace bucketserve

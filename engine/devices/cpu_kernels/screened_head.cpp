@@ -111,12 +111,19 @@ torch::Tensor pack_screened(torch::Tensor codes, torch::Tensor scale, torch::Ten
 
 // x [M, K] bfloat16 through a head packed by pack_screened (vocab N): bfloat16 logits [M, N].
 torch::Tensor screened_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  torch::Tensor y;
+  screened_linear_into(std::move(x), packed, N, y);
+  return y;
+}
+
+void screened_linear_into(torch::Tensor x, const torch::Tensor& packed, int64_t N,
+                          torch::Tensor& y) {
   TORCH_CHECK(int4_linear_supported(), "built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x [M, K] bfloat16 expected");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   const Parts parts = parts_of(packed, N, K);
-  auto y = int4_linear(x, parts.screen, N);
+  int4_linear_into(x, parts.screen, N, y);
 #if defined(__AVX512BF16__)
   const auto* xp = x.data_ptr<BF16>();
   auto* yp = y.data_ptr<BF16>();
@@ -127,7 +134,6 @@ torch::Tensor screened_linear(torch::Tensor x, torch::Tensor packed, int64_t N) 
             rescored(xp + r * K, parts.codes + token * K, parts.scales[token], K);
   });
 #endif
-  return y;
 }
 
 }  // namespace bucketserve
