@@ -420,15 +420,22 @@ void prefetch_slots(const T* cache, const int64_t* offsets, int64_t count, int64
 // In bfloat16 the scores are bfloat16 dot products, 16 positions summed at once (scores_chunk),
 // the scale applied to the sum; in float32, and for the weighted values, the arithmetic and order
 // of attend_head (the accumulators carried between chunks in float32). Needs fixed_shape.
-// With `maxima`, over just the n slots given (a span of the row, see attend_spans): acc and sums
-// are left unnormalized, relative to each head's maximum, which goes to maxima.
+// With `maxima`, over just the n slots given (a span of the row, see attend_spans) and the kv heads
+// of `kv` (their query heads' acc, sums and maxima; the others' are left as they were): acc and
+// sums are left unnormalized, relative to each head's maximum, which goes to maxima.
+struct KvRange {
+  int64_t first, count;
+};
+
 template <typename T>
 void attend_row(const Attention<T>& a, int64_t row, const int64_t* mine, int64_t n,
                 std::vector<float>& query, std::vector<float>& acc, std::vector<float>& scores,
                 std::vector<float>& sums, std::vector<int64_t>& offsets,
-                float* maxima = nullptr) {
+                float* maxima = nullptr, KvRange kv = {0, -1}) {
   const int64_t group = a.group, dim = a.dim;
-  const int64_t entry = a.kv_heads * a.head_stride * static_cast<int64_t>(sizeof(T));
+  if (kv.count < 0) kv.count = a.kv_heads;
+  // the range's part of each slot's entry (its kv heads are side by side)
+  const int64_t entry = kv.count * a.head_stride * static_cast<int64_t>(sizeof(T));
   scores.resize(a.heads * n);
   offsets.resize(n);
   for (int64_t j = 0; j < n; ++j) offsets[j] = mine[j] * a.slot_stride;
@@ -436,12 +443,13 @@ void attend_row(const Attention<T>& a, int64_t row, const int64_t* mine, int64_t
   if (!in_bf16) a.load_queries(row, 0, a.heads, query.data());  // bf16 scores read q as it is
   for (const bool scores_phase : {true, false}) {
     const T* cache = scores_phase ? a.keys : a.values;
-    prefetch_slots(cache, offsets.data(), std::min(CHUNK, n), entry);
+    const T* range = cache + kv.first * a.head_stride;
+    prefetch_slots(range, offsets.data(), std::min(CHUNK, n), entry);
     for (int64_t start = 0; start < n; start += CHUNK) {
       const int64_t count = std::min(CHUNK, n - start);
-      prefetch_slots(cache, offsets.data() + start + count, std::min(CHUNK, n - start - count),
+      prefetch_slots(range, offsets.data() + start + count, std::min(CHUNK, n - start - count),
                      entry);
-      for (int64_t h = 0; h < a.kv_heads; ++h) {
+      for (int64_t h = kv.first; h < kv.first + kv.count; ++h) {
         float* head_scores = scores.data() + h * group * n + start;
         const T* head_cache = cache + h * a.head_stride;
         if (scores_phase) {
@@ -455,7 +463,11 @@ void attend_row(const Attention<T>& a, int64_t row, const int64_t* mine, int64_t
                        acc.data() + h * group * dim, n, start > 0);
       }
     }
-    if (scores_phase) softmax_numerators(scores.data(), n, a.heads, sums.data(), maxima);
+    if (scores_phase) {
+      const int64_t first = kv.first * group;  // the range's first query head
+      softmax_numerators(scores.data() + first * n, n, kv.count * group, sums.data() + first,
+                         maxima ? maxima + first : nullptr);
+    }
   }
   if (!maxima) a.store(row, 0, a.heads, acc.data(), sums.data(), n == 0);
 }
@@ -482,19 +494,23 @@ void attend_spans(const Attention<T>& a, const RowSlots& slots, int64_t batch, b
     std::vector<float> query, acc, scores, sums;
     std::vector<int64_t> offsets;
   };
-  const auto attend_span = [&](int64_t row, int64_t span, Buffers& b) {
+  // a span's kv heads `kv` (all of them by default)
+  const auto attend_span = [&](int64_t row, int64_t span, Buffers& b, KvRange kv) {
     const int64_t start = (span - first_span[row]) * SPAN;
     const int64_t n = std::min<int64_t>(SPAN, static_cast<int64_t>(slots[row].size()) - start);
     float* out = partial.data() + span * stride;
     attend_row(a, row, slots[row].data() + start, n, b.query, b.acc, b.scores, b.sums, b.offsets,
-               out + heads * dim + heads);
-    std::copy(b.acc.begin(), b.acc.end(), out);
-    std::copy(b.sums.begin(), b.sums.end(), out + heads * dim);
+               out + heads * dim + heads, kv);
+    const int64_t first = kv.first * a.group, count = kv.count * a.group;  // query heads
+    std::copy_n(b.acc.begin() + first * dim, count * dim, out + first * dim);
+    std::copy_n(b.sums.begin() + first, count, out + heads * dim + first);
   };
-  const auto merge_row = [&](int64_t row, Buffers& b) {
-    std::fill(b.acc.begin(), b.acc.end(), 0.f);
-    std::fill(b.sums.begin(), b.sums.end(), 0.f);
-    for (int64_t h = 0; h < heads; ++h) {
+  const KvRange all{0, a.kv_heads};
+  // a row's query heads [first, first + count) merged over its spans and stored
+  const auto merge_heads = [&](int64_t row, int64_t first, int64_t count, Buffers& b) {
+    for (int64_t h = first; h < first + count; ++h) {
+      b.sums[h] = 0.f;
+      std::fill_n(b.acc.begin() + h * dim, dim, 0.f);
       float maximum = -INFINITY;
       for (int64_t i = first_span[row]; i < first_span[row + 1]; ++i)
         maximum = std::max(maximum, partial[i * stride + heads * dim + heads + h]);
@@ -505,7 +521,8 @@ void attend_spans(const Attention<T>& a, const RowSlots& slots, int64_t batch, b
         for (int64_t d = 0; d < dim; ++d) b.acc[h * dim + d] += span[h * dim + d] * weight;
       }
     }
-    a.store(row, 0, heads, b.acc.data(), b.sums.data(), first_span[row] == first_span[row + 1]);
+    a.store(row, first, count, b.acc.data() + first * dim, b.sums.data() + first,
+            first_span[row] == first_span[row + 1]);
   };
   const auto buffers = [&] {
     return Buffers{std::vector<float>(heads * dim), std::vector<float>(heads * dim), {},
@@ -515,22 +532,27 @@ void attend_spans(const Attention<T>& a, const RowSlots& slots, int64_t batch, b
     parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
       Buffers b = buffers();
       for (int64_t r = begin; r < end; ++r) {
-        for (int64_t i = first_span[r]; i < first_span[r + 1]; ++i) attend_span(r, i, b);
-        merge_row(r, b);
+        for (int64_t i = first_span[r]; i < first_span[r + 1]; ++i) attend_span(r, i, b, all);
+        merge_heads(r, 0, heads, b);
       }
     });
     return;
   }
+  // Few rows: each span's kv heads are items of their own (a lone row's 3 spans of 3 kv heads
+  // split 5 to 4 over two threads, where whole spans split 2 to 1), and so are the merged heads.
   std::vector<int64_t> row_of(first_span[batch]);
   for (int64_t r = 0; r < batch; ++r)
     std::fill(row_of.begin() + first_span[r], row_of.begin() + first_span[r + 1], r);
-  parallel_for(0, first_span[batch], 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, first_span[batch] * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
     Buffers b = buffers();
-    for (int64_t i = begin; i < end; ++i) attend_span(row_of[i], i, b);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t span = i / a.kv_heads;
+      attend_span(row_of[span], span, b, KvRange{i % a.kv_heads, 1});
+    }
   });
-  parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
     Buffers b = buffers();
-    for (int64_t r = begin; r < end; ++r) merge_row(r, b);
+    for (int64_t i = begin; i < end; ++i) merge_heads(i / heads, i % heads, 1, b);
   });
 }
 
