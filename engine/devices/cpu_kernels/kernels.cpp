@@ -472,6 +472,24 @@ void attend_row(const Attention<T>& a, int64_t row, const int64_t* mine, int64_t
   if (!maxima) a.store(row, 0, a.heads, acc.data(), sums.data(), n == 0);
 }
 
+// Items 0..count dealt into at most `hands` lists of about equal cost, each item to the
+// cheapest list so far, the costliest first: work of uneven items for parallel_for's even pieces.
+template <typename Cost>
+std::vector<std::vector<int64_t>> deal(int64_t count, int64_t hands, const Cost& cost) {
+  std::vector<int64_t> order(count);
+  for (int64_t i = 0; i < count; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return cost(x) > cost(y); });
+  std::vector<std::vector<int64_t>> lists(std::max<int64_t>(1, std::min(hands, count)));
+  std::vector<int64_t> load(lists.size(), 0);
+  for (const int64_t item : order) {
+    const auto lightest = std::min_element(load.begin(), load.end()) - load.begin();
+    lists[lightest].push_back(item);
+    load[lightest] += cost(item);
+  }
+  return lists;
+}
+
 // Positions a span of attend_spans holds: a fixed count, so that the bits do not depend on how
 // the work is split.
 constexpr int64_t SPAN = 64;
@@ -538,17 +556,25 @@ void attend_spans(const Attention<T>& a, const RowSlots& slots, int64_t batch, b
     });
     return;
   }
-  // Few rows: each span's kv heads are items of their own (a lone row's 3 spans of 3 kv heads
-  // split 5 to 4 over two threads, where whole spans split 2 to 1), and so are the merged heads.
+  // Few rows: each span's kv heads are items of their own, dealt out by their positions (a lone
+  // row of 160 positions has spans of 64, 64 and 32 over 3 kv heads: whole spans in two halves
+  // split 128 positions to 32), and the merged heads too.
   std::vector<int64_t> row_of(first_span[batch]);
   for (int64_t r = 0; r < batch; ++r)
     std::fill(row_of.begin() + first_span[r], row_of.begin() + first_span[r + 1], r);
-  parallel_for(0, first_span[batch] * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const auto positions = [&](int64_t span) {
+    const int64_t row = row_of[span], start = (span - first_span[row]) * SPAN;
+    return std::min<int64_t>(SPAN, static_cast<int64_t>(slots[row].size()) - start);
+  };
+  const auto hands = deal(first_span[batch] * a.kv_heads, at::get_num_threads(),
+                          [&](int64_t item) { return positions(item / a.kv_heads); });
+  parallel_for(0, static_cast<int64_t>(hands.size()), 1, [&](int64_t begin, int64_t end) {
     Buffers b = buffers();
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t span = i / a.kv_heads;
-      attend_span(row_of[span], span, b, KvRange{i % a.kv_heads, 1});
-    }
+    for (int64_t hand = begin; hand < end; ++hand)
+      for (const int64_t item : hands[hand]) {
+        const int64_t span = item / a.kv_heads;
+        attend_span(row_of[span], span, b, KvRange{item % a.kv_heads, 1});
+      }
   });
   parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
     Buffers b = buffers();
