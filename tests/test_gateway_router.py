@@ -94,6 +94,7 @@ class Router:
 
     def __init__(self, replicas, policy: str, model_dir, log: Path):
         self.url = f"http://127.0.0.1:{free_tcp_port()}"
+        self.metrics_url = f"http://127.0.0.1:{free_tcp_port()}/metrics"
         command = [
             router_binary(),
             "--host",
@@ -101,7 +102,7 @@ class Router:
             "--port",
             self.url.rsplit(":", 1)[1],
             "--prometheus-port",
-            str(free_tcp_port()),
+            self.metrics_url.rsplit(":", 1)[1].split("/")[0],
             "--policy",
             policy,
             "--worker-urls",
@@ -136,6 +137,17 @@ class Router:
             assert self.process.poll() is None, f"vllm-router exited:\n{log.read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"vllm-router never answered:\n{log.read_text()}"
             time.sleep(0.2)
+
+    def kv_lookups_found(self) -> float:
+        """The KV-aware lookups that found some of a prompt's blocks in the router's index."""
+        text = httpx.get(self.metrics_url, timeout=10).text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "vllm_router_kv_placement_lookups_total"
+            and sample.labels.get("result") != "miss"
+        )
 
     def _answers(self) -> bool:
         try:
@@ -209,12 +221,34 @@ def counters(replicas) -> dict:
     }
 
 
+def wait_for_kv_events(router: Router) -> None:
+    """vllm-router subscribes to the replicas' KV events after it first answers, and ZMQ drops what
+    a publisher sends before a subscriber has joined: in CI a whole run's events were lost once,
+    and kv_aware's hit rate was round_robin's. So a probe prompt is served twice until the second
+    lookup finds the first's blocks, each try with a fresh probe (consecutive ids: no workload prompt
+    holds its blocks)."""
+    deadline = time.monotonic() + 60
+    for attempt in range(150):  # ids stay below the vocabulary (49152)
+        probe = [40000 + attempt * PREFIX_TOKENS + i for i in range(PREFIX_TOKENS)]
+        assert complete(router.url, probe) == 200
+        found = router.kv_lookups_found()
+        assert complete(router.url, probe) == 200
+        if router.kv_lookups_found() > found:
+            return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    raise AssertionError("vllm-router never read the replicas' KV events")
+
+
 def run_policy(replicas, policy: str, model_dir, tmp_path, groups) -> float:
     """The hit rate of the groups' prompts: each group's first, then the rest in one burst. Routed
     all in one burst, kv_aware met most requests before any event of their prefix (requests are
     routed in milliseconds, a prefill takes longer) and its rate was round_robin's, within noise."""
     router = Router(replicas, policy, model_dir, tmp_path / f"{policy}.log")
     try:
+        if policy == "kv_aware":
+            wait_for_kv_events(router)  # its probes' hits come before the counters are read
         before = counters(replicas)
         send_all(router.url, [group[0] for group in groups], policy)
         rest = [prompt for group in groups for prompt in group[1:]]
