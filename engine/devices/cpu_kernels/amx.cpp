@@ -3,8 +3,6 @@
 // reorders the plain weight on each call, which at decode batch sizes costs more than the product.
 #include <torch/extension.h>
 
-#include <utility>
-
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -165,12 +163,6 @@ void check_packed(const torch::Tensor& packed, int64_t K, int64_t N) {
 
 // x [M, K] @ w.T in bfloat16 with w packed by pack_bf16 (N columns), float32 accumulation in AMX
 // tiles, in sweep_packed's schedule.
-torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  torch::Tensor y;
-  amx_linear_into(std::move(x), packed, N, y);
-  return y;
-}
-
 void amx_linear_into(torch::Tensor x, const torch::Tensor& packed, int64_t N, torch::Tensor& y) {
   TORCH_CHECK(amx_supported(), "AMX bfloat16 tiles are not available on this CPU");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x [M, K] bfloat16 expected");

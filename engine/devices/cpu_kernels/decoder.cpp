@@ -26,8 +26,7 @@
 namespace bucketserve {
 namespace {
 using BF16 = c10::BFloat16;
-// A packed product writing into its output y [rows, N] (packed.h's *_into forms).
-using Product = void (*)(torch::Tensor, const torch::Tensor&, int64_t, torch::Tensor&);
+using Product = ProductInto;  // packed.h's *_into forms
 
 // A layer's tensors, in the order engine.devices.cpu_kernels.FusedDecoder lists them.
 // QKV_BIAS may be empty (no bias).

@@ -67,12 +67,6 @@ bool dot_linear_supported() {
 
 // x [M, K] @ w.T in bfloat16 with w packed by pack_bf16 (N columns), float32 accumulation, in
 // sweep_packed's schedule.
-torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  torch::Tensor y;
-  dot_linear_into(std::move(x), packed, N, y);
-  return y;
-}
-
 void dot_linear_into(torch::Tensor x, const torch::Tensor& packed, int64_t N, torch::Tensor& y) {
   TORCH_CHECK(dot_linear_supported(), "built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x [M, K] bfloat16 expected");

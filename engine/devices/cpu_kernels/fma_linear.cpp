@@ -94,12 +94,6 @@ bool fma_linear_supported() {
 
 // x [M, K] @ w.T in bfloat16 with w packed by pack_bf16 (N columns), float32 products and sums,
 // in sweep_packed's schedule.
-torch::Tensor fma_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  torch::Tensor y;
-  fma_linear_into(std::move(x), packed, N, y);
-  return y;
-}
-
 void fma_linear_into(torch::Tensor x, const torch::Tensor& packed, int64_t N, torch::Tensor& y) {
   TORCH_CHECK(fma_linear_supported(), "built without AVX2 and FMA");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x [M, K] bfloat16 expected");

@@ -179,12 +179,6 @@ torch::Tensor pack_int4(torch::Tensor codes, torch::Tensor scale, torch::Tensor 
 
 // x [M, K] bfloat16 through a weight packed by pack_int4 (N columns): up to WIDEN_ROWS rows straight
 // from the codes, tiles of MAX_TILE_ROWS, more through each block widened once to bfloat16.
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  torch::Tensor y;
-  int4_linear_into(std::move(x), packed, N, y);
-  return y;
-}
-
 void int4_linear_into(torch::Tensor x, const torch::Tensor& packed, int64_t N, torch::Tensor& y) {
   TORCH_CHECK(int4_linear_supported(), "built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x [M, K] bfloat16 expected");

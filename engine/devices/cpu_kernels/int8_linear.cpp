@@ -89,12 +89,6 @@ torch::Tensor pack_int8(torch::Tensor codes, torch::Tensor scale) {
 }
 
 // x [M, K] bfloat16 through a weight packed by pack_int8 (N columns), in sweep_packed's schedule.
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  torch::Tensor y;
-  int8_linear_into(std::move(x), packed, N, y);
-  return y;
-}
-
 void int8_linear_into(torch::Tensor x, const torch::Tensor& packed, int64_t N, torch::Tensor& y) {
   TORCH_CHECK(dot_linear_supported(), "built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x [M, K] bfloat16 expected");

@@ -424,7 +424,7 @@ void prefetch_slots(const T* cache, const int64_t* offsets, int64_t count, int64
 // of `kv` (their query heads' acc, sums and maxima; the others' are left as they were): acc and
 // sums are left unnormalized, relative to each head's maximum, which goes to maxima.
 struct KvRange {
-  int64_t first, count;
+  int64_t first, count;  // a count of -1: every kv head from `first`
 };
 
 template <typename T>
@@ -512,13 +512,16 @@ void attend_spans(const Attention<T>& a, const RowSlots& slots, int64_t batch, b
     std::vector<float> query, acc, scores, sums;
     std::vector<int64_t> offsets;
   };
-  // a span's kv heads `kv` (all of them by default)
+  // where a row's span starts among its slots, and how many it holds
+  const auto start_of = [&](int64_t row, int64_t span) { return (span - first_span[row]) * SPAN; };
+  const auto positions = [&](int64_t row, int64_t span) {
+    return std::min<int64_t>(SPAN, static_cast<int64_t>(slots[row].size()) - start_of(row, span));
+  };
+  // a span's kv heads `kv`
   const auto attend_span = [&](int64_t row, int64_t span, Buffers& b, KvRange kv) {
-    const int64_t start = (span - first_span[row]) * SPAN;
-    const int64_t n = std::min<int64_t>(SPAN, static_cast<int64_t>(slots[row].size()) - start);
     float* out = partial.data() + span * stride;
-    attend_row(a, row, slots[row].data() + start, n, b.query, b.acc, b.scores, b.sums, b.offsets,
-               out + heads * dim + heads, kv);
+    attend_row(a, row, slots[row].data() + start_of(row, span), positions(row, span), b.query,
+               b.acc, b.scores, b.sums, b.offsets, out + heads * dim + heads, kv);
     const int64_t first = kv.first * a.group, count = kv.count * a.group;  // query heads
     std::copy_n(b.acc.begin() + first * dim, count * dim, out + first * dim);
     std::copy_n(b.sums.begin() + first, count, out + heads * dim + first);
@@ -562,12 +565,10 @@ void attend_spans(const Attention<T>& a, const RowSlots& slots, int64_t batch, b
   std::vector<int64_t> row_of(first_span[batch]);
   for (int64_t r = 0; r < batch; ++r)
     std::fill(row_of.begin() + first_span[r], row_of.begin() + first_span[r + 1], r);
-  const auto positions = [&](int64_t span) {
-    const int64_t row = row_of[span], start = (span - first_span[row]) * SPAN;
-    return std::min<int64_t>(SPAN, static_cast<int64_t>(slots[row].size()) - start);
-  };
-  const auto hands = deal(first_span[batch] * a.kv_heads, at::get_num_threads(),
-                          [&](int64_t item) { return positions(item / a.kv_heads); });
+  const auto hands = deal(first_span[batch] * a.kv_heads, at::get_num_threads(), [&](int64_t item) {
+    const int64_t span = item / a.kv_heads;
+    return positions(row_of[span], span);
+  });
   parallel_for(0, static_cast<int64_t>(hands.size()), 1, [&](int64_t begin, int64_t end) {
     Buffers b = buffers();
     for (int64_t hand = begin; hand < end; ++hand)
@@ -717,26 +718,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_supported", &bucketserve::amx_supported, "whether AMX bfloat16 tiles may run");
   m.def("pack_bf16", &bucketserve::pack_bf16, free,
         "a bfloat16 weight in amx_linear's blocked layout");
-  m.def("amx_linear", &bucketserve::amx_linear, free, "bfloat16 projection in AMX tiles");
+  m.def("amx_linear", &bucketserve::with_new_output<&bucketserve::amx_linear_into>, free,
+        "bfloat16 projection in AMX tiles");
   m.def("dot_linear_supported", &bucketserve::dot_linear_supported,
         "whether dot_linear was built (AVX512-BF16)");
-  m.def("dot_linear", &bucketserve::dot_linear, free,
+  m.def("dot_linear", &bucketserve::with_new_output<&bucketserve::dot_linear_into>, free,
         "bfloat16 projection in AVX512-BF16 dot products");
   m.def("fma_linear_supported", &bucketserve::fma_linear_supported,
         "whether fma_linear was built (AVX2 and FMA)");
-  m.def("fma_linear", &bucketserve::fma_linear, free,
+  m.def("fma_linear", &bucketserve::with_new_output<&bucketserve::fma_linear_into>, free,
         "bfloat16 projection in AVX2 fused multiply-adds");
   m.def("int4_linear_supported", &bucketserve::int4_linear_supported,
         "whether int4_linear was built (AVX512-BF16)");
   m.def("pack_int4", &bucketserve::pack_int4, free, "int4 codes, scales and zeros packed by block");
-  m.def("int4_linear", &bucketserve::int4_linear, free,
+  m.def("int4_linear", &bucketserve::with_new_output<&bucketserve::int4_linear_into>, free,
         "int4 projection in AVX512-BF16 dot products");
   m.def("pack_screened", &bucketserve::pack_screened, free,
         "a draft's LM head: an int4 screen and the int8 rows that rescore its best");
-  m.def("screened_linear", &bucketserve::screened_linear, free,
+  m.def("screened_linear",
+        &bucketserve::with_new_output<&bucketserve::screened_linear_into>, free,
         "a screened head's bfloat16 logits: int4 for all, int8 for each row's best");
   m.def("pack_int8", &bucketserve::pack_int8, free, "int8 codes and scales packed by block");
-  m.def("int8_linear", &bucketserve::int8_linear, free,
+  m.def("int8_linear", &bucketserve::with_new_output<&bucketserve::int8_linear_into>, free,
         "int8 projection in AVX512-BF16 dot products (dot_linear_supported)");
   m.def("decode_layers", &bucketserve::decode_layers, free,
         "every layer of a plain Llama-family bfloat16 decode step in one call");

@@ -45,8 +45,20 @@ constexpr std::array<TileFn, MaxRows> tile_table(TileOf tile_of) {
   return tile_table_of<TileFn>(tile_of, std::make_integer_sequence<int, MaxRows>{});
 }
 
+// A packed product: x [M, K] bfloat16 times a packed weight of N columns, into y [M, N].
+using ProductInto = void (*)(torch::Tensor x, const torch::Tensor& packed, int64_t N,
+                             torch::Tensor& y);
+
+// A product as the module binds it: its output a new tensor each call.
+template <ProductInto Into>
+torch::Tensor with_new_output(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  torch::Tensor y;
+  Into(std::move(x), packed, N, y);
+  return y;
+}
+
 // Every product's output y [M, N] bfloat16: the caller's buffer where y is defined (a fused step's
-// workspace, checked), else a new tensor. The *_into forms write there; the plain forms return it.
+// workspace, checked), else a new tensor.
 inline void claim_output(torch::Tensor& y, int64_t M, int64_t N,
                          const torch::TensorOptions& options) {
   if (!y.defined()) {
@@ -59,11 +71,9 @@ inline void claim_output(torch::Tensor& y, int64_t M, int64_t N,
 }
 
 bool amx_supported();
-torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
 void amx_linear_into(torch::Tensor x, const torch::Tensor& packed, int64_t N, torch::Tensor& y);
 
 bool dot_linear_supported();
-torch::Tensor dot_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
 void dot_linear_into(torch::Tensor x, const torch::Tensor& packed, int64_t N, torch::Tensor& y);
 // dot_linear's product of `rows` rows of x over one packed block (int4_linear's many-row path)
 constexpr int DOT_TILE_ROWS = 12;
@@ -72,21 +82,17 @@ void dot_rows(const uint16_t* x, int64_t K, const uint16_t* block, uint16_t* y, 
 
 bool int4_linear_supported();
 torch::Tensor pack_int4(torch::Tensor codes, torch::Tensor scale, torch::Tensor zero);
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
 void int4_linear_into(torch::Tensor x, const torch::Tensor& packed, int64_t N, torch::Tensor& y);
 
 torch::Tensor pack_screened(torch::Tensor codes, torch::Tensor scale, torch::Tensor screen_codes,
                             torch::Tensor screen_scale, torch::Tensor screen_zero);
-torch::Tensor screened_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
 void screened_linear_into(torch::Tensor x, const torch::Tensor& packed, int64_t N,
                           torch::Tensor& y);
 
 torch::Tensor pack_int8(torch::Tensor codes, torch::Tensor scale);
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
 void int8_linear_into(torch::Tensor x, const torch::Tensor& packed, int64_t N, torch::Tensor& y);
 
 bool fma_linear_supported();
-torch::Tensor fma_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
 void fma_linear_into(torch::Tensor x, const torch::Tensor& packed, int64_t N, torch::Tensor& y);
 
 // The schedule of the products over M rows and `blocks` packed blocks (N columns): each thread

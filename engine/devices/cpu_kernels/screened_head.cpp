@@ -110,12 +110,6 @@ torch::Tensor pack_screened(torch::Tensor codes, torch::Tensor scale, torch::Ten
 }
 
 // x [M, K] bfloat16 through a head packed by pack_screened (vocab N): bfloat16 logits [M, N].
-torch::Tensor screened_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  torch::Tensor y;
-  screened_linear_into(std::move(x), packed, N, y);
-  return y;
-}
-
 void screened_linear_into(torch::Tensor x, const torch::Tensor& packed, int64_t N,
                           torch::Tensor& y) {
   TORCH_CHECK(int4_linear_supported(), "built without AVX512-BF16");
