@@ -56,12 +56,16 @@ class Replica:
         self.launch, self.url, self.events = launch, url, events
 
     def metric(self, name: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name:
-                    return sample.value
+        for sample in samples(f"{self.url}/metrics", name):
+            return sample.value
         raise AssertionError(f"{name} not in /metrics")
+
+
+def samples(url: str, name: str):
+    """The samples called `name` that a Prometheus endpoint serves."""
+    text = httpx.get(url, timeout=10).text
+    for family in text_string_to_metric_families(text):
+        yield from (sample for sample in family.samples if sample.name == name)
 
 
 @pytest.fixture
@@ -140,14 +144,8 @@ class Router:
 
     def kv_lookups_found(self) -> float:
         """The KV-aware lookups that found some of a prompt's blocks in the router's index."""
-        text = httpx.get(self.metrics_url, timeout=10).text
-        return sum(
-            sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == "vllm_router_kv_placement_lookups_total"
-            and sample.labels.get("result") != "miss"
-        )
+        lookups = samples(self.metrics_url, "vllm_router_kv_placement_lookups_total")
+        return sum(sample.value for sample in lookups if sample.labels.get("result") != "miss")
 
     def _answers(self) -> bool:
         try:
