@@ -68,9 +68,9 @@ def capture(shard: Shard):
     draft_calls, verify_calls = [], []
     greedy_steps, run = fused.greedy_steps, runner._run
 
-    def keep_draft(fed, position, steps, slots):
-        draft_calls.append((list(fed), position, steps, list(slots)))
-        return greedy_steps(fed, position, steps, slots)
+    def keep_draft(fed, position, count, slots, *guessing):
+        draft_calls.append((list(fed), position, count, list(slots), *guessing))
+        return greedy_steps(fed, position, count, slots, *guessing)
 
     def keep_verify(shape, *inputs, fn=None):
         if shape[0] == "verify":

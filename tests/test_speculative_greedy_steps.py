@@ -1,12 +1,16 @@
 """A draft model's greedy proposals in one fused call (DraftRunner.greedy_steps, the CPU kernels'
-greedy_steps): a lone greedy row's proposals are the one-step loop's token for token, the target's
-output stays plain decoding's, and every other row (sampled, in a batch, at an unwarmed bucket)
-takes the loop. bfloat16, where the fused decoder runs."""
+greedy_steps): a lone greedy row's proposals are the one-step loop's token for token, with or
+without prompt lookup's guesses fed along, the target's output stays plain decoding's, and every
+other row (sampled, in a batch, at an unwarmed bucket) takes the loop. bfloat16, where the fused
+decoder runs."""
+
+import random
 
 import pytest
 
 from engine.devices.cpu_kernels import FusedDecoder, ScreenedHead, load
 from engine.spec.draft import DraftModel, DraftRunner
+from engine.spec.ngram import NgramIndex
 from tests.helpers import build_request, tiny_shard
 from tests.test_speculative import run
 from tests.test_speculative_draft import SEEDED
@@ -50,7 +54,8 @@ def shards(tiny_model_dirs):
 
 
 def recorded(shard, requests, monkeypatch):
-    """Each request's tokens, every propose() call's proposals, and the fused calls made."""
+    """Each request's tokens, every propose() call's proposals, and the fused calls made: (tokens
+    fed first, proposals asked, each forward's (rows, proposals))."""
     proposals, calls = [], []
     propose, steps = DraftModel.propose, FusedDecoder.greedy_steps
 
@@ -59,9 +64,10 @@ def recorded(shard, requests, monkeypatch):
         proposals.append(out[0])
         return out
 
-    def counting_steps(self, fed, position, count, slots):
-        calls.append((len(fed), count))
-        return steps(self, fed, position, count, slots)
+    def counting_steps(self, fed, position, count, slots, *guessing):
+        tokens, forwards = steps(self, fed, position, count, slots, *guessing)
+        calls.append((len(fed), count, forwards))
+        return tokens, forwards
 
     with monkeypatch.context() as patch:
         patch.setattr(DraftModel, "propose", recording_propose)
@@ -83,7 +89,7 @@ def test_a_lone_greedy_rows_proposals_are_the_one_step_loops(shards, quantize, m
     assert isinstance(draft.lm_head.quantized, ScreenedHead) == (quantize == "int4")
     tokens, fused, calls = recorded(shard, [build_request(0, NEW)], monkeypatch)
     # every call but the last few (fewer tokens left to propose) catches up and proposes all of K
-    assert calls and max(count for _, count in calls) == K
+    assert calls and max(count for _, count, _ in calls) == K
     with monkeypatch.context() as patch:
         the_loop_only(patch)
         loop_tokens, looped, loop_calls = recorded(shard, [build_request(0, NEW)], monkeypatch)
@@ -91,6 +97,91 @@ def test_a_lone_greedy_rows_proposals_are_the_one_step_loops(shards, quantize, m
     assert fused == looped and any(any(p) for p in fused)
     assert tokens == loop_tokens == run(shards("plain"), [build_request(0, NEW)])
     assert not shard.adapter.shapes.unwarmed
+
+
+def guesses_of(calls) -> tuple[int, int]:
+    """How many guessed tokens the calls' forwards fed, and how many of them stood."""
+    guessed = kept = 0
+    for fed, _, forwards in calls:
+        for index, (rows, made) in enumerate(forwards):
+            guessed += rows - (fed if index == 0 else 1)
+            kept += made - 1
+    return guessed, kept
+
+
+def a_real_call(shard, monkeypatch):
+    """The arguments of the latest fused call a real request made, all of K asked for (adaptive K
+    off): fed tokens, position, count, slots."""
+    calls, steps = [], FusedDecoder.greedy_steps
+
+    def keeping(self, fed, position, count, slots, *guessing):
+        calls.append((list(fed), position, count, list(slots)))
+        return steps(self, fed, position, count, slots, *guessing)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(FusedDecoder, "greedy_steps", keeping)
+        patch.setattr(shard.speculator, "adaptive", False)
+        run(shard, [build_request(0, NEW)])
+    return max(calls, key=lambda call: (call[2], call[1]))
+
+
+@pytest.mark.parametrize("quantize", ["none", "int4"])
+def test_guesses_that_stand_save_forwards_and_keep_the_proposals(shards, quantize, monkeypatch):
+    """Replaying a real call with a history whose lookup guesses the call's own proposals but the
+    fourth: a forward feeds its token and the guesses after it, each guess the draft chose stands
+    (its row chooses next), the wrong one does not, and the proposals are those of one token a
+    forward."""
+    shard = shards(quantize)
+    fused = shard.speculator.draft.model.fused_decode
+    fed, position, count, slots = a_real_call(shard, monkeypatch)
+    alone, forwards = fused.greedy_steps(fed, position, count, slots)
+    assert count == K and len(forwards) == K
+    a, b, filler = [t for t in range(1, 100) if t not in fed + alone][:3]
+    planted = [a, b, *fed, *alone[:3], filler, *alone[4:]]  # after [.., a, b, *fed]: alone's
+    assert position >= len(planted) + 2
+    history = planted + [filler] * (position - len(planted) - 2) + [a, b]
+    tokens, forwards = fused.greedy_steps(fed, position, count, slots, history, count - 1)
+    assert tokens == alone
+    guessed, kept = guesses_of([(len(fed), count, forwards)])
+    assert 0 < kept < guessed  # the fourth guess fell
+    assert len(forwards) < count
+    assert max(rows for rows, _ in forwards) == FusedDecoder.guess_rows()
+
+
+def test_no_guesses_without_their_warmed_verify_buckets(shards, monkeypatch):
+    """A forward with guesses counts as a verify bucket of its rows: where those were not warmed,
+    the call feeds no guess (one token a forward after the first) and proposes the same."""
+    shard = shards("int4")
+    request = [build_request(0, NEW)]
+    _, guessing, _ = recorded(shard, request, monkeypatch)
+    warmed = shard.adapter.shapes.warmed
+    monkeypatch.setattr(
+        shard.adapter.shapes,
+        "warmed",
+        {s for s in warmed if not (s[:2] == ("draft", "verify") and s[2].width > 2)},
+    )
+    _, plain, calls = recorded(shard, request, monkeypatch)
+    assert calls and guesses_of(calls) == (0, 0)
+    assert plain == guessing
+
+
+def test_the_kernels_prompt_lookup_is_the_ngram_index_on_three_tokens():
+    """greedy_steps guesses what followed the latest earlier occurrence of a row's last three
+    tokens, as NgramIndex.propose does where it finds them; nothing on shorter matches."""
+    lookup = load().prompt_lookup
+    rng = random.Random(0)
+    found = 0
+    for _ in range(400):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        count = rng.randrange(0, 6)
+        suffix = tokens[-3:]
+        ends = [e for e in range(3, len(tokens)) if tokens[e - 3 : e] == suffix]
+        expected = NgramIndex().propose(tokens, count) if ends and len(tokens) > 3 else []
+        assert lookup(tokens, count) == expected, (tokens, count)
+        found += bool(expected)
+    assert found > 50  # 81 of the 400 draws find their three tokens
+    assert lookup([7, 1, 2, 9, 5, 1, 2, 9], 3) == [5, 1, 2]
+    assert lookup([7, 1, 2, 9, 5, 2, 9], 3) == []  # only two tokens match
 
 
 def test_sampled_rows_and_batches_take_the_one_step_loop(shards, monkeypatch):
@@ -145,7 +236,7 @@ def test_the_catch_up_and_the_proposals_are_one_call(shards, monkeypatch):
     monkeypatch.setattr(DraftRunner, "verify", counting_verify)
     tokens, fused, calls = recorded(shard, [build_request(0, NEW)], monkeypatch)
     assert not catch_ups
-    assert {width for width, _ in calls} == {1, 2}
+    assert {width for width, _, _ in calls} == {1, 2}
     with monkeypatch.context() as patch:
         the_loop_only(patch)
         loop_tokens, looped, _ = recorded(shard, [build_request(0, NEW)], monkeypatch)
@@ -157,7 +248,8 @@ def test_the_catch_up_and_the_proposals_are_one_call(shards, monkeypatch):
 @pytest.mark.slow
 def test_the_embedded_models_int4_draft_for_its_bfloat16_form(smollm_dir, monkeypatch):
     """The benchmarks' pairing: SmolLM2 in bfloat16, its int4 form drafting (int4 layers, int8
-    embedding and LM head). Fused proposals are the loop's, the output plain decoding's."""
+    embedding and LM head). Fused proposals are the loop's, the output plain decoding's; on text
+    that repeats its prompt, prompt lookup's guesses stand and save forwards."""
     shard = tiny_shard(
         smollm_dir,
         max_batch_size=4,
@@ -167,14 +259,17 @@ def test_the_embedded_models_int4_draft_for_its_bfloat16_form(smollm_dir, monkey
         draft_quantize="int4",
         num_speculative_tokens=8,
     )
-    request = [build_request(0, 48)]
-    tokens, fused, calls = recorded(shard, request, monkeypatch)
-    assert calls
-    with monkeypatch.context() as patch:
-        the_loop_only(patch)
-        loop_tokens, looped, _ = recorded(shard, request, monkeypatch)
-    assert fused == looped
     plain = tiny_shard(smollm_dir, max_batch_size=4, dtype="bfloat16")
-    assert tokens == loop_tokens == run(plain, request)
+    counting = "one, two, three, four, five, six, seven, eight, nine, ten, one, two, three,"
+    for request in ([build_request(0, 48)], [build_request(0, 48, counting)]):
+        tokens, fused, calls = recorded(shard, request, monkeypatch)
+        assert calls
+        with monkeypatch.context() as patch:
+            the_loop_only(patch)
+            loop_tokens, looped, _ = recorded(shard, request, monkeypatch)
+        assert fused == looped
+        assert tokens == loop_tokens == run(plain, request)
+    guessed, kept = guesses_of(calls)
+    assert kept > guessed / 2
     for built in (shard, plain):
         built.clear()

@@ -19,7 +19,8 @@ in prefills where the row is new, or (with prefix caching) more than a verify fo
 after plain steps; otherwise (a step's accepted tokens, one or two usually) in a verify forward of
 their own width, CATCH_UP_WIDTH. The last forward's logits give the first proposal. A lone greedy
 row on the CPU kernels does its catch-up and all its proposals in one fused call
-(DraftRunner.greedy_steps).
+(DraftRunner.greedy_steps), where a forward also checks the tokens prompt lookup guesses come
+next: each guess the draft chooses is a proposal without a forward of its own.
 The draft's KV slots of rejected proposals are simply overwritten when the row catches up.
 
 Proposals follow the row's own sampling: greedy rows take the draft's argmax (after the row's
@@ -61,34 +62,37 @@ class DraftRunner(ModelRunner):
 
     def greedy_steps(self, seq, fed: list[int], position: int, count: int) -> list[int] | None:
         """A lone greedy row's next `count` proposals in one call of the model's fused kernel
-        (FusedDecoder.greedy_steps: every step's layers, norm, LM head and argmax): the first
-        step feeds `fed` at `position` on, the others each proposal in turn. `fed` is either the
-        row's own tokens the draft has not seen (its catch-up, ending at the row's latest) or
+        (FusedDecoder.greedy_steps: every forward's layers, norm, LM head and argmax): the first
+        forward feeds `fed` at `position` on, the others each proposal in turn. `fed` is either
+        the row's own tokens the draft has not seen (its catch-up, ending at the row's latest) or
         its first proposal. The tokens the runner's forwards one by one would choose, without
         their Python between steps (0.7-0.9 ms a draft step, and 1.4 ms a catch-up, on the
-        2-core VM). Each step is still a bucket of the plan (the catch-up a verify bucket, the
-        rest decode buckets), counted and checked as verify and decode would. None where the
-        model has no such kernel or a bucket was not warmed: the caller loops."""
+        2-core VM). A forward also feeds what prompt lookup over the row's tokens guesses comes
+        next (up to FusedDecoder.guess_rows() rows a forward): each guess the draft would have chosen saves the
+        forward of its own (input-grounded text repeats its prompt). Each forward is still a
+        bucket of the plan (one row a decode bucket, more a verify bucket), counted and checked
+        as decode and verify would. None where the model has no such kernel or a bucket it may
+        need was not warmed: the caller loops."""
         fused = self.model.fused_decode
         if fused is None or not getattr(fused, "takes_greedy_steps", lambda: False)():
             return None
-        shapes = self._step_shapes(seq, fed, position, count)
-        if shapes is None:
+        if self._step_shapes(seq, fed, position, count) is None:
             return None
-        for kind, bucket, blocks in shapes:
-            if kind == "decode" and self.recorder is not None:
-                self.recorder.decode(1, blocks)
-            self.padding.record("decode", 1, bucket.batch_size, bucket)
-        last = position + len(fed) + count - 1  # the last step's position, exclusive
+        guesses = count - 1 if self._guesses_warmed(position, len(fed), count) else 0
+        last = position + len(fed) + count - 1  # the last proposal's position, exclusive
+        history = seq.token_ids[:position]
         start = time.perf_counter_ns()
-        tokens = fused.greedy_steps(fed, position, count, seq.slots(0, last))
+        tokens, forwards = fused.greedy_steps(
+            fed, position, count, seq.slots(0, last), history, guesses
+        )
         self.forward_ns += time.perf_counter_ns() - start
+        self._record_forwards(seq, fed, position, forwards)
         return tokens
 
     def _step_shapes(self, seq, fed: list[int], position: int, count: int):
-        """(kind, bucket, blocks) of each step greedy_steps would run, or None if one was not
-        warmed. A first step feeding the row's own tokens is its catch-up, a verify bucket as
-        DraftModel._continue picks it; every other step one token, a decode bucket."""
+        """(kind, bucket, blocks) of each forward greedy_steps runs without guesses, or None if
+        one was not warmed. A first forward feeding the row's own tokens is its catch-up, a
+        verify bucket as DraftModel._continue picks it; every other one token, a decode bucket."""
         shapes = []
         if position + len(fed) == len(seq.token_ids):
             context_blocks = blocks_needed(position, self.block_size)
@@ -104,6 +108,34 @@ class DraftRunner(ModelRunner):
         if any(b is None or not self.adapter.warmed((kind, b)) for kind, b, _ in shapes):
             return None
         return shapes
+
+    def _guesses_warmed(self, position: int, fed: int, count: int) -> bool:
+        """Whether a forward with guesses, at any position it may start from, has a warmed verify
+        bucket of every width it may feed."""
+        if count < 2:
+            return False
+        firsts = range(position, position + fed + count - 2)
+        contexts = {blocks_needed(at, self.block_size) for at in firsts}
+        widths = range(2, self.model.fused_decode.guess_rows() + 1)
+        buckets = [self.plan.verify_bucket(1, w, blocks) for blocks in contexts for w in widths]
+        return all(b is not None and self.adapter.warmed(("verify", b)) for b in buckets)
+
+    def _record_forwards(self, seq, fed: list[int], position: int, forwards) -> None:
+        """Count each forward of a greedy_steps call (rows fed, proposals made) in its bucket: a
+        catch-up or one with guesses a verify bucket of its rows, one token a decode bucket (its
+        shape recorded). A forward starts where the one before fed its last kept guess."""
+        at = position
+        for index, (rows, made) in enumerate(forwards):
+            catching_up = index == 0 and position + len(fed) == len(seq.token_ids)
+            if rows > 1 or catching_up:
+                bucket = self.plan.verify_bucket(1, rows, blocks_needed(at, self.block_size))
+            else:
+                blocks = len(seq.blocks_through(at))
+                bucket = self.plan.decode_bucket(1, blocks)
+                if self.recorder is not None:
+                    self.recorder.decode(1, blocks)
+            self.padding.record("decode", 1, bucket.batch_size, bucket)
+            at += (len(fed) if index == 0 else 1) + made - 1
 
 
 class DraftAdapter:

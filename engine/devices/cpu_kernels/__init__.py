@@ -15,7 +15,7 @@ in int4 and its best rescored in int8 (screened_head.cpp). decoder.cpp runs a wh
 prefill's packed rows, of a plain Llama-family decoder through these in one call, its threads held
 for the whole call (crew.cpp) instead of forked per kernel; its greedy_steps runs several greedy
 decode steps of one row (a draft model's proposals) with the final norm, LM head and argmax in the
-same call. Each is tested against the pure-torch path, which stays the
+same call, a forward feeding besides its token what prompt lookup guesses follows it. Each is tested against the pure-torch path, which stays the
 reference, the fallback where the build fails (no compiler), and the path of every graph device.
 
 The README's set-up (`make`, or `python -m engine.devices.cpu_kernels`) builds them once, about a
@@ -555,14 +555,28 @@ class FusedDecoder:
         norm, head = self.model.norm, self.model.lm_head.quantized
         return norm.weight, norm.eps, head.packed, head.out_features, head.product
 
+    @staticmethod
+    def guess_rows() -> int:
+        """The most rows a forward of greedy_steps feeds with guesses (decoder.h)."""
+        return load().GUESS_ROWS
+
     def greedy_steps(
-        self, fed: list[int], position: int, steps: int, slots: list[int]
-    ) -> list[int]:
-        """`steps` greedy steps of one row in one call: the first feeds every token of `fed` from
-        `position` on in one pass (as an extend forward), each later one the token the step
-        before chose; each takes the argmax of its logits at its last token. The tokens the row's
-        forwards one by one through the model and torch.argmax choose. `slots`: the row's cache
-        slots of positions 0 through the last step's."""
+        self,
+        fed: list[int],
+        position: int,
+        count: int,
+        slots: list[int],
+        history: list[int] = (),
+        guesses: int = 0,
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """`count` greedy proposals of one row in one call: the first forward feeds every token
+        of `fed` from `position` on in one pass (as an extend forward), each later one the token
+        chosen last; each takes the argmax of its logits at its last fed token. The tokens the
+        row's forwards one by one through the model and torch.argmax choose. With `history` (the
+        row's tokens before `position`) a forward also feeds up to `guesses` tokens that prompt
+        lookup expects next, and every guess its forward chose stands, its own row choosing the
+        next proposal (decoder.h). `slots`: the row's cache slots of positions 0 through the last
+        proposal's. Returns the proposals and, for each forward, its rows fed and its proposals."""
         model = self.model
         table = model.embed_tokens.quantized
         embedding, table_scale = (
@@ -570,15 +584,16 @@ class FusedDecoder:
             if table is None
             else (table.codes, table.scale)
         )
-        positions = torch.arange(position, position + len(fed) + steps - 1)
+        positions = torch.arange(position, position + len(fed) + count - 1)
         cos, sin = model.rotary.cos_sin(positions, torch.bfloat16)
-        tokens = load().greedy_steps(
-            torch.tensor(fed, dtype=torch.long), position, steps, self._layer_tensors(),
+        tokens, forwards = load().greedy_steps(
+            torch.tensor(fed, dtype=torch.long), position, count,
+            torch.tensor(history, dtype=torch.long), guesses, self._layer_tensors(),
             embedding, table_scale, *self._final_tensors(),
             cos, sin, torch.tensor(slots, dtype=torch.long),
             self.heads, self.kv_heads, self.intermediate, self.eps, self.scale, self.product,
         )  # fmt: skip
-        return tokens.tolist()
+        return tokens.tolist(), [tuple(pair) for pair in forwards.tolist()]
 
     def __call__(self, hidden: torch.Tensor, rope: tuple, meta) -> torch.Tensor | None:
         """The hidden states after every layer, or None where the step is not one this call takes

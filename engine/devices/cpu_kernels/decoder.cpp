@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "crew.h"
@@ -366,18 +367,40 @@ torch::Tensor final_logits(torch::Tensor hidden, torch::Tensor indices, torch::T
       .to(torch::kFloat);
 }
 
-torch::Tensor greedy_steps(torch::Tensor fed, int64_t position, int64_t steps,
-                           const std::vector<torch::Tensor>& layers, torch::Tensor embedding,
-                           torch::Tensor embedding_scale, torch::Tensor norm_weight,
-                           double norm_eps, torch::Tensor lm_head, int64_t vocab,
-                           const std::string& lm_product, torch::Tensor cos, torch::Tensor sin,
-                           torch::Tensor slots, int64_t heads, int64_t kv_heads,
-                           int64_t intermediate, double eps, double scale,
-                           const std::string& product) {
+std::vector<int64_t> prompt_lookup(const std::vector<int64_t>& known, int64_t count) {
+  const int64_t n = static_cast<int64_t>(known.size());
+  if (count < 1) return {};
+  const auto suffix = known.end() - std::min(n, GUESS_SUFFIX);
+  for (int64_t end = n - 1; end >= GUESS_SUFFIX; --end)
+    if (std::equal(suffix, known.end(), known.begin() + (end - GUESS_SUFFIX)))
+      return {known.begin() + end, known.begin() + std::min(n, end + count)};
+  return {};
+}
+
+namespace {
+// The embedded rows of `tokens`, one [rows, hidden] tensor.
+torch::Tensor embedded(const std::vector<int64_t>& tokens, const torch::Tensor& table,
+                       const torch::Tensor& scale) {
+  std::vector<torch::Tensor> rows;
+  for (const int64_t token : tokens) rows.push_back(embedding_row(table, scale, token));
+  return rows.size() == 1 ? rows[0] : torch::cat(rows);
+}
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> greedy_steps(
+    torch::Tensor fed, int64_t position, int64_t count, torch::Tensor history, int64_t guesses,
+    const std::vector<torch::Tensor>& layers, torch::Tensor embedding,
+    torch::Tensor embedding_scale, torch::Tensor norm_weight, double norm_eps,
+    torch::Tensor lm_head, int64_t vocab, const std::string& lm_product, torch::Tensor cos,
+    torch::Tensor sin, torch::Tensor slots, int64_t heads, int64_t kv_heads, int64_t intermediate,
+    double eps, double scale, const std::string& product) {
   fed = fed.to(torch::kLong).contiguous();
-  const int64_t width = fed.numel(), positions = width + steps - 1;
-  TORCH_CHECK(width >= 1 && steps >= 1 && position >= 0,
-              "at least one token fed and one step, from a position >= 0");
+  history = history.to(torch::kLong).contiguous();
+  const int64_t width = fed.numel(), positions = width + count - 1;
+  TORCH_CHECK(width >= 1 && count >= 1 && position >= 0 && guesses >= 0,
+              "at least one token fed and one proposal, from a position >= 0");
+  TORCH_CHECK(history.numel() == 0 || history.numel() == position,
+              "history: the row's tokens before `position`, or none");
   TORCH_CHECK(embedding.dim() == 2, "an embedding table [vocab, hidden] expected");
   const auto* fed_tokens = fed.data_ptr<int64_t>();
   for (int64_t i = 0; i < width; ++i)
@@ -400,19 +423,26 @@ torch::Tensor greedy_steps(torch::Tensor fed, int64_t position, int64_t steps,
   for (int64_t i = 0; i < slots.numel(); ++i)
     TORCH_CHECK(every[i] >= 0 && every[i] < cache_slots, "slot ", every[i], " is outside the cache");
   const Product multiply = product_named(product), lm = product_named(lm_product);
-  auto tokens = torch::empty({steps}, torch::kLong);
+  // the row's tokens so far: its history (where it looks up), then what was fed and chosen
+  std::vector<int64_t> known(history.data_ptr<int64_t>(),
+                             history.data_ptr<int64_t>() + history.numel());
+  const bool looking_up = history.numel() > 0 && guesses > 0;
+  auto tokens = torch::empty({count}, torch::kLong);
   auto* chosen = tokens.data_ptr<int64_t>();
+  std::vector<int64_t> forwards;  // each forward's rows and choices, in turn
   with_crew([&] {
-    int64_t first = 0;  // the step's first position, relative to `position`
-    for (int64_t i = 0; i < steps; ++i) {
-      // the first step feeds every token of `fed` at once, as an extend forward does; the others
-      // feed the token the step before chose
-      const int64_t rows = i == 0 ? width : 1;
-      std::vector<torch::Tensor> embedded;
-      for (int64_t r = 0; r < rows; ++r)
-        embedded.push_back(embedding_row(embedding, embedding_scale,
-                                         i == 0 ? fed_tokens[r] : chosen[i - 1]));
-      auto hidden = rows == 1 ? embedded[0] : torch::cat(embedded);
+    // each forward feeds its tokens (fed, then the latest choice) and a guess of what follows
+    std::vector<int64_t> feeding(fed_tokens, fed_tokens + width);
+    int64_t first = 0, made = 0;  // the forward's first position (from `position`); choices made
+    while (made < count) {
+      known.insert(known.end(), feeding.begin(), feeding.end());
+      const int64_t room = std::min({guesses, count - made - 1,
+                                     GUESS_ROWS - static_cast<int64_t>(feeding.size())});
+      const auto guess = looking_up ? prompt_lookup(known, room) : std::vector<int64_t>{};
+      const int64_t fed_rows = static_cast<int64_t>(feeding.size());
+      feeding.insert(feeding.end(), guess.begin(), guess.end());
+      const int64_t rows = static_cast<int64_t>(feeding.size());
+      auto hidden = embedded(feeding, embedding, embedding_scale);
       auto step_cos = cos.narrow(0, first, rows), step_sin = sin.narrow(0, first, rows);
       auto step_slots = slots.narrow(0, position + first, rows);
       const Heads shape =
@@ -424,12 +454,24 @@ torch::Tensor greedy_steps(torch::Tensor fed, int64_t position, int64_t steps,
         plan.emplace_back(every, every + position + first + r + 1);
       hidden = run_layers(hidden, layers, step_cos, step_sin, step_slots, plan, shape,
                           intermediate, eps, scale, multiply);
-      chosen[i] = first_argmax(normed_logits(hidden.narrow(0, rows - 1, 1), norm_weight, norm_eps,
-                                             lm_head, vocab, lm));
-      first += rows;
+      // the logits of the last fed token and of each guess: a guess stands while the token
+      // before it chose it, and then its own choice counts too
+      const int64_t scored = static_cast<int64_t>(guess.size()) + 1;
+      const auto logits = normed_logits(hidden.narrow(0, fed_rows - 1, scored), norm_weight,
+                                        norm_eps, lm_head, vocab, lm);
+      int64_t kept = 0;
+      for (int64_t j = 0; j < scored; ++j) {
+        chosen[made++] = first_argmax(logits[j]);
+        if (j == scored - 1 || chosen[made - 1] != guess[j]) break;
+        known.push_back(guess[j]);
+        ++kept;
+      }
+      forwards.insert(forwards.end(), {rows, kept + 1});
+      first += fed_rows + kept;
+      feeding.assign(1, chosen[made - 1]);
     }
   });
-  return tokens;
+  return {tokens, torch::tensor(forwards, torch::kLong).view({-1, 2})};
 }
 
 torch::Tensor extend_layers(torch::Tensor hidden, const std::vector<torch::Tensor>& layers,

@@ -748,7 +748,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("final_logits", &bucketserve::final_logits, free,
         "the final RMS norm and packed LM head of chosen rows, as float32 logits");
   m.def("greedy_steps", &bucketserve::greedy_steps, free,
-        "greedy decode steps of one row: layers, final norm, LM head and argmax, in one call");
+        "greedy proposals of one row, prompt lookup's guesses checked on the way: forwards, final "
+        "norm, LM head and argmax, in one call");
+  m.attr("GUESS_ROWS") = bucketserve::GUESS_ROWS;
+  m.def("prompt_lookup", &bucketserve::prompt_lookup, free,
+        "for the tests: greedy_steps' guesses (engine.spec.ngram.NgramIndex.propose's rule)");
   m.def("first_argmax", &bucketserve::first_argmax, free,
         "for the tests: greedy_steps' argmax of bfloat16 logits (torch.argmax's rule)");
   m.def("crew_members", &bucketserve::crew_members, free,
