@@ -68,11 +68,11 @@ class DraftRunner(ModelRunner):
         its first proposal. The tokens the runner's forwards one by one would choose, without
         their Python between steps (0.7-0.9 ms a draft step, and 1.4 ms a catch-up, on the
         2-core VM). A forward also feeds what prompt lookup over the row's tokens guesses comes
-        next (up to FusedDecoder.guess_rows() rows a forward): each guess the draft would have chosen saves the
-        forward of its own (input-grounded text repeats its prompt). Each forward is still a
-        bucket of the plan (one row a decode bucket, more a verify bucket), counted and checked
-        as decode and verify would. None where the model has no such kernel or a bucket it may
-        need was not warmed: the caller loops."""
+        next (up to FusedDecoder.guess_rows() rows a forward): each guess the draft would have
+        chosen saves the forward of its own (input-grounded text repeats its prompt). Each
+        forward is still a bucket of the plan (one row a decode bucket, more a verify bucket),
+        counted and checked as decode and verify would. None where the model has no such kernel
+        or a bucket it may need was not warmed: the caller loops."""
         fused = self.model.fused_decode
         if fused is None or not getattr(fused, "takes_greedy_steps", lambda: False)():
             return None

@@ -15,8 +15,9 @@ in int4 and its best rescored in int8 (screened_head.cpp). decoder.cpp runs a wh
 prefill's packed rows, of a plain Llama-family decoder through these in one call, its threads held
 for the whole call (crew.cpp) instead of forked per kernel; its greedy_steps runs several greedy
 decode steps of one row (a draft model's proposals) with the final norm, LM head and argmax in the
-same call, a forward feeding besides its token what prompt lookup guesses follows it. Each is tested against the pure-torch path, which stays the
-reference, the fallback where the build fails (no compiler), and the path of every graph device.
+same call, a forward feeding besides its token what prompt lookup guesses follows it. Each is
+tested against the pure-torch path, which stays the reference, the fallback where the build fails
+(no compiler), and the path of every graph device.
 
 The README's set-up (`make`, or `python -m engine.devices.cpu_kernels`) builds them once, about a
 minute on two cores, into bucketserve's cache dir, keyed by the source, the compiler flags,

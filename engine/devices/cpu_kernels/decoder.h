@@ -81,7 +81,7 @@ int64_t first_argmax(const torch::Tensor& logits);
 // token is the guess after it, the guess's own row chooses next, so one forward may make several
 // choices, each the one a forward of its own would make.
 // slots: the row's cache slots of positions 0 through the last proposal's. Returns the choices
-// and, a row a forward, its rows fed and its choices made.
+// and [forwards, 2]: each forward's rows fed and choices made.
 std::tuple<torch::Tensor, torch::Tensor> greedy_steps(
     torch::Tensor fed, int64_t position, int64_t count, torch::Tensor history, int64_t guesses,
     const std::vector<torch::Tensor>& layers, torch::Tensor embedding,
