@@ -261,14 +261,14 @@ def test_the_embedded_models_int4_draft_for_its_bfloat16_form(smollm_dir, monkey
     )
     plain = tiny_shard(smollm_dir, max_batch_size=4, dtype="bfloat16")
     counting = "one, two, three, four, five, six, seven, eight, nine, ten, one, two, three,"
-    for request in ([build_request(0, 48)], [build_request(0, 48, counting)]):
-        tokens, fused, calls = recorded(shard, request, monkeypatch)
-        assert calls
-        with monkeypatch.context() as patch:
-            the_loop_only(patch)
-            loop_tokens, looped, _ = recorded(shard, request, monkeypatch)
-        assert fused == looped
-        assert tokens == loop_tokens == run(plain, request)
+    request = [build_request(0, 48, counting)]
+    tokens, fused, calls = recorded(shard, request, monkeypatch)
+    assert calls
+    with monkeypatch.context() as patch:
+        the_loop_only(patch)
+        loop_tokens, looped, _ = recorded(shard, request, monkeypatch)
+    assert fused == looped
+    assert tokens == loop_tokens == run(plain, request)
     guessed, kept = guesses_of(calls)
     assert kept > guessed / 2
     for built in (shard, plain):
