@@ -76,9 +76,9 @@ class DraftRunner(ModelRunner):
         fused = self.model.fused_decode
         if fused is None or not getattr(fused, "takes_greedy_steps", lambda: False)():
             return None
-        if self._step_shapes(seq, fed, position, count) is None:
+        if not self._forwards_warmed(seq, fed, position, count):
             return None
-        guesses = count - 1 if self._guesses_warmed(position, len(fed), count) else 0
+        guesses = count - 1 if self._guesses_warmed(seq, position, len(fed), count) else 0
         last = position + len(fed) + count - 1  # the last proposal's position, exclusive
         history = seq.token_ids[:position]
         start = time.perf_counter_ns()
@@ -89,51 +89,52 @@ class DraftRunner(ModelRunner):
         self._record_forwards(seq, fed, position, forwards)
         return tokens
 
-    def _step_shapes(self, seq, fed: list[int], position: int, count: int):
-        """(kind, bucket, blocks) of each forward greedy_steps runs without guesses, or None if
-        one was not warmed. A first forward feeding the row's own tokens is its catch-up, a
-        verify bucket as DraftModel._continue picks it; every other one token, a decode bucket."""
-        shapes = []
-        if position + len(fed) == len(seq.token_ids):
-            context_blocks = blocks_needed(position, self.block_size)
-            bucket = self.plan.verify_bucket(1, len(fed), context_blocks)
-            shapes.append(("verify", bucket, context_blocks))
-            fed_positions = []
-        else:
-            fed_positions = [position]
-        after = position + len(fed)
-        for at in [*fed_positions, *range(after, after + count - 1)]:
-            blocks = len(seq.blocks_through(at))
-            shapes.append(("decode", self.plan.decode_bucket(1, blocks), blocks))
-        if any(b is None or not self.adapter.warmed((kind, b)) for kind, b, _ in shapes):
-            return None
-        return shapes
+    def _forward_shape(self, seq, at: int, rows: int, catching_up: bool):
+        """(kind, bucket, blocks) of a fused forward of `rows` tokens from position `at`: a
+        catch-up (the row's own tokens, a verify bucket as DraftModel._continue picks it) or one
+        with guesses a verify bucket of its rows, one token a decode bucket."""
+        if rows > 1 or catching_up:
+            context_blocks = blocks_needed(at, self.block_size)
+            return "verify", self.plan.verify_bucket(1, rows, context_blocks), context_blocks
+        blocks = len(seq.blocks_through(at))
+        return "decode", self.plan.decode_bucket(1, blocks), blocks
 
-    def _guesses_warmed(self, position: int, fed: int, count: int) -> bool:
+    def _warmed(self, shapes) -> bool:
+        return all(b is not None and self.adapter.warmed((kind, b)) for kind, b, _ in shapes)
+
+    def _forwards_warmed(self, seq, fed: list[int], position: int, count: int) -> bool:
+        """Whether every forward greedy_steps runs without guesses has a warmed bucket: the
+        first feeds `fed` (a catch-up where it ends at the row's latest token), each other one
+        token."""
+        catching_up = position + len(fed) == len(seq.token_ids)
+        after = position + len(fed)
+        shapes = [self._forward_shape(seq, position, len(fed), catching_up)]
+        shapes += [self._forward_shape(seq, at, 1, False) for at in range(after, after + count - 1)]
+        return self._warmed(shapes)
+
+    def _guesses_warmed(self, seq, position: int, fed: int, count: int) -> bool:
         """Whether a forward with guesses, at any position it may start from, has a warmed verify
         bucket of every width it may feed."""
         if count < 2:
             return False
         firsts = range(position, position + fed + count - 2)
-        contexts = {blocks_needed(at, self.block_size) for at in firsts}
+        # one position for each context length: the buckets depend on nothing else
+        by_context = {blocks_needed(at, self.block_size): at for at in firsts}.values()
         widths = range(2, self.model.fused_decode.guess_rows() + 1)
-        buckets = [self.plan.verify_bucket(1, w, blocks) for blocks in contexts for w in widths]
-        return all(b is not None and self.adapter.warmed(("verify", b)) for b in buckets)
+        return self._warmed(
+            [self._forward_shape(seq, at, w, False) for at in by_context for w in widths]
+        )
 
     def _record_forwards(self, seq, fed: list[int], position: int, forwards) -> None:
-        """Count each forward of a greedy_steps call (rows fed, proposals made) in its bucket: a
-        catch-up or one with guesses a verify bucket of its rows, one token a decode bucket (its
-        shape recorded). A forward starts where the one before fed its last kept guess."""
+        """Count each forward of a greedy_steps call (rows fed, proposals made) in its bucket (a
+        decode shape recorded as well). A forward starts where the one before fed its last kept
+        guess."""
         at = position
         for index, (rows, made) in enumerate(forwards):
             catching_up = index == 0 and position + len(fed) == len(seq.token_ids)
-            if rows > 1 or catching_up:
-                bucket = self.plan.verify_bucket(1, rows, blocks_needed(at, self.block_size))
-            else:
-                blocks = len(seq.blocks_through(at))
-                bucket = self.plan.decode_bucket(1, blocks)
-                if self.recorder is not None:
-                    self.recorder.decode(1, blocks)
+            kind, bucket, blocks = self._forward_shape(seq, at, rows, catching_up)
+            if kind == "decode" and self.recorder is not None:
+                self.recorder.decode(1, blocks)
             self.padding.record("decode", 1, bucket.batch_size, bucket)
             at += (len(fed) if index == 0 else 1) + made - 1
 
