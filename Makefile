@@ -39,7 +39,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/vllm-router/bin/pip install --quiet vllm-router==0.1.17
 	# The fused CPU kernels (C++, about a minute), so that no bfloat16 start compiles them; without
 	# a compiler it says so and the pure-torch path serves.
-	$(PY) -m engine.devices.cpu_kernels
+	$(PY) -m engine.devices.cpu.kernels
 	touch $(STAMP)
 
 PORT ?= 8080

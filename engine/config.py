@@ -128,7 +128,7 @@ def _strategies() -> tuple[str, ...]:
 
 
 WARMUP_MODES = ("full", "progressive", "none")  # engine/warmup/run.py
-SPECULATORS = ("ngram", "draft", "eagle3")  # engine/spec/: the proposers built so far
+SPECULATORS = ("ngram", "draft", "eagle3")  # engine/speculative/: the proposers built so far
 MAX_SPECULATIVE_TOKENS = 16
 
 

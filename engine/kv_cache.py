@@ -80,7 +80,7 @@ class KVCache:
         for keys, values in self.layers:
             keys.index_copy_(0, target, keys.index_select(0, source))
             values.index_copy_(0, target, values.index_select(0, source))
-        for extra in self.extras:  # EAGLE-3's aux hidden states (engine/spec/eagle3.py)
+        for extra in self.extras:  # EAGLE-3's aux hidden states (engine/speculative/eagle3.py)
             extra.index_copy_(0, target, extra.index_select(0, source))
         self.copied_prompts += 1
 

@@ -194,7 +194,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def verify(self, bucket: VerifyBucket, seqs: list[PrefillInput]) -> torch.Tensor:
-        """Speculative decoding's verify forward (engine/spec/): each row's latest token and its
+        """Speculative decoding's verify forward (engine/speculative/): each row's latest token and its
         proposals after its cached context, padded to the bucket; logits [rows, width, vocab] at
         every position of every real row."""
         if self.recorder is not None:
@@ -428,7 +428,7 @@ class ModelRunner:
 
 def first_rows(out: torch.Tensor, count: int) -> torch.Tensor:
     """The real rows of a bucket's output, as a view that keeps the whole padded output at hand
-    (`bucket_output`): a static sampler runs on the bucket's rows (engine/serving/static_sampling.py)."""
+    (`bucket_output`): a static sampler runs on the bucket's rows (engine/sampling/static.py)."""
     rows = out[:count]
     rows.bucket_output = out
     return rows

@@ -156,7 +156,7 @@ def report(
 
 
 def speculation_line(speculator) -> str:
-    """--speculate's counters over every run (engine/spec/step.py)."""
+    """--speculate's counters over every run (engine/speculative/step.py)."""
     s = speculator.summary()
     return (
         f"speculation:  {speculator.method} K={speculator.num_tokens}: {s['spec_proposed']} "

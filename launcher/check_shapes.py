@@ -131,7 +131,7 @@ def replay_shapes(shard, shapes) -> list[str]:
     """Each recorded batch shape, on dummy rows in the reserved block, then the sampler."""
     from engine.sampling.penalty_counts import penalty_counts
     from engine.sampling.sampler import new_sampling_state
-    from engine.serving.static_sampling import choose_static, sampler_rows
+    from engine.sampling.static import choose_static, sampler_rows
 
     runner, problems = shard.runner, []
     for number, shape in enumerate(shapes, 1):

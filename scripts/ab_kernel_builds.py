@@ -3,7 +3,7 @@ captured calls of one real request (the rewrite of scripts/bench_spec_client.py,
 
     PYTHONPATH=.:scripts .venv/bin/python scripts/ab_kernel_builds.py BEFORE.so AFTER.so [CALLS]
 
-A build's library: `python -m engine.devices.cpu_kernels` in a checkout of that commit (a git
+A build's library: `python -m engine.devices.cpu.kernels` in a checkout of that commit (a git
 worktree) prints where it put it. Both builds must share the packed layouts: the shard packs its
 weights once, with AFTER, and each call runs through the build whose turn it is. The VM's speed
 drifts by tens of percent within minutes, so each pair of calls alternates its order and only the
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from bench_spec_client import PROMPT
 
-import engine.devices.cpu_kernels as cpu_kernels
+import engine.devices.cpu.kernels as cpu_kernels
 from engine.batch import Batch, Request, StoppingCriteriaParameters
 from engine.config import EngineConfig, default_cache_dir
 from engine.serving.shard import Shard

@@ -21,7 +21,7 @@ import torch
 from step_bench import decode_rows
 
 from engine.config import EngineConfig
-from engine.devices import cpu_kernels
+from engine.devices.cpu import kernels as cpu_kernels
 from engine.serving.shard import Shard
 
 

@@ -4,7 +4,7 @@
 
 BATCHES: comma-separated (default 1,2,4,8), RUNS (3), DTYPE (bfloat16), WORKLOADS (rewrite,compass). Two in-process shards of
 the embedded model, one plain and one with `--speculate ngram --num-speculative-tokens 4`, with
-verify buckets planned at every batch asked for (for this process only: engine.spec.buckets'
+verify buckets planned at every batch asked for (for this process only: engine.speculative.buckets'
 SPECULATE_MAX_BATCH is raised to the largest, and its verify batches are BATCHES rather than the
 small decode batches 1, 2 and 4). Two workloads, each a closed batch of B
 requests sent as one prefill and then decoded to the end:
@@ -25,7 +25,7 @@ import time
 from bench_spec_client import PROMPT
 from peer_bench import prompt as compass_prompt
 
-import engine.spec.buckets as spec_buckets
+import engine.speculative.buckets as spec_buckets
 from engine.batch import Batch, Request, StoppingCriteriaParameters
 from engine.config import EngineConfig
 from engine.serving.shard import Shard

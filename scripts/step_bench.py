@@ -46,7 +46,7 @@ def time_steps(shard: Shard, rows: list[DecodeInput], steps: int) -> tuple[float
 
 
 class RecordedKernels:
-    """engine.devices.cpu_kernels' module with every call wrapped in a profiler range: its C++
+    """engine.devices.cpu.kernels' module with every call wrapped in a profiler range: its C++
     functions are pybind calls, which torch.profiler does not see otherwise."""
 
     def __init__(self, module):
@@ -68,7 +68,7 @@ def profile(shard: Shard, rows: list[DecodeInput]) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from engine.devices import cpu_kernels
+    from engine.devices.cpu import kernels as cpu_kernels
 
     load, built = cpu_kernels.load, cpu_kernels.load()
     if built is not None:

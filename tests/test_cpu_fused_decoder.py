@@ -1,4 +1,4 @@
-"""The fused decode step (engine/devices/cpu_kernels/decoder.cpp): every layer of a bfloat16 decode
+"""The fused decode step (engine/devices/cpu/kernels/decoder.cpp): every layer of a bfloat16 decode
 step in one C++ call, bitwise the output of the modules that run the same kernels one by one."""
 
 import shutil
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.buckets.grid import PrefillBucket
-from engine.devices import cpu_kernels
+from engine.devices.cpu import kernels as cpu_kernels
 from engine.kv_cache import blocks_needed
 from engine.runner import DecodeInput, PrefillInput
 from engine.serving.shard import Shard
@@ -153,7 +153,7 @@ def test_rows_of_several_new_tokens_equal_their_tokens_decoded_one_by_one(tiny_m
 
 
 def test_which_forwards_the_fused_step_takes(tiny_model_dirs):
-    from engine.devices.cpu_kernels import EXTEND_WIDTH
+    from engine.devices.cpu.kernels import EXTEND_WIDTH
 
     shard = fused_shard(
         tiny_model_dirs["llama"], max_input_tokens=300, max_total_tokens=320, max_prefill_tokens=512

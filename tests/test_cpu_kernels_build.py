@@ -6,8 +6,8 @@ import shutil
 import pytest
 from torch.utils import cpp_extension
 
-from engine.devices import cpu_kernels
-from engine.devices.cpu_kernels import __main__ as build_command
+from engine.devices.cpu import kernels as cpu_kernels
+from engine.devices.cpu.kernels import __main__ as build_command
 
 
 def refuse_to_compile(**kwargs):

@@ -1,4 +1,4 @@
-"""--quantize's CPU products (engine/devices/cpu_kernels/int4_linear.cpp, int8_linear.cpp): the
+"""--quantize's CPU products (engine/devices/cpu/kernels/int4_linear.cpp, int8_linear.cpp): the
 codes multiplied in AVX512-BF16 dot products, against the exact product of the weight they stand
 for, and their refusals."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.devices import cpu_kernels
+from engine.devices.cpu import kernels as cpu_kernels
 from engine.layers.quant import Int4Weight, int4_groupwise, int8_per_channel
 
 kernels = cpu_kernels.load() if shutil.which("c++") else None

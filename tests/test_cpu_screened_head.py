@@ -1,4 +1,4 @@
-"""A draft's LM head screened in int4 (engine/devices/cpu_kernels/screened_head.cpp): every logit
+"""A draft's LM head screened in int4 (engine/devices/cpu/kernels/screened_head.cpp): every logit
 from the int4 screen, each row's 16 best rescored from the int8 codes; and greedy_steps' argmax
 (decoder.cpp's first_argmax) against torch.argmax."""
 
@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from engine.devices import cpu_kernels
+from engine.devices.cpu import kernels as cpu_kernels
 from engine.layers.quant import int4_codes, int8_per_channel
 from tests.test_cpu_quant_kernels import bfloat16_step
 

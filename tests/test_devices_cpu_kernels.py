@@ -1,4 +1,4 @@
-"""The CPU adapter's fused C++ kernels (engine/devices/cpu_kernels), against the pure-torch path."""
+"""The CPU adapter's fused C++ kernels (engine/devices/cpu/kernels), against the pure-torch path."""
 
 import shutil
 
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from engine.attention import windowed_metadata
 from engine.attention.backend import TORCH
 from engine.attention.flat import flat_attention, flat_block_tensors, flat_mask
-from engine.devices import cpu_kernels
+from engine.devices.cpu import kernels as cpu_kernels
 from engine.layers.norm import GemmaRMSNorm, RMSNorm
 from engine.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
 from engine.serving.shard import Shard

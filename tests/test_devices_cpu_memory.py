@@ -1,4 +1,4 @@
-"""Host memory for CPU serving (engine/devices/cpu_memory.py): glibc keeps freed memory for the next
+"""Host memory for CPU serving (engine/devices/cpu/memory.py): glibc keeps freed memory for the next
 step, so a buffer freed and asked for again comes back without the kernel faulting its pages in
 anew; the packed weights and the KV cache sit in memory advised for huge pages."""
 
@@ -13,7 +13,7 @@ import torch
 SECOND_ALLOCATION_FAULTS = """
 import ctypes, resource, sys
 if sys.argv[1] == "tuned":
-    from engine.devices.cpu_memory import keep_freed_memory
+    from engine.devices.cpu.memory import keep_freed_memory
     assert keep_freed_memory()
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
@@ -47,7 +47,7 @@ def test_a_freed_buffer_comes_back_without_page_faults():
 
 
 def test_the_cpu_adapter_keeps_freed_memory(monkeypatch):
-    from engine.devices import cpu
+    from engine.devices.cpu import adapter as cpu
 
     calls = []
     monkeypatch.setattr(cpu, "keep_freed_memory", lambda: calls.append(True))
@@ -71,7 +71,7 @@ def advised_for_huge_pages(tensor: torch.Tensor) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's madvise")
 def test_huge_page_memory_is_advised_aligned_and_zero():
-    from engine.devices.cpu_memory import HUGE_PAGE, huge_page_zeros, on_huge_pages
+    from engine.devices.cpu.memory import HUGE_PAGE, huge_page_zeros, on_huge_pages
 
     zeros = huge_page_zeros((3, 1000, 7), torch.bfloat16)
     assert zeros.shape == (3, 1000, 7) and not zeros.any()
@@ -84,8 +84,8 @@ def test_huge_page_memory_is_advised_aligned_and_zero():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's madvise")
 def test_the_kv_cache_and_the_packed_weights_sit_on_huge_page_memory():
-    from engine.devices import cpu_kernels
-    from engine.devices.cpu import CPUAdapter
+    from engine.devices.cpu import kernels as cpu_kernels
+    from engine.devices.cpu.adapter import CPUAdapter
 
     assert advised_for_huge_pages(CPUAdapter().zeros((4096, 3, 64), torch.bfloat16))
     kernel = cpu_kernels.kernel_for(torch.ones(64, 64).bfloat16())

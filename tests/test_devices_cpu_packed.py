@@ -1,10 +1,10 @@
-"""The CPU adapter's prepacked bfloat16 projections (engine/devices/cpu_packed.py)."""
+"""The CPU adapter's prepacked bfloat16 projections (engine/devices/cpu/packed.py)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.devices.cpu_packed import PackedBf16Weight, packing_available
+from engine.devices.cpu.packed import PackedBf16Weight, packing_available
 from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.serving.shard import Shard
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(autouse=True)
 def without_fused_kernels(monkeypatch):
-    """Packing is the path of a CPU without the fused kernels (engine/devices/cpu_kernels), whose
+    """Packing is the path of a CPU without the fused kernels (engine/devices/cpu/kernels), whose
     GEMV otherwise takes the projections first."""
     monkeypatch.setenv("BUCKETSERVE_CPU_KERNELS", "0")
 

@@ -5,7 +5,7 @@ import psutil
 import pytest
 import torch
 
-from engine.devices.cpu import CPUAdapter
+from engine.devices.cpu.adapter import CPUAdapter
 from engine.kv_cache import KVCache
 
 MIB = 2**20

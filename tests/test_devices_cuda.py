@@ -6,7 +6,7 @@ import torch
 
 from engine.buckets.grid import BucketPlan, DecodeBucket
 from engine.devices import get_adapter
-from engine.devices.cuda import CUDAAdapter
+from engine.devices.cuda.adapter import CUDAAdapter
 from engine.devices.graph_inputs import GraphInputError
 from engine.devices.probe import DeviceError
 from tests.fakes import cuda as fake_cuda

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from engine.devices import get_adapter
-from engine.devices.cuda import CUDAAdapter
+from engine.devices.cuda.adapter import CUDAAdapter
 from engine.devices.fp8 import CUDAFp8Weight, HPUFp8Weight
 from engine.layers.fp8 import FP8, Fp8Weight
 from tests.fakes import cuda as fake_cuda

@@ -9,7 +9,7 @@ import torch
 
 from engine.buckets.grid import DecodeBucket, PrefillBucket
 from engine.devices import get_adapter
-from engine.devices.cpu import CPUAdapter
+from engine.devices.cpu.adapter import CPUAdapter
 from engine.devices.graph_inputs import GraphInputError
 from engine.devices.hpu.adapter import HPUAdapter
 from engine.devices.probe import DeviceError

@@ -12,7 +12,7 @@ from transformers import AttentionInterface, AutoConfig
 from transformers.generation import GenerationMixin
 from transformers.models.llama import modeling_llama
 
-from engine.devices.cpu import CPUAdapter
+from engine.devices.cpu.adapter import CPUAdapter
 from engine.devices.hpu import optimum as hpu_optimum
 from engine.distributed import SINGLE
 from engine.models.fallback import ATTENTION_NAME

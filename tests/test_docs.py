@@ -345,7 +345,7 @@ def test_the_dtype_line_shown_is_the_one_the_cpu_adapter_writes(monkeypatch):
     AVX512-BF16 and no AMX (this machine's kind); AMX appears only where torch reports it."""
     import torch
 
-    from engine.devices.cpu import CPUAdapter
+    from engine.devices.cpu.adapter import CPUAdapter
 
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)

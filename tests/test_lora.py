@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.batch import Batch, Request
-from engine.devices.cpu import CPUAdapter
+from engine.devices.cpu.adapter import CPUAdapter
 from engine.errors import InvalidRequestError
 from engine.serving.shard import Shard
 from launcher.generate import run_requests

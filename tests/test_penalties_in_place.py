@@ -12,7 +12,7 @@ from engine.devices.simulate.adapter import SimulatedHPUAdapter
 from engine.runner import first_rows
 from engine.sampling.penalty_counts import PenaltyCounts
 from engine.sampling.sampler import choose, new_sampling_state
-from engine.serving.static_sampling import choose_static
+from engine.sampling.static import choose_static
 
 VOCAB, ROWS = 48, 4
 BASE = torch.randn(ROWS, VOCAB, generator=torch.Generator().manual_seed(5)) * 2

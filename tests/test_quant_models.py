@@ -160,8 +160,8 @@ def test_strict_shapes_refuse_an_unwarmed_decode_in_bfloat16_and_quantized(
 
 
 def test_dtype_auto_picks_the_cpus_bfloat16_and_says_so(tiny_model_dirs, capsys):
-    from engine.devices import cpu_kernels
-    from engine.devices.cpu import CPUAdapter
+    from engine.devices.cpu import kernels as cpu_kernels
+    from engine.devices.cpu.adapter import CPUAdapter
 
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     avx2_product = cpu_kernels.load() is not None and cpu_kernels.load().fma_linear_supported()
@@ -178,8 +178,8 @@ def test_dtype_auto_picks_the_cpus_bfloat16_and_says_so(tiny_model_dirs, capsys)
 def test_dtype_auto_without_native_bfloat16_takes_it_only_with_the_avx2_product(monkeypatch):
     """Without AVX512-BF16 and AMX, bfloat16 is faster than float32 only through fma_linear: with
     the kernels turned off (or not built, or a compiled graph mode) torch emulates it."""
-    from engine.devices import cpu_kernels
-    from engine.devices.cpu import CPUAdapter
+    from engine.devices.cpu import kernels as cpu_kernels
+    from engine.devices.cpu.adapter import CPUAdapter
 
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)

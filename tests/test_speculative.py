@@ -1,10 +1,10 @@
-"""Speculative decoding (engine/spec/): n-gram proposals verified in warmed verify buckets give the
+"""Speculative decoding (engine/speculative/): n-gram proposals verified in warmed verify buckets give the
 tokens plain decoding gives, greedy and seeded alike, and every emitted token exactly once."""
 
 import pytest
 
 from engine.batch import Batch, NextTokenChooserParameters
-from engine.spec.ngram import NgramIndex
+from engine.speculative.ngram import NgramIndex
 from tests.helpers import build_request, shard_fixture
 
 NEW = 40  # crosses block boundaries (blocks of 16)
@@ -253,7 +253,7 @@ def dataclasses_replace(params, **changes):
 
 
 def test_adaptive_k_follows_the_measured_acceptance():
-    from engine.spec.step import Speculator
+    from engine.speculative.step import Speculator
 
     speculator = Speculator("ngram", 8, 4)
     assert speculator.allowed_tokens() == 8  # nothing measured yet: all of K

@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (engine/spec/draft.py): greedy output is plain
+"""Speculative decoding with a draft model (engine/speculative/draft.py): greedy output is plain
 decoding's token for token, sampled output keeps the target's distribution (the rejection rule),
 and a draft that cannot serve the target is refused at start with one error line."""
 
@@ -11,7 +11,7 @@ import torch
 from engine.batch import Batch, NextTokenChooserParameters
 from engine.kv_cache import slots_for
 from engine.runner import PrefillInput
-from engine.spec.draft import fed_at
+from engine.speculative.draft import fed_at
 from tests.helpers import build_request, shard_fixture, tiny_shard
 from tests.models import build_tiny_model
 from tests.test_equivalence import PROMPTS
@@ -274,7 +274,7 @@ def test_sampled_tokens_keep_the_targets_distribution(plain, drafting, monkeypat
     and rejected, and a rejection must draw from the residual max(0, p - q) to keep p."""
     from collections import Counter
 
-    import engine.spec.draft as draft_module
+    import engine.speculative.draft as draft_module
 
     shard = drafting("small")
     words = [plain.tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in WORDS]

@@ -1,4 +1,4 @@
-"""Speculative decoding with EAGLE-3 heads (engine/spec/eagle3.py): greedy and seeded output is plain
+"""Speculative decoding with EAGLE-3 heads (engine/speculative/eagle3.py): greedy and seeded output is plain
 decoding's token for token on three architectures, a head that agrees with its target has its
 proposals accepted, and a head that cannot serve the target is one error line at start."""
 

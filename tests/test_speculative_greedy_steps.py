@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from engine.devices.cpu_kernels import FusedDecoder, ScreenedHead, load
-from engine.spec.draft import DraftModel, DraftRunner
-from engine.spec.ngram import NgramIndex
+from engine.devices.cpu.kernels import FusedDecoder, ScreenedHead, load
+from engine.speculative.draft import DraftModel, DraftRunner
+from engine.speculative.ngram import NgramIndex
 from tests.helpers import build_request, tiny_shard
 from tests.test_speculative import run
 from tests.test_speculative_draft import SEEDED

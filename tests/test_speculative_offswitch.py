@@ -1,12 +1,12 @@
-"""The speculation off-switch (engine/spec/step.py's Speculator.tokens_for): while the measured
+"""The speculation off-switch (engine/speculative/step.py's Speculator.tokens_for): while the measured
 acceptance does not pay for a verify step the batch decodes plainly, and speculation comes back
 when proposals would be accepted again; greedy output stays plain decoding's throughout."""
 
 import pytest
 
-import engine.spec.ngram as ngram
-from engine.spec.buckets import PROBE_INTERVAL, VERIFY_COST, verify_cost
-from engine.spec.step import Speculator
+import engine.speculative.ngram as ngram
+from engine.speculative.buckets import PROBE_INTERVAL, VERIFY_COST, verify_cost
+from engine.speculative.step import Speculator
 from tests.helpers import build_request, shard_fixture
 from tests.test_speculative import run
 

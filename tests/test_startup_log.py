@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from engine.devices.cpu import CPUAdapter
+from engine.devices.cpu.adapter import CPUAdapter
 from engine.warmup.warm import PhaseLog
 from launcher.logs import Console
 from launcher.router_process import RouterProcess

@@ -1,6 +1,6 @@
 """The static sampler's logit bias is a sparse [rows, MAX_LOGIT_BIAS] pair of ids and values added
 on the device, and the watermark a [rows, vocab] bool green mask
-(engine/serving/static_sampling.py): the scores equal the dense host path's (choose()), the
+(engine/sampling/static.py): the scores equal the dense host path's (choose()), the
 inputs' shapes never depend on the request, so under `--simulate hpu` biases of any size compile
 nothing after warmup, and more entries than the cap are refused on both sides of the wire."""
 
@@ -14,7 +14,7 @@ from engine.devices.simulate.adapter import SimulatedHPUAdapter
 from engine.errors import InvalidRequestError
 from engine.runner import first_rows
 from engine.sampling.sampler import choose, new_sampling_state
-from engine.serving.static_sampling import LOGIT_BIAS_WIDTH, choose_static, host_inputs
+from engine.sampling.static import LOGIT_BIAS_WIDTH, choose_static, host_inputs
 from engine.wire.contract import MAX_LOGIT_BIAS
 from router.http.validation import Parameters, ValidationError, check_sampling
 

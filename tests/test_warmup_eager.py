@@ -4,7 +4,7 @@ shard is ready in seconds, and strict mode still refuses any shape the plan does
 import pytest
 
 from engine.batch import Batch, Request, StoppingCriteriaParameters
-from engine.devices.cpu import CPUAdapter
+from engine.devices.cpu.adapter import CPUAdapter
 from engine.errors import UnwarmedShapeError
 from engine.kv_cache import ShardBlockPool
 from engine.serving.shard import Shard

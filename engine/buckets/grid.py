@@ -63,7 +63,7 @@ class DecodeBucket:
 
 @dataclass(frozen=True)
 class VerifyBucket:
-    """Speculative decoding's verify step (engine/spec/): `width` query tokens per row (a row's
+    """Speculative decoding's verify step (engine/speculative/): `width` query tokens per row (a row's
     latest token and its proposals, padded) over at most `context_blocks` cached KV blocks a row."""
 
     batch_size: int
@@ -157,7 +157,7 @@ class BucketPlan:
     # splitting minimise time instead of padded tokens: on a real device a bigger bucket can be as
     # fast as a smaller one (memory-bound decode), which token counts cannot see.
     latency: Mapping | None = field(default=None, compare=False, repr=False)
-    # Speculative decoding's verify buckets (engine/spec/buckets.py); none without --speculate.
+    # Speculative decoding's verify buckets (engine/speculative/buckets.py); none without --speculate.
     verify: tuple[VerifyBucket, ...] = ()
     # A vision-language model's tower shapes (engine/buckets/images.py); none for a text model.
     # Warmed with the rest, but not among `buckets`: the tower runs them, not the runner.

@@ -12,10 +12,10 @@ if TYPE_CHECKING:  # torch is imported with the adapter, not by the launcher's d
     from engine.devices.base import DeviceAdapter
 
 _ADAPTERS = {
-    "cpu": ("engine.devices.cpu", "CPUAdapter"),
-    "cuda": ("engine.devices.cuda", "CUDAAdapter"),
+    "cpu": ("engine.devices.cpu.adapter", "CPUAdapter"),
+    "cuda": ("engine.devices.cuda.adapter", "CUDAAdapter"),
     "hpu": ("engine.devices.hpu.adapter", "HPUAdapter"),
-    "xpu": ("engine.devices.xpu", "XPUAdapter"),
+    "xpu": ("engine.devices.xpu.adapter", "XPUAdapter"),
 }
 
 

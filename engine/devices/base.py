@@ -151,7 +151,7 @@ class DeviceAdapter(ABC):
 
     def prepare_model(self, model, dtype: torch.dtype) -> None:
         """Put a loaded model's weights in the form this device multiplies fastest (CPU: packed
-        bfloat16, engine/devices/cpu_packed.py). Elsewhere they stay as loaded."""
+        bfloat16, engine/devices/cpu/packed.py). Elsewhere they stay as loaded."""
 
     def prepare_draft(self, model, dtype: torch.dtype) -> None:
         """prepare_model for a draft model, whose kernels may trade exactness for speed: the

@@ -26,7 +26,7 @@ def mark_step(adapter) -> None:
 def merge_rows(adapter, parts: list, count: int, rows: int) -> torch.Tensor:
     """[count, vocab]: row i is the row of `parts` [(bucket output, [destination of each of its
     real rows])] that goes to i. A view of a buffer whose first `rows` rows are at hand as
-    `bucket_output` (engine/serving/static_sampling.py reads them)."""
+    `bucket_output` (engine/sampling/static.py reads them)."""
     first = parts[0][0]
     buffer = adapter.zeros((rows + 1, first.shape[1]), first.dtype)
     mark_step(adapter)  # the buffer's fill is a graph of its own, keyed by its shape alone

@@ -6,7 +6,7 @@ class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 as the reference implementation does.
 
     `fused`: a device kernel with the same result, fn(x, weight, eps), set by the device adapter
-    (the CPU one's engine.devices.cpu_kernels); None runs the torch ops below."""
+    (the CPU one's engine.devices.cpu.kernels); None runs the torch ops below."""
 
     fused = None
 

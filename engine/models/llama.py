@@ -40,7 +40,7 @@ class LayerContext(NamedTuple):
 
 class LlamaAttention(nn.Module):
     # A device kernel with apply_rotary's contract, fn(q, k, cos, sin), set by the device adapter
-    # (the CPU one's engine.devices.cpu_kernels); None runs apply_rotary.
+    # (the CPU one's engine.devices.cpu.kernels); None runs apply_rotary.
     fused_rotary = None
 
     def __init__(self, config: ModelConfig, parallel: Parallel, layer: int = 0):
@@ -88,7 +88,7 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     # A device kernel fn(gate_up) = act(gate) * up, set by the device adapter for SiLU MLPs (the
-    # CPU one's engine.devices.cpu_kernels); None runs the torch ops.
+    # CPU one's engine.devices.cpu.kernels); None runs the torch ops.
     fused_act_and_mul = None
 
     def __init__(
@@ -138,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
     }
     decoder_layer = LlamaDecoderLayer
     stage = None  # engine.pipeline.stage.PipelineStage when this model is one stage of a pipeline
-    # EAGLE-3 (engine/spec/eagle3.py): the layers (distinct, ascending) whose input, the residual
+    # EAGLE-3 (engine/speculative/eagle3.py): the layers (distinct, ascending) whose input, the residual
     # stream entering them (vLLM's `hidden_states + residual`), every forward stores concatenated
     # in `aux_cache` at the tokens' KV slots: one in-graph write at the bucket's shape, as the KV
     # cache's own.
@@ -146,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
     aux_cache: torch.Tensor | None = None  # [KV slots, len(aux_layers) * hidden]
     # A device kernel that runs every layer of a forward at once, fn(hidden, rope, meta) -> hidden,
     # or None where it does not take that forward; set by the device adapter where plain_decoder()
-    # holds (the CPU one's engine.devices.cpu_kernels.FusedDecoder). None runs the layers one by one.
+    # holds (the CPU one's engine.devices.cpu.kernels.FusedDecoder). None runs the layers one by one.
     fused_decode = None
     # Likewise fn(hidden, logits_indices) -> the float32 logits of final_logits (norm and LM head)
     # in one call, or None where it does not take them.

@@ -26,7 +26,7 @@ class Sequence:
     cache_len: int = 0  # prompt tokens whose KV the router said was cached (not computed)
     computed: int = 0  # tokens whose KV is in the cache
     prefill_end: int = 0  # tokens its prefill computes (prompt, and a resumed request's tokens)
-    speculation: object = None  # the proposer's state for this sequence (engine/spec/)
+    speculation: object = None  # the proposer's state for this sequence (engine/speculative/)
     image_features: object = None  # a VLM prompt's [image tokens, hidden] (engine/vision/)
     image_spans: list = field(default_factory=list)  # each image's [first, last) positions
     keyed_prompt: list | None = None  # its prompt's ids, image tokens keyed (engine/vision/keys.py)

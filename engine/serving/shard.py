@@ -23,11 +23,11 @@ from engine.kv_cache import BlockContents, ShardBlockPool
 from engine.pipeline.grid import join_grid
 from engine.pipeline.turns import StepTurns
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
+from engine.sampling.static import warm_sampler
 from engine.serving.checks import check_decode, check_grown, check_prefill
 from engine.serving.lookahead import Ahead
 from engine.serving.recompute import check_recompute_fits, recompute_position
 from engine.serving.sequence import Sequence
-from engine.serving.static_sampling import warm_sampler
 from engine.serving.steps import (
     StepContext,
     admit_requests,
@@ -35,8 +35,8 @@ from engine.serving.steps import (
     look_ahead_step,
     prefill_step,
 )
-from engine.spec.buckets import warm_verify_gathers
-from engine.spec.step import NO_SPECULATION
+from engine.speculative.buckets import warm_verify_gathers
+from engine.speculative.step import NO_SPECULATION
 from engine.warmup.progressive import DeviceLock
 from engine.warmup.run import ShardModel, start_up
 from engine.warmup.warm import report
@@ -82,7 +82,9 @@ class Shard:
         self._join_group(config, rank, world_size)
         self._load_model(config)
         self._init_serving_state()
-        self.speculator = self._speculator(self.config)  # --speculate (engine/spec/); None: off
+        self.speculator = self._speculator(
+            self.config
+        )  # --speculate (engine/speculative/); None: off
 
     def _join_group(self, config: EngineConfig, rank: int, world_size: int) -> None:
         """The whole group (host values agree across it), and this rank's tensor-parallel group
@@ -170,16 +172,16 @@ class Shard:
                 f"--speculate does not combine with {self.model_config.architecture}'s multimodal "
                 "rope yet (verify and draft steps carry no 3-row positions)"
             )
-        from engine.spec.buckets import SPECULATE_MAX_BATCH
-        from engine.spec.step import Speculator
+        from engine.speculative.buckets import SPECULATE_MAX_BATCH
+        from engine.speculative.step import Speculator
 
         draft = None
         if config.speculate == "draft":
-            from engine.spec.draft import load_draft
+            from engine.speculative.draft import load_draft
 
             draft = load_draft(config, self.model_config, self.tokenizer, self.adapter, self.dtype)
         elif config.speculate == "eagle3":
-            from engine.spec.eagle3 import load_eagle3
+            from engine.speculative.eagle3 import load_eagle3
 
             draft = load_eagle3(config, self.model, self.model_config, self.adapter, self.dtype)
         elif config.draft_model:
@@ -698,7 +700,7 @@ NO_IMAGES = {"images_encoded": 0, "encoder_ns": 0, "image_cache_hits": 0}  # a t
 def bucket_counts(bucket, forwards: int, real: int, padded: int) -> list:
     """One bucket's use, compact: ["prefill", batch, seq_len, context_blocks, forwards, real tokens,
     padded tokens] or ["decode", batch, num_blocks, forwards, real rows, padded rows]; a verify bucket
-    (engine/spec/) as ["verify", batch, width, context_blocks, forwards, real rows, padded rows]."""
+    (engine/speculative/) as ["verify", batch, width, context_blocks, forwards, real rows, padded rows]."""
     if isinstance(bucket, VerifyBucket):
         return [
             "verify",

@@ -25,6 +25,7 @@ from engine.sampling.sampler import (
     new_sampling_state,
     validate_parameters,
 )
+from engine.sampling.static import choose_next
 from engine.serving import siblings
 from engine.serving.chunks import check_chunking, chunk_cap, plan_chunks
 from engine.serving.detokenize import decode_next
@@ -32,8 +33,7 @@ from engine.serving.lookahead import Ahead, logits_using, run_ahead
 from engine.serving.prefix import check_cache_len, check_prefix
 from engine.serving.resume import check_resumed, replay
 from engine.serving.sequence import Sequence
-from engine.serving.static_sampling import choose_next
-from engine.spec.step import speculative_step
+from engine.speculative.step import speculative_step
 
 
 @dataclass(kw_only=True)
@@ -59,7 +59,7 @@ class StepContext:
     chunk_stats: dict | None = (
         None  # "chunked_prompts", "prefill_chunks": counted for the router's metrics
     )
-    speculator: object = None  # engine.spec.step.Speculator with --speculate; None: off
+    speculator: object = None  # engine.speculative.step.Speculator with --speculate; None: off
     vision: object = None  # a vision-language model's ImageEncoder (engine/vision/encoder.py)
 
 
@@ -365,7 +365,7 @@ def decode_step(
             _advance,
             record_contents,
         )
-        if speculated is not None:  # None: this step decodes plainly (engine/spec/step.py)
+        if speculated is not None:  # None: this step decodes plainly (engine/speculative/step.py)
             return generations + speculated
     # Phi-3 recomputes at its rope switch (decode_logits, under logits_using).
     logits = logits_using(ahead, ctx.runner, sequences, _decode_inputs(ctx, sequences))
@@ -431,7 +431,7 @@ def _advance(
 ) -> list[Generation]:
     """Choose and append the next token of every sequence (from logits[rows[i]]: rows None, the
     first ones); generations for this rank's requests. `choice`: tokens already chosen
-    (speculative decoding's rejection rule, engine/spec/step.py)."""
+    (speculative decoding's rejection rule, engine/speculative/step.py)."""
     choice = choice or choose_next(
         ctx.runner,
         logits,

@@ -178,7 +178,7 @@ def plan_for(
     `graphless` (a device that compiles nothing) adds a decode bucket for every batch size.
     `images`: a vision tower's ImageLimits, whose image buckets the plan then holds too."""
     from engine.buckets.plan import image_plan, make_plan, with_every_decode_batch
-    from engine.spec.buckets import graph_budget_left, verify_buckets, with_verify
+    from engine.speculative.buckets import graph_budget_left, verify_buckets, with_verify
 
     if config.warmup_profile:
         from engine.warmup.profile import plan_from_profile

@@ -16,7 +16,7 @@ from engine.errors import CapacityError, InvalidRequestError, UnwarmedShapeError
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 # OpenAI's cap on `logit_bias` entries per request; graph devices apply the bias as a
-# [rows, MAX_LOGIT_BIAS] sparse input (engine/serving/static_sampling.py), so it is a hard limit:
+# [rows, MAX_LOGIT_BIAS] sparse input (engine/sampling/static.py), so it is a hard limit:
 # the router answers more with HTTP 422, the shard with INVALID_ARGUMENT.
 MAX_LOGIT_BIAS = 300
 

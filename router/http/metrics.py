@@ -114,7 +114,7 @@ SPECULATION_COUNTERS = (
 
 
 def speculation_metrics(stats: dict):
-    """--speculate's counters and ratios (engine/spec/step.py); nothing from a shard without it."""
+    """--speculate's counters and ratios (engine/speculative/step.py); nothing from a shard without it."""
     if not stats.get("spec_k"):
         return
     for name, text in SPECULATION_COUNTERS:

@@ -19,7 +19,7 @@ import os
 import torch
 
 from engine.devices.base import DeviceAdapter, kind_of
-from engine.devices.cpu import compile_static
+from engine.devices.cpu.adapter import compile_static
 from engine.devices.graph_inputs import check_tensor_inputs
 from engine.devices.hpu import attention as hpu_attention
 from engine.devices.hpu.env import apply_environment, check_bridge_mode

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.devices.base import kind_of
-from engine.devices.cpu import CPUAdapter
+from engine.devices.cpu.adapter import CPUAdapter
 from engine.devices.graph_inputs import check_tensor_inputs
 from engine.devices.hpu.adapter import HPUAdapter
 from engine.devices.simulate.lazy import LazyGraphs, on_device

@@ -40,9 +40,9 @@ from engine.sampling.sampler import (
     is_sampling,
     process_scores,
 )
-from engine.spec.buckets import PROBE_INTERVAL, verify_cost
-from engine.spec.draft import draw, host_copy
-from engine.spec.ngram import NgramIndex
+from engine.speculative.buckets import PROBE_INTERVAL, verify_cost
+from engine.speculative.draft import draw, host_copy
+from engine.speculative.ngram import NgramIndex
 
 COUNTERS = ("spec_steps", "spec_proposed", "spec_accepted", "spec_emitted")
 # What a shard that does not speculate reports: the wire carries every field, zeros included.
@@ -55,7 +55,7 @@ NO_SPECULATION = {
 # Adaptive K: the proposals a row may make follow the recent acceptance (an exponential average
 # over verify steps). Speculation is off on batches above SPECULATE_MAX_BATCH, and on smaller ones
 # while the accepted tokens per row do not pay for a verify step (VERIFY_COST, PROBE_INTERVAL:
-# engine/spec/buckets.py, measured on the 2-core CPU).
+# engine/speculative/buckets.py, measured on the 2-core CPU).
 SMOOTHING = 0.3
 
 
@@ -67,7 +67,7 @@ class Speculator:
     num_tokens: int  # K: the most tokens proposed per row and step
     max_batch: int  # larger decode batches do not speculate
     stats: dict = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
-    draft: object = None  # engine.spec.draft.DraftModel with --speculate draft
+    draft: object = None  # engine.speculative.draft.DraftModel with --speculate draft
     adaptive: bool = True
     recent_rate: float | None = None  # accepted / proposed, averaged over recent verify steps
     recent_length: float = 0.0  # accepted tokens per batch row and step, likewise
@@ -313,7 +313,7 @@ def _accept(ctx, sequences, proposals, dists, logits, advance) -> list[Generatio
 def _at_position(runner, logits, indices: list[int], position: int) -> torch.Tensor:
     """The verify logits of rows `indices` at `position`. Where graphs compile, a gather from the
     verify bucket's whole output into the sampler's padded rows: its own warmed graph
-    (engine/spec/buckets.py's warm_verify_gathers), so the sampler meets its warmed shape."""
+    (engine/speculative/buckets.py's warm_verify_gathers), so the sampler meets its warmed shape."""
     if not runner.adapter.warm_runs_forward:
         if indices == list(range(logits.shape[0])):  # every row: a view, no gather
             return logits[:, position]

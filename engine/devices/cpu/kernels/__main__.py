@@ -1,4 +1,4 @@
-"""`python -m engine.devices.cpu_kernels`: build the fused CPU kernels now (the README's set-up
+"""`python -m engine.devices.cpu.kernels`: build the fused CPU kernels now (the README's set-up
 runs it), so that no bfloat16 start spends a minute compiling. Exits 0 without a compiler too: the
 pure-torch path then serves, as it would at start."""
 
@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 
-from engine.devices import cpu_kernels
+from engine.devices.cpu import kernels as cpu_kernels
 
 
 def main() -> int:

@@ -19,7 +19,7 @@ same call, a forward feeding besides its token what prompt lookup guesses follow
 tested against the pure-torch path, which stays the reference, the fallback where the build fails
 (no compiler), and the path of every graph device.
 
-The README's set-up (`make`, or `python -m engine.devices.cpu_kernels`) builds them once, about a
+The README's set-up (`make`, or `python -m engine.devices.cpu.kernels`) builds them once, about a
 minute on two cores, into bucketserve's cache dir, keyed by the source, the compiler flags,
 torch's version and the CPU; a start then imports the built library and never runs the compiler. A start that
 finds none builds it then (a cache dir cleared since set-up). Each build compiles in a directory of
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from engine.devices.cpu_memory import on_huge_pages
+from engine.devices.cpu.memory import on_huge_pages
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import shutil
 import torch
 
 from engine.devices.base import DeviceAdapter, kind_of
-from engine.devices.cpu import compile_static
-from engine.devices.cuda_graphs import GraphSet
+from engine.devices.cpu.adapter import compile_static
+from engine.devices.cuda.graphs import GraphSet
 from engine.devices.probe import VISIBILITY_VARS, DeviceError, require
 
 GRAPHED_KINDS = ("decode",)

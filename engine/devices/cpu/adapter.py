@@ -4,7 +4,7 @@ import psutil
 import torch
 
 from engine.devices.base import DeviceAdapter
-from engine.devices.cpu_memory import huge_page_zeros, keep_freed_memory
+from engine.devices.cpu.memory import huge_page_zeros, keep_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
 
     def _has_avx2_bf16_product(self) -> bool:
         """Whether eager bfloat16 gets fma_linear: kernels built (not turned off) with AVX2 and FMA."""
-        import engine.devices.cpu_kernels as cpu_kernels
+        import engine.devices.cpu.kernels as cpu_kernels
 
         if getattr(self, "graph_mode", "eager") != "eager":  # inductor's graphs: torch's product
             return False
@@ -74,7 +74,7 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
         return kernels is not None and kernels.fma_linear_supported()
 
     def prepare_model(self, model, dtype: torch.dtype) -> None:
-        """Eager bfloat16: the fused C++ kernels (engine.devices.cpu_kernels) for decode attention,
+        """Eager bfloat16: the fused C++ kernels (engine.devices.cpu.kernels) for decode attention,
         the norms, rope, SiLU and the projections (AMX tiles where the CPU runs them, else AVX512-BF16
         dot products, else AVX2 FMA; what none takes, or all without the kernels, prepacked for
         oneDNN where it packs bfloat16). Compile mode
@@ -91,8 +91,8 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
         self._prepare(model, dtype, draft=True)
 
     def _prepare(self, model, dtype: torch.dtype, draft: bool) -> None:
-        import engine.devices.cpu_kernels as cpu_kernels
-        from engine.devices.cpu_packed import pack_linear_weights, packing_available
+        import engine.devices.cpu.kernels as cpu_kernels
+        from engine.devices.cpu.packed import pack_linear_weights, packing_available
 
         if self.graph_mode != "eager":
             return
@@ -124,7 +124,7 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
     def _prepare_float32_draft(self, model) -> None:
         """A float32 draft's int4 and int8 weights through the packed kernels (prepare_draft);
         its float32 ones stay on torch."""
-        import engine.devices.cpu_kernels as cpu_kernels
+        import engine.devices.cpu.kernels as cpu_kernels
 
         if cpu_kernels.load() is None:
             return
@@ -141,7 +141,7 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
         return memory.available, memory.total
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Zeros in fresh anonymous memory (engine.devices.cpu_memory.huge_page_zeros): the 3 GiB
+        """Zeros in fresh anonymous memory (engine.devices.cpu.memory.huge_page_zeros): the 3 GiB
         KV cache costs nothing until blocks are used, where torch.zeros writes every byte at
         start-up (about 5 s on this machine when it is quiet, 15 s under load), and its blocks
         sit on huge pages where the kernel allows them."""

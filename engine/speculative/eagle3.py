@@ -49,8 +49,13 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelConfig
 from engine.models.llama import LayerContext, LlamaAttention, LlamaForCausalLM, LlamaMLP
 from engine.runner import DecodeInput, ModelRunner, PrefillInput, _dummy_decode_rows
-from engine.spec.draft import DraftAdapter, fed_at, host_copy, warmed_runner
-from engine.spec.eagle3_checkpoint import AUX_STATES, Eagle3Config, load_weights, parse_config
+from engine.speculative.draft import DraftAdapter, fed_at, host_copy, warmed_runner
+from engine.speculative.eagle3_checkpoint import (
+    AUX_STATES,
+    Eagle3Config,
+    load_weights,
+    parse_config,
+)
 
 
 class Eagle3Layer(nn.Module):

@@ -29,7 +29,7 @@ namespace {
 using BF16 = c10::BFloat16;
 using Product = ProductInto;  // packed.h's *_into forms
 
-// A layer's tensors, in the order engine.devices.cpu_kernels.FusedDecoder lists them.
+// A layer's tensors, in the order engine.devices.cpu.kernels.FusedDecoder lists them.
 // QKV_BIAS may be empty (no bias).
 enum LayerTensor {
   INPUT_NORM,

@@ -548,7 +548,7 @@ def warmed_runner(
     the verify width (K + 1) and `extra_widths` below it, and with `context` prefill buckets after
     cached context; every bucket warmed. Returns it and its longest plain prefill."""
     from engine.buckets.plan import make_plan, with_context, with_every_decode_batch
-    from engine.spec.buckets import SPECULATE_MAX_BATCH, verify_buckets, with_verify
+    from engine.speculative.buckets import SPECULATE_MAX_BATCH, verify_buckets, with_verify
 
     limits, num_blocks, block_size, num_tokens, graphless = sizes
     config = model.config

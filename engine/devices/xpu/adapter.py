@@ -12,7 +12,7 @@ import logging
 import torch
 
 from engine.devices.base import DeviceAdapter
-from engine.devices.cpu import CompiledGraphs
+from engine.devices.cpu.adapter import CompiledGraphs
 from engine.devices.probe import DeviceError, require
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """An EAGLE-3 checkpoint: its config.json checked against the target, and its weights read into
-the head (engine/spec/eagle3.py), in vLLM's names and layout (vllm/model_executor/models/
+the head (engine/speculative/eagle3.py), in vLLM's names and layout (vllm/model_executor/models/
 llama_eagle3.py at commit 00bd1493b3e82d6c13c68ee8a0e1c5a96707e190): `midlayer.*` or `layers.0.*`,
 `fc`, `norm`, `lm_head` over the draft vocabulary, `d2t`, optionally `embed_tokens`."""
 

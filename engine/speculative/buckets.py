@@ -73,7 +73,7 @@ def graph_budget_left(max_graphs: int | None, verify: list[VerifyBucket]) -> int
 
 def warm_verify_gathers(runner, vocab_size: int) -> None:
     """Where graphs compile: every gather of one verified position's rows from a verify bucket's
-    output ([batch * width, vocab]) into each sampler row count (engine/spec/step.py)."""
+    output ([batch * width, vocab]) into each sampler row count (engine/speculative/step.py)."""
     if runner is None or not runner.adapter.warm_runs_forward or not runner.plan.verify:
         return
     import torch

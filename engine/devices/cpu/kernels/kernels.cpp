@@ -752,7 +752,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "norm, LM head and argmax, in one call");
   m.attr("GUESS_ROWS") = bucketserve::GUESS_ROWS;
   m.def("prompt_lookup", &bucketserve::prompt_lookup, free,
-        "for the tests: greedy_steps' guesses (engine.spec.ngram.NgramIndex.propose's rule)");
+        "for the tests: greedy_steps' guesses (engine.speculative.ngram.NgramIndex.propose's rule)");
   m.def("first_argmax", &bucketserve::first_argmax, free,
         "for the tests: greedy_steps' argmax of bfloat16 logits (torch.argmax's rule)");
   m.def("crew_members", &bucketserve::crew_members, free,

@@ -23,7 +23,7 @@ constexpr int64_t GUESS_ROWS = 3;
 constexpr int64_t GUESS_SUFFIX = 3;
 
 // Prompt lookup over `known`: up to `count` tokens that followed the latest earlier occurrence of
-// its last GUESS_SUFFIX tokens (engine.spec.ngram.NgramIndex.propose's rule where it matches
+// its last GUESS_SUFFIX tokens (engine.speculative.ngram.NgramIndex.propose's rule where it matches
 // that many), else none.
 std::vector<int64_t> prompt_lookup(const std::vector<int64_t>& known, int64_t count);
 

@@ -1,0 +1,1 @@
+"""CUDA and ROCm: the adapter (`adapter.py`) and its CUDA-graph capture and replay (`graphs.py`)."""

@@ -1,0 +1,1 @@
+"""Intel XPU (Data Center GPU Max, Arc): the adapter (`adapter.py`)."""
