@@ -100,6 +100,27 @@ def test_readme_is_a_short_front_door():
     assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines; move detail to docs/"
 
 
+LAYOUT_ROW = re.compile(r"^\| `((?:engine|router|launcher)/[\w/]*)` \|", re.MULTILINE)
+
+
+def package_folders() -> set[str]:
+    top = ("engine", "router", "launcher")
+    return {
+        f"{init.parent.relative_to(REPO).as_posix()}/"
+        for t in top
+        for init in (REPO / t).rglob("__init__.py")
+    }
+
+
+def test_the_layout_table_lists_every_package_folder_and_no_other():
+    """docs/architecture.md's table is the one description of the layout, so it cannot go stale."""
+    rows = LAYOUT_ROW.findall((DOCS / "architecture.md").read_text())
+    assert len(rows) == len(set(rows)), "a folder has two rows"
+    assert set(rows) == package_folders(), (
+        f"missing: {sorted(package_folders() - set(rows))}; not folders: {sorted(set(rows) - package_folders())}"
+    )
+
+
 def test_every_docs_page_is_linked_from_the_readme():
     linked = {(README.parent / t.partition("#")[0]).resolve() for t in relative_links(README)}
     docs = set(DOCS.glob("*.md"))

@@ -12,8 +12,8 @@ from engine.devices.simulate.adapter import SimulatedHPUAdapter, simulated_adapt
 from engine.devices.simulate.lazy import Float64Error, LazyGraphs, on_device
 from engine.errors import UnwarmedShapeError
 from engine.runner import first_rows
+from engine.sampling import static as static_sampling
 from engine.sampling.sampler import choose, new_sampling_state
-from engine.serving import static_sampling
 
 VOCAB = 32
 

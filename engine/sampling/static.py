@@ -42,7 +42,6 @@ from engine.sampling.sampler import (
     _top_tokens,
     choose,
 )
-from engine.serving.siblings import warm_prompt_copy
 from engine.wire.contract import MAX_LOGIT_BIAS
 
 TOP_N_WIDTH = 16  # the router allows top_n <= 5; the rest holds the ties of the n-th
@@ -292,4 +291,3 @@ def warm_sampler(runner, vocab_size: int) -> None:
         mark_step(adapter)
     outputs = {bucket.batch_size for bucket in plan.prefill + plan.decode}
     warm_merges(adapter, sizes, outputs, vocab_size)  # rows of several buckets, or some rows
-    warm_prompt_copy(runner)  # `n` siblings' prompt KV

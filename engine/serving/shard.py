@@ -23,11 +23,12 @@ from engine.kv_cache import BlockContents, ShardBlockPool
 from engine.pipeline.grid import join_grid
 from engine.pipeline.turns import StepTurns
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
-from engine.sampling.static import warm_sampler
+from engine.sampling.static import uses_static_sampling, warm_sampler
 from engine.serving.checks import check_decode, check_grown, check_prefill
 from engine.serving.lookahead import Ahead
 from engine.serving.recompute import check_recompute_fits, recompute_position
 from engine.serving.sequence import Sequence
+from engine.serving.siblings import warm_prompt_copy
 from engine.serving.steps import (
     StepContext,
     admit_requests,
@@ -331,6 +332,8 @@ class Shard:
             self._first_forward()
         with self.device_lock, self.adapter.device_scope():
             warm_sampler(self.runner, self.model_config.vocab_size)
+            if uses_static_sampling(self.runner):
+                warm_prompt_copy(self.runner)  # `n` siblings' prompt KV
             warm_verify_gathers(self.runner, self.model_config.vocab_size)
 
     def _reset_stats(self) -> None:
