@@ -148,6 +148,15 @@ def speculative_tokens(text: str) -> int:
 
 
 QUANTIZE_MODES = ("none", "int8", "int4", "fp8")
+DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
+DTYPE_CHOICES = ("auto", *DTYPES)
 
 
 @dataclass(frozen=True)
@@ -244,6 +253,7 @@ class EngineConfig(SharedKnobs):
         "auto",
         "auto (default: cpu: bfloat16 where it has AVX512-BF16 or AMX, else "
         "float32; accelerators: their default), float32, bfloat16 or float16",
+        choices=DTYPE_CHOICES,
     )
     quantize: str = knob(
         "none",
@@ -347,16 +357,6 @@ class EngineConfig(SharedKnobs):
     @property
     def resolved_cache_dir(self) -> Path:
         return self.cache_dir or default_cache_dir()
-
-
-DTYPES = {
-    "float32": "float32",
-    "fp32": "float32",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float16": "float16",
-    "fp16": "float16",
-}
 
 
 def torch_dtype(name: str | None, default):

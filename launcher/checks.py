@@ -16,6 +16,22 @@ class ConfigError(Exception):
     """The launch cannot work as configured; nothing has been started."""
 
 
+# torch's weight-only products have kernels on these devices only (native_functions.yaml:
+# _weight_int8pack_mm on CPU, CUDA, MPS and XPU; _weight_int4pack_mm_for_cpu on CPU)
+QUANTIZE_DEVICES = {"int8": ("cpu", "cuda", "xpu"), "int4": ("cpu",)}
+
+
+def check_placement(quantize: str, device: str, stages: int) -> None:
+    """A quantization that no shard of this launch could serve, refused before any starts."""
+    devices = QUANTIZE_DEVICES.get(quantize)
+    if devices is not None and device not in devices:
+        raise ConfigError(
+            f"--quantize {quantize} runs on {', '.join(devices)} only, not on --device {device}"
+        )
+    if quantize != "none" and stages > 1:
+        raise ConfigError(f"--quantize {quantize} does not combine with --pipeline-parallel-size")
+
+
 def split_problem(heads: int, kv_heads: int, num_shard: int) -> str | None:
     """Why the attention heads cannot be split num_shard ways, or None when they can.
 

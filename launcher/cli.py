@@ -18,6 +18,7 @@ from engine.errors import BucketserveError
 from launcher.checks import (
     ConfigError,
     check_limits,
+    check_placement,
     check_port,
     check_socket_base,
     check_split,
@@ -73,6 +74,9 @@ def resolve(config: LauncherConfig, console: Console) -> tuple[LauncherConfig, D
             raise ConfigError(f"--master-port {config.master_port} is also the --port")
         if config.node_rank == 0:  # the other nodes' master is node 0's rank 0
             check_port("--master-port", config.master_port)
+    stages = engine.pipeline_parallel_size
+    if engine.device != "auto":  # a named device's conflicts need no probe
+        check_placement(engine.quantize, engine.device, stages)
     device = resolve_device(
         engine.device,
         config.num_shard,
@@ -80,7 +84,7 @@ def resolve(config: LauncherConfig, console: Console) -> tuple[LauncherConfig, D
         list_adapters,
         warn=lambda message: console.line(f"warning: {message}"),
     )
-    stages = engine.pipeline_parallel_size
+    check_placement(engine.quantize, device.name, stages)
     check_grid(
         config.world_size, stages, lambda tp: check_split(engine.model_id, tp, tp_what(config, tp))
     )

@@ -391,8 +391,36 @@ def busy_port():
             ["--device", "xpu"],
             r"--device xpu is not usable here: this torch \(.+\) is built without XPU support",
         ),
+        (
+            ["--dtype", "bogus"],
+            r"argument --dtype: invalid choice: 'bogus' \(choose from .*'auto'.*\) \(see --help\)",
+        ),
+        (
+            ["--device", "cuda", "--quantize", "int4"],
+            r"--quantize int4 runs on cpu only, not on --device cuda",
+        ),
+        (
+            ["--device", "hpu", "--quantize", "int8"],
+            r"--quantize int8 runs on cpu, cuda, xpu only, not on --device hpu",
+        ),
+        (
+            ["--pipeline-parallel-size", "2", "--quantize", "int8"],
+            r"--quantize int8 does not combine with --pipeline-parallel-size",
+        ),
     ],
-    ids=["heads", "port", "master-port", "unknown-device", "cuda", "hpu", "xpu"],
+    ids=[
+        "heads",
+        "port",
+        "master-port",
+        "unknown-device",
+        "cuda",
+        "hpu",
+        "xpu",
+        "dtype",
+        "int4-on-cuda",
+        "int8-on-hpu",
+        "quantized-stages",
+    ],
 )
 def test_bad_launches_are_refused_in_one_line_before_any_shard(
     tiny_model_dirs, busy_port, flags, message
