@@ -7,6 +7,7 @@ and nowhere else.
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field
@@ -134,7 +135,6 @@ MAX_SPECULATIVE_TOKENS = 16
 
 def speculative_tokens(text: str) -> int:
     """--num-speculative-tokens: 1..16 proposed tokens per row and step (each is a verify width)."""
-    import argparse  # the flag's own error, in every parser that reads it
 
     try:
         value = int(text)
@@ -156,7 +156,15 @@ DTYPES = {
     "float16": "float16",
     "fp16": "float16",
 }
-DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def dtype_name(text: str) -> str:
+    """--dtype's value, checked where the flag is parsed: a bad one is one line at launch."""
+    if text != "auto" and text not in DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"unknown dtype {text!r} (choose from auto, float32, bfloat16, float16)"
+        )
+    return text
 
 
 @dataclass(frozen=True)
@@ -253,7 +261,7 @@ class EngineConfig(SharedKnobs):
         "auto",
         "auto (default: cpu: bfloat16 where it has AVX512-BF16 or AMX, else "
         "float32; accelerators: their default), float32, bfloat16 or float16",
-        choices=DTYPE_CHOICES,
+        parse=dtype_name,
     )
     quantize: str = knob(
         "none",
@@ -365,6 +373,7 @@ def torch_dtype(name: str | None, default):
 
     if name is None or name == "auto":
         return default
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r} (choose from auto, float32, bfloat16, float16)")
-    return getattr(torch, DTYPES[name])
+    try:
+        return getattr(torch, DTYPES[dtype_name(name)])
+    except argparse.ArgumentTypeError as error:
+        raise ValueError(str(error)) from None

@@ -64,8 +64,16 @@ def test_prompt_over_the_input_limit_is_a_one_line_error():
     ],
 )
 def test_bad_input_is_a_clear_error(capsys, args, message):
-    assert main(["generate", *args]) == 2
+    assert exit_code(["generate", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def exit_code(args: list[str]) -> int:
+    """The command's exit status, whether it returned it or its flag parser exited with it."""
+    try:
+        return main(args)
+    except SystemExit as stop:
+        return stop.code
 
 
 def test_unsupported_architecture_from_the_cli(capsys, tiny_model_dirs, tmp_path):

@@ -393,7 +393,7 @@ def busy_port():
         ),
         (
             ["--dtype", "bogus"],
-            r"argument --dtype: invalid choice: 'bogus' \(choose from .*'auto'.*\) \(see --help\)",
+            r"argument --dtype: unknown dtype 'bogus' \(choose from auto, float32, bfloat16, float16\) \(see --help\)",
         ),
         (
             ["--device", "cuda", "--quantize", "int4"],
