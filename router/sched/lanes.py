@@ -9,7 +9,7 @@ queue of `pipeline_parallel_size` batches.
 
 The lanes share the scheduler's queue, KV blocks and prefix cache: everything between two awaits
 runs alone (one event loop), and a lane touches only its own shard batch. New requests go to the
-lane with the fewest running requests. A lane's step is the one-lane loop's (scheduler.py), without
+lane with the fewest running requests. A lane's step is the scheduler's own (`step_lane`), without
 decode lookahead, which the lanes replace. When the shards become unavailable every lane stops;
 the requests of a lane whose step had still succeeded wait with the others for the restart."""
 
@@ -24,6 +24,8 @@ from router.client import ShardError
 
 
 class Lane:
+    """A batch in flight: the running batch of its lane, None while the lane is empty."""
+
     def __init__(self, index: int):
         self.index = index
         self.running: CachedBatch | None = None
@@ -57,48 +59,24 @@ class Lanes:
 
     async def _run(self, lane: Lane) -> None:
         while self.scheduler.available:
-            await self._step(lane)
-
-    async def _step(self, lane: Lane) -> None:
-        """One iteration of this lane: drop its cancelled requests, maybe admit a new batch into
-        it, then decode its batch (scheduler.py's `_step`, on the lane's batch)."""
-        s = self.scheduler
-        if lane.running is not None:
-            lane.running = await s._keep(lane.running, s._entries_of([lane.running]))
-        if not s.available:
-            return
-        new = self._next_batch(lane)
-        if new is not None:
-            prefilled = await s._confined_prefill(*new)
-            if lane.running is None and len(prefilled) <= 1:
-                lane.running = prefilled[0] if prefilled else None
-                return
-            batches = ([lane.running] if lane.running is not None else []) + prefilled
-        elif lane.running is not None:
-            batches = [lane.running]
-        else:
-            await s._idle()
-            return
-        batches, grown = await s._grow(batches)
-        lane.running = await s._decode(batches, grown) if batches else None
+            await self.scheduler.step_lane(lane, self._next_batch)
 
     def _next_batch(self, lane: Lane):
         """Admission into the lane with the fewest running requests; a busier lane that finds
         requests waiting wakes the others (one of them may be idle)."""
         s = self.scheduler
-        if not s._queue:
+        if not s.queue_length:
             return None
         if lane.size > min(other.size for other in self.lanes):
-            s._wake.set()
+            s.wake()
             return None
-        return s._next_batch(running=lane.size)
+        return s.next_batch(running=lane.size)
 
     def _hold_survivors(self) -> None:
         """The lanes stopped because the shards went away: the requests of a lane whose last step
         succeeded go back to the queue too, to be resumed after the restart."""
-        s = self.scheduler
         for lane in self.lanes:
             if lane.running is not None:
                 gone = ShardError(grpc.StatusCode.UNAVAILABLE, "the shards became unavailable")
-                s._requeue(s._entries_of([lane.running]), gone)
+                self.scheduler.requeue_batch(lane.running, gone)
                 lane.running = None

@@ -29,7 +29,7 @@ from router.client import ShardClient, ShardError
 from router.sched import batching, fanout, kv_blocks, preemption
 from router.sched.admission import Overloaded, ShardsUnavailable  # noqa: F401 - raised by submit
 from router.sched.allocator import BlockAllocator
-from router.sched.lanes import Lanes
+from router.sched.lanes import Lane, Lanes
 from router.sched.scheduler_stats import SchedulerStats
 from router.sched.streams import Entry, RequestCancelled, RequestStream
 
@@ -71,7 +71,7 @@ class Scheduler:
         )
         self._queue: deque[Entry] = deque()
         self._entries: dict[int, Entry] = {}  # submitted and not yet released, by request id
-        self._running: CachedBatch | None = None
+        self._lane = Lane(0)  # the running batch, when the shards have one stage
         self._batch_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -92,7 +92,7 @@ class Scheduler:
     def running_count(self) -> int:
         if self._lanes is not None:
             return self._lanes.running_count
-        return self._running.size if self._running is not None else 0
+        return self._lane.size
 
     def adapters(self) -> tuple[set[str], set[str]]:
         """The LoRA adapters of the running requests, and of the queued ones."""
@@ -190,29 +190,43 @@ class Scheduler:
                 await self._abandon_running(error)
 
     async def _step(self) -> None:
-        """One iteration: drop cancelled requests, maybe admit a new batch, then decode."""
         if not self.available:
             await self._recover()
             return
         if self._lanes is not None:
             await self._lanes.step()  # until the shards become unavailable
             return
-        if self._running is not None:
-            self._running = await self._keep(self._running, self._entries_of([self._running]))
-        new = None if self._ahead_pending and self._running is not None else self._next_batch()
+        await self.step_lane(self._lane, self._admit_after_lookahead)
+
+    def _admit_after_lookahead(self, lane: Lane) -> tuple[Batch, list[Entry]] | None:
+        # A forward the shards ran ahead for the running batch is decoded whole before anyone joins.
+        if self._ahead_pending and lane.running is not None:
+            return None
+        return self.next_batch()
+
+    async def step_lane(
+        self, lane: Lane, admit: Callable[[Lane], tuple[Batch, list[Entry]] | None]
+    ) -> None:
+        """One iteration of the loop on one lane's batch (the only lane, or a pipeline lane): drop
+        its cancelled requests, prefill what `admit` takes from the queue, then decode."""
+        if lane.running is not None:
+            lane.running = await self._keep(lane.running, self._entries_of([lane.running]))
+        if not self.available:
+            return
+        new = admit(lane)
         if new is not None:
             prefilled = await self._confined_prefill(*new)
-            if self._running is None and len(prefilled) <= 1:
-                self._running = prefilled[0] if prefilled else None
+            if lane.running is None and len(prefilled) <= 1:
+                lane.running = prefilled[0] if prefilled else None
                 return
-            batches = ([self._running] if self._running is not None else []) + prefilled
-        elif self._running is not None:
-            batches = [self._running]
+            batches = ([lane.running] if lane.running is not None else []) + prefilled
+        elif lane.running is not None:
+            batches = [lane.running]
         else:
             await self._idle()
             return
         batches, grown = await self._grow(batches)
-        self._running = await self._decode(batches, grown) if batches else None
+        lane.running = await self._decode(batches, grown) if batches else None
 
     async def _recover(self) -> None:
         """Hold the queue until every shard answers Health again, re-warm them, then serve on."""
@@ -256,7 +270,11 @@ class Scheduler:
         self._wake.clear()
         await self._wake.wait()
 
-    def _next_batch(self, running: int | None = None) -> tuple[Batch, list[Entry]] | None:
+    def wake(self) -> None:
+        """Wake an idle loop (or lane) to look at the queue again."""
+        self._wake.set()
+
+    def next_batch(self, running: int | None = None) -> tuple[Batch, list[Entry]] | None:
         """`running`: the rows of the batch it joins (a lane's), else of the running batch."""
         running = self.running_count if running is None else running
         room = batching.Room(self.limits, running, self.chunking, self._longest_resume())
@@ -317,6 +335,10 @@ class Scheduler:
             else:
                 self._release(entry)
         return prefilled
+
+    def requeue_batch(self, batch: CachedBatch, error: ShardError) -> None:
+        """A batch the shards no longer hold: its requests wait in the queue (see _requeue)."""
+        self._requeue(self._entries_of([batch]), error)
 
     def _requeue(self, entries: list[Entry], error: ShardError) -> None:
         """The shards went away: these requests wait at the head of the queue, in their order, for
@@ -502,12 +524,12 @@ class Scheduler:
     async def _abandon_running(self, error: BaseException) -> None:
         """After an unexpected failure the shard's batches are unknown: clear them all."""
         in_flight = [e for e in self._entries.values() if e not in self._queue]
-        if self._running is not None or in_flight:  # an idle stop leaves the shard alone
+        if self._lane.running is not None or in_flight:  # an idle stop leaves the shard alone
             try:
                 await self.client.clear_cache(None)
             except ShardError as clear_error:
                 log.warning("ClearCache failed: %s", clear_error)
-        self._running = None
+        self._lane.running = None
         if self._lanes is not None:
             self._lanes.forget()
         for entry in in_flight:
