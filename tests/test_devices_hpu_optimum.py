@@ -14,9 +14,9 @@ from transformers.models.llama import modeling_llama
 
 from engine.devices.cpu.adapter import CPUAdapter
 from engine.devices.hpu import optimum as hpu_optimum
-from engine.distributed import SINGLE
 from engine.models.fallback import ATTENTION_NAME
 from engine.weights.fallback import load_transformers_model
+from engine.weights.placement import Placement
 from tests.fakes.optimum_habana import FakeOptimumHabana
 from tests.fakes.optimum_habana_llama import GaudiLlamaForCausalLM
 from tests.models import build_tiny_model
@@ -45,7 +45,7 @@ def optimum(monkeypatch):
 
 def load(model_dir, prepare):
     model, _ = load_transformers_model(
-        model_dir, torch.float32, torch.device("cpu"), SINGLE, prepare
+        model_dir, Placement(torch.float32, torch.device("cpu")), prepare
     )
     return model.hf_model
 

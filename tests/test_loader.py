@@ -19,6 +19,7 @@ from engine.weights.loader import (
     resolve_model_dir,
     weight_files,
 )
+from engine.weights.placement import Placement
 
 CPU = torch.device("cpu")
 
@@ -37,14 +38,14 @@ def test_unsupported_architecture_names_the_supported_ones(tiny_model_dirs, tmp_
         ModelLoadError,
         match=r"'GPT2LMHeadModel' is not supported \(supported: Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, LlamaForCausalLM, LlavaForConditionalGeneration, LlavaNextForConditionalGeneration, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM, Qwen3MoeForCausalLM\)",
     ):
-        load(str(model_dir), tmp_path, torch.float32, CPU, implementation="native")
+        load(str(model_dir), tmp_path, Placement(torch.float32, CPU), implementation="native")
 
 
 def test_missing_weight_files(tiny_model_dirs, tmp_path):
     model_dir = copy_model(tiny_model_dirs["llama"], tmp_path / "m")
     (model_dir / "model.safetensors").unlink()
     with pytest.raises(ModelLoadError, match="no \\*.safetensors weight files"):
-        load(str(model_dir), tmp_path, torch.float32, CPU)
+        load(str(model_dir), tmp_path, Placement(torch.float32, CPU))
 
 
 def test_corrupt_weight_file(tiny_model_dirs, tmp_path):
@@ -52,7 +53,7 @@ def test_corrupt_weight_file(tiny_model_dirs, tmp_path):
     weights = model_dir / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(ModelLoadError, match="corrupt or unreadable"):
-        load(str(model_dir), tmp_path, torch.float32, CPU)
+        load(str(model_dir), tmp_path, Placement(torch.float32, CPU))
 
 
 def test_missing_tensor_is_named(tiny_model_dirs, tmp_path):
@@ -61,7 +62,7 @@ def test_missing_tensor_is_named(tiny_model_dirs, tmp_path):
     del tensors["model.layers.1.self_attn.k_proj.weight"]
     save_file(tensors, model_dir / "model.safetensors")
     with pytest.raises(ModelLoadError, match="layers.1.self_attn.qkv_proj.weight"):
-        load(str(model_dir), tmp_path, torch.float32, CPU)
+        load(str(model_dir), tmp_path, Placement(torch.float32, CPU))
 
 
 def test_unknown_model_path(tmp_path):
@@ -80,7 +81,7 @@ def test_sharded_checkpoint_with_index_loads_the_same_weights(
     )
     assert (sharded / "model.safetensors.index.json").is_file() and len(weight_files(sharded)) > 1
     config = read_config(sharded)
-    whole, split = (build_model(config, torch.float32, CPU, 64) for _ in range(2))
+    whole, split = (build_model(config, Placement(torch.float32, CPU), 64) for _ in range(2))
     load_weights(whole, weight_files(tiny_model_dirs["qwen2"]))
     load_weights(split, weight_files(sharded))
     for (name, a), (_, b) in zip(whole.state_dict().items(), split.state_dict().items()):
@@ -90,7 +91,7 @@ def test_sharded_checkpoint_with_index_loads_the_same_weights(
 
 def test_fused_projections_hold_the_checkpoint_slices(tiny_model_dirs):
     model_dir = tiny_model_dirs["qwen2"]
-    model = build_model(read_config(model_dir), torch.float32, CPU, 64)
+    model = build_model(read_config(model_dir), Placement(torch.float32, CPU), 64)
     load_weights(model, weight_files(model_dir))
     tensors = load_file(model_dir / "model.safetensors")
     attn = model.layers[1].self_attn

@@ -13,6 +13,7 @@ from engine.errors import ModelLoadError
 from engine.layers.lora import DenseLora, GatherLora, LoraSet, LoraWeights, lora_ops
 from engine.weights.loader import build_model, load_weights, read_config, weight_files
 from engine.weights.lora import attach_adapters, read_adapter
+from engine.weights.placement import Placement
 from tests.models import build_tiny_model
 from tests.test_lora import ADAPTERS, lora_dirs, make_adapter  # noqa: F401 - lora_dirs is a fixture
 
@@ -38,7 +39,9 @@ def test_dense_and_gather_agree_on_a_fused_projection_with_mixed_tokens():
 
 
 def tiny_model(model_dir, parallel=Parallel()):
-    model = build_model(read_config(model_dir), torch.float32, torch.device("cpu"), 64, parallel)
+    model = build_model(
+        read_config(model_dir), Placement(torch.float32, torch.device("cpu"), parallel), 64
+    )
     load_weights(model, weight_files(model_dir))
     return model
 

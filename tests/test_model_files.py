@@ -9,6 +9,7 @@ import torch
 from engine.errors import CorruptFileError
 from engine.weights import loader, paths
 from engine.weights.integrity import read_gguf_index as read_index
+from engine.weights.placement import Placement
 from launcher.cli import bucketserve
 
 CPU = torch.device("cpu")
@@ -138,7 +139,7 @@ def test_a_truncated_gguf_names_the_file(tmp_path, keep):
     with pytest.raises(
         CorruptFileError, match=f"^cannot read GGUF file {bad}: it is truncated or corrupt"
     ):
-        loader.load(str(bad), tmp_path / "cache", torch.float32, CPU)
+        loader.load(str(bad), tmp_path / "cache", Placement(torch.float32, CPU))
     assert not (tmp_path / "cache" / "models").exists() or not any(
         (tmp_path / "cache" / "models").iterdir()
     )
@@ -169,7 +170,9 @@ def test_a_truncated_safetensors_file_names_the_file(tiny_model_dirs, tmp_path, 
         match=f"^weight file {model_dir / 'model.safetensors'} is corrupt or "
         "unreadable: truncated: its header places tensor data up to byte",
     ):
-        loader.load(str(model_dir), tmp_path, torch.float32, CPU, implementation=implementation)
+        loader.load(
+            str(model_dir), tmp_path, Placement(torch.float32, CPU), implementation=implementation
+        )
 
 
 def test_a_garbage_safetensors_file_names_the_file(tiny_model_dirs, tmp_path):
@@ -179,7 +182,7 @@ def test_a_garbage_safetensors_file_names_the_file(tiny_model_dirs, tmp_path):
         match=f"^weight file {model_dir / 'model.safetensors'} is corrupt or "
         "unreadable: not a safetensors file",
     ):
-        loader.load(str(model_dir), tmp_path, torch.float32, CPU)
+        loader.load(str(model_dir), tmp_path, Placement(torch.float32, CPU))
 
 
 def test_the_command_line_prints_one_error_line(tmp_path, capsys):

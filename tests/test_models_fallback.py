@@ -11,6 +11,7 @@ from engine.errors import ModelLoadError
 from engine.models.fallback import TransformersCausalLM
 from engine.serving.shard import Shard
 from engine.weights.loader import load
+from engine.weights.placement import Placement
 from launcher.generate import generate
 from tests.conftest import tiny_config
 from tests.models import build_tiny_model
@@ -108,7 +109,7 @@ def refused_model_dirs(tmp_path) -> list[tuple[str, str]]:
 def test_refusals_name_the_reason(tmp_path):
     for model_dir, message in refused_model_dirs(tmp_path):
         with pytest.raises(ModelLoadError, match=message):
-            load(model_dir, tmp_path, torch.float32, torch.device("cpu"))
+            load(model_dir, tmp_path, Placement(torch.float32, torch.device("cpu")))
 
 
 def test_sharding_a_fallback_without_a_tp_plan_is_refused(tmp_path):
@@ -121,7 +122,7 @@ def test_sharding_a_fallback_without_a_tp_plan_is_refused(tmp_path):
         transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, architectures=["GPT2LMHeadModel"]),
     )
     with pytest.raises(ModelLoadError, match="GPT2LMHeadModel declares no tensor-parallel plan"):
-        load(model_dir, tmp_path, torch.float32, torch.device("cpu"), Parallel(0, 2))
+        load(model_dir, tmp_path, Placement(torch.float32, torch.device("cpu"), Parallel(0, 2)))
 
 
 def test_lora_adapters_on_the_fallback_are_refused(tiny_model_dirs):
@@ -150,7 +151,10 @@ def attend_by_itself(self, hidden_states, position_embeddings, attention_mask=No
 
 def load_through_the_fallback(model_dir, tmp_path):
     return load(
-        str(model_dir), tmp_path, torch.float32, torch.device("cpu"), implementation="transformers"
+        str(model_dir),
+        tmp_path,
+        Placement(torch.float32, torch.device("cpu")),
+        implementation="transformers",
     )
 
 

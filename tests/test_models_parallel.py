@@ -40,9 +40,12 @@ def test_ranks_hold_their_rows_of_stacked_and_expert_tensors(family_dirs):
 
     from engine.distributed import Parallel
     from engine.weights.loader import build_model, load_weights, read_config, weight_files
+    from engine.weights.placement import Placement
 
     phi3 = family_dirs["phi3"]
-    model = build_model(read_config(phi3), torch.float32, torch.device("cpu"), 64, Parallel(1, 2))
+    model = build_model(
+        read_config(phi3), Placement(torch.float32, torch.device("cpu"), Parallel(1, 2)), 64
+    )
     load_weights(model, weight_files(phi3))
     fused = load_file(phi3 / "model.safetensors")[
         "model.layers.0.self_attn.qkv_proj.weight"
@@ -60,7 +63,7 @@ def test_ranks_hold_their_rows_of_stacked_and_expert_tensors(family_dirs):
 
     moe_dir = family_dirs["qwen3_moe"]
     model = build_model(
-        read_config(moe_dir), torch.float32, torch.device("cpu"), 64, Parallel(1, 2)
+        read_config(moe_dir), Placement(torch.float32, torch.device("cpu"), Parallel(1, 2)), 64
     )
     load_weights(model, weight_files(moe_dir))
     tensors = load_file(moe_dir / "model.safetensors")

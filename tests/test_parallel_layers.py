@@ -16,6 +16,7 @@ from engine.layers.linear import (
     qkv_parallel,
 )
 from engine.weights.loader import build_model, load_weights, read_config, weight_files
+from engine.weights.placement import Placement
 
 
 class RecordingSlice:
@@ -70,7 +71,7 @@ def test_sharded_rank_holds_its_part_of_the_checkpoint(tiny_model_dirs):
 
     model_dir = tiny_model_dirs["qwen2"]
     model = build_model(
-        read_config(model_dir), torch.float32, torch.device("cpu"), 64, Parallel(1, 2)
+        read_config(model_dir), Placement(torch.float32, torch.device("cpu"), Parallel(1, 2)), 64
     )
     load_weights(model, weight_files(model_dir))
     tensors = load_file(model_dir / "model.safetensors")
@@ -94,10 +95,8 @@ def test_a_model_that_cannot_be_split_is_a_clear_error(tiny_model_dirs):
     ):
         build_model(
             read_config(tiny_model_dirs["llama"]),
-            torch.float32,
-            torch.device("cpu"),
+            Placement(torch.float32, torch.device("cpu"), Parallel(0, 3)),
             64,
-            Parallel(0, 3),
         )
 
 

@@ -8,6 +8,7 @@ from engine.config import default_cache_dir
 from engine.layers.quant import weight_bytes
 from engine.weights import loader
 from engine.weights.gguf import read_weights
+from engine.weights.placement import Placement
 from tests.test_quant_models import dequantized_state, greedy, transformers_on
 
 
@@ -34,9 +35,8 @@ def test_q4_1_blocks_decode_to_transformers_own_dequantization(gguf_weights, smo
 
 
 def test_q4_1_model_keeps_its_blocks_in_about_a_fifth_of_the_memory(smollm_dir):
-    model = loader.load(
-        None, default_cache_dir(), torch.bfloat16, torch.device("cpu"), quantize="int4"
-    ).model
+    placement = Placement(torch.bfloat16, torch.device("cpu"), quantize="int4")
+    model = loader.load(None, default_cache_dir(), placement).model
     assert {type(layer.mlp.gate_up_proj.quantized).__name__ for layer in model.layers} == {
         "Int4Weight"
     }

@@ -44,6 +44,7 @@ from engine.warmup.warm import report
 from engine.weights import loader
 from engine.weights.identity import check_same_model
 from engine.weights.lora import load_adapters
+from engine.weights.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -102,16 +103,19 @@ class Shard:
     def _load_model(self, config: EngineConfig) -> None:
         """The model, its tokenizer, its LoRA adapters and its image encoder, prepared for the
         device; `self.config` loses prefix caching where the model cannot keep it sound."""
+        placement = Placement(
+            dtype=self.dtype,
+            device=self.adapter.torch_device,
+            parallel=self.parallel,
+            moe_impl=config.moe_impl or self.adapter.default_moe_impl,
+            quantize=config.quantize,
+        )
         loaded = loader.load(
             config.model_id,
             config.resolved_cache_dir,
-            self.dtype,
-            self.adapter.torch_device,
-            self.parallel,
-            moe_impl=config.moe_impl or self.adapter.default_moe_impl,
+            placement,
             implementation=config.implementation,
             prepare_fallback=self.adapter.prepare_transformers,
-            quantize=config.quantize,
             pipe=self.pipe,
         )
         self.model, self.model_config, self.tokenizer = (

@@ -40,6 +40,7 @@ from engine.errors import ModelLoadError
 from engine.kv_cache import BlockContents, KVCache, blocks_needed
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
 from engine.sampling.sampler import is_sampling, plain_greedy, process_scores
+from engine.weights.placement import Placement
 
 DRAFT_SEED_SALT = 0x5DEECE66D  # the draft's generator: the request's seed, salted
 # The draft's catch-up verify width: a step's accepted tokens are one (a rejection) or two (all
@@ -516,13 +517,11 @@ def load_draft(config, target_config, target_tokenizer, adapter, dtype) -> Draft
             f"--draft-quantize {config.draft_quantize} is not available on {adapter.name}"
         )
     try:
+        placement = Placement(
+            dtype=dtype, device=adapter.torch_device, quantize=config.draft_quantize
+        )
         loaded = loader.load(
-            config.draft_model,
-            config.resolved_cache_dir,
-            dtype,
-            adapter.torch_device,
-            implementation="native",
-            quantize=config.draft_quantize,
+            config.draft_model, config.resolved_cache_dir, placement, implementation="native"
         )
     except ModelLoadError as err:
         raise ModelLoadError(f"--draft-model {config.draft_model}: {err}") from None

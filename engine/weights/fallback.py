@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from engine.distributed import Parallel
 from engine.errors import ModelLoadError
 from engine.models.config import FULL, ModelConfig
 from engine.models.fallback import (
@@ -25,6 +24,7 @@ from engine.models.fallback import (
     probe_attention,
     register_attention,
 )
+from engine.weights.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +59,13 @@ def causal_lm_class(model_dir: Path):
     return hf_config, cls
 
 
-def load_transformers_model(
-    model_dir: Path, dtype: torch.dtype, device: torch.device, parallel: Parallel, prepare=None
-):
+def load_transformers_model(model_dir: Path, placement: Placement, prepare=None):
     """`prepare(cls)`: the device adapter's hook, which may adapt transformers and pick the class to build."""
     hf_config, cls = causal_lm_class(model_dir)
     if prepare is not None:
         cls = prepare(cls)
     register_attention()
+    dtype, device, parallel = placement.dtype, placement.device, placement.parallel
     options = dict(dtype=dtype, attn_implementation=ATTENTION_NAME)
     if parallel.world_size > 1:
         if not getattr(hf_config, "base_model_tp_plan", None):

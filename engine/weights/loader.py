@@ -4,13 +4,12 @@ engine/weights/paths.py)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from engine.distributed import SINGLE, Parallel
 from engine.errors import ModelLoadError
 from engine.layers.linear import STACKED, copy_checked
 from engine.layers.moe import MOE_IMPLS
@@ -28,6 +27,7 @@ from engine.weights.paths import (  # noqa: F401 - the loader's callers find the
     gguf_file,
     resolve_model_dir,
 )
+from engine.weights.placement import Placement
 
 IGNORED_WEIGHTS = ("rotary_emb.inv_freq",)
 QUANT_SCALES = (".weight_scale", ".input_scale")
@@ -76,17 +76,16 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def build_model(
-    config: ModelConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-    max_positions: int,
-    parallel: Parallel = SINGLE,
-    moe_impl: str = "dense",
-    pipe: Pipe | None = None,
+    config: ModelConfig, placement: Placement, max_positions: int, pipe: Pipe | None = None
 ):
     """Our module for `config` (this rank's part of it), allocated without a random init.
-    `moe_impl`: how MoE experts run (engine/layers/moe.py), for the models that have them.
     `pipe`: this rank's pipeline stage; the model then holds the stage's layers only."""
+    dtype, device, parallel, moe_impl = (
+        placement.dtype,
+        placement.device,
+        placement.parallel,
+        placement.moe_impl,
+    )
     cls = model_class(config.architecture)
     stage_weights = None
     if pipe is not None:
@@ -186,40 +185,28 @@ def _load_one(model, name: str, source) -> list[tuple[str, object]]:
 
 
 def load_quantized(
-    model_id,
-    model_dir: Path,
-    config: ModelConfig,
-    mode: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    parallel: Parallel,
-    moe_impl: str,
+    model_id, model_dir: Path, config: ModelConfig, placement: Placement
 ) -> torch.nn.Module:
     """A native model with quantized linear weights: straight from a Llama GGUF file's blocks, else
     quantized from the float32 checkpoint (the norms and other small weights come from model_dir)."""
     from engine.weights.gguf import read_weights
     from engine.weights.quantize import QUANTIZE_MODES, WEIGHT_ONLY, quantize_model
 
+    mode, dtype = placement.quantize, placement.dtype
     if mode not in QUANTIZE_MODES:
         raise ModelLoadError(
             f"unknown quantization {mode!r} (choose from {', '.join(QUANTIZE_MODES)})"
         )
     if mode not in WEIGHT_ONLY:
-        return load_fp8(model_dir, config, dtype, device, parallel, moe_impl)
+        return load_fp8(model_dir, config, placement)
     if config.moe is not None:
         raise ModelLoadError(
             f"--quantize {mode} covers dense models only (MoE experts are not quantized yet)"
         )
     gguf = gguf_file(model_id)
     direct = gguf is not None and config.architecture == "LlamaForCausalLM"
-    model = build_model(
-        config,
-        dtype if direct else torch.float32,
-        device,
-        config.max_position_embeddings,
-        parallel,
-        moe_impl,
-    )
+    built_in = placement if direct else replace(placement, dtype=torch.float32)
+    model = build_model(config, built_in, config.max_position_embeddings)
     if direct:
         quantize_model(
             model, mode, dtype, read_weights(gguf, config.num_heads, config.num_kv_heads)
@@ -234,14 +221,7 @@ def load_quantized(
     return model
 
 
-def load_fp8(
-    model_dir: Path,
-    config: ModelConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-    parallel: Parallel,
-    moe_impl: str,
-) -> torch.nn.Module:
+def load_fp8(model_dir: Path, config: ModelConfig, placement: Placement) -> torch.nn.Module:
     """A pre-quantized FP8 checkpoint: its float8_e4m3fn linear weights and their weight_scale
     tensors become Fp8Weights (engine/layers/fp8.py); everything else loads as usual, in `dtype`."""
     from engine.weights.quantize import fp8_quantize_model
@@ -256,7 +236,7 @@ def load_fp8(
                     scales[short] = reader.get_tensor(name)
                 elif reader.get_slice(name).get_dtype() == "F8_E4M3":
                     fp8[short] = reader.get_tensor(name)
-    model = build_model(config, dtype, device, config.max_position_embeddings, parallel, moe_impl)
+    model = build_model(config, placement, config.max_position_embeddings)
     if not fp8 or fp8_quantize_model(model, fp8, scales) == 0:
         raise ModelLoadError(f"--quantize fp8: {model_dir} holds no float8_e4m3fn linear weights")
     load_weights(model, files)
@@ -289,18 +269,15 @@ def eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer) -> frozenset[
 def load(
     model_id: str | None,
     cache_dir: Path,
-    dtype: torch.dtype,
-    device: torch.device,
-    parallel: Parallel = SINGLE,
-    moe_impl: str = "dense",
+    placement: Placement,
+    *,
     implementation: str = "auto",
     prepare_fallback=None,
-    quantize: str = "none",
     pipe: Pipe | None = None,
 ) -> LoadedModel:
     """`implementation`: native (ours), transformers (the fallback) or auto (native when we have one).
     `prepare_fallback(cls)`: the device's hook before the fallback builds its class (DeviceAdapter.prepare_transformers).
-    `quantize`: engine.weights.quantize.QUANTIZE_MODES."""
+    `placement`: its dtype, device, parallel part, MoE kernel and quantization."""
     from transformers import AutoTokenizer
 
     model_dir = resolve_model_dir(model_id, cache_dir)
@@ -313,21 +290,15 @@ def load(
         implementation == "auto" and not has_native(architecture)
     )
     if pipe is not None:
-        check_pipeline_supported(architecture, fallback, quantize)
+        check_pipeline_supported(architecture, fallback, placement.quantize)
     if fallback:
-        model, config = load_transformers_model(
-            model_dir, dtype, device, parallel, prepare_fallback
-        )
-    elif quantize != "none":
+        model, config = load_transformers_model(model_dir, placement, prepare_fallback)
+    elif placement.quantize != "none":
         config = read_config(model_dir)
-        model = load_quantized(
-            model_id, model_dir, config, quantize, dtype, device, parallel, moe_impl
-        )
+        model = load_quantized(model_id, model_dir, config, placement)
     else:
         config = read_config(model_dir)
-        model = build_model(
-            config, dtype, device, config.max_position_embeddings, parallel, moe_impl, pipe
-        )
+        model = build_model(config, placement, config.max_position_embeddings, pipe)
         config = model.config  # a pipeline stage's: its layers only (the KV cache's size)
         load_weights(model, weight_files(model_dir))
     try:
