@@ -35,7 +35,8 @@ class ShardBlockPool:
     def allocate(self, count: int) -> list[int]:
         if not self.can_allocate(count):
             raise CapacityError(
-                f"KV cache full: {count} blocks needed, {len(self._free)} free of {self.num_blocks - 1}"
+                f"KV cache full: {count} blocks needed, {len(self._free)} free of "
+                f"{self.num_blocks - 1}"
             )
         return [heapq.heappop(self._free) for _ in range(count)]
 

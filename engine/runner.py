@@ -74,7 +74,8 @@ class ModelRunner:
         # Device time of the forwards since the caller last reset it, per thread: a pipeline
         # shard runs a step per thread, several at once (engine/pipeline/turns.py).
         self._forward_time = threading.local()
-        self.recorder = None  # engine.buckets.shapes.ShapeRecorder (--record-shapes): the shapes served, unpadded
+        # engine.buckets.shapes.ShapeRecorder (--record-shapes): the shapes served, unpadded
+        self.recorder = None
         self.scorer = PromptScorer(model)  # one object: graphs are kept per callable
         model.bind_kv_cache(kv_cache.layers)
         adapter.reset()  # graphs captured on a previous cache would write into freed memory

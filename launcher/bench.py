@@ -16,8 +16,8 @@ from launcher.generate import run_requests, warm_for
 # Any text works: it is only cut into prompts of the wanted token lengths.
 SOURCE_TEXT = (
     "The river rose slowly through the night, and by morning the low fields near the old mill were "
-    "under water. Farmers moved their animals to the hills, children watched from the bridge, and the "
-    "miller counted sacks of grain that he had carried upstairs before the rain began. "
+    "under water. Farmers moved their animals to the hills, children watched from the bridge, and "
+    "the miller counted sacks of grain that he had carried upstairs before the rain began. "
 )
 
 
@@ -133,14 +133,15 @@ def report(
     ours_tps = best["tokens"] / best["seconds"]
     pad, plan = shard.runner.padding.as_dict(), shard.runner.plan
     lines = [
-        f"workload: {len(prompts)} prompts of {workload.min_tokens}-{workload.max_tokens} tokens ({prompt_tokens} in all), "
-        f"{workload.min_new_tokens}-{workload.new_tokens} new tokens each ({sum(workload.output_lengths())} in all), "
-        f"greedy, {shard.dtype}{_weights(shard)}, {shard.adapter.name}; median of {len(ours)} runs",
+        f"workload: {len(prompts)} prompts of {workload.min_tokens}-{workload.max_tokens} tokens "
+        f"({prompt_tokens} in all), {workload.min_new_tokens}-{workload.new_tokens} new tokens "
+        f"each ({sum(workload.output_lengths())} in all), greedy, "
+        f"{shard.dtype}{_weights(shard)}, {shard.adapter.name}; median of {len(ours)} runs",
         f"bucketserve:  {best['tokens']} tokens in {best['seconds']:.2f}s = {ours_tps:.1f} tok/s "
-        f"(prefill {best['phases']['prefill']:.2f}s, decode {best['phases']['decode']:.2f}s; runs "
-        f"{_seconds(ours)}; warmup {warmup_s:.1f}s, "
-        f"{len(plan.prefill) + len(plan.decode)} buckets; padding waste prefill {pad['prefill']['waste']:.1%}, "
-        f"decode {pad['decode']['waste']:.1%})",
+        f"(prefill {best['phases']['prefill']:.2f}s, decode {best['phases']['decode']:.2f}s; "
+        f"runs {_seconds(ours)}; warmup {warmup_s:.1f}s, {len(plan.prefill) + len(plan.decode)} "
+        f"buckets; padding waste prefill {pad['prefill']['waste']:.1%}, decode "
+        f"{pad['decode']['waste']:.1%})",
     ]
     if shard.speculator is not None:
         lines.append(speculation_line(shard.speculator))
@@ -148,8 +149,8 @@ def report(
         other = median_run(peer)
         peer_tps = other["tokens"] / other["seconds"]
         lines.append(
-            f"transformers: {other['tokens']} tokens in {other['seconds']:.2f}s = {peer_tps:.1f} tok/s "
-            f"(runs {_seconds(peer)})"
+            f"transformers: {other['tokens']} tokens in {other['seconds']:.2f}s = {peer_tps:.1f} "
+            f"tok/s (runs {_seconds(peer)})"
         )
         lines.append(f"ratio: {ours_tps / peer_tps:.2f}x transformers")
     return "\n".join(lines)

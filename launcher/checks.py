@@ -40,7 +40,10 @@ def split_problem(heads: int, kv_heads: int, num_shard: int) -> str | None:
     if heads % num_shard:
         return f"num_attention_heads={heads} is not divisible by {num_shard}"
     if kv_heads % num_shard and num_shard % kv_heads:
-        return f"num_key_value_heads={kv_heads} and {num_shard} shards: neither is a multiple of the other"
+        return (
+            f"num_key_value_heads={kv_heads} and {num_shard} shards: neither is a multiple of "
+            "the other"
+        )
     return None
 
 
@@ -140,7 +143,8 @@ def check_socket_base(base: str, num_shard: int) -> None:
     last = f"{base}-{num_shard - 1}"
     if len(os.fsencode(last)) > MAX_SOCKET_PATH:
         raise ConfigError(
-            f"socket path {last} is longer than {MAX_SOCKET_PATH} bytes: choose a shorter --uds-path"
+            f"socket path {last} is longer than {MAX_SOCKET_PATH} bytes: choose a shorter "
+            "--uds-path"
         )
     folder = os.path.dirname(os.path.abspath(base))
     if not os.path.isdir(folder):

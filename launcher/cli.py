@@ -40,8 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start one `engine serve` shard per rank, wait until "
         "all answer Health, start the HTTP router over them, and supervise them all. SIGTERM or "
         "SIGINT stops them gracefully.",
-        epilog="Other commands: `bucketserve generate|bench|serve|buckets|warmup-profile|loadtest ...` "
-        "(serve, buckets and warmup-profile are also `python -m engine ...`).",
+        epilog=(
+            "Other commands: `bucketserve generate|bench|serve|buckets|warmup-profile|loadtest "
+            "...` (serve, buckets and warmup-profile are also `python -m engine ...`)."
+        ),
     )
     # every knob of the shards and the router, each shared one once (engine/cli/flags.py)
     add_knob_flags(p, LauncherConfig, exclude=ROUTER_SET_BY_LAUNCHER)

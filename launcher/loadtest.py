@@ -269,10 +269,11 @@ def format_report(summary: dict, plot_path: Path | None) -> str:
         f"loadtest {summary['url']}  {summary['requests']} requests at {summary['rate']:g} req/s "
         f"({summary['arrivals']}, /{'generate_stream' if mode == 'stream' else 'generate'}, "
         f"max_new_tokens {summary['max_new_tokens']})",
-        f"  outcomes     ok {summary['ok']}   429 {summary['rejected_429']}   errors {summary['errors']}"
-        + (f"   ({reasons})" if reasons else ""),
+        f"  outcomes     ok {summary['ok']}   429 {summary['rejected_429']}   errors "
+        f"{summary['errors']}" + (f"   ({reasons})" if reasons else ""),
         f"  duration     {summary['duration_s']:.2f} s   (sent at {sent} req/s)",
-        f"  throughput   {summary['throughput_rps']:.2f} req/s   {summary['throughput_tokens_s']:.1f} tokens/s"
+        f"  throughput   {summary['throughput_rps']:.2f} req/s   "
+        f"{summary['throughput_tokens_s']:.1f} tokens/s"
         f"   ({summary['generated_tokens']} tokens)",
         f"  {'':12} {'p50':>9} {'p90':>9} {'p99':>9} {'mean':>9}   (ms, successful requests)",
     ]

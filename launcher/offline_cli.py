@@ -85,7 +85,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     if not 1 <= args.min_new_tokens <= args.new_tokens:
         raise BucketserveError(
-            f"need 1 <= --min-new-tokens ({args.min_new_tokens}) <= --new-tokens ({args.new_tokens})"
+            f"need 1 <= --min-new-tokens ({args.min_new_tokens}) <= --new-tokens "
+            f"({args.new_tokens})"
         )
     workload = Workload(
         args.num_prompts, args.min_tokens, args.max_tokens, args.new_tokens, args.min_new_tokens

@@ -201,7 +201,10 @@ class ShardGroup:
         latest = " | ".join(
             f"shard {s.rank}: {s.log.latest[-100:] or '(no output yet)'}" for s in waiting
         )
-        return f"waiting for shards: {len(ready)}/{len(self.shards)} ready {sorted(ready)}, {elapsed:.0f}s; {latest}"
+        return (
+            f"waiting for shards: {len(ready)}/{len(self.shards)} ready {sorted(ready)}, "
+            f"{elapsed:.0f}s; {latest}"
+        )
 
     def _timeout(self, ready: set[int]) -> LaunchFailure:
         waiting = [s for s in self.shards if s.rank not in ready]
@@ -443,7 +446,8 @@ def may_restart(
     if budget.take():
         return True
     console.line(
-        f"error: giving up: more than {config.max_restarts} restarts within {config.restart_window:g}s"
+        f"error: giving up: more than {config.max_restarts} restarts within "
+        f"{config.restart_window:g}s"
     )
     return False
 

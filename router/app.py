@@ -137,7 +137,8 @@ def info_dict(config: RouterConfig, info, limits: ServingLimits, result) -> dict
         "max_batch_size": limits.max_batch_size,
         "max_batch_total_tokens": result.max_supported_total_tokens,
         "block_size": info.block_size,
-        "attention_impl": info.attention_impl,  # flat_paged (native model) or transformers+flat_paged
+        # flat_paged (native model) or transformers+flat_paged
+        "attention_impl": info.attention_impl,
         "validation_workers": 1,
         "max_client_batch_size": 1,
         "router": "bucketserve-router",

@@ -23,7 +23,8 @@ def flat_attention(
     key_cache: torch.Tensor,  # [num_slots, kv_heads, dim]
     value_cache: torch.Tensor,  # [num_slots, kv_heads, dim]
     block_list: torch.Tensor,  # [num_blocks]
-    block_mapping: torch.Tensor,  # [num_blocks, batch] one-hot (device kernels use it; this one needs only groups)
+    # [num_blocks, batch] one-hot (device kernels use it; this one needs only groups)
+    block_mapping: torch.Tensor,
     block_groups: torch.Tensor,  # [num_blocks] owner row (0 for padding blocks)
     block_bias: torch.Tensor,  # [num_blocks, block_size] 0 where valid, negative past usage
     scale: float,

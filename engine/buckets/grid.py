@@ -513,7 +513,8 @@ class PaddingStats:
         self._forwards = dict.fromkeys(
             PHASES, 0
         )  # bucket runs: n > 1 siblings must cost one prefill
-        self.by_bucket: dict = {}  # bucket -> [forwards, real, padded]: which buckets the traffic used
+        # bucket -> [forwards, real, padded]: which buckets the traffic used
+        self.by_bucket: dict = {}
 
     def _check_phase(self, phase: str) -> None:
         # A typo'd phase would silently start a third, never-reported account.

@@ -181,7 +181,8 @@ def load_bucket_file(path: str | Path) -> BucketPlan:
         raise ValueError(f"{path}: not JSON ({err.msg} at line {err.lineno})") from None
     if not isinstance(data, dict) or not {"prefill_buckets", "decode_buckets"} <= set(data):
         raise ValueError(
-            f'{path}: expected {{"prefill_buckets": [[bs, seq], ...], "decode_buckets": [[bs, blocks], ...]}}'
+            f'{path}: expected {{"prefill_buckets": [[bs, seq], ...], '
+            f'"decode_buckets": [[bs, blocks], ...]}}'
         )
     return BucketPlan(
         tuple(_buckets(path, data["prefill_buckets"], PrefillBucket)),
@@ -246,7 +247,10 @@ def _prefill_beyond(b: PrefillBucket, limits: BucketLimits) -> str:
     if b.tokens > limits.max_prefill_tokens:
         return f": {b.tokens} tokens > max_prefill_tokens={limits.max_prefill_tokens}"
     if b.context_blocks > max_context_blocks(limits):
-        return f": context_blocks > {max_context_blocks(limits)} (a prompt of max_input_tokens={limits.max_input_tokens})"
+        return (
+            f": context_blocks > {max_context_blocks(limits)} (a prompt of "
+            f"max_input_tokens={limits.max_input_tokens})"
+        )
     return ""
 
 
@@ -257,7 +261,10 @@ def _decode_beyond(b: DecodeBucket, limits: BucketLimits) -> str:
     if b.batch_size > limits.max_batch_size:
         return f": batch_size > max_batch_size={limits.max_batch_size}"
     if not b.batch_size <= b.num_blocks <= b.batch_size * limits.blocks_per_sequence:
-        return f": num_blocks outside batch_size..batch_size x {limits.blocks_per_sequence} blocks per sequence"
+        return (
+            f": num_blocks outside batch_size..batch_size x {limits.blocks_per_sequence} "
+            "blocks per sequence"
+        )
     return ""
 
 

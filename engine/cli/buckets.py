@@ -26,7 +26,10 @@ def add_limit_args(
             "--block-size",
             type=int,
             default=block_size_default,
-            help=f"KV block size in tokens (default {block_size_default}, the CPU adapter's; HPU: 128)",
+            help=(
+                f"KV block size in tokens (default {block_size_default}, the CPU adapter's; "
+                "HPU: 128)"
+            ),
         )
 
 
@@ -96,14 +99,15 @@ def _outside(phase: str, figures: dict) -> list[str]:
         return []
     reasons = "; ".join(f"{why}: {n}" for why, n in figures["outside_reasons"].items())
     return [
-        f"outside the limits, not counted above: {figures['outside_limits']} {phase} shapes ({reasons})"
+        f"outside the limits, not counted above: {figures['outside_limits']} {phase} shapes "
+        f"({reasons})"
     ]
 
 
 def format_report(out: dict) -> str:
     lines = [
-        f"strategy: {out['strategy']}: {out['graphs']} graphs ({len(out['prefill_buckets'])} prefill + "
-        f"{len(out['decode_buckets'])} decode)",
+        f"strategy: {out['strategy']}: {out['graphs']} graphs ({len(out['prefill_buckets'])} "
+        f"prefill + {len(out['decode_buckets'])} decode)",
         "prefill buckets:",
     ]
     lines += (
@@ -118,7 +122,8 @@ def format_report(out: dict) -> str:
         )
         lines.append(
             f"decode:  real {d['real']} rows, padded {d['padded']} rows, waste {d['waste']:.1%}; "
-            f"real {d['real_blocks']} blocks, padded {d['padded_blocks']} blocks, waste {d['block_waste']:.1%}"
+            f"real {d['real_blocks']} blocks, padded {d['padded_blocks']} blocks, waste "
+            f"{d['block_waste']:.1%}"
         )
         lines += _outside("prefill", p) + _outside("decode", d)
     return "\n".join(lines)

@@ -82,12 +82,14 @@ def cmd_warmup_profile(args: argparse.Namespace) -> None:
     print(summary_table(entries))
     for r in reports:
         print(
-            f"on the trace: {r['strategy']:12} {r['graphs']:4} graphs, waste prefill {r['prefill']['waste']:.1%}, "
-            f"decode rows {r['decode']['waste']:.1%}, blocks {r['decode']['block_waste']:.1%}"
+            f"on the trace: {r['strategy']:12} {r['graphs']:4} graphs, waste prefill "
+            f"{r['prefill']['waste']:.1%}, decode rows {r['decode']['waste']:.1%}, blocks "
+            f"{r['decode']['block_waste']:.1%}"
         )
     print(f"wrote {path}" + "".join(f", {p}" for p in plots))
     print(
-        f"serve with it: python -m engine serve --warmup-profile {path} (same model, device, dtype, block size)"
+        f"serve with it: python -m engine serve --warmup-profile {path} (same model, device, "
+        "dtype, block size)"
     )
 
 

@@ -82,7 +82,8 @@ class DeviceAdapter(ABC):
         graph_mode = graph_mode or self.default_graph_mode
         if graph_mode not in self.graph_modes:
             raise ValueError(
-                f"graph mode {graph_mode!r} is not available on {self.name} (choose from {', '.join(self.graph_modes)})"
+                f"graph mode {graph_mode!r} is not available on {self.name} (choose from "
+                f"{', '.join(self.graph_modes)})"
             )
         self.graph_mode = graph_mode
         self.rank, self.world_size, self.cache_dir = rank, world_size, cache_dir

@@ -29,8 +29,8 @@ def leaves(value, path: str = "inputs") -> Iterator[tuple[str, torch.Tensor | No
             )
     else:
         raise GraphInputError(
-            f"graph input {path} is a Python {type(value).__name__} ({value!r}): graph inputs must be "
-            "tensors, or a graph is compiled per value"
+            f"graph input {path} is a Python {type(value).__name__} ({value!r}): graph inputs "
+            "must be tensors, or a graph is compiled per value"
         )
 
 

@@ -215,7 +215,8 @@ def auto_plan(found: list[Probe], num_shard: int, environ, adapters: list[str], 
         if p.device in adapters:
             return plan_for(p, num_shard, environ)
         warn(
-            f"a {p.device} device is present but this engine has no {p.device} adapter yet: not using it"
+            f"a {p.device} device is present but this engine has no {p.device} adapter yet: not "
+            "using it"
         )
     return cpu_plan(num_shard, environ)
 
@@ -224,7 +225,8 @@ def plan_for(found: Probe, num_shard: int, environ) -> DevicePlan:
     var = VISIBILITY_VARS["rocm" if found.rocm else found.device]
     if found.count < num_shard:
         raise DeviceError(
-            f"--num-shard {num_shard} needs {num_shard} {found.device} devices, {found.count} visible"
+            f"--num-shard {num_shard} needs {num_shard} {found.device} devices, {found.count} "
+            "visible"
         )
     # Honour a list the user already narrowed (CUDA_VISIBLE_DEVICES=2,3): rank r gets its r-th entry.
     preset = [i.strip() for i in environ.get(var, "").split(",") if i.strip()]

@@ -280,7 +280,8 @@ def _check_batch(logits, states, histories, prompt_lens, top_n, allowed) -> None
     for i, (history, prompt_len) in enumerate(zip(histories, prompt_lens)):
         if not 0 < prompt_len <= len(history):
             raise ValueError(
-                f"row {i}: the history ({len(history)} tokens) must start with the prompt ({prompt_len})"
+                f"row {i}: the history ({len(history)} tokens) must start with the prompt "
+                f"({prompt_len})"
             )
     if allowed is not None:
         if allowed.shape != logits.shape or allowed.dtype != torch.bool:

@@ -63,7 +63,8 @@ def check_recompute_fits(model, limits: ServingLimits) -> None:
     at = needed - 1
     if needed and min(limits.max_input_tokens, limits.max_prefill_tokens) < needed:
         raise InvalidRequestError(
-            f"max_total_tokens={limits.max_total_tokens} lets sequences pass the model's original_max_position_embeddings"
-            f"={at}, where its cache is recomputed with the long rope factors by a prefill of {at + 1} tokens: "
-            f"max_input_tokens must be at least {at + 1} (or keep max_total_tokens at most {at + 1})"
+            f"max_total_tokens={limits.max_total_tokens} lets sequences pass the model's "
+            f"original_max_position_embeddings={at}, where its cache is recomputed with the long "
+            f"rope factors by a prefill of {at + 1} tokens: max_input_tokens must be at least "
+            f"{at + 1} (or keep max_total_tokens at most {at + 1})"
         )

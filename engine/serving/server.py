@@ -311,7 +311,9 @@ class ShardServer:
         """Let in-flight RPCs finish (up to the grace period), then drop the socket file."""
         await self.server.stop(self.config.grace_seconds)
         self.servicer.executor.shutdown(wait=False, cancel_futures=True)
-        try:  # grpc removes it too in current versions; a launcher watching the path must not depend on that
+        # grpc removes it too in current versions;
+        # a launcher watching the path must not depend on that
+        try:
             os.unlink(self.config.socket_path())
         except FileNotFoundError:
             pass

@@ -133,7 +133,8 @@ class Shard:
         self.config = config = self._without_unsound_prefix_caching(config)
         if config.lora_adapters and self.implementation != "native":
             raise ModelLoadError(
-                "LoRA adapters are served with native implementations only (not --implementation transformers)"
+                "LoRA adapters are served with native implementations only (not --implementation "
+                "transformers)"
             )
         # LoRA adapters load before warmup, so that every bucket is warmed with them active.
         self.lora_set = load_adapters(
@@ -213,8 +214,9 @@ class Shard:
         if not config.prefix_caching or recompute_position(self.model) is None:
             return config
         log.warning(
-            "prefix caching and chunked prefill are off for %s: its rope tables switch with the sequence's "
-            "length, so a cached block's keys hold for sequences of one side of the switch only",
+            "prefix caching and chunked prefill are off for %s: its rope tables switch with the "
+            "sequence's length, so a cached block's keys hold for sequences of one side of the "
+            "switch only",
             self.model_config.architecture,
         )
         return dataclasses.replace(config, prefix_caching=False)
@@ -227,7 +229,8 @@ class Shard:
             report(f"dtype auto: {str(dtype).removeprefix('torch.')} ({why})", self.show_progress)
         if config.quantize != "none" and config.lora_adapters:
             raise ModelLoadError(
-                "--quantize does not combine with LoRA adapters yet (the adapters add to float weights)"
+                "--quantize does not combine with LoRA adapters yet (the adapters add to float "
+                "weights)"
             )
         if config.quantize != "none" and config.quantize not in self.adapter.quantize_modes:
             raise ModelLoadError(
@@ -319,7 +322,8 @@ class Shard:
         if self.speculator is not None and self.speculator.draft is not None:
             self.speculator.draft.release()
         self.adapter.release_memory(self.model)  # and what still holds it or caches its memory
-        self.adapter.shapes.clear()  # new limits, new cache: only what this warmup runs counts as warm
+        # new limits, new cache: only what this warmup runs counts as warm
+        self.adapter.shapes.clear()
 
     def _warm_serving_paths(self, batch: Batch | None) -> None:
         """What serving runs beside the buckets: the router's warmup `batch` prefilled once and
@@ -692,7 +696,8 @@ class Shard:
         positions = self.model_config.max_position_embeddings
         if limits.max_total_tokens > positions:
             raise InvalidRequestError(
-                f"max_total_tokens={limits.max_total_tokens} exceeds the model's {positions} positions"
+                f"max_total_tokens={limits.max_total_tokens} exceeds the model's {positions} "
+                "positions"
             )
         return limits
 

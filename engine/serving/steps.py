@@ -191,7 +191,8 @@ def _tokenize(ctx: StepContext, request: Request) -> list[int]:
         raise InvalidRequestError(f"request {request.id}: the prompt is empty")
     if len(ids) > limits.max_input_tokens:
         raise InvalidRequestError(
-            f"request {request.id}: prompt of {len(ids)} tokens exceeds max_input_tokens={limits.max_input_tokens}"
+            f"request {request.id}: prompt of {len(ids)} tokens exceeds "
+            f"max_input_tokens={limits.max_input_tokens}"
         )
     if max_new < 1:
         raise InvalidRequestError(
@@ -199,7 +200,8 @@ def _tokenize(ctx: StepContext, request: Request) -> list[int]:
         )
     if len(ids) + max_new > limits.max_total_tokens:
         raise InvalidRequestError(
-            f"request {request.id}: {len(ids)} prompt tokens + max_new_tokens={max_new} exceed max_total_tokens={limits.max_total_tokens}"
+            f"request {request.id}: {len(ids)} prompt tokens + max_new_tokens={max_new} exceed "
+            f"max_total_tokens={limits.max_total_tokens}"
         )
     if request.blocks and len(request.blocks) * ctx.block_size < len(
         ids

@@ -212,8 +212,8 @@ def summary_table(entries: list[dict]) -> str:
     """One line per bucket. `ctx blocks`: a prefill bucket's context blocks (a prefill that continues
     cached context); without it, buckets that differ only there would look like duplicates."""
     lines = [
-        f"{'phase':8} {'bs':>4} {'seq/blocks':>10} {'ctx blocks':>10} {'warm s':>8} {'median ms':>10} "
-        f"{'memory MiB':>11}"
+        f"{'phase':8} {'bs':>4} {'seq/blocks':>10} {'ctx blocks':>10} {'warm s':>8} "
+        f"{'median ms':>10} {'memory MiB':>11}"
     ]
     for e in entries:
         size = e.get("seq_len", e.get("num_blocks", e.get("width", e.get("size"))))

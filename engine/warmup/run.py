@@ -250,9 +250,9 @@ def lockstep_mode(mode: str, adapter) -> str:
     if mode != "progressive" or adapter.world_size == 1 or not adapter.warm_runs_forward:
         return mode
     log.warning(
-        "--warmup progressive with %d shards on %s in %s mode: every bucket is warmed before the shard "
-        "answers (full), since a background warmup forward would run its collectives out of step with "
-        "the other shards' serving steps",
+        "--warmup progressive with %d shards on %s in %s mode: every bucket is warmed before the "
+        "shard answers (full), since a background warmup forward would run its collectives out "
+        "of step with the other shards' serving steps",
         adapter.world_size,
         adapter.name,
         adapter.graph_mode,

@@ -43,7 +43,8 @@ def causal_lm_class(model_dir: Path):
     kind = hf_config.model_type
     if getattr(hf_config, "is_encoder_decoder", False):
         raise ModelLoadError(
-            f"model type {kind!r} is an encoder-decoder model: only decoder-only causal LMs are served"
+            f"model type {kind!r} is an encoder-decoder model: only decoder-only causal LMs are "
+            "served"
         )
     if getattr(hf_config, "vision_config", None) is not None:
         raise ModelLoadError(

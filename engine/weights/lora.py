@@ -60,7 +60,8 @@ def read_adapter(name: str, path: str | Path, max_rank: int) -> PeftAdapter:
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(
-            f"LoRA adapter {name!r}: directory {path} not found (adapters are not downloaded from a hub)"
+            f"LoRA adapter {name!r}: directory {path} not found (adapters are not downloaded from "
+            "a hub)"
         )
     for required in (CONFIG_FILE, WEIGHTS_FILE):
         if not (path / required).is_file():
@@ -111,7 +112,8 @@ def _modules(name: str, keys: list[str]) -> dict[str, dict[str, str]]:
     for module, pair in modules.items():
         if set(pair) != {"A", "B"}:
             raise ModelLoadError(
-                f"LoRA adapter {name!r}: module {module} has lora_{''.join(pair)} but not both A and B"
+                f"LoRA adapter {name!r}: module {module} has lora_{''.join(pair)} but not both A "
+                "and B"
             )
     if not modules:
         raise ModelLoadError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")

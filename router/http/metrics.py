@@ -304,7 +304,8 @@ class RouterMetrics:
         )
         self.invalid_replies = Counter(
             "bucketserve_invalid_replies",
-            "finished response_format replies that do not match their schema (returned as they are)",
+            "finished response_format replies that do not match their schema (returned as they "
+            "are)",
             registry=registry,
         )
         self._gauges(scheduler)

@@ -201,7 +201,8 @@ async def events(
             if time.monotonic() - asked >= DISCONNECT_CHECK_S:
                 asked = time.monotonic()
                 if await http_request.is_disconnected():
-                    return  # for servers whose send() ignores a closed connection instead of raising
+                    # for servers whose send() ignores a closed connection instead of raising
+                    return
             for event in render(generation):
                 yield event
         outcome = "success"

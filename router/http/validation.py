@@ -227,7 +227,8 @@ def prompt_ids(
     ):  # cheap: refuse a surely too long prompt before tokenizing it
         check(
             len(inputs) <= max_input * limits.token_chars,
-            f"`inputs` must have at most {max_input} tokens. Given: {len(inputs)} characters, more tokens than that",
+            f"`inputs` must have at most {max_input} tokens. Given: {len(inputs)} characters, "
+            "more tokens than that",
         )
     ids = tokenizer(inputs, add_special_tokens=add_special_tokens)["input_ids"]
     if truncate is not None:

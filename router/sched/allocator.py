@@ -18,7 +18,8 @@ from engine.wire.contract import RESERVED_BLOCK
 class Allocation:
     blocks: tuple[int, ...]
     slots: tuple[int, ...]
-    cache_len: int = 0  # tokens of the first blocks already computed (a prefix-cache hit: router/sched/prefix_cache.py)
+    # tokens of the first blocks already computed (a prefix-cache hit: router/sched/prefix_cache.py)
+    cache_len: int = 0
 
 
 class BlockAllocator:

@@ -40,7 +40,7 @@ def _mode_message(lazy: bool, found: str, graph_mode: str | None = None) -> str:
     value = "1" if lazy else "0"
     which = f"--graph-mode {graph_mode}" if graph_mode else "--graph-mode"
     return (
-        f"{which} needs the Habana bridge in {needed}, but {found}: set PT_HPU_LAZY_MODE={value} in the "
-        "environment before the engine starts (the bridge reads it when torch is imported; the launcher "
-        "sets it for its shards) or choose another --graph-mode"
+        f"{which} needs the Habana bridge in {needed}, but {found}: set PT_HPU_LAZY_MODE={value} "
+        "in the environment before the engine starts (the bridge reads it when torch is "
+        "imported; the launcher sets it for its shards) or choose another --graph-mode"
     )

@@ -56,14 +56,16 @@ def adapt_for_fallback(cls):
         return original
     if routes_through_interface(variant):
         log.info(
-            "serving optimum-habana's %s: its attention goes through transformers' attention interface",
+            "serving optimum-habana's %s: its attention goes through transformers' attention "
+            "interface",
             variant.__name__,
         )
         return variant
     _restore(module, before)
     log.warning(
-        "optimum-habana's %s keeps its own KV cache and attention (it never calls transformers' attention "
-        "interface), which would bypass bucketserve's paged KV cache: serving the un-adapted %s",
+        "optimum-habana's %s keeps its own KV cache and attention (it never calls transformers' "
+        "attention interface), which would bypass bucketserve's paged KV cache: serving the "
+        "un-adapted %s",
         variant.__name__,
         original.__name__,
     )
@@ -93,12 +95,14 @@ def _adapt_function():
             _report("optimum-habana is not installed: the transformers fallback runs un-adapted")
         else:
             _report(
-                f"optimum-habana cannot be imported with this transformers ({err}): the fallback runs un-adapted"
+                f"optimum-habana cannot be imported with this transformers ({err}): the fallback "
+                "runs un-adapted"
             )
         return None
     except Exception as err:  # noqa: BLE001 - its imports of transformers internals fail in many ways
         _report(
-            f"optimum-habana cannot be imported with this transformers ({err}): the fallback runs un-adapted"
+            f"optimum-habana cannot be imported with this transformers ({err}): the fallback runs "
+            "un-adapted"
         )
         return None
     return adapt_transformers_to_gaudi
