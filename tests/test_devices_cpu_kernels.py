@@ -225,8 +225,6 @@ def test_the_packed_projection_refuses_what_it_cannot_multiply(product, isa_leve
         multiply(torch.ones(2, 64), packed, 40)
 
 
-
-
 def split_qk(lead, heads, kv_heads, dim, seed):
     """q and k as the model has them: strided views of one fused q/k/v product."""
     generator = torch.Generator().manual_seed(seed)
