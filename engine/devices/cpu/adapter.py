@@ -82,6 +82,8 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
             return path
         if cpu_kernels.load() is None:
             return f"{path} (CPU kernels not built, {cpu_kernels.PROBLEMS.get(isa.level(), '')})"
+        if not self.kernel_names():  # float32: the kernels are not used
+            return path
         capped = f", capped by {isa.CAP_VARIABLE}" if isa.cap() else ""
         return f"{path} (CPU kernels at ISA level {isa.level()}{capped})"
 
