@@ -91,7 +91,12 @@ def check_cap(cap: str) -> str:
 
 def cap() -> str | None:
     """The cap that the environment sets (checked), or None."""
-    value = os.environ.get(CAP_VARIABLE, "").strip().lower()
+    return _cap_of(os.environ.get(CAP_VARIABLE, ""))
+
+
+@cache  # every kernel call asks (cpu_kernels.load): a lookup, not a check (an error is not kept)
+def _cap_of(text: str) -> str | None:
+    value = text.strip().lower()
     return check_cap(value) if value else None
 
 

@@ -141,10 +141,10 @@ PROBLEMS: dict[str, str] = {}  # why the library of a level was not built, in wo
 @cache
 def _build(level: str):
     library = library_path(level)
-    if library.exists():
-        return import_library(library)
-    problem = missing_tool()
+    problem = None if library.exists() else missing_tool()
     try:
+        if library.exists():
+            return import_library(library)
         if problem is None:
             return compile_into(library, level)
     except Exception as error:  # no headers, a compiler error: the pure-torch path serves
