@@ -87,6 +87,10 @@ def resolve(config: LauncherConfig, console: Console) -> tuple[LauncherConfig, D
         warn=lambda message: console.line(f"warning: {message}"),
     )
     check_placement(engine.quantize, device.name, stages)
+    if device.name == "cpu":
+        from engine.devices.cpu.isa import cap
+
+        cap()  # BUCKETSERVE_CPU_ISA at a level this CPU runs, else one line (isa.IsaError)
     check_grid(
         config.world_size, stages, lambda tp: check_split(engine.model_id, tp, tp_what(config, tp))
     )

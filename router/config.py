@@ -77,8 +77,7 @@ class RouterConfig(SharedKnobs):
         "auto",
         "on: while nothing waits to be admitted, the shards run a batch's "
         "next forward as soon as they answer a step, overlapping the "
-        "router's round trip; auto (default): on unless the shards run "
-        "on CPU",
+        "router's round trip; auto (default): on, on every device",
         choices=("auto", "on", "off"),
     )
     wait_for_shards: float = knob(

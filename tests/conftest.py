@@ -4,6 +4,7 @@ import torch
 from engine.config import default_cache_dir
 from engine.weights.loader import resolve_model_dir
 from tests.helpers import tiny_config, warmed_llama_shard  # noqa: F401 - re-exported
+from tests.isa_levels import isa_level, kernels_at  # noqa: F401 - fixtures of every file
 from tests.models import build_tiny_model
 
 torch.manual_seed(0)

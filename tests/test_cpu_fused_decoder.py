@@ -23,7 +23,7 @@ def fused_shard(model_dir, **overrides) -> Shard:
     shard = Shard(tiny_config(model_dir, dtype="bfloat16", **overrides), show_progress=False)
     shard.warmup()
     if shard.model.fused_decode is None:
-        pytest.skip("no packed bfloat16 product on this CPU")
+        pytest.skip("no packed product of these weights at this ISA level (the CPU's or the cap's)")
     # The modules take the rope and SiLU kernels the fused step runs, also on CPUs where the
     # adapter leaves them to torch (no AVX512-BF16), so that both paths run the same arithmetic.
     generator = torch.Generator().manual_seed(2)

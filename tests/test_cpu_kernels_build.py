@@ -1,13 +1,19 @@
 """How the fused CPU kernels are built and found: once by the set-up, then imported at every start
 without the compiler; a build in a directory of its own, so that no lock file can hold a start."""
 
+import os
+import re
 import shutil
 
 import pytest
 from torch.utils import cpp_extension
 
+from engine.devices.cpu import isa
 from engine.devices.cpu import kernels as cpu_kernels
 from engine.devices.cpu.kernels import __main__ as build_command
+from launcher.cli import main as launcher_main
+from tests.test_multinode import pytest_signals  # noqa: F401 - a fixture
+from tests.test_server import free_tcp_port
 
 
 def refuse_to_compile(**kwargs):
@@ -23,7 +29,7 @@ def test_a_built_library_is_imported_without_the_compiler(tmp_path, monkeypatch)
     copy.parent.mkdir(parents=True)
     shutil.copy(built, copy)
     monkeypatch.setattr(cpp_extension, "load", refuse_to_compile)
-    module = cpu_kernels._build.__wrapped__()
+    module = cpu_kernels._build.__wrapped__(isa.level())
     assert module is not None and module.dot_linear_supported() in (True, False)
 
 
@@ -40,12 +46,13 @@ def fake_build(seen: list):
 
 def test_a_stale_lock_file_does_not_hold_a_build_and_none_is_left(tmp_path, monkeypatch):
     monkeypatch.setenv("BUCKETSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "missing_tool", lambda: None)  # the build is cpp_extension's
     library = cpu_kernels.library_path()
     library.parent.mkdir(parents=True)
     (library.parent / "lock").touch()  # what a killed cpp_extension build leaves behind
     seen: list = []
     monkeypatch.setattr(cpp_extension, "load", fake_build(seen))
-    assert cpu_kernels._build.__wrapped__() == "the module"
+    assert cpu_kernels._build.__wrapped__(isa.level()) == "the module"
     assert seen == [[]]  # it built in an empty directory, not beside the stale lock
     assert library.read_bytes() == b"built"
     assert sorted(p.name for p in library.parent.iterdir()) == sorted(["lock", library.name])
@@ -58,14 +65,16 @@ def test_a_failed_build_leaves_the_pure_torch_path_and_no_scratch(tmp_path, monk
         raise RuntimeError("no compiler")
 
     monkeypatch.setattr(cpp_extension, "load", broken)
-    assert cpu_kernels._build.__wrapped__() is None
+    monkeypatch.setattr(cpu_kernels, "missing_tool", lambda: None)
+    assert cpu_kernels._build.__wrapped__(isa.level()) is None
     assert list(cpu_kernels.library_path().parent.iterdir()) == []
 
 
 def test_the_set_up_command_builds_once_and_then_finds_the_library(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("BUCKETSERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(cpp_extension, "load", fake_build([]))
-    monkeypatch.setattr(cpu_kernels, "load", cpu_kernels._build.__wrapped__)
+    monkeypatch.setattr(cpu_kernels, "missing_tool", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: cpu_kernels._build.__wrapped__(isa.level()))
     assert build_command.main() == 0
     assert "built in" in capsys.readouterr().out
     monkeypatch.setattr(cpu_kernels, "import_library", lambda path: "imported")
@@ -77,3 +86,76 @@ def test_the_set_up_command_succeeds_with_the_kernels_off(monkeypatch, capsys):
     monkeypatch.setenv("BUCKETSERVE_CPU_KERNELS", "0")
     assert build_command.main() == 0
     assert "off" in capsys.readouterr().out
+
+
+def test_without_a_compiler_the_set_up_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("BUCKETSERVE_CACHE", str(tmp_path))  # nothing built there
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setattr(cpu_kernels, "load", lambda: cpu_kernels._build.__wrapped__(isa.level()))
+    assert build_command.main() == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.count("\n") == 1
+    assert "no C++ compiler (no-such-compiler" in out and "pure-torch path" in out
+
+
+def a_level_this_cpu_lacks() -> str:
+    lacking = [level for level in isa.LEVELS if level not in isa.cpu_levels()]
+    if not lacking:
+        pytest.skip("this CPU runs every level")
+    return lacking[0]
+
+
+@pytest.mark.parametrize("cap", ["lacking", "avx1024"])
+def test_a_cap_the_cpu_cannot_run_is_one_line_at_set_up_and_launch(
+    cap, monkeypatch, capsys, pytest_signals
+):
+    cap = a_level_this_cpu_lacks() if cap == "lacking" else cap
+    monkeypatch.setenv(isa.CAP_VARIABLE, cap)
+    why = "this CPU does not run it" if cap in isa.LEVELS else "not a level; use one of scalar"
+    with pytest.raises(isa.IsaError, match=why):
+        cpu_kernels.load()
+    assert build_command.main() == 2
+    assert launcher_main(["--device", "cpu", "--port", str(free_tcp_port())]) == 2
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert out == "" and len(lines) == 2 and lines[0] == lines[1]
+    assert lines[0].startswith(f"error: {isa.CAP_VARIABLE}={cap}: ") and why in lines[0]
+
+
+def source_text(path) -> str:
+    """A source with the text of the kernels' headers it includes, recursively."""
+    text = path.read_text()
+    included = re.findall(r'#include "([^"]+)"', text)
+    return text + "".join(source_text(path.parent / name) for name in included)
+
+
+# The macros of each level's code in the sources (the levels' #if blocks)
+MACROS = {
+    "avx2": ["__AVX2__"],
+    "avx512": ["__AVX512F__"],
+    "avx512_bf16": ["__AVX512BF16__"],
+    "amx": ["__AMX_TILE__"],
+}
+
+
+def sources_above_this_cpu() -> list:
+    """The sources with code of a level this CPU lacks (never built here), or one skipped
+    parameter where the CPU runs them all (its builds compile every line)."""
+    if not isa.x86():
+        return [pytest.param(None, marks=pytest.mark.skip(reason="x86 levels only"))]
+    above = [
+        name for level in isa.LEVELS[1:] if level not in isa.cpu_levels() for name in MACROS[level]
+    ]
+    found = [path for path in cpu_kernels.SOURCES if any(m in source_text(path) for m in above)]
+    skip = pytest.mark.skip(reason="this CPU runs every level: its builds compile all the code")
+    return [pytest.param(p, id=p.name) for p in found] or [pytest.param(None, marks=skip)]
+
+
+@pytest.mark.parametrize("source", sources_above_this_cpu())
+def test_the_code_of_levels_this_cpu_lacks_compiles(source):
+    """Code under AMX's or AVX-512's macros is built only on such CPUs: checked with the highest
+    level's features switched on, compiling needs none of them."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler")
+    done = cpu_kernels.compile_check("amx", source)
+    assert done.returncode == 0, done.stderr[-4000:]

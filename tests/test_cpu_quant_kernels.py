@@ -2,19 +2,20 @@
 codes multiplied in AVX512-BF16 dot products, against the exact product of the weight they stand
 for, and their refusals."""
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.devices.cpu import kernels as cpu_kernels
 from engine.layers.quant import Int4Weight, int4_groupwise, int8_per_channel
+from tests.isa_levels import skip_module_below
 
-kernels = cpu_kernels.load() if shutil.which("c++") else None
-pytestmark = pytest.mark.skipif(
-    kernels is None or not kernels.dot_linear_supported(), reason="no AVX512-BF16 build here"
-)
+skip_module_below("avx512_bf16")  # their only level so far
+
+
+@pytest.fixture(autouse=True)
+def at_avx512_bf16(kernels_at):
+    kernels_at("avx512_bf16")
 
 
 def bfloat16_step(exact: torch.Tensor) -> torch.Tensor:
@@ -95,20 +96,20 @@ def test_the_packed_weights_read_back_as_the_weights_they_hold():
 def test_int4_refuses_what_it_cannot_multiply():
     codes, half = torch.zeros(40, 64, dtype=torch.uint8), torch.ones(40, 2).bfloat16()
     with pytest.raises(RuntimeError, match="multiple of 32 inputs"):
-        kernels.pack_int4(torch.zeros(40, 48, dtype=torch.uint8), half, half)
+        cpu_kernels.load().pack_int4(torch.zeros(40, 48, dtype=torch.uint8), half, half)
     with pytest.raises(RuntimeError, match="codes must be 0 to 15"):
-        kernels.pack_int4(codes + 16, half, half)
+        cpu_kernels.load().pack_int4(codes + 16, half, half)
     with pytest.raises(RuntimeError, match="scale and zero"):
-        kernels.pack_int4(codes, half[:, :1], half)
-    packed = kernels.pack_int4(codes, half, half)
+        cpu_kernels.load().pack_int4(codes, half[:, :1], half)
+    packed = cpu_kernels.load().pack_int4(codes, half, half)
     with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
-        kernels.int4_linear(torch.ones(2, 32).bfloat16(), packed, 40)
+        cpu_kernels.load().int4_linear(torch.ones(2, 32).bfloat16(), packed, 40)
     with pytest.raises(RuntimeError, match="does not match"):
-        kernels.int4_linear(torch.ones(2, 64).bfloat16(), packed, 65)
+        cpu_kernels.load().int4_linear(torch.ones(2, 64).bfloat16(), packed, 65)
     with pytest.raises(RuntimeError, match="bfloat16 expected"):
-        kernels.int4_linear(torch.ones(2, 64), packed, 40)
+        cpu_kernels.load().int4_linear(torch.ones(2, 64), packed, 40)
     with pytest.raises(RuntimeError, match="packed by pack_int4"):
-        kernels.int4_linear(torch.ones(2, 64).bfloat16(), packed[..., :-1], 40)
+        cpu_kernels.load().int4_linear(torch.ones(2, 64).bfloat16(), packed[..., :-1], 40)
 
 
 # Rows: a lone decode, a whole tile (12), past it, past the 256 rows kept in cache.
@@ -146,22 +147,22 @@ def test_int8_rounds_exact_sums_to_nearest_even():
 def test_int8_refuses_what_it_cannot_multiply():
     codes, scale = torch.zeros(40, 64, dtype=torch.int8), torch.ones(40)
     with pytest.raises(RuntimeError, match="even number of inputs"):
-        kernels.pack_int8(torch.zeros(40, 63, dtype=torch.int8), scale)
+        cpu_kernels.load().pack_int8(torch.zeros(40, 63, dtype=torch.int8), scale)
     with pytest.raises(RuntimeError, match="int8 expected"):
-        kernels.pack_int8(codes.to(torch.uint8), scale)
+        cpu_kernels.load().pack_int8(codes.to(torch.uint8), scale)
     with pytest.raises(RuntimeError, match=r"scale \[N\]"):
-        kernels.pack_int8(codes, scale[:5])
-    packed = kernels.pack_int8(codes, scale)
+        cpu_kernels.load().pack_int8(codes, scale[:5])
+    packed = cpu_kernels.load().pack_int8(codes, scale)
     with pytest.raises(RuntimeError, match="packed by pack_int8 for 32 inputs"):
-        kernels.int8_linear(torch.ones(2, 32).bfloat16(), packed, 40)
+        cpu_kernels.load().int8_linear(torch.ones(2, 32).bfloat16(), packed, 40)
     with pytest.raises(RuntimeError, match="does not match"):
-        kernels.int8_linear(torch.ones(2, 64).bfloat16(), packed, 65)
+        cpu_kernels.load().int8_linear(torch.ones(2, 64).bfloat16(), packed, 65)
     with pytest.raises(RuntimeError, match="bfloat16 expected"):
-        kernels.int8_linear(torch.ones(2, 64), packed, 40)
+        cpu_kernels.load().int8_linear(torch.ones(2, 64), packed, 40)
 
 
 def test_float32_scales_keep_torchs_quantized_kernels():
-    """The products take bfloat16 activations; a float32 model's weights stay on torch's kernels."""
+    """The products take bfloat16 activations; a float32 model's weights stay on torch's cpu_kernels.load()."""
     assert cpu_kernels.Int8Linear.of(int8_per_channel(torch.randn(8, 64), torch.float32)) is None
     assert cpu_kernels.Int4Linear.of(int4_groupwise(torch.randn(32, 64), torch.float32)) is None
 

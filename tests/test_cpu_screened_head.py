@@ -2,19 +2,21 @@
 from the int4 screen, each row's 16 best rescored from the int8 codes; and greedy_steps' argmax
 (decoder.cpp's first_argmax) against torch.argmax."""
 
-import shutil
-
 import pytest
 import torch
 
 from engine.devices.cpu import kernels as cpu_kernels
 from engine.layers.quant import int4_codes, int8_per_channel
+from tests.isa_levels import skip_module_below
 from tests.test_cpu_quant_kernels import bfloat16_step
 
-kernels = cpu_kernels.load() if shutil.which("c++") else None
-pytestmark = pytest.mark.skipif(
-    kernels is None or not kernels.int4_linear_supported(), reason="no AVX512-BF16 build here"
-)
+skip_module_below("avx512_bf16")  # their only level so far
+
+
+@pytest.fixture(autouse=True)
+def at_avx512_bf16(kernels_at):
+    kernels_at("avx512_bf16")
+
 
 KEEP = 16  # screened_head.cpp's SCREEN_KEEP
 
@@ -33,8 +35,10 @@ def test_a_rows_best_logits_are_the_int8_heads_and_the_rest_the_screens(rows, vo
     assert out.shape == (rows, vocab) and out.dtype == torch.bfloat16
 
     codes, scale, zero = int4_codes(weight.dequantize(), torch.bfloat16)
-    screen_weight = kernels.pack_int4(codes.to(torch.uint8), scale.bfloat16(), zero.bfloat16())
-    screen = kernels.int4_linear(x, screen_weight, vocab)
+    screen_weight = cpu_kernels.load().pack_int4(
+        codes.to(torch.uint8), scale.bfloat16(), zero.bfloat16()
+    )
+    screen = cpu_kernels.load().int4_linear(x, screen_weight, vocab)
     # the 16 best by the screen; a tie at the 16th place may go either way
     kth = screen.float().topk(KEEP, dim=1).values[:, -1:]
     above, below = screen.float() > kth, screen.float() < kth
@@ -61,9 +65,9 @@ def test_the_screened_head_refuses_a_packed_head_of_another_size():
     screened = cpu_kernels.ScreenedHead.of(head(100, 64, seed=0))
     x = torch.randn(1, 64).bfloat16()
     with pytest.raises(RuntimeError, match="a head packed by pack_screened for 99 tokens"):
-        kernels.screened_linear(x, screened.packed, 99)
+        cpu_kernels.load().screened_linear(x, screened.packed, 99)
     with pytest.raises(RuntimeError, match="a multiple of 32 inputs"):
-        kernels.screened_linear(torch.randn(1, 48).bfloat16(), screened.packed, 100)
+        cpu_kernels.load().screened_linear(torch.randn(1, 48).bfloat16(), screened.packed, 100)
 
 
 def logits_cases():
@@ -84,7 +88,7 @@ def logits_cases():
 @pytest.mark.parametrize("case", range(len(list(logits_cases()))))
 def test_greedy_steps_argmax_is_torch_argmax(case):
     logits = list(logits_cases())[case]
-    assert kernels.first_argmax(logits) == torch.argmax(logits).item()
+    assert cpu_kernels.load().first_argmax(logits) == torch.argmax(logits).item()
 
 
 def test_the_screened_head_reads_back_the_int8_weight_it_screens():

@@ -1,6 +1,6 @@
-"""The CPU adapter's fused C++ kernels (engine/devices/cpu/kernels), against the pure-torch path."""
-
-import shutil
+"""The CPU adapter's fused C++ kernels (engine/devices/cpu/kernels), against the pure-torch path,
+at each ISA level this CPU runs (tests/isa_levels.py): each test takes the level it is for, and is
+skipped, with the reason, where the kernels are not built."""
 
 import pytest
 import torch
@@ -9,17 +9,32 @@ import torch.nn.functional as F
 from engine.attention import windowed_metadata
 from engine.attention.backend import TORCH
 from engine.attention.flat import flat_attention, flat_block_tensors, flat_mask
+from engine.devices.cpu import isa
 from engine.devices.cpu import kernels as cpu_kernels
 from engine.layers.norm import GemmaRMSNorm, RMSNorm
 from engine.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
 from engine.serving.shard import Shard
 from tests.conftest import tiny_config
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
-
 
 def test_the_kernels_build_where_a_compiler_is():
+    if cpu_kernels.missing_tool() is not None:
+        pytest.skip(f"CPU kernels cannot be built here: {cpu_kernels.missing_tool()}")
     assert cpu_kernels.load() is not None
+
+
+def test_each_level_builds_what_it_serves_and_nothing_above(isa_level):
+    """The library of a level holds the products of that level and below (its compiler flags),
+    and the classes chosen follow the level in force: what a CPU of that level would serve."""
+    module = cpu_kernels.load()
+    assert module.fma_linear_supported() == isa.at_least("avx2")
+    assert module.dot_linear_supported() == isa.at_least("avx512_bf16")
+    assert module.int4_linear_supported() == isa.at_least("avx512_bf16")
+    assert not module.amx_supported() or isa.at_least("amx")
+    expected = next((k for k in cpu_kernels.PROJECTIONS if isa.at_least(k.level)), None)
+    if expected is cpu_kernels.AmxLinear and not module.amx_supported():
+        expected = cpu_kernels.DotLinear  # AMX listed, tiles refused (a virtual machine)
+    assert cpu_kernels.kernel_for(torch.ones(8, 32).bfloat16()) is expected
 
 
 def paged_case(lengths, dtype, heads=6, kv_heads=2, dim=64, block_size=4, padding=(0, 0)):
@@ -55,7 +70,7 @@ CASES = {
 
 @pytest.mark.parametrize("dim", [64, 24])  # vectorized, and the plain loop for other head sizes
 @pytest.mark.parametrize("case", CASES)
-def test_decode_attention_reads_the_paged_cache_as_flat_attention_does(case, dim):
+def test_decode_attention_reads_the_paged_cache_as_flat_attention_does(case, dim, isa_level):
     lengths, padding = CASES[case]
     args = paged_case(lengths, torch.float32, dim=dim, padding=padding)
     expected = flat_attention(*args, 0.125)
@@ -65,7 +80,7 @@ def test_decode_attention_reads_the_paged_cache_as_flat_attention_does(case, dim
 
 
 @pytest.mark.parametrize("spread", [60, 1e15])
-def test_decode_attention_keeps_scores_far_below_the_maximum(spread):
+def test_decode_attention_keeps_scores_far_below_the_maximum(spread, isa_level):
     """Scores hundreds below their row's maximum: the vectorized exp must underflow to 0, not wrap.
     (float32 scores of that size carry errors of 1e-5 themselves: compared with float64.)"""
     q, *rest = paged_case([40, 23], torch.float32)
@@ -78,7 +93,9 @@ def test_decode_attention_keeps_scores_far_below_the_maximum(spread):
 # Query heads per kv head and head sizes: SmolLM2's 3 x 64, one group of 8 x 128, no grouping.
 @pytest.mark.parametrize("heads, kv_heads, dim", [(6, 2, 64), (8, 1, 128), (4, 4, 64)])
 @pytest.mark.parametrize("case", CASES)
-def test_decode_attention_in_bfloat16_is_within_bfloat16s_rounding(case, heads, kv_heads, dim):
+def test_decode_attention_in_bfloat16_is_within_bfloat16s_rounding(
+    case, heads, kv_heads, dim, isa_level
+):
     lengths, padding = CASES[case]
     args = paged_case(lengths, torch.bfloat16, heads, kv_heads, dim, padding=padding)
     exact = flat_attention(*(a.double() if a.is_floating_point() else a for a in args), 0.125)
@@ -87,7 +104,7 @@ def test_decode_attention_in_bfloat16_is_within_bfloat16s_rounding(case, heads, 
     torch.testing.assert_close(out[:rows].double(), exact[:rows], atol=1e-2, rtol=1e-2)
 
 
-def test_decode_attention_keeps_a_sliding_windows_mask():
+def test_decode_attention_keeps_a_sliding_windows_mask(isa_level):
     lengths = [14, 9]
     args = paged_case(lengths, torch.float32)
     q, key_cache, value_cache, block_list, mapping, owners, bias = args
@@ -102,7 +119,7 @@ def test_decode_attention_keeps_a_sliding_windows_mask():
     )
 
 
-def test_decode_attention_refuses_a_block_outside_the_cache():
+def test_decode_attention_refuses_a_block_outside_the_cache(isa_level):
     q, key_cache, value_cache, block_list, mapping, owners, bias = paged_case([5], torch.float32)
     block_list = block_list.clone()
     block_list[0] = key_cache.shape[0]
@@ -114,7 +131,7 @@ def test_decode_attention_refuses_a_block_outside_the_cache():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7])
-def test_rms_norm_matches_the_torch_module(dtype, rows):
+def test_rms_norm_matches_the_torch_module(dtype, rows, isa_level):
     torch.manual_seed(rows)
     norm = RMSNorm(40, 1e-5).to(dtype)
     norm.weight.data = torch.randn(40).to(dtype)
@@ -128,24 +145,21 @@ def test_rms_norm_matches_the_torch_module(dtype, rows):
         torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
 
 
-def runnable(kernel):
-    """The packed projection `kernel` as a pytest parameter, skipped where this CPU cannot run it."""
-    supported = {
-        "amx-bf16": "amx_supported",
-        "avx512-bf16": "dot_linear_supported",
-        "avx2-bf16": "fma_linear_supported",
-    }[kernel.kind]
-    runs = getattr(cpu_kernels.load(), supported)()
-    return pytest.param(
-        kernel, id=kernel.kind, marks=pytest.mark.skipif(not runs, reason="not here")
-    )
+NO_PROJECTION = pytest.param(None, marks=pytest.mark.skip(reason="no packed projection this low"))
 
 
-PROJECTIONS = [
-    runnable(cpu_kernels.AmxLinear),
-    runnable(cpu_kernels.DotLinear),
-    runnable(cpu_kernels.FmaLinear),
-]
+@pytest.fixture(
+    params=[k for k in cpu_kernels.PROJECTIONS if k.level in isa.testable_levels()]
+    or [NO_PROJECTION],  # scalar: every product is torch's
+    ids=lambda kernel: getattr(kernel, "kind", "none"),
+)
+def kernel(request, kernels_at):
+    """Each packed projection at its own ISA level (the cap there): a CPU above it runs the code
+    that a CPU of that level builds. AMX also needs Linux to grant the tiles."""
+    kernels_at(request.param.level)
+    if not cpu_kernels.serves(request.param):
+        pytest.skip(f"{request.param.kind}: this CPU lists AMX but refuses its tiles")
+    return request.param
 
 
 def test_a_cpu_with_avx512_bf16_gets_a_packed_projection():
@@ -153,27 +167,16 @@ def test_a_cpu_with_avx512_bf16_gets_a_packed_projection():
     silently fell back to torch would pass every other test here."""
     if "avx512_bf16" not in cpu_kernels.cpu_identity().split():
         pytest.skip("this CPU has no AVX512-BF16")
+    if cpu_kernels.load() is None or not isa.at_least("avx512_bf16"):
+        pytest.skip("CPU kernels not built, or capped below avx512_bf16")
     assert cpu_kernels.load().dot_linear_supported()
     assert cpu_kernels.kernel_for(torch.ones(8, 32).bfloat16()) is not None
-
-
-def test_an_x86_cpu_with_avx2_and_fma_gets_a_packed_projection():
-    """The same for the AVX2 product, the one left to CPUs without AVX512-BF16."""
-    flags = cpu_kernels.cpu_identity().split()
-    if not {"avx2", "fma"} <= set(flags):
-        pytest.skip("this CPU has no AVX2 and FMA")
-    assert cpu_kernels.load().fma_linear_supported()
-    kernel = cpu_kernels.kernel_for(torch.ones(8, 32).bfloat16())
-    assert kernel is not None
-    if "avx512_bf16" not in flags and "amx_bf16" not in flags:
-        assert kernel is cpu_kernels.FmaLinear
 
 
 # Rows: a lone decode, a partial tile, whole tiles (4 rows in FMA, 12 for dot products, 16 and 32
 # in AMX),
 # past them, past the 256 rows kept in cache. Columns: within one block, a partial last block,
 # many blocks.
-@pytest.mark.parametrize("kernel", PROJECTIONS)
 @pytest.mark.parametrize("rows", [1, 12, 17, 32, 45, 300])
 @pytest.mark.parametrize("out_features, in_features", [(24, 64), (72, 96), (960, 576)])
 def test_the_packed_projection_multiplies_as_f_linear_does(kernel, rows, out_features, in_features):
@@ -192,7 +195,6 @@ def test_the_packed_projection_multiplies_as_f_linear_does(kernel, rows, out_fea
     assert ((out[:, 0].double() - exact).abs() <= step + summing).all()
 
 
-@pytest.mark.parametrize("kernel", PROJECTIONS)
 def test_the_packed_projection_rounds_its_sums_to_nearest_even(kernel):
     """Small integers: every float32 sum is exact, so the one rounding to bfloat16 (8 significant
     bits, many ties among integers up to thousands) must be torch's, bit for bit."""
@@ -204,7 +206,7 @@ def test_the_packed_projection_rounds_its_sums_to_nearest_even(kernel):
 
 
 @pytest.mark.parametrize("product", ["amx_linear", "dot_linear", "fma_linear"])
-def test_the_packed_projection_refuses_what_it_cannot_multiply(product):
+def test_the_packed_projection_refuses_what_it_cannot_multiply(product, isa_level):
     kernels = cpu_kernels.load()
     multiply = getattr(kernels, product)
     supported, refusal = {
@@ -227,11 +229,6 @@ def test_the_packed_projection_refuses_what_it_cannot_multiply(product):
         multiply(torch.ones(2, 64), packed, 40)
 
 
-needs_bf16_vectors = pytest.mark.skipif(
-    not cpu_kernels.load().dot_linear_supported(), reason="built without AVX512-BF16"
-)
-
-
 def split_qk(lead, heads, kv_heads, dim, seed):
     """q and k as the model has them: strided views of one fused q/k/v product."""
     generator = torch.Generator().manual_seed(seed)
@@ -241,10 +238,9 @@ def split_qk(lead, heads, kv_heads, dim, seed):
     return q.view(*lead, heads, dim), k.view(*lead, kv_heads, dim)
 
 
-@needs_bf16_vectors
 @pytest.mark.parametrize("lead", [(1,), (7,), (2, 5)])  # a lone decode, a batch, a prefill
 @pytest.mark.parametrize("dim", [64, 24])  # vectorized halves, and the plain loop
-def test_the_fused_rope_is_bitwise_apply_rotary(lead, dim):
+def test_the_fused_rope_is_bitwise_apply_rotary(lead, dim, isa_level):
     q, k = split_qk(lead, 6, 2, dim, seed=dim)
     positions = torch.arange(int(torch.tensor(lead).prod())).view(lead) * 3 + 17
     cos, sin = RotaryEmbedding(RopeConfig(), dim, 512).cos_sin(positions, torch.bfloat16)
@@ -253,8 +249,7 @@ def test_the_fused_rope_is_bitwise_apply_rotary(lead, dim):
     assert torch.equal(out_q, expected_q) and torch.equal(out_k, expected_k)
 
 
-@needs_bf16_vectors
-def test_the_fused_rope_leaves_a_partial_rotation_to_torch():
+def test_the_fused_rope_leaves_a_partial_rotation_to_torch(isa_level):
     q, k = split_qk((3,), 4, 2, 64, seed=1)
     rope = RotaryEmbedding(RopeConfig(partial_rotary_factor=0.5), 64, 64)
     cos, sin = rope.cos_sin(torch.tensor([1, 2, 3]), torch.bfloat16)
@@ -263,9 +258,8 @@ def test_the_fused_rope_leaves_a_partial_rotation_to_torch():
     assert torch.equal(out_q, expected_q) and torch.equal(out_k, expected_k)
 
 
-@needs_bf16_vectors
 @pytest.mark.parametrize("rows, width", [(1, 1536), (5, 40)])  # vectorized; a plain-loop tail
-def test_the_fused_silu_and_product_matches_torch(rows, width):
+def test_the_fused_silu_and_product_matches_torch(rows, width, isa_level):
     torch.manual_seed(width)
     gate_up = (torch.randn(rows, 2 * width) * 4).bfloat16()
     gate, up = gate_up.chunk(2, dim=-1)
@@ -276,7 +270,9 @@ def test_the_fused_silu_and_product_matches_torch(rows, width):
     torch.testing.assert_close(out, expected, atol=0, rtol=2 * 2**-8)
 
 
-def test_an_eager_bfloat16_shard_uses_the_kernels_and_float32_keeps_pure_torch(tiny_model_dirs):
+def test_an_eager_bfloat16_shard_uses_the_kernels_and_float32_keeps_pure_torch(
+    tiny_model_dirs, isa_level
+):
     model = tiny_model_dirs["llama"]
     shard = Shard(tiny_config(model, dtype="bfloat16"), show_progress=False)
     kernel = cpu_kernels.kernel_for(torch.ones(8, 32).bfloat16())
@@ -290,7 +286,7 @@ def test_an_eager_bfloat16_shard_uses_the_kernels_and_float32_keeps_pure_torch(t
     assert norms and all(
         m.fused is cpu_kernels.rms_norm for m in norms if not isinstance(m, GemmaRMSNorm)
     )
-    if cpu_kernels.load().dot_linear_supported():
+    if isa.at_least("avx512_bf16"):
         layer = shard.model.layers[0]
         assert layer.self_attn.fused_rotary is cpu_kernels.rope
         assert layer.mlp.fused_act_and_mul is cpu_kernels.silu_and_mul
@@ -301,7 +297,7 @@ def test_an_eager_bfloat16_shard_uses_the_kernels_and_float32_keeps_pure_torch(t
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_row_by_row_equals_head_by_head(dtype):
+def test_decode_attention_row_by_row_equals_head_by_head(dtype, isa_level):
     """A batch of two rows a thread or more reads each row's kv heads together, chunk by chunk;
     fewer rows split further (float32 by kv head, bfloat16 by spans of 64 positions, merged after).
     Both run the same arithmetic in the same order (in bfloat16 the scores are bfloat16 dot
@@ -322,7 +318,7 @@ def test_decode_attention_row_by_row_equals_head_by_head(dtype):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_a_crew_hands_every_item_to_one_member(threads):
+def test_a_crew_hands_every_item_to_one_member(threads, isa_level):
     """The fused step's crew (crew.h): one parallel_for's items in contiguous parts, one a member,
     each item done once; a parallel_for inside a part runs there, whole."""
     previous = torch.get_num_threads()
@@ -338,7 +334,7 @@ def test_a_crew_hands_every_item_to_one_member(threads):
 
 
 @pytest.mark.parametrize("failing_item", [0, 9])  # the driver's part, then the last member's
-def test_an_error_in_a_crews_part_reaches_the_caller_and_the_crew_ends(failing_item):
+def test_an_error_in_a_crews_part_reaches_the_caller_and_the_crew_ends(failing_item, isa_level):
     with pytest.raises(RuntimeError, match=f"item {failing_item} failed"):
         cpu_kernels.load().crew_members(10, 1, failing_item)
     assert (cpu_kernels.load().crew_members(10, 1, -1) >= 0).all()  # the next crew runs

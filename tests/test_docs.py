@@ -368,6 +368,7 @@ def test_the_dtype_line_shown_is_the_one_the_cpu_adapter_writes(monkeypatch):
 
     from engine.devices.cpu.adapter import CPUAdapter
 
+    monkeypatch.delenv("BUCKETSERVE_CPU_ISA", raising=False)  # the CPU's own choice
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     dtype, why = CPUAdapter.auto_dtype(CPUAdapter.__new__(CPUAdapter))

@@ -193,7 +193,7 @@ def test_the_router_asks_only_while_nothing_waits_and_then_decodes_that_batch(sh
 
 
 @pytest.mark.parametrize("setting", ["auto", "on", "off"])
-def test_the_setting_reaches_the_router_and_auto_looks_ahead_off_cpu(setting):
+def test_the_setting_reaches_the_router_and_auto_looks_ahead_everywhere(setting):
     from launcher.cli import build_parser, config_from_args
     from router.app import build_parser as router_parser
     from router.app import config_from_args as router_config
@@ -206,7 +206,7 @@ def test_the_setting_reaches_the_router_and_auto_looks_ahead_off_cpu(setting):
     assert (
         chosen
         == {
-            "auto": {"cpu": False, "cuda": True, "hpu": True},
+            "auto": dict.fromkeys(chosen, True),  # CPU included: docs/benchmarks.md
             "on": dict.fromkeys(chosen, True),
             "off": dict.fromkeys(chosen, False),
         }[setting]

@@ -8,17 +8,33 @@ import random
 
 import pytest
 
-from engine.devices.cpu.kernels import FusedDecoder, ScreenedHead, load
+from engine.devices.cpu.kernels import (
+    FmaLinear,
+    FusedDecoder,
+    Int4Linear,
+    ScreenedHead,
+    load,
+    serves,
+)
 from engine.speculative.draft import DraftModel, DraftRunner
 from engine.speculative.ngram import NgramIndex
 from tests.helpers import build_request, tiny_shard
 from tests.test_speculative import run
 from tests.test_speculative_draft import SEEDED
 
-pytestmark = pytest.mark.skipif(
-    load() is None or not load().dot_linear_supported(),
-    reason="the fused decoder needs the CPU kernels with AVX512-BF16",
-)
+
+@pytest.fixture(autouse=True, scope="module")
+def fused_decoder_here():
+    """The fused decoder multiplies packed weights: AVX2's product at the least (the ISA level in
+    force, tests/isa_levels.py); int4 drafts need AVX512-BF16's (int4_draft_here)."""
+    if not serves(FmaLinear):
+        pytest.skip("no packed bfloat16 product at this ISA level (or the kernels not built)")
+
+
+def int4_draft_here(quantize: str = "int4") -> None:
+    if quantize == "int4" and not serves(Int4Linear):
+        pytest.skip("an int4 draft's packed products need AVX512-BF16 (the CPU or the cap)")
+
 
 NEW = 40  # crosses block boundaries (blocks of 16) inside one fused call
 K = 6
@@ -82,6 +98,7 @@ def the_loop_only(patch):
 
 @pytest.mark.parametrize("quantize", ["none", "int4"])
 def test_a_lone_greedy_rows_proposals_are_the_one_step_loops(shards, quantize, monkeypatch):
+    int4_draft_here(quantize)
     shard = shards(quantize)
     draft = shard.speculator.draft.model
     assert draft.fused_decode.takes_greedy_steps()
@@ -127,6 +144,7 @@ def a_real_call(shard, monkeypatch):
 
 @pytest.mark.parametrize("quantize", ["none", "int4"])
 def test_guesses_that_stand_save_forwards_and_keep_the_proposals(shards, quantize, monkeypatch):
+    int4_draft_here(quantize)
     """Replaying a real call with a history whose lookup guesses the call's own proposals but the
     fourth: a forward feeds its token and the guesses after it, each guess the draft chose stands
     (its row chooses next), the wrong one does not, and the proposals are those of one token a
@@ -151,6 +169,7 @@ def test_guesses_that_stand_save_forwards_and_keep_the_proposals(shards, quantiz
 def test_no_guesses_without_their_warmed_verify_buckets(shards, monkeypatch):
     """A forward with guesses counts as a verify bucket of its rows: where those were not warmed,
     the call feeds no guess (one token a forward after the first) and proposes the same."""
+    int4_draft_here()
     shard = shards("int4")
     request = [build_request(0, NEW)]
     _, guessing, _ = recorded(shard, request, monkeypatch)
@@ -185,6 +204,7 @@ def test_the_kernels_prompt_lookup_is_the_ngram_index_on_three_tokens():
 
 
 def test_sampled_rows_and_batches_take_the_one_step_loop(shards, monkeypatch):
+    int4_draft_here()
     shard = shards("int4")
     _, proposals, calls = recorded(shard, [build_request(1, 24, parameters=SEEDED)], monkeypatch)
     assert any(any(p) for p in proposals) and not calls  # a sampled row proposes draws from q
@@ -196,6 +216,7 @@ def test_sampled_rows_and_batches_take_the_one_step_loop(shards, monkeypatch):
 def test_a_step_at_an_unwarmed_bucket_leaves_the_row_to_the_loop(shards, monkeypatch):
     """The fused call runs only where every one of its steps' decode buckets was warmed (strict
     mode and the shape counters then see the same buckets the loop would run)."""
+    int4_draft_here()
     shard = shards("int4")
     runner = shard.speculator.draft.runner
     warmed = shard.adapter.shapes.warmed
@@ -250,6 +271,7 @@ def test_the_embedded_models_int4_draft_for_its_bfloat16_form(smollm_dir, monkey
     """The benchmarks' pairing: SmolLM2 in bfloat16, its int4 form drafting (int4 layers, int8
     embedding and LM head). Fused proposals are the loop's, the output plain decoding's; on text
     that repeats its prompt, prompt lookup's guesses stand and save forwards."""
+    int4_draft_here()
     shard = tiny_shard(
         smollm_dir,
         max_batch_size=4,

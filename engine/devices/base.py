@@ -101,6 +101,10 @@ class DeviceAdapter(ABC):
             parts.append(f"matmul: {self.matmul_kernels}")
         return "; ".join(parts)
 
+    def serving_path(self) -> str:
+        """kernel_names, or "pure torch": the line said once at start."""
+        return self.kernel_names() or "pure torch"
+
     def auto_dtype(self) -> tuple[torch.dtype, str]:
         """--dtype auto: the dtype this device serves best, and why (said at start)."""
         return self.default_dtype, f"the {self.name} default"

@@ -142,6 +142,8 @@ class Shard:
         )
         # after the adapters: they read the plain weights' dtype
         self.adapter.prepare_model(self.model, self.dtype)
+        if self.rank == 0:
+            report(f"kernels: {self.adapter.serving_path()}", self.show_progress)
         self.special_token_ids = frozenset(self.tokenizer.all_special_ids)
         self.vision = self._image_encoder()  # a vision-language model's (engine/vision/)
 

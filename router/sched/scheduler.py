@@ -38,9 +38,10 @@ RECOVERY_POLL_S = 0.5
 
 
 def lookahead_for(setting: str, device_type: str) -> bool:
-    """--lookahead auto: on where the forward runs on an accelerator, leaving the host free to answer
-    meanwhile; off on CPU, where the forward already takes every core the router would need."""
-    return setting == "on" or (setting == "auto" and device_type != "cpu")
+    """--lookahead auto: on, on every device. On an accelerator the host is free to answer during
+    the forward; on a 2-core CPU, where the forward takes both cores, it still never lost and won a
+    lone request 8-13 % (make run's --single-process, docs/benchmarks.md#lookahead-on-cpu)."""
+    return setting == "on" or setting == "auto"
 
 
 class Scheduler:

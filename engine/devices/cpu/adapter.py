@@ -36,7 +36,10 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
     quantize_modes = ("int8", "int4", "fp8")
 
     def __init__(self, *args, **kwargs):
+        from engine.devices.cpu import isa
+
         super().__init__(*args, **kwargs)
+        isa.cap()  # a cap this CPU cannot run stops the start here, in one line (isa.IsaError)
         keep_freed_memory()  # before the model loads: every step's buffers reuse the heap
 
     @property
@@ -47,14 +50,18 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
         """bfloat16 where the CPU multiplies it natively (AVX512-BF16 or AMX): about twice float32's
         GEMM rate and half its weight traffic. On other x86 CPUs bfloat16 where eager serving has
         bucketserve's AVX2 product (fma_linear), which beat float32 at every batch size on a Zen 3
-        (docs/benchmarks.md). Elsewhere torch emulates bfloat16, slower than float32: float32."""
+        (docs/benchmarks.md). Elsewhere torch emulates bfloat16, slower than float32: float32.
+        An ISA cap (BUCKETSERVE_CPU_ISA) below a feature chooses as a CPU without it would."""
+        from engine.devices.cpu import isa
+
+        capped = isa.cap()
         features = [
             name
-            for name, has in (
-                ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported()),
-                ("AMX", torch.cpu._is_amx_tile_supported()),
+            for name, has, level in (
+                ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported(), "avx512_bf16"),
+                ("AMX", torch.cpu._is_amx_tile_supported(), "amx"),
             )
-            if has
+            if has and (capped is None or isa.at_least(level, capped))
         ]
         if features:
             # As torch reports it: a virtual machine may list AMX tiles that it does not run (this
@@ -64,14 +71,29 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
             return torch.bfloat16, "bucketserve's AVX2 bfloat16 kernels on this CPU"
         return torch.float32, "this CPU has neither AVX512-BF16 nor AMX"
 
+    def serving_path(self) -> str:
+        """What serves, with the ISA level of the CPU kernels (and whether a cap set it), or why
+        they are not built."""
+        import engine.devices.cpu.kernels as cpu_kernels
+        from engine.devices.cpu import isa
+
+        path = super().serving_path()
+        if self.graph_mode != "eager" or not cpu_kernels.enabled():
+            return path
+        if cpu_kernels.load() is None:
+            return f"{path} (CPU kernels not built, {cpu_kernels.PROBLEMS.get(isa.level(), '')})"
+        if not self.kernel_names():  # float32: the kernels are not used
+            return path
+        capped = f", capped by {isa.CAP_VARIABLE}" if isa.cap() else ""
+        return f"{path} (CPU kernels at ISA level {isa.level()}{capped})"
+
     def _has_avx2_bf16_product(self) -> bool:
         """Whether eager bfloat16 gets fma_linear: kernels built (not turned off) with AVX2 and FMA."""
         import engine.devices.cpu.kernels as cpu_kernels
 
         if getattr(self, "graph_mode", "eager") != "eager":  # inductor's graphs: torch's product
             return False
-        kernels = cpu_kernels.load()
-        return kernels is not None and kernels.fma_linear_supported()
+        return cpu_kernels.serves(cpu_kernels.FmaLinear)
 
     def prepare_model(self, model, dtype: torch.dtype) -> None:
         """Eager bfloat16: the fused C++ kernels (engine.devices.cpu.kernels) for decode attention,

@@ -25,7 +25,9 @@ torch's version and the CPU; a start then imports the built library and never ru
 finds none builds it then (a cache dir cleared since set-up). Each build compiles in a directory of
 its own and moves the library into place, so builders that meet (worktrees, test workers) neither
 wait on each other's lock file nor leave one behind when killed. BUCKETSERVE_CPU_KERNELS=0 turns
-the kernels off.
+the kernels off. Which of them a build holds and serves follows the ISA level, the CPU's or the
+cap BUCKETSERVE_CPU_ISA sets (engine/devices/cpu/isa.py): a library of its own per level, each
+class below naming the level it needs.
 """
 
 from __future__ import annotations
@@ -33,11 +35,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
+import subprocess
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from engine.devices.cpu import isa
 from engine.devices.cpu.memory import on_huge_pages
 
 log = logging.getLogger(__name__)
@@ -63,8 +68,12 @@ HEADERS = [
     HERE / name
     for name in ("packed.h", "int4_layout.h", "elementwise.h", "vec_math.h", "decoder.h", "crew.h")
 ]
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 LIBRARY_SUFFIX = ".so"
+
+
+def flags(level: str) -> list[str]:
+    """The compiler flags of the library at ISA `level` (isa.build_flags)."""
+    return ["-O3", *isa.build_flags(level), "-fopenmp", "-ffp-contract=off"]
 
 
 def enabled() -> bool:
@@ -72,17 +81,19 @@ def enabled() -> bool:
 
 
 def load():
-    """The compiled module, or None (disabled, or the build failed: logged once)."""
-    return _build() if enabled() else None
+    """The compiled module of the ISA level in force, or None (disabled, or the build failed:
+    logged once). An ISA cap this CPU cannot run raises isa.IsaError."""
+    return _build(isa.level()) if enabled() else None
 
 
-def library_path() -> Path:
-    """Where the built library of this source, these flags and this torch lives."""
+def library_path(level: str | None = None) -> Path:
+    """Where the built library of this source, these flags and this torch lives (default: the
+    ISA level in force)."""
     from engine.config import default_cache_dir
 
     key = hashlib.sha256(
         b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-        + " ".join(FLAGS).encode()
+        + " ".join(flags(level or isa.level())).encode()
         + torch.__version__.encode()
         + cpu_identity().encode()
     ).hexdigest()[:16]
@@ -103,33 +114,64 @@ def cpu_identity() -> str:
     return "\n".join(sorted({line for line in lines if line.startswith(wanted)}))
 
 
-@cache
-def _build():
-    library = library_path()
+def missing_tool() -> str | None:
+    """What a build lacks that it cannot do without (the C++ compiler, ninja), in words, or None.
+    The ninja of `pip install ninja` lives beside the interpreter, which need not be on PATH."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return f"no C++ compiler ({os.environ.get('CXX', 'c++')} is not on PATH)"
+    if shutil.which("ninja", path=ninja_path()) is None:
+        return "no ninja (pip install ninja)"
+    return None
+
+
+def ninja_path() -> str:
+    """PATH with the directory of the `ninja` package's binary first, where it is installed."""
     try:
-        return import_library(library) if library.exists() else compile_into(library)
-    except Exception as error:  # no compiler, no headers: the pure-torch path serves
-        log.warning("CPU kernels unavailable, using pure torch: %s", error)
-        return None
+        import ninja
+
+        first = [ninja.BIN_DIR]
+    except ImportError:
+        first = []
+    return os.pathsep.join([*first, os.environ.get("PATH", "")])
 
 
-def compile_into(library: Path):
+PROBLEMS: dict[str, str] = {}  # why the library of a level was not built, in words
+
+
+@cache
+def _build(level: str):
+    library = library_path(level)
+    problem = None if library.exists() else missing_tool()
+    try:
+        if library.exists():
+            return import_library(library)
+        if problem is None:
+            return compile_into(library, level)
+    except Exception as error:  # no headers, a compiler error: the pure-torch path serves
+        problem = f"the build failed: {str(error).strip().splitlines()[-1]}"
+    PROBLEMS[level] = problem
+    log.warning("CPU kernels not built, %s: serving the pure-torch path", problem)
+    return None
+
+
+def compile_into(library: Path, level: str):
     """torch.utils.cpp_extension's build (the module it imports is the answer) in a fresh
     directory, then the library moved into place. In a shared build directory cpp_extension's lock
     file makes every later builder wait forever once a build was killed, and a checkout whose
     source path differs from the one in build.ninja rebuilds."""
-    import shutil
     import tempfile
 
     from torch.utils import cpp_extension
 
     library.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="build-", dir=library.parent))
+    saved_path = os.environ.get("PATH", "")
+    os.environ["PATH"] = ninja_path()  # cpp_extension runs `ninja` from PATH
     try:
         module = cpp_extension.load(
             name=library.stem,
             sources=[str(path) for path in SOURCES],
-            extra_cflags=FLAGS,
+            extra_cflags=flags(level),
             extra_ldflags=["-fopenmp"],
             build_directory=str(scratch),
             verbose=False,
@@ -137,7 +179,31 @@ def compile_into(library: Path):
         os.replace(scratch / library.name, library)  # atomic: a reader sees all of it or none
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        os.environ["PATH"] = saved_path
     return module
+
+
+def compile_check(level: str, source: Path) -> subprocess.CompletedProcess:
+    """Compile `source` at ISA `level` with the build's flags and the level's features switched
+    on (isa.compile_flags), only to check it (-fsyntax-only: nothing is kept, nothing runs): the
+    code of a level this CPU lacks (AMX, AVX-512 on an AVX2 machine) still compiles everywhere."""
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    command = [
+        os.environ.get("CXX", "c++"),
+        "-fsyntax-only",
+        "-std=c++20",
+        "-DTORCH_EXTENSION_NAME=compile_check",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+        *(flag for path in includes for flag in ("-isystem", path)),
+        *flags(isa.cpu_levels()[-1]),
+        *isa.compile_flags(level),
+        str(source),
+    ]
+    return subprocess.run(command, capture_output=True, text=True)
 
 
 def import_library(library: Path):
@@ -148,6 +214,14 @@ def import_library(library: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def serves(kernel) -> bool:
+    """Whether `kernel` (a class below) serves here: the kernels are built, the ISA level in force
+    includes the kernel's level, and the built module holds its product (`supported`: AMX also
+    asks Linux for the tiles)."""
+    module = load()
+    return module is not None and isa.at_least(kernel.level) and getattr(module, kernel.supported)()
 
 
 def decode_attention(
@@ -188,6 +262,7 @@ class AmxLinear(torch.nn.Module):
 
     kind = "amx-bf16"
     product = "amx_linear"  # the module's function that multiplies the packed weight
+    level, supported = "amx", "amx_supported"  # the ISA level it needs; the module's check
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -208,6 +283,7 @@ class DotLinear(AmxLinear):
 
     kind = "avx512-bf16"
     product = "dot_linear"
+    level, supported = "avx512_bf16", "dot_linear_supported"
 
 
 class FmaLinear(AmxLinear):
@@ -217,6 +293,7 @@ class FmaLinear(AmxLinear):
 
     kind = "avx2-bf16"
     product = "fma_linear"
+    level, supported = "avx2", "fma_linear_supported"
 
 
 class Int4Linear(torch.nn.Module):
@@ -228,6 +305,7 @@ class Int4Linear(torch.nn.Module):
 
     kind = "avx512-bf16-int4"
     product = "int4_linear"
+    level, supported = "avx512_bf16", "int4_linear_supported"
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
         super().__init__()
@@ -242,8 +320,7 @@ class Int4Linear(torch.nn.Module):
         float32 scales and zeros are rounded to bfloat16: its arithmetic moves only how much of
         it the target accepts."""
         fits = (
-            load() is not None
-            and load().int4_linear_supported()
+            serves(cls)
             and weight.group == 32
             and weight.unpackable
             and (weight.scale_zero.dtype == torch.bfloat16 or draft)
@@ -289,6 +366,7 @@ class Int8Linear(torch.nn.Module):
 
     kind = "avx512-bf16-int8"
     product = "int8_linear"
+    level, supported = "avx512_bf16", "dot_linear_supported"
     input_multiple = 2  # the layout's pairs of inputs
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor):
@@ -300,18 +378,13 @@ class Int8Linear(torch.nn.Module):
     def pack(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return load().pack_int8(codes, scale)
 
-    @staticmethod
-    def supported() -> bool:
-        return load().dot_linear_supported()
-
     @classmethod
     def of(cls, weight, draft: bool = False) -> Int8Linear | None:
         """The same weight from an Int8Weight, or None where this CPU lacks the product, the
         activations are not bfloat16 (a `draft`'s may be float32, rounded to bfloat16 for it) or
         the inputs do not fill the layout."""
         fits = (
-            load() is not None
-            and cls.supported()
+            serves(cls)
             and (weight.scale.dtype == torch.bfloat16 or draft)
             and weight.in_features % cls.input_multiple == 0
         )
@@ -341,6 +414,7 @@ class ScreenedHead(Int8Linear):
 
     kind = "int4-screened-int8"
     product = "screened_linear"
+    level, supported = "avx512_bf16", "int4_linear_supported"
     input_multiple = 32  # the screen's groups
 
     @staticmethod
@@ -358,10 +432,6 @@ class ScreenedHead(Int8Linear):
             screen_zero.to(torch.bfloat16),
         )
 
-    @staticmethod
-    def supported() -> bool:
-        return load().int4_linear_supported()
-
     def dequantize(self) -> torch.Tensor:
         """The float32 int8 weight [N, K] that the screen stands for, read back from its part of
         pack_screened's layout (after the screen: the codes row by row, then the scales)."""
@@ -370,6 +440,9 @@ class ScreenedHead(Int8Linear):
         codes = self.packed[codes_end - vocab * width : codes_end].view(torch.int8)
         scale = self.packed[codes_end:].view(torch.float32)
         return codes.view(vocab, width).float() * scale.unsqueeze(1)
+
+
+PROJECTIONS = (AmxLinear, DotLinear, FmaLinear)  # the bfloat16 products, fastest first
 
 
 def kernel_for(weight: torch.Tensor | None):
@@ -381,13 +454,7 @@ def kernel_for(weight: torch.Tensor | None):
         and weight.shape[1] % 32 == 0
         and load() is not None
     )
-    if not fits:
-        return None
-    if load().amx_supported():
-        return AmxLinear
-    if load().dot_linear_supported():
-        return DotLinear
-    return FmaLinear if load().fma_linear_supported() else None
+    return next((kind for kind in PROJECTIONS if serves(kind)), None) if fits else None
 
 
 def install_projections(model: torch.nn.Module, draft: bool = False) -> tuple[int, str]:
@@ -458,7 +525,7 @@ def install(model: torch.nn.Module) -> dict[str, int]:
     from engine.layers.norm import RMSNorm
 
     counts = {"norms": 0, "ropes": 0, "silu MLPs": 0}
-    vectors = load().dot_linear_supported()  # built with AVX512-BF16
+    vectors = serves(DotLinear)  # built with AVX512-BF16, and the level in force has it
     for module in model.modules():
         if type(module) is RMSNorm:
             module.fused = rms_norm
