@@ -137,8 +137,9 @@ class ModelRunner:
             pooled = self._run(
                 ("embed", bucket), *self._prefill_tensors(bucket, members), fn=self.pooler
             )
+            host = pooled.cpu()  # one read of the bucket's rows
             for row, index in enumerate(split):
-                vectors[index] = pooled[row].cpu()
+                vectors[index] = host[row]
         return vectors
 
     def _rows_of(self, parts: list, count: int) -> torch.Tensor:
