@@ -6,6 +6,7 @@ compared with transformers' hidden states in float32."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -130,6 +131,67 @@ def test_pooling_none_serves_no_embeddings(qwen3_dir):
     shard = tiny_shard(qwen3_dir, pooling="none")
     with pytest.raises(InvalidRequestError, match="--pooling none"):
         shard.embed([EmbedInput(0, [1, 2])])
+
+
+class CallsInFlight:
+    """The in-process client, counting its calls in flight (over gRPC nothing else serializes
+    them: an Embed beside a Decode would meet the ranks' collectives in different orders)."""
+
+    def __init__(self, inner):
+        self.inner, self.in_flight, self.most, self.names = inner, 0, 0, []
+
+    def __getattr__(self, name):
+        attribute = getattr(self.inner, name)
+        if not asyncio.iscoroutinefunction(attribute):
+            return attribute
+
+        async def counted(*args, **kwargs):
+            self.in_flight += 1
+            self.most, self.names = max(self.most, self.in_flight), [*self.names, name]
+            try:
+                return await attribute(*args, **kwargs)
+            finally:
+                self.in_flight -= 1
+
+        return counted
+
+
+def test_the_scheduler_runs_embed_calls_between_its_steps_never_beside_one(tiny_model_dirs):
+    from router.client import InProcessClient
+    from router.sched.allocator import BlockAllocator
+    from router.sched.scheduler import Scheduler
+    from tests.test_router_scheduler import LIMITS, make_request
+
+    model_dir = tiny_model_dirs["llama"]
+    shard = tiny_shard(model_dir, warmup=LIMITS, max_batch_size=4)
+    expected = reference_tokens(model_dir, PROMPTS[:2], 12)
+    lengths = [len(item) for item in token_ids(model_dir, PROMPTS[:2])]
+    ids = token_ids(model_dir, TEXTS)
+
+    async def run():
+        client = CallsInFlight(InProcessClient(shard, max_batch_size=4))
+        capacity = shard.runner.kv_cache.capacity_tokens
+        scheduler = Scheduler(client, BlockAllocator(capacity // 16 + 1, 16), LIMITS)
+        await scheduler.start()
+        try:
+            streams = [scheduler.submit(make_request(i, 12), lengths[i]) for i in range(2)]
+            firsts = [(await anext(stream)).tokens.ids for stream in streams]  # both running
+            embeds = [scheduler.embed([EmbedInput(0, ids[k % 4])]) for k in range(6)]
+            results = await asyncio.gather(*(rest(stream) for stream in streams), *embeds)
+            results[:2] = [first + tokens for first, tokens in zip(firsts, results)]
+        finally:
+            await scheduler.stop()
+            await client.inner.close()
+        return client, results
+
+    async def rest(stream) -> list[int]:
+        return [token async for generation in stream for token in generation.tokens.ids]
+
+    client, results = asyncio.run(run())
+    assert results[:2] == expected  # the generations went on unharmed
+    assert all(len(result) == 1 for result in results[2:])
+    assert client.most == 1, "an Embed ran beside another shard call"
+    assert "embed" in client.names and "decode" in client.names[client.names.index("embed") :]
 
 
 def _batch(requests):
@@ -288,3 +350,30 @@ def test_two_tensor_parallel_ranks_run_the_forward_and_rank_0_answers(qwen3_dir)
     assert len(second.embeddings) == 0 and [e.request_id for e in first.embeddings] == [0, 1, 2, 3]
     got = [list(e.values) for e in first.embeddings]
     assert min(cosines(got, reference(qwen3_dir, ids))) > COSINE
+
+
+# --- tracing: an in-process router with the SDK's in-memory exporter -------------------------------
+
+
+def test_an_embeddings_request_span_has_an_embed_child(tiny_model_dirs):
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from router.http import tracing
+    from tests.test_router_tracing import serve_and_call
+
+    exporter = InMemorySpanExporter()
+    traces = tracing.Tracing.with_processor(SimpleSpanProcessor(exporter))
+    shard = tiny_shard(tiny_model_dirs["llama"], warmup=False, max_batch_size=4)
+
+    async def calls(client, app):
+        answer = await client.embeddings.create(model="tiny", input=["Hi", "Water boils at"])
+        return answer.usage.prompt_tokens
+
+    tokens = asyncio.run(serve_and_call(shard, tiny_model_dirs["llama"], traces, calls))
+    spans = exporter.get_finished_spans()
+    (root,) = [s for s in spans if s.name == "POST /v1/embeddings"]
+    (embed,) = [s for s in spans if s.name == "embed"]
+    assert embed.parent.span_id == root.context.span_id
+    assert dict(embed.attributes) == {"inputs": 2, "tokens": tokens}
+    assert root.attributes["http.response.status_code"] == 200

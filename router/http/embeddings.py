@@ -31,7 +31,6 @@ from router.http.tracing import child_span
 from router.http.validation import ValidationError, check, check_text
 
 MAX_INPUTS = 2048  # per request, as OpenAI's API
-LABELS = {"user"}  # accepted, and changes nothing
 INPUT_TYPES = (
     "`input` must be a string, a list of strings, a list of token ids (integers) or a list of "
     "lists of token ids"
@@ -44,7 +43,7 @@ class EmbeddingRequest(BaseModel):
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = None
-    user: str | None = None
+    user: str | None = None  # accepted, and changes nothing
 
 
 class BadEmbedding(Exception):
@@ -52,7 +51,7 @@ class BadEmbedding(Exception):
 
 
 def check_fields(body: EmbeddingRequest) -> None:
-    unknown = sorted(set(body.model_extra or {}) - LABELS)
+    unknown = sorted(body.model_extra or {})
     check(not unknown, f"not implemented: {', '.join(f'`{name}`' for name in unknown)}")
     check(
         body.dimensions is None or body.dimensions >= 1,
@@ -147,7 +146,7 @@ async def embeddings(state: RouterState, http_request: HttpRequest) -> JSONRespo
             message = f"The model `{body.model}` does not exist."
             return error_json(state.metrics, 404, message, "not_found", "not_found", openai=True)
         check_fields(body)
-        state.scheduler.check_admission(0)  # before tokenizing
+        state.scheduler.check_admission()  # before tokenizing
         ids = await state.offload(input_ids, state, body)
         inputs = [EmbedInput(i, item, body.dimensions or 0) for i, item in enumerate(ids)]
         tokens = sum(len(item) for item in ids)

@@ -167,7 +167,7 @@ class Scheduler:
         cannot serve them, ShardsUnavailable, or the shards' ShardError."""
         if self._lanes is not None:
             raise ValueError("embeddings are not served by pipeline-parallel shards yet")
-        self.check_admission(0)
+        self.check_admission(1 + len(self._embeds))  # the waiting ones count as requests
         future = self._embeds.submit(inputs)
         self._wake.set()
         return await future
