@@ -23,7 +23,7 @@ from engine.devices.base import DeviceAdapter
 from engine.devices.row_merge import merge_rows, stack_rows
 from engine.kv_cache import RESERVED_BLOCK, KVCache
 from engine.layers.lora import NO_ADAPTER
-from engine.pooling import Pooler
+from engine.layers.pooling import Pooler
 
 
 @dataclass
@@ -77,7 +77,7 @@ class ModelRunner:
         self._forward_time = threading.local()
         self.recorder = None  # engine.buckets.shapes.ShapeRecorder (--record-shapes): the shapes served, unpadded
         self.scorer = PromptScorer(model)  # one object: graphs are kept per callable
-        # --pooling's variant of the plain prefill buckets (engine/pooling.py); None: not served
+        # --pooling's variant of the plain prefill buckets (engine/layers/pooling.py); None: off
         self.pooler: Pooler | None = None
         model.bind_kv_cache(kv_cache.layers)
         adapter.reset()  # graphs captured on a previous cache would write into freed memory

@@ -1,8 +1,8 @@
 """`/v1/embeddings`: each input's final hidden state (after the final norm) at its last token, or
 averaged (--pooling mean), L2-normalized, computed in the warmed prefill buckets without a KV
-block (engine/pooling.py, engine/serving/embed.py), and served over gRPC (a tiny random Qwen3
-that declares Matryoshka sizes) and in process (the embedded SmolLM2, `--single-process`), each
-compared with transformers' hidden states in float32."""
+block (engine/layers/pooling.py, engine/serving/embed.py), and served over gRPC (a tiny random
+Qwen3 that declares Matryoshka sizes) and in process (the embedded SmolLM2, `--single-process`),
+each compared with transformers' hidden states in float32."""
 
 from __future__ import annotations
 
@@ -332,7 +332,7 @@ def test_the_embedded_model_in_process_equals_transformers_behind_its_api_key(sm
         launch.clean_up()
 
 
-# --- tensor parallelism: two shard processes -------------------------------------------------------
+# --- tensor parallelism: two shard processes ------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -352,7 +352,7 @@ def test_two_tensor_parallel_ranks_run_the_forward_and_rank_0_answers(qwen3_dir)
     assert min(cosines(got, reference(qwen3_dir, ids))) > COSINE
 
 
-# --- tracing: an in-process router with the SDK's in-memory exporter -------------------------------
+# --- tracing: an in-process router with the SDK's in-memory exporter ------------------------------
 
 
 def test_an_embeddings_request_span_has_an_embed_child(tiny_model_dirs):

@@ -29,9 +29,9 @@ from engine.devices.simulate.counters import graph_counts, start_serving, start_
 from engine.distributed import Parallel, broadcast_int, init_distributed
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.kv_cache import BlockContents, ShardBlockPool
+from engine.layers.pooling import can_pool
 from engine.pipeline.grid import join_grid
 from engine.pipeline.turns import StepTurns
-from engine.pooling import can_pool
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
 from engine.sampling.static import warm_sampler
 from engine.serving.checks import check_decode, check_grown, check_prefill

@@ -18,7 +18,7 @@ from engine.buckets.grid import BucketLimits, BucketPlan
 from engine.config import WARMUP_MODES, EngineConfig, ServingLimits
 from engine.distributed import Parallel, min_across_ranks
 from engine.kv_cache import KVCache
-from engine.pooling import Pooler, can_pool
+from engine.layers.pooling import Pooler, can_pool
 from engine.runner import ModelRunner
 from engine.warmup.budget import GraphBudget, split_free_memory
 from engine.warmup.memory import profile_free_memory, size_kv_cache

@@ -482,7 +482,7 @@ def warmup_request_to_pb(
     )
 
 
-# --- Embed (a bucketserve extension RPC, proto/CONTRACT.md section 4) ------------------------------
+# --- Embed (a bucketserve extension RPC, proto/CONTRACT.md section 4) -----------------------------
 
 
 def embed_request_to_pb(inputs: list[eb.EmbedInput]) -> pb.EmbedRequest:
