@@ -166,3 +166,21 @@ class StepTimings:
     decode_ns: int  # everything else: token choice, detokenization, stopping
     total_ns: int
     concat_ns: int | None = None  # joining cached batches, when there were several
+
+
+@dataclass
+class EmbedInput:
+    """One input of an Embed call (a bucketserve extension of generate.v3, proto/CONTRACT.md): its
+    token ids, already tokenized by the router, and `dimensions` to keep (0: all of them)."""
+
+    id: int
+    token_ids: list[int]
+    dimensions: int = 0
+
+
+@dataclass
+class Embedding:
+    """An input's pooled final hidden state, L2-normalized (engine/serving/embed.py)."""
+
+    request_id: int
+    values: list[float]

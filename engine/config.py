@@ -328,6 +328,14 @@ class EngineConfig(SharedKnobs):
     warmup_prompt_logprobs: bool = knob(
         True, "on (default): also warm the prefill variant behind prefill_logprobs"
     )
+    pooling: str = knob(
+        "last",
+        "how /v1/embeddings pools the final hidden states (after the final norm; L2-normalized): "
+        "last (default, vLLM's for decoder models): the last token's; mean: the average over the "
+        "prompt; none: embeddings are refused and no pooling variant of the prefill buckets is "
+        "warmed",
+        choices=("last", "mean", "none"),
+    )
     kv_cache_memory_fraction: float = knob(
         0.9, "the share of free device memory the KV cache takes"
     )

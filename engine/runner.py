@@ -23,6 +23,7 @@ from engine.devices.base import DeviceAdapter
 from engine.devices.row_merge import merge_rows, stack_rows
 from engine.kv_cache import RESERVED_BLOCK, KVCache
 from engine.layers.lora import NO_ADAPTER
+from engine.layers.pooling import Pooler
 
 
 @dataclass
@@ -77,6 +78,8 @@ class ModelRunner:
         # engine.buckets.shapes.ShapeRecorder (--record-shapes): the shapes served, unpadded
         self.recorder = None
         self.scorer = PromptScorer(model)  # one object: graphs are kept per callable
+        # --pooling's variant of the plain prefill buckets (engine/layers/pooling.py); None: off
+        self.pooler: Pooler | None = None
         model.bind_kv_cache(kv_cache.layers)
         adapter.reset()  # graphs captured on a previous cache would write into freed memory
 
@@ -119,6 +122,26 @@ class ModelRunner:
             parts.append((logits, group))
         output.logits = self._rows_of(parts, len(seqs))
         return output
+
+    @torch.inference_mode()
+    def embed(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Each prompt's pooled, normalized final hidden state (float32, on the host), run in the
+        plain prefill buckets. Every token's K/V goes to the reserved block: a prompt without
+        context attends to its own keys only, so an embedding holds no KV block at all."""
+        vectors: list[torch.Tensor | None] = [None] * len(prompts)
+        for split in self.plan.split_prefill([len(ids) for ids in prompts]):
+            members = [PrefillInput(prompts[i], [RESERVED_BLOCK] * len(prompts[i])) for i in split]
+            bucket = self.plan.prefill_bucket(len(members), max(len(s.token_ids) for s in members))
+            self.padding.record(
+                "prefill", sum(len(s.token_ids) for s in members), bucket.tokens, bucket
+            )
+            pooled = self._run(
+                ("embed", bucket), *self._prefill_tensors(bucket, members), fn=self.pooler
+            )
+            host = pooled.cpu()  # one read of the bucket's rows
+            for row, index in enumerate(split):
+                vectors[index] = host[row]
+        return vectors
 
     def _rows_of(self, parts: list, count: int) -> torch.Tensor:
         """[count, vocab] from the buckets' outputs: one bucket's real rows as a view of it; rows
@@ -267,6 +290,10 @@ class ModelRunner:
             if plain:
                 self.adapter.warm(
                     ("prefill", bucket), self.model, ids, positions, meta, last, *lora, graph=graph
+                )
+            if plain and self.pooler is not None and not bucket.context_blocks:
+                self.adapter.warm(
+                    ("embed", bucket), self.pooler, ids, positions, meta, last, *lora, graph=graph
                 )
             if prompt_logprobs and not bucket.context_blocks:  # they need the whole prompt
                 targets = self._prompt_targets(bucket, [])

@@ -29,6 +29,7 @@ from router.client import GrpcShardClient, ShardClient, ShardError
 from router.config import DEFAULT_PAYLOAD_LIMIT, EMBEDDED_MODEL_NAME, AccessConfig, RouterConfig  # noqa: F401
 from router.http import tracing
 from router.http.access import install
+from router.http.embeddings import embedding_routes
 from router.http.errors import BodyLimit, install_error_handlers
 from router.http.front_page import front_page_routes
 from router.http.lifecycle import DrainGate, DrainingServer, Lifecycle
@@ -170,6 +171,7 @@ def create_app(
     install_error_handlers(app, state.metrics)
     tgi_routes(app, state)
     openai_routes(app, state)
+    embedding_routes(app, state)
     service_routes(app, state)
     front_page_routes(app, state)
 

@@ -18,7 +18,15 @@ from typing import Protocol
 
 import grpc
 
-from engine.batch import Batch, CachedBatch, Generation, InfoResponse, WarmupResult
+from engine.batch import (
+    Batch,
+    CachedBatch,
+    Embedding,
+    EmbedInput,
+    Generation,
+    InfoResponse,
+    WarmupResult,
+)
 from engine.wire import convert
 from engine.wire import generate_pb2 as pb
 from engine.wire import generate_pb2_grpc as pb_grpc
@@ -76,6 +84,10 @@ class ShardClient(Protocol):
         step's forward at once (our shards do; TGI's ignore it)."""
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch: ...
+
+    async def embed(self, inputs: list[EmbedInput]) -> list[Embedding]:
+        """The inputs' embeddings (the Embed extension RPC; TGI's shards do not have it). The
+        scheduler calls it between its steps (router/sched/embeds.py)."""
 
     async def clear_cache(self, batch_id: int | None = None) -> None: ...
 
@@ -192,7 +204,7 @@ class GrpcShardClient:
                 raise ShardError(response.code(), f"{method} on {url}: {response.details()}")
             if isinstance(response, BaseException):
                 raise response
-        if method in ("Prefill", "Decode"):
+        if method in ("Prefill", "Decode", "Embed"):
             self._read_stats(responses[0])
         return responses
 
@@ -255,6 +267,11 @@ class GrpcShardClient:
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
         request = pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids)
         return convert.cached_batch_from_pb((await self._all("FilterBatch", request))[0].batch)
+
+    async def embed(self, inputs: list[EmbedInput]) -> list[Embedding]:
+        """All ranks run the forward; rank 0 answers (the others' answers are empty)."""
+        responses = await self._all("Embed", convert.embed_request_to_pb(inputs))
+        return convert.embeddings_from_pb(responses[0])
 
     async def clear_cache(self, batch_id: int | None = None) -> None:
         await self._all("ClearCache", pb.ClearCacheRequest(id=batch_id))
@@ -379,6 +396,9 @@ class InProcessClient:
 
     async def filter_batch(self, batch_id: int, request_ids: list[int]) -> CachedBatch:
         return await self._call("FilterBatch", self.shard.filter, batch_id, list(request_ids))
+
+    async def embed(self, inputs: list[EmbedInput]) -> list[Embedding]:
+        return await self._call("Embed", self.shard.embed, copy.deepcopy(inputs))
 
     async def clear_cache(self, batch_id: int | None = None) -> None:
         await self._call("ClearCache", self.shard.clear, batch_id)

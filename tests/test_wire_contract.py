@@ -191,7 +191,21 @@ EXTENSION_MESSAGES = {
         Field("real", 6, "", "uint64"),
         Field("padded", 7, "", "uint64"),
     ],
+    # the Embed RPC's (/v1/embeddings)
+    "EmbedRequest": [Field("inputs", 1, "repeated", "EmbedInput")],
+    "EmbedInput": [
+        Field("id", 1, "", "uint64"),
+        Field("token_ids", 2, "repeated", "uint32"),
+        Field("dimensions", 3, "", "uint32"),
+    ],
+    "EmbedResponse": [
+        Field("embeddings", 1, "repeated", "Embedding"),
+        Field("stats", 2, "", "ServingStats"),
+    ],
+    "Embedding": [Field("request_id", 1, "", "uint64"), Field("values", 2, "repeated", "float")],
 }
+# RPCs of our own, after TGI's: a TGI router never calls them
+EXTENSION_RPCS = ("Embed",)
 
 
 def test_the_table_was_read_whole(contract):
@@ -280,7 +294,8 @@ def test_compiled_service_matches_the_table(contract):
     assert service.name == contract.service
     methods = [(m.name, m.input_type, m.output_type) for m in service.method]
     prefix = f".{contract.package}."
-    assert methods == [(r, f"{prefix}{r}Request", f"{prefix}{r}Response") for r in contract.rpcs]
+    rpcs = [*contract.rpcs, *EXTENSION_RPCS]
+    assert methods == [(r, f"{prefix}{r}Request", f"{prefix}{r}Response") for r in rpcs]
     assert not any(m.client_streaming or m.server_streaming for m in service.method)
 
 

@@ -58,6 +58,9 @@ class ModelConfig:
     final_softcap: float | None = None  # Gemma 2: the same on the logits
     local_rope: RopeConfig | None = None  # Gemma 3: the sliding layers' own rope
     moe: MoeConfig | None = None
+    # Embeddings' `dimensions` (Matryoshka truncation): None where config.json does not allow it;
+    # the sizes it lists (`matryoshka_dimensions`), or () for any size (`is_matryoshka`), as vLLM
+    matryoshka: tuple[int, ...] | None = None
     # A vision-language model: its whole config.json (the fields above are its text model's)
     vision: dict | None = field(default=None, compare=False, hash=False, repr=False)
 
@@ -152,7 +155,16 @@ def _parse(architecture: str, raw: dict[str, Any]) -> ModelConfig:
         final_softcap=raw.get("final_logit_softcapping") if gemma else None,
         local_rope=local_rope,
         moe=_parse_moe(architecture, raw),
+        matryoshka=_matryoshka(raw),
     )
+
+
+def _matryoshka(raw: dict[str, Any]) -> tuple[int, ...] | None:
+    """The embedding sizes config.json allows (vLLM reads the same two fields)."""
+    sizes = raw.get("matryoshka_dimensions")
+    if sizes:
+        return tuple(int(size) for size in sizes)
+    return () if raw.get("is_matryoshka") else None
 
 
 def _layer_types(architecture: str, raw: dict[str, Any]) -> tuple[tuple[str, ...], int | None]:

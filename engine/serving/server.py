@@ -106,6 +106,8 @@ def describe(request) -> str:
         return f" batch={request.batch.id} requests={len(request.batch.requests)}"
     if isinstance(request, pb.DecodeRequest):
         return f" batches={[b.id for b in request.batches]}"
+    if isinstance(request, pb.EmbedRequest):
+        return f" inputs={len(request.inputs)}"
     if isinstance(request, pb.FilterBatchRequest):
         return f" batch={request.batch_id} keep={len(request.request_ids)}"
     return ""
@@ -225,6 +227,17 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     async def Health(self, request, context):
         await self.call(self.shard.health)
         return pb.HealthResponse()
+
+    @rpc
+    async def Embed(self, request, context):
+        """Every rank runs the forward (its collectives need them all); rank 0 answers."""
+
+        def run():
+            return self.shard.embed(
+                convert.embed_inputs_from_pb(request)
+            ), self.shard.serving_stats()
+
+        return convert.embeddings_to_pb(*await self.call(run))
 
 
 def step_response(kind, result, timings, stats: dict[str, int]):

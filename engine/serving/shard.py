@@ -12,7 +12,16 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from engine.batch import Batch, CachedBatch, Generation, InfoResponse, StepTimings, WarmupResult
+from engine.batch import (
+    Batch,
+    CachedBatch,
+    Embedding,
+    EmbedInput,
+    Generation,
+    InfoResponse,
+    StepTimings,
+    WarmupResult,
+)
 from engine.buckets.grid import PaddingStats, PrefillBucket, VerifyBucket
 from engine.config import EngineConfig, ServingLimits, distributed_address, torch_dtype
 from engine.devices import get_adapter
@@ -20,11 +29,13 @@ from engine.devices.simulate.counters import graph_counts, start_serving, start_
 from engine.distributed import Parallel, broadcast_int, init_distributed
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.kv_cache import BlockContents, ShardBlockPool
+from engine.layers.pooling import can_pool
 from engine.pipeline.grid import join_grid
 from engine.pipeline.turns import StepTurns
 from engine.runner import DecodeInput, ModelRunner, PrefillInput
 from engine.sampling.static import uses_static_sampling, warm_sampler
 from engine.serving.checks import check_decode, check_grown, check_prefill
+from engine.serving.embed import check_inputs, embed_step
 from engine.serving.lookahead import Ahead
 from engine.serving.recompute import check_recompute_fits, recompute_position
 from engine.serving.sequence import Sequence
@@ -519,6 +530,27 @@ class Shard:
         result = self._store(batches[0].id, sequences, generations)
         self._finish_step(start, concat_ns, early_ns)
         return result
+
+    @_exclusive
+    def embed(self, inputs: list[EmbedInput]) -> list[Embedding]:
+        """The inputs' pooled final hidden states (--pooling), in the warmed prefill buckets; the
+        other batches are untouched and no KV block is taken. Every tensor-parallel rank runs the
+        forward; rank 0 answers (the others return nothing)."""
+        start, ctx = self._start_step()
+        if self.runner.pooler is None:
+            why = can_pool(self.model) or "the shard was started with --pooling none"
+            raise InvalidRequestError(f"this model serves no embeddings: {why}")
+        check_inputs(
+            inputs,
+            max_input_tokens=ctx.limits.max_input_tokens,
+            vocab_size=self.model_config.vocab_size,
+            hidden_size=self.model_config.hidden_size,
+            matryoshka=self.model_config.matryoshka,
+        )
+        longest = max(b.seq_len for b in self.runner.plan.prefill if not b.context_blocks)
+        embeddings = embed_step(self.runner, inputs, longest)
+        self._finish_step(start, None)
+        return embeddings if self.rank == 0 else []
 
     @_exclusive
     def look_ahead(self, batch_id: int) -> None:

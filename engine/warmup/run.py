@@ -18,6 +18,7 @@ from engine.buckets.grid import BucketLimits, BucketPlan
 from engine.config import WARMUP_MODES, EngineConfig, ServingLimits
 from engine.distributed import Parallel, min_across_ranks
 from engine.kv_cache import KVCache
+from engine.layers.pooling import Pooler, can_pool
 from engine.runner import ModelRunner
 from engine.warmup.budget import GraphBudget, split_free_memory
 from engine.warmup.memory import profile_free_memory, size_kv_cache
@@ -86,6 +87,8 @@ def start_up(
         config, planned, fingerprint, graphless=not adapter.warm_runs_forward, images=images
     )
     runner = ModelRunner(shard.model, adapter, cache, plan, shard.dtype)
+    if config.pooling != "none" and can_pool(shard.model) is None:
+        runner.pooler = Pooler(shard.model, config.pooling)  # warmed with each plain prefill bucket
     if tower is not None:  # first: few, and the encoder runs them from the first request on
         tower.planned = plan.images
         if config.warmup_mode != "none" and tower.limits is None:

@@ -480,3 +480,29 @@ def warmup_request_to_pb(
         max_prefill_tokens=max_prefill_tokens,
         max_total_tokens=max_total_tokens,
     )
+
+
+# --- Embed (a bucketserve extension RPC, proto/CONTRACT.md section 4) -----------------------------
+
+
+def embed_request_to_pb(inputs: list[eb.EmbedInput]) -> pb.EmbedRequest:
+    return pb.EmbedRequest(
+        inputs=[
+            pb.EmbedInput(id=i.id, token_ids=i.token_ids, dimensions=i.dimensions) for i in inputs
+        ]
+    )
+
+
+def embed_inputs_from_pb(message: pb.EmbedRequest) -> list[eb.EmbedInput]:
+    return [eb.EmbedInput(i.id, list(i.token_ids), i.dimensions) for i in message.inputs]
+
+
+def embeddings_to_pb(embeddings: list[eb.Embedding], stats: dict) -> pb.EmbedResponse:
+    return pb.EmbedResponse(
+        embeddings=[pb.Embedding(request_id=e.request_id, values=e.values) for e in embeddings],
+        stats=stats_to_pb(stats),
+    )
+
+
+def embeddings_from_pb(message: pb.EmbedResponse) -> list[eb.Embedding]:
+    return [eb.Embedding(e.request_id, list(e.values)) for e in message.embeddings]

@@ -448,3 +448,35 @@ class WarmupResponse(_message.Message):
     max_input_tokens: int
     max_total_tokens: int
     def __init__(self, max_supported_total_tokens: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("inputs",)
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    inputs: _containers.RepeatedCompositeFieldContainer[EmbedInput]
+    def __init__(self, inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ...) -> None: ...
+
+class EmbedInput(_message.Message):
+    __slots__ = ("id", "token_ids", "dimensions")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    dimensions: int
+    def __init__(self, id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., dimensions: _Optional[int] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings", "stats")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    stats: ServingStats
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., stats: _Optional[_Union[ServingStats, _Mapping]] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("request_id", "values")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -74,6 +74,11 @@ class TextGenerationServiceStub:
                 request_serializer=generate__pb2.HealthRequest.SerializeToString,
                 response_deserializer=generate__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/generate.v3.TextGenerationService/Embed',
+                request_serializer=generate__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=generate__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServiceServicer:
@@ -135,6 +140,14 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """bucketserve extension (not TGI's; its routers never call it): prompts' pooled, normalized
+        final hidden states, run in the warmed prefill buckets without holding any KV block
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -177,6 +190,11 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=generate__pb2.HealthRequest.FromString,
                     response_serializer=generate__pb2.HealthResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=generate__pb2.EmbedRequest.FromString,
+                    response_serializer=generate__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -395,6 +413,33 @@ class TextGenerationService:
             '/generate.v3.TextGenerationService/Health',
             generate__pb2.HealthRequest.SerializeToString,
             generate__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generate.v3.TextGenerationService/Embed',
+            generate__pb2.EmbedRequest.SerializeToString,
+            generate__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

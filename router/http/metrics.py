@@ -302,6 +302,18 @@ class RouterMetrics:
         self.generated = Counter(
             "bucketserve_generated_tokens", "tokens generated", registry=registry
         )
+        self.embedded_inputs = Counter(
+            "bucketserve_embedding_inputs", "inputs embedded (/v1/embeddings)", registry=registry
+        )
+        self.embedded_tokens = Counter(
+            "bucketserve_embedding_tokens", "tokens of the inputs embedded", registry=registry
+        )
+        self.embedding_seconds = Histogram(
+            "bucketserve_embedding_request_duration_seconds",
+            "a /v1/embeddings request from arrival to its answer",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.invalid_replies = Counter(
             "bucketserve_invalid_replies",
             "finished response_format replies that do not match their schema (returned as they "

@@ -12,6 +12,7 @@ is not wrapped, and `traced` hands the stream back untouched after one context-v
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import time
 from collections.abc import AsyncIterator
@@ -73,6 +74,19 @@ class TracingMiddleware:
                 await self.app(scope, receive, send_status)
             finally:
                 SPAN.reset(token)
+
+
+@contextlib.contextmanager
+def child_span(name: str, **attributes):
+    """A span of `name` under the traced request's span; nothing when the request is not traced."""
+    current = SPAN.get()
+    if current is None:
+        yield
+        return
+    with current[1].tracer.start_as_current_span(name) as span:
+        for key, value in attributes.items():
+            span.set_attribute(key, value)
+        yield
 
 
 def install(app, tracing: Tracing | None, scheduler=None) -> None:

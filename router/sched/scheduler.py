@@ -23,12 +23,13 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from engine.batch import Batch, CachedBatch, Generation, Request
+from engine.batch import Batch, CachedBatch, Embedding, EmbedInput, Generation, Request
 from engine.config import ServingLimits
 from router.client import ShardClient, ShardError
 from router.sched import batching, fanout, kv_blocks, preemption
 from router.sched.admission import Overloaded, ShardsUnavailable  # noqa: F401 - raised by submit
 from router.sched.allocator import BlockAllocator
+from router.sched.embeds import EmbedQueue
 from router.sched.lanes import Lane, Lanes
 from router.sched.scheduler_stats import SchedulerStats
 from router.sched.streams import Entry, RequestCancelled, RequestStream
@@ -71,6 +72,7 @@ class Scheduler:
             True  # False from a failed step whose shards were unreachable until they answer again
         )
         self._queue: deque[Entry] = deque()
+        self._embeds = EmbedQueue()  # Embed calls, run between steps (router/sched/embeds.py)
         self._entries: dict[int, Entry] = {}  # submitted and not yet released, by request id
         self._lane = Lane(0)  # the running batch, when the shards have one stage
         self._batch_ids = itertools.count(1)
@@ -161,6 +163,16 @@ class Scheduler:
                 f"Model is overloaded: {len(self._entries)} requests are queued or running"
             )
 
+    async def embed(self, inputs: list[EmbedInput]) -> list[Embedding]:
+        """The inputs' embeddings, computed between two steps. Raises ValueError where the shards
+        cannot serve them, ShardsUnavailable, or the shards' ShardError."""
+        if self._lanes is not None:
+            raise ValueError("embeddings are not served by pipeline-parallel shards yet")
+        self.check_admission(1 + len(self._embeds))  # the waiting ones count as requests
+        future = self._embeds.submit(inputs)
+        self._wake.set()
+        return await future
+
     def cancel(self, request_id: int) -> None:
         entry = self._entries.get(request_id)
         if entry is not None:
@@ -194,6 +206,8 @@ class Scheduler:
         if not self.available:
             await self._recover()
             return
+        if len(self._embeds):
+            await self._embeds.run(self.client, self.on_step)
         if self._lanes is not None:
             await self._lanes.step()  # until the shards become unavailable
             return
@@ -539,6 +553,7 @@ class Scheduler:
             self._release(entry)
 
     async def _abandon_all(self, error: BaseException) -> None:
+        self._embeds.fail_all(error)
         for entry in list(self._queue):
             self._finish(entry, error)
             self._release(entry)
