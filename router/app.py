@@ -32,6 +32,7 @@ from router.http.access import install
 from router.http.errors import BodyLimit, install_error_handlers
 from router.http.front_page import front_page_routes
 from router.http.lifecycle import DrainGate, DrainingServer, Lifecycle
+from router.http.messages_api import messages_routes
 from router.http.metrics import RouterMetrics
 from router.http.openai_api import openai_routes
 from router.http.state import RouterState
@@ -169,6 +170,7 @@ def create_app(
     install_error_handlers(app, state.metrics)
     tgi_routes(app, state)
     openai_routes(app, state)
+    messages_routes(app, state)
     service_routes(app, state)
     front_page_routes(app, state)
 
