@@ -23,11 +23,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engine.batch import FinishReason, Generation
 from router.config import TGI_MODEL_ALIAS
 from router.http import tools
-from router.http.errors import error_json
+from router.http.errors import error_json, error_response
 from router.http.messages_request import CountRequest, MessagesRequest, chat_request
 from router.http.messages_stream import MessageEvents, error_event
 from router.http.openai_api import ChatRequest, answering_model, chat_parameters, chat_prompt
-from router.http.state import RouterState, collect, error_response, events, submit
+from router.http.state import RouterState, collect, events, submit
 from router.http.validation import Parameters, ValidationError, prompt_ids
 from router.images.decode import ImageError
 from router.images.prompt import image_prompt
@@ -101,8 +101,17 @@ def new_envelope(state: RouterState, body: ChatRequest) -> dict:
 # --- the routes -----------------------------------------------------------------------------------
 
 
+# The shared checks (router/http/validation.py) name TGI's fields; these are their names here.
+FIELD_NAMES = {"`max_new_tokens`": "`max_tokens`", "`inputs` tokens": "prompt tokens"}
+
+
 def anthropic_error(state: RouterState, error: Exception) -> JSONResponse:
-    return error_response(state, error, anthropic=True)
+    if isinstance(error, ValidationError):
+        message = str(error)
+        for name, ours in FIELD_NAMES.items():
+            message = message.replace(name, ours)
+        error = ValidationError(message)
+    return error_response(state.metrics, error, anthropic=True)
 
 
 def unknown_model(state: RouterState, name: str) -> JSONResponse | None:
