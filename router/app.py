@@ -156,8 +156,8 @@ def create_app(
     payload_limit: int = DEFAULT_PAYLOAD_LIMIT,
     lifecycle: Lifecycle | None = None,
 ) -> FastAPI:
-    """The HTTP app: TGI's routes, OpenAI's, and the service routes, over one state; every error
-    in the route's shape (router/http/errors.py)."""
+    """The HTTP app: TGI's routes, OpenAI's, Anthropic's Messages, and the service routes, over one
+    state; every error in the route's shape (router/http/errors.py)."""
     app = FastAPI(
         title="bucketserve router", docs_url=None, redoc_url=None
     )  # their assets come from a CDN
