@@ -6,6 +6,7 @@ stream's text hold-back are checked in-process first."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import re
@@ -16,14 +17,19 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from transformers import AutoTokenizer
 
+from router.http import tracing
 from router.http.errors import anthropic_error
 from router.http.messages_api import cut_at_stop
 from router.http.messages_request import MessagesRequest, chat_request
 from router.http.messages_stream import held_back
 from router.http.validation import ValidationError
+from tests.helpers import shard_fixture
 from tests.test_router_http import shard_and_router
+from tests.test_router_tracing import serve_and_call
 from tests.test_server import short_socket_dir
 from tests.test_vision_serving import LIMITS as LLAVA_LIMITS
 from tests.vision_models import image_bytes, llava_reference
@@ -168,6 +174,39 @@ def test_errors_take_anthropics_statuses_and_types():
         500,
         {"type": "error", "error": {"type": "api_error", "message": "failed"}},
     )
+
+
+shard = shard_fixture(max_batch_size=4)
+
+
+def test_messages_are_traced_as_chat_completions_are(shard, tiny_model_dirs):
+    """An in-process router over the tiny Llama's shard: each request's span has its queue,
+    prefill and decode spans, streamed or not."""
+    exporter = InMemorySpanExporter()
+    traces = tracing.Tracing.with_processor(SimpleSpanProcessor(exporter))
+
+    async def calls(_, app):
+        import httpx2  # the anthropic client's own httpx (it refuses httpx's clients)
+
+        transport = httpx2.ASGITransport(app=app)
+        http = httpx2.AsyncClient(transport=transport, base_url="http://router")
+        client = anthropic.AsyncAnthropic(
+            base_url="http://router", api_key="x", http_client=http, max_retries=0
+        )
+        request = dict(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+        await client.messages.create(**request)
+        async with client.messages.stream(**request) as stream:
+            await stream.get_final_message()
+
+    asyncio.run(serve_and_call(shard, tiny_model_dirs["llama"], traces, calls))
+    spans = exporter.get_finished_spans()
+    roots = [s for s in spans if s.parent is None]
+    assert [s.name for s in roots] == ["POST /v1/messages"] * 2
+    for root in roots:
+        children = [
+            s for s in spans if s.parent is not None and s.parent.span_id == root.context.span_id
+        ]
+        assert sorted(s.name for s in children) == ["decode", "prefill", "queue"]
 
 
 # --- the embedded model behind a real shard and router --------------------------------------------
