@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 
 from router.http import tracing
 from router.http.errors import anthropic_error
+from router.http.lifecycle import DrainGate, Lifecycle
 from router.http.messages_api import cut_at_stop
 from router.http.messages_request import MessagesRequest, chat_request
 from router.http.messages_stream import held_back
@@ -159,6 +160,19 @@ def test_the_stream_holds_back_what_may_begin_a_stop_sequence():
     assert held_back("that", ["end"]) == 0
     assert cut_at_stop("one, two. three", [".", ","]) == ("one", ",")
     assert cut_at_stop("one two", ["."]) == ("one two", None)
+
+
+def test_a_draining_router_refuses_messages_in_anthropics_shape():
+    lifecycle, sent = Lifecycle(), []
+    lifecycle.draining = True
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "path": "/v1/messages", "method": "POST", "headers": []}
+    asyncio.run(DrainGate(None, lifecycle)(scope, None, send))
+    assert sent[0]["status"] == 503
+    assert json.loads(sent[1]["body"])["error"]["type"] == "api_error"
 
 
 def test_errors_take_anthropics_statuses_and_types():
@@ -551,6 +565,17 @@ BAD = [  # (what is wrong, body, status, error type, what the message names)
         400,
         "invalid_request_error",
         "does not take images",
+    ),
+    (
+        "a body over the payload limit",
+        {
+            "model": MODEL,
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "a" * 2_100_000}],
+        },
+        413,
+        "request_too_large",
+        "payload limit",
     ),
     (
         "a model not served",
