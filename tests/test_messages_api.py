@@ -391,6 +391,11 @@ def test_a_tool_call_and_its_result_equal_chat_completions(client, chat, choice)
         calls[0].name,
         calls[0].input,
     )
+    check_the_answer_to_a_result(client, chat, tools, first, calls[0])
+
+
+def check_the_answer_to_a_result(client, chat, tools: list[dict], first, call) -> None:
+    """The tool's result sent back: the answer equals chat completions' to the same conversation."""
     result = "Sunny, 21 degrees."
     answer = client.messages.create(
         model=MODEL,
@@ -401,7 +406,7 @@ def test_a_tool_call_and_its_result_equal_chat_completions(client, chat, choice)
             {"role": "assistant", "content": first.content},
             {
                 "role": "user",
-                "content": [{"type": "tool_result", "tool_use_id": calls[0].id, "content": result}],
+                "content": [{"type": "tool_result", "tool_use_id": call.id, "content": result}],
             },
         ],
         extra_body=GREEDY,
@@ -416,16 +421,16 @@ def test_a_tool_call_and_its_result_equal_chat_completions(client, chat, choice)
                 "content": None,
                 "tool_calls": [
                     {
-                        "id": calls[0].id,
+                        "id": call.id,
                         "type": "function",
                         "function": {
-                            "name": calls[0].name,
-                            "arguments": json.dumps(calls[0].input),
+                            "name": call.name,
+                            "arguments": json.dumps(call.input),
                         },
                     }
                 ],
             },
-            {"role": "tool", "tool_call_id": calls[0].id, "content": result},
+            {"role": "tool", "tool_call_id": call.id, "content": result},
         ],
         tools=[as_openai_tool(t) for t in tools],
         tool_choice="none",
