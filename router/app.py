@@ -33,6 +33,7 @@ from router.http.embeddings import embedding_routes
 from router.http.errors import BodyLimit, install_error_handlers
 from router.http.front_page import front_page_routes
 from router.http.lifecycle import DrainGate, DrainingServer, Lifecycle
+from router.http.messages_api import messages_routes
 from router.http.metrics import RouterMetrics
 from router.http.openai_api import openai_routes
 from router.http.state import RouterState
@@ -157,8 +158,8 @@ def create_app(
     payload_limit: int = DEFAULT_PAYLOAD_LIMIT,
     lifecycle: Lifecycle | None = None,
 ) -> FastAPI:
-    """The HTTP app: TGI's routes, OpenAI's, and the service routes, over one state; every error
-    in the route's shape (router/http/errors.py)."""
+    """The HTTP app: TGI's routes, OpenAI's, Anthropic's Messages, and the service routes, over one
+    state; every error in the route's shape (router/http/errors.py)."""
     app = FastAPI(
         title="bucketserve router", docs_url=None, redoc_url=None
     )  # their assets come from a CDN
@@ -172,6 +173,7 @@ def create_app(
     tgi_routes(app, state)
     openai_routes(app, state)
     embedding_routes(app, state)
+    messages_routes(app, state)
     service_routes(app, state)
     front_page_routes(app, state)
 
