@@ -34,6 +34,7 @@ from router.http.front_page import front_page_routes
 from router.http.lifecycle import DrainGate, DrainingServer, Lifecycle
 from router.http.metrics import RouterMetrics
 from router.http.openai_api import openai_routes
+from router.http.reasoning import parser_for
 from router.http.state import RouterState
 from router.http.tgi_api import service_routes, tgi_routes
 from router.http.validation import MAX_TOP_N_TOKENS
@@ -208,6 +209,7 @@ async def build_state(
     await scheduler.start()
     state = RouterState(scheduler, tokenizer, client, info, metrics, **state_fields)
     state.images = image_policy(config, tokenizer)
+    state.reasoning = parser_for(config.reasoning_parser, getattr(tokenizer, "chat_template", None))
     return state
 
 

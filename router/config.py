@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import SharedKnobs, knob, nested
+from router.http.reasoning import CHOICES as REASONING_PARSERS
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PAYLOAD_LIMIT = 2_000_000  # bytes, TGI's default
@@ -62,6 +63,15 @@ class RouterConfig(SharedKnobs):
         "the model's name in the OpenAI API: /v1/models lists it (and the LoRA adapters), "
         "a request that names another model gets 404; `tgi` is always accepted (default: the "
         "model directory's name)",
+    )
+    reasoning_parser: str = knob(
+        "auto",
+        "split a reasoning model's thinking (`<think>...</think>`) from its answer: chat "
+        "completions return it as `reasoning_content`, and grammars (tools, json_schema) "
+        "constrain the answer after it. qwen3: the block the reply opens with; deepseek_r1: all "
+        "text before `</think>`; auto (default): from the chat template where it is plain (it "
+        "writes `<think>`: qwen3, or DeepSeek's: deepseek_r1), else none; none: off",
+        choices=REASONING_PARSERS,
     )
     hostname: str = knob("127.0.0.1", "the HTTP address")
     port: int = knob(8080, "the HTTP port")
