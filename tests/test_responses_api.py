@@ -14,12 +14,15 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from router.http.response_store import ResponseStore
 from tests.test_router_http import shard_and_router
 from tests.test_server import short_socket_dir
 
 KEY = "sk-responses-test"
+HEADERS = {"Authorization": f"Bearer {KEY}"}
 STORED = 3  # the router's --max-stored-responses: small, so that a test can evict
 LIMITS = ["--max-input-tokens", "768", "--max-total-tokens", "1280", "--max-batch-size", "4"]
 SHARD_LIMITS = [*LIMITS, "--max-prefill-tokens", "1024"]
@@ -174,6 +177,40 @@ def test_a_stream_gives_the_typed_events_in_order_and_the_whole_answer(client):
     assert deltas == final.output_text == whole.output_text != ""
     assert final.id == events[0].response.id and final.status == "completed"
     assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def raw_events(url: str, body: dict) -> list[dict]:
+    """The server-sent events as sent: each `data` payload, checked against its `event` line."""
+    events, kind = [], None
+    body = {"model": "tgi", **body, "stream": True}
+    with httpx.stream(
+        "POST", f"{url}/v1/responses", json=body, headers=HEADERS, timeout=300
+    ) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            if line.startswith("event: "):
+                kind = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                events.append(json.loads(line.removeprefix("data: ")))
+                assert events[-1]["type"] == kind
+    return events
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_events_and_responses_validate_against_the_openai_types(url, tools):
+    body = {"input": QUESTION, "temperature": 0, "max_output_tokens": 24}
+    body |= {"tools": tools, "tool_choice": "required"} if tools else {}
+    events = raw_events(url, body)
+    adapter = TypeAdapter(ResponseStreamEvent)
+    for event in events:  # strict: every required field there, with its type
+        adapter.validate_python(event)
+    Response.model_validate(events[-1]["response"])
+    whole = httpx.post(f"{url}/v1/responses", json=body, headers=HEADERS, timeout=300)
+    Response.model_validate(whole.json())
+    assert [i["type"] for i in whole.json()["output"]] == [
+        i["type"] for i in events[-1]["response"]["output"]
+    ]
 
 
 # --- function calls -----------------------------------------------------------------------------
@@ -386,9 +423,8 @@ def test_bad_input_is_4xx_in_openai_format_and_harms_no_running_request(client, 
     with ThreadPoolExecutor(1) as pool:
         beside = pool.submit(running)
         assert started.wait(300)
-        headers = {"Authorization": f"Bearer {KEY}"}
         for body, status, field in BAD:
-            answer = httpx.post(f"{url}/v1/responses", json=body, headers=headers, timeout=60)
+            answer = httpx.post(f"{url}/v1/responses", json=body, headers=HEADERS, timeout=60)
             assert answer.status_code == status, (body, answer.text)
             error = answer.json()["error"]
             assert set(error) == {"message", "type", "param", "code"}
@@ -402,8 +438,7 @@ def test_bad_input_is_4xx_in_openai_format_and_harms_no_running_request(client, 
 
 @pytest.mark.slow
 def test_the_routes_are_documented_guarded_and_counted(url):
-    headers = {"Authorization": f"Bearer {KEY}"}
-    paths = httpx.get(f"{url}/openapi.json", headers=headers, timeout=30).json()["paths"]
+    paths = httpx.get(f"{url}/openapi.json", headers=HEADERS, timeout=30).json()["paths"]
     assert "post" in paths["/v1/responses"]
     assert {"get", "delete"} <= set(paths["/v1/responses/{response_id}"])
     body = {"input": "Hi", "max_output_tokens": 1}
@@ -421,7 +456,7 @@ def test_the_routes_are_documented_guarded_and_counted(url):
 
     before = successes()
     assert (
-        httpx.post(f"{url}/v1/responses", json=body, headers=headers, timeout=60).status_code == 200
+        httpx.post(f"{url}/v1/responses", json=body, headers=HEADERS, timeout=60).status_code == 200
     )
     assert successes() == before + 1
 
