@@ -12,6 +12,7 @@ from router.http.reasoning import CHOICES as REASONING_PARSERS
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PAYLOAD_LIMIT = 2_000_000  # bytes, TGI's default
+DEFAULT_STORED_RESPONSES = 1024  # the Responses API's store (router/http/response_store.py)
 TGI_MODEL_ALIAS = "tgi"  # the model name TGI's clients and docs send; always accepted
 
 
@@ -121,6 +122,11 @@ class RouterConfig(SharedKnobs):
     max_images_per_request: int = knob(8, "the most images a request may hold")
     max_image_bytes: int = knob(20 * 1024 * 1024, "the largest image file, in bytes")
     image_url_timeout: float = knob(10.0, "seconds an image URL may take, redirects included")
+    max_stored_responses: int = knob(
+        DEFAULT_STORED_RESPONSES,
+        "the most responses of /v1/responses kept in memory for `previous_response_id` and "
+        "GET /v1/responses/{id}; beyond it the least recently used is evicted (0: none kept)",
+    )
     parent_pid: int | None = knob(
         None, "stop when this process is gone (the launcher sets it)", env="BUCKETSERVE_PARENT_PID"
     )
