@@ -32,6 +32,7 @@ from router.http.access import install
 from router.http.errors import BodyLimit, install_error_handlers
 from router.http.front_page import front_page_routes
 from router.http.lifecycle import DrainGate, DrainingServer, Lifecycle
+from router.http.messages_api import messages_routes
 from router.http.metrics import RouterMetrics
 from router.http.openai_api import openai_routes
 from router.http.reasoning import parser_for
@@ -159,8 +160,9 @@ def create_app(
     lifecycle: Lifecycle | None = None,
     responses: ResponseStore | None = None,
 ) -> FastAPI:
-    """The HTTP app: TGI's routes, OpenAI's, and the service routes, over one state; every error
-    in the route's shape (router/http/errors.py). `responses`: the Responses API's store."""
+    """The HTTP app: TGI's routes, OpenAI's, Anthropic's Messages, and the service routes, over one
+    state; every error in the route's shape (router/http/errors.py). `responses`: the Responses
+    API's store."""
     app = FastAPI(
         title="bucketserve router", docs_url=None, redoc_url=None
     )  # their assets come from a CDN
@@ -174,6 +176,7 @@ def create_app(
     tgi_routes(app, state)
     openai_routes(app, state)
     responses_routes(app, state, responses)
+    messages_routes(app, state)
     service_routes(app, state)
     front_page_routes(app, state)
 

@@ -3,7 +3,8 @@
 One ASGI middleware (not Starlette's BaseHTTPMiddleware: that one runs the route in another task and hides a
 client's disconnect from streaming routes) gives every request an id, sends it back as `x-request-id`, puts it
 in every log line written while the request runs (a logging filter reads a context variable) and, when an API
-key is set, answers 401 to a request without `Authorization: Bearer <key>`. `/health` and `/metrics` stay
+key is set, answers 401 to a request without `Authorization: Bearer <key>` or `x-api-key: <key>` (the header
+Anthropic's API reads). `/health` and `/metrics` stay
 open, so probes and Prometheus need no key. CORS is Starlette's middleware, outside this one, so preflight
 requests (which carry no key) are answered and 401 answers carry the CORS headers a browser needs to read them.
 """
@@ -24,6 +25,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from engine.cli.flags import add_knob_flags, config_from_args
 from router.config import AccessConfig
+from router.http.errors import anthropic_error, is_anthropic
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/metrics", "/live"})  # probes need no key
@@ -42,6 +44,8 @@ def access_from_args(args: argparse.Namespace) -> AccessConfig:
 
 def unauthorized_body(path: str) -> dict:
     message = "a valid API key is required: send `Authorization: Bearer <key>`"
+    if is_anthropic(path):
+        return anthropic_error(401, f"{message} or `x-api-key: <key>`")[1]
     if path.startswith("/v1/"):  # OpenAI's error body, which its clients read
         return {
             "error": {
@@ -62,6 +66,13 @@ def bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
+def api_key_header(headers: list[tuple[bytes, bytes]]) -> str | None:
+    for name, value in headers:
+        if name == b"x-api-key":
+            return value.decode("latin-1").strip()
+    return None
+
+
 def caller_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
     for name, value in headers:
         if name == b"x-request-id":
@@ -77,8 +88,11 @@ class AccessMiddleware:
     def allowed(self, scope) -> bool:
         if self.api_key is None or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
             return True
-        given = bearer(scope["headers"])
-        return given is not None and hmac.compare_digest(given.encode(), self.api_key.encode())
+        given = (bearer(scope["headers"]), api_key_header(scope["headers"]))
+        return any(
+            key is not None and hmac.compare_digest(key.encode(), self.api_key.encode())
+            for key in given
+        )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":

@@ -1,4 +1,5 @@
-"""One error shape on every route, for every status: TGI's body on TGI's routes, OpenAI's on `/v1/*`.
+"""One error shape on every route, for every status: TGI's body on TGI's routes, OpenAI's on `/v1/*`,
+Anthropic's (with its statuses) on `/v1/messages`.
 
 Route handlers, FastAPI's own refusals (404, 405, a body that is not JSON or not the schema), the
 request-size limit (413, 415) and unexpected exceptions (500) all answer through `error_json`, and
@@ -42,6 +43,16 @@ HTTP_ERRORS = {
     500: ("internal", "error"),
 }
 OPENAI_TYPES = {429: "rate_limit_error", 499: "cancelled"}
+# Anthropic's clients read its statuses: 400 for any invalid request, 529 for an overloaded server.
+ANTHROPIC_STATUSES = {415: 400, 422: 400, 424: 500, 429: 529}
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    529: "overloaded_error",
+}
 
 
 def classify(error: Exception) -> tuple[int, str, str]:
@@ -60,6 +71,17 @@ def classify(error: Exception) -> tuple[int, str, str]:
 
 def is_openai(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/")
+
+
+def is_anthropic(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error(status: int, message: str) -> tuple[int, dict]:
+    """Anthropic's status for one of ours, and its error body `{"type": "error", "error": ...}`."""
+    status = ANTHROPIC_STATUSES.get(status, status)
+    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return status, {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_body(message: str, error_type: str, status: int = 422, openai: bool = False) -> dict:
@@ -81,16 +103,27 @@ def error_payload(error: Exception, openai: bool = False) -> dict:
     return error_body(error_message(error), error_type, status, openai)
 
 
-def error_response(metrics, error: Exception, openai: bool = False) -> JSONResponse:
+def error_response(
+    metrics, error: Exception, openai: bool = False, anthropic: bool = False
+) -> JSONResponse:
     """The answer to a request that failed with `error`, counted by its outcome."""
     status, error_type, outcome = classify(error)
-    return error_json(metrics, status, error_message(error), error_type, outcome, openai)
+    return error_json(metrics, status, error_message(error), error_type, outcome, openai, anthropic)
 
 
 def error_json(
-    metrics, status: int, message: str, error_type: str, outcome: str, openai: bool
+    metrics,
+    status: int,
+    message: str,
+    error_type: str,
+    outcome: str,
+    openai: bool,
+    anthropic: bool = False,
 ) -> JSONResponse:
     metrics.outcome(outcome)
+    if anthropic:
+        status, body = anthropic_error(status, message)
+        return JSONResponse(body, status_code=status)
     return JSONResponse(error_body(message, error_type, status, openai), status_code=status)
 
 
@@ -116,14 +149,22 @@ def install_error_handlers(app: FastAPI, metrics) -> None:
             "validation",
             "validation",
             is_openai(request.url.path),
+            is_anthropic(request.url.path),
         )
 
     @app.exception_handler(HTTPException)
     async def refused(request: HttpRequest, error: HTTPException):
         error_type, outcome = HTTP_ERRORS.get(error.status_code, ("http", "error"))
         message = error.detail if isinstance(error.detail, str) else "request refused"
+        path = request.url.path
         return error_json(
-            metrics, error.status_code, message, error_type, outcome, is_openai(request.url.path)
+            metrics,
+            error.status_code,
+            message,
+            error_type,
+            outcome,
+            is_openai(path),
+            is_anthropic(path),
         )
 
     @app.exception_handler(Exception)
@@ -136,6 +177,7 @@ def install_error_handlers(app: FastAPI, metrics) -> None:
             "internal",
             "error",
             is_openai(request.url.path),
+            is_anthropic(request.url.path),
         )
 
 
@@ -201,8 +243,9 @@ class BodyLimit:
 
     async def _refuse(self, scope, receive, send, status: int, message: str) -> None:
         error_type, outcome = HTTP_ERRORS[status]
+        path = scope["path"]
         response = error_json(
-            self.metrics, status, message, error_type, outcome, is_openai(scope["path"])
+            self.metrics, status, message, error_type, outcome, is_openai(path), is_anthropic(path)
         )
         await response(scope, receive, send)
 

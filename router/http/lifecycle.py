@@ -18,6 +18,8 @@ import signal
 
 import uvicorn
 
+from router.http.errors import anthropic_error, is_anthropic
+
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # another replica can take the request now: the balancer retries it there
 PROBES = ("/health", "/metrics", "/live")
@@ -57,7 +59,9 @@ class DrainGate:
         if self.metrics is not None and path != "/health":
             self.metrics.outcome("unavailable")
         message = "the server is draining (shutting down): retry on another replica"
-        if path.startswith("/v1/"):
+        if is_anthropic(path):
+            body = anthropic_error(503, message)[1]
+        elif path.startswith("/v1/"):
             body = {"error": {"message": message, "type": "server_error", "code": "unavailable"}}
         else:
             body = {"error": message, "error_type": "unavailable"}
