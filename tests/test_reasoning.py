@@ -398,3 +398,48 @@ def test_a_json_schema_answer_follows_the_reasoning(client, steered):
     message = chat(client, bias, response_format=response_format).choices[0].message
     assert message.reasoning_content == expected_split(text)[0]
     jsonschema.validate(json.loads(message.content), VERDICT)
+
+
+# --- Anthropic's Messages API: a `thinking` block -------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_messages_return_the_reasoning_as_a_thinking_block(url, steered, stream):
+    import anthropic
+
+    bias, text, _ = steered
+    client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120)
+    request = dict(
+        model="tgi",
+        max_tokens=MAX_TOKENS,
+        messages=ASK,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        extra_body={"temperature": 0, "logit_bias": bias},
+    )
+    if stream:
+        with client.messages.stream(**request) as events:
+            kinds = [e.delta.type for e in events if e.type == "content_block_delta"]
+            reply = events.get_final_message()
+        assert kinds[0] == "thinking_delta"
+    else:
+        reply = client.messages.create(**request)
+    assert [block.type for block in reply.content] == ["thinking", "text"]
+    assert (reply.content[0].thinking, reply.content[1].text) == expected_split(text)
+
+
+@pytest.mark.slow
+def test_messages_thinking_disabled_reaches_the_template(url, steered):
+    import anthropic
+
+    bias = steered[0]
+    text, _ = raw_reply(url, bias, chat_template_kwargs={"enable_thinking": False})
+    client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120)
+    reply = client.messages.create(
+        model="tgi",
+        max_tokens=MAX_TOKENS,
+        messages=ASK,
+        thinking={"type": "disabled"},
+        extra_body={"temperature": 0, "logit_bias": bias},
+    )
+    assert [(block.type, block.text) for block in reply.content] == [("text", text)]
