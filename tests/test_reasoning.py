@@ -443,3 +443,48 @@ def test_messages_thinking_disabled_reaches_the_template(url, steered):
         extra_body={"temperature": 0, "logit_bias": bias},
     )
     assert [(block.type, block.text) for block in reply.content] == [("text", text)]
+
+
+# --- OpenAI's Responses API: a `reasoning` item ---------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_responses_return_the_reasoning_as_an_item(client, steered, stream):
+    bias, text, end = steered
+    request = dict(
+        model="tgi",
+        input=ASK[0]["content"],
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+        reasoning={"effort": "medium"},
+        extra_body={"logit_bias": bias},
+    )
+    if stream:  # the reply reaches max_output_tokens: it ends with `response.incomplete`
+        events = list(client.responses.create(**request, stream=True))
+        kinds = [event.type for event in events]
+        response = events[-1].response
+        assert "response.reasoning_text.delta" in kinds
+    else:
+        response = client.responses.create(**request)
+    reasoning, message = response.output
+    assert (reasoning.type, message.type) == ("reasoning", "message")
+    assert (reasoning.content[0].text, message.content[0].text) == expected_split(text)
+    assert response.usage.output_tokens_details.reasoning_tokens == end + 1
+
+
+@pytest.mark.slow
+def test_responses_effort_none_switches_thinking_off(client, url, steered):
+    bias = steered[0]
+    text, _ = raw_reply(url, bias, chat_template_kwargs={"enable_thinking": False})
+    response = client.responses.create(
+        model="tgi",
+        input=ASK[0]["content"],
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+        reasoning={"effort": "none"},
+        extra_body={"logit_bias": bias},
+    )
+    assert [item.type for item in response.output] == ["message"]
+    assert response.output[0].content[0].text == text
+    assert response.usage.output_tokens_details.reasoning_tokens == 0

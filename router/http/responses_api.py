@@ -21,9 +21,11 @@ from router.http.openai_api import (
     chat_choice,
     chat_parameters,
     chat_prompt,
+    token_texts,
     unknown_model,
 )
 from router.http.openai_render import ReplyCheck, merged
+from router.http.reasoning import ReplyReasoning
 from router.http.response_store import ResponseStore
 from router.http.responses_render import Draft, ResponseEvents
 from router.http.responses_request import ResponsesRequest, Turn, turn
@@ -66,8 +68,16 @@ class Finisher:
     """Turns a request's last generation into its finished response object, checks a JSON reply
     against its format (as chat completions does), and stores the response and its conversation."""
 
-    def __init__(self, state: RouterState, store: ResponseStore, draft: Draft, turn: Turn):
+    def __init__(
+        self,
+        state: RouterState,
+        store: ResponseStore,
+        draft: Draft,
+        turn: Turn,
+        reasoning: ReplyReasoning | None = None,
+    ):
         self.store, self.draft, self.turn, self.prompt_tokens = store, draft, turn, 0
+        self.reasoning, self.texts = reasoning, []  # the reply's token texts, for reasoning_tokens
         chat = turn.chat
         self.check = (
             ReplyCheck(chat.response_format, draft.id, state.metrics.invalid_replies.inc)
@@ -75,17 +85,28 @@ class Finisher:
             else None
         )
 
+    def count(self, generation: Generation) -> Generation:
+        """Note a generation's tokens (every one passes here, streamed or not)."""
+        if self.reasoning is not None:
+            self.texts += token_texts([generation])
+        return generation
+
     def __call__(self, generation: Generation) -> dict:
-        choice = chat_choice(self.turn.chat, 0, [generation])
+        choice = chat_choice(self.turn.chat, 0, [generation], self.reasoning)
         message, reason = choice["message"], choice["finish_reason"]
         if self.check is not None and not self.turn.chat.tool_plan().active:
             self.check(message["content"], reason)
         done = generation.generated_text
-        response = self.draft.finished(message, reason, self.prompt_tokens, done.generated_tokens)
-        if self.draft.body.store:
+        response = self.draft.finished(
+            message, reason, self.prompt_tokens, done.generated_tokens, self.thought()
+        )
+        if self.draft.body.store:  # the reasoning is not replayed in the next turn's prompt
             reply = {k: v for k, v in message.items() if k in ("role", "content", "tool_calls")}
             self.store.put(response, [*self.turn.history, reply])
         return response
+
+    def thought(self) -> int:
+        return self.reasoning.tokens(self.texts) if self.reasoning is not None else 0
 
 
 async def create(
@@ -96,29 +117,35 @@ async def create(
         current = turn(body, store)
         state.scheduler.check_admission()  # before templating
         prompt = await state.offload(chat_prompt, state, current.chat)
-        parameters = chat_parameters(state, current.chat)
+        reasoning = ReplyReasoning.for_prompt(state.reasoning, prompt)
+        parameters = chat_parameters(state, current.chat, reasoning)
         # The chat template already wrote the special tokens the model expects.
         sequences, length, streams = await submit_many(
             state, prompt, parameters, 1, "n", add_special_tokens=False
         )
-        finish = Finisher(state, store, draft, current)
+        finish = Finisher(state, store, draft, current, reasoning)
         finish.prompt_tokens = length
         if not body.stream:
             generations = (await collect_all(state, sequences, streams))[0]
-            return JSONResponse(finish(generations[-1]))
+            return JSONResponse(finish([finish.count(g) for g in generations][-1]))
     except Exception as error:  # noqa: BLE001 - every failure gets an error body
         return error_reply(state, error)
-    render = ResponseEvents(draft, not current.chat.tool_plan().active, finish)
+    # a reasoning model's items come whole at the end: its reasoning, then its text or calls
+    streams_text = not current.chat.tool_plan().active and reasoning is None
+    render = ResponseEvents(draft, streams_text, finish)
     return StreamingResponse(
-        streamed(state, http_request, render, sequences, streams), media_type="text/event-stream"
+        streamed(state, http_request, render, sequences, streams, finish.count),
+        media_type="text/event-stream",
     )
 
 
-async def streamed(state: RouterState, http_request: HttpRequest, render, sequences, streams):
+async def streamed(state: RouterState, http_request: HttpRequest, render, sequences, streams, note):
+    """`note(generation)`: sees every generation before it is rendered (Finisher.count)."""
     for event in render.opening():
         yield event
     on_error = lambda error: render.error(error_payload(error, openai=True))  # noqa: E731
-    async for event in events(state, http_request, merged(sequences), streams, render, on_error):
+    draw = lambda item: render((item[0], note(item[1])))  # noqa: E731
+    async for event in events(state, http_request, merged(sequences), streams, draw, on_error):
         yield event
 
 

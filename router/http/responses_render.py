@@ -32,8 +32,22 @@ def output_items(message: dict, reason: str, message_id: str) -> list[dict]:
     status = "incomplete" if reason == "length" else "completed"
     calls = message.get("tool_calls") or []
     text = message.get("content") or ""
-    items = [message_item(message_id, text, status)] if text or not calls else []
+    thought = message.get("reasoning_content")
+    items = [reasoning_item(thought, status)] if thought else []
+    items += [message_item(message_id, text, status)] if text or not calls else []
     return items + [function_call_item(call) for call in calls]
+
+
+def reasoning_item(text: str, status: str) -> dict:
+    """A reasoning model's thinking (router/http/reasoning.py), as its text: no summary."""
+    content = [{"type": "reasoning_text", "text": text}]
+    return {
+        "id": new_id("rs"),
+        "type": "reasoning",
+        "summary": [],
+        "content": content,
+        "status": status,
+    }
 
 
 def message_item(item_id: str, text: str, status: str) -> dict:
@@ -61,12 +75,12 @@ def function_call_item(call: dict) -> dict:
     }
 
 
-def usage(input_tokens: int, output_tokens: int) -> dict:
+def usage(input_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> dict:
     return {
         "input_tokens": input_tokens,
         "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens,
     }
 
@@ -110,10 +124,13 @@ class Draft:
             "metadata": body.metadata or {},
         }
 
-    def finished(self, message: dict, reason: str, input_tokens: int, output_tokens: int) -> dict:
+    def finished(
+        self, message: dict, reason: str, input_tokens: int, output_tokens: int, thought: int = 0
+    ) -> dict:
+        """`thought`: the output tokens that wrote the reasoning."""
         status = "incomplete" if reason == "length" else "completed"
         output = output_items(message, reason, self.message_id)
-        return self.response(status, output, usage(input_tokens, output_tokens))
+        return self.response(status, output, usage(input_tokens, output_tokens, thought))
 
 
 class ResponseEvents:
@@ -187,6 +204,8 @@ class ResponseEvents:
             started = {**item, "arguments": "", "status": "in_progress"}
             return [self.event("response.output_item.added", output_index=index, item=started)]
         started = {**item, "content": [], "status": "in_progress"}
+        if item["type"] == "reasoning":
+            return [self.event("response.output_item.added", output_index=index, item=started)]
         return [
             self.event("response.output_item.added", output_index=index, item=started),
             self.event(
@@ -207,6 +226,12 @@ class ResponseEvents:
             out.append(
                 self.event("response.function_call_arguments.done", **where, arguments=arguments)
             )
+        elif item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            out = [
+                self.event("response.reasoning_text.delta", **where, content_index=0, delta=text),
+                self.event("response.reasoning_text.done", **where, content_index=0, text=text),
+            ]
         else:
             text = item["content"][0]["text"]
             rest = self.text.rest(text) if item["id"] == self.draft.message_id else text

@@ -70,11 +70,12 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = None
     seed: int | None = None  # not in OpenAI's schema (clients send it in extra_body), as vLLM takes
     stop: str | list[str] | None = None  # the same
+    logit_bias: dict[int, float] | None = None  # the same (chat completions' field)
     text: TextConfig | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    reasoning: Reasoning | None = None  # accepted; the model's chat template decides its thinking
+    reasoning: Reasoning | None = None  # `effort` sets the template's enable_thinking (`none`: off)
     store: bool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
@@ -109,6 +110,8 @@ def turn(body: ResponsesRequest, store: ResponseStore) -> Turn:
         top_p=body.top_p,
         seed=body.seed,
         stop=body.stop,
+        logit_bias=body.logit_bias,
+        chat_template_kwargs=thinking_switch(body.reasoning),
         response_format=response_format(body.text),
         tools=function_tools(body.tools),
         tool_choice=tool_choice(body.tool_choice),
@@ -121,6 +124,14 @@ def turn(body: ResponsesRequest, store: ResponseStore) -> Turn:
         "text.format",
     )
     return Turn(chat, history)
+
+
+def thinking_switch(reasoning: Reasoning | None) -> dict | None:
+    """The chat template's switch (Qwen3's `enable_thinking`) for `reasoning.effort`, as vLLM
+    passes it: off for `none`, on for any other effort; no effort: the template's default."""
+    if reasoning is None or reasoning.effort is None:
+        return None
+    return {"enable_thinking": reasoning.effort != "none"}
 
 
 def check_fields(body: ResponsesRequest) -> None:
