@@ -41,6 +41,9 @@ class NextTokenChooserParameters:
     logit_bias: dict[int, float] = field(
         default_factory=dict
     )  # token id -> bias added to its logit
+    # a reasoning block before the answer the grammar constrains (engine/grammar.py after_reasoning)
+    grammar_reasoning_start: str = ""
+    grammar_reasoning_end: str = ""
 
 
 @dataclass

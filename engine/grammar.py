@@ -11,7 +11,9 @@ only adapts that to the shard:
   batch-level state), so filtering and concatenating batches need nothing from this module.
 - fill_masks: the bool [n, vocab] `allowed` rows of a batch in one call, for sampling.choose(allowed=...).
 
-Semantics (as TGI with outlines): the whole generated text must match the grammar. A JSON schema is compiled in
+Semantics (as TGI with outlines): the whole generated text must match the grammar, unless the
+request names a reasoning block (after_reasoning): then the text up to the block's closing tag is
+free and the grammar constrains the answer after it. A JSON schema is compiled in
 strict mode (no properties beyond those listed) with compact separators, ", " and ": ", so that a sampler cannot
 spend its tokens on whitespace; a schema keyword that the grammar cannot enforce is refused
 (engine/grammar_schema.py lists the supported ones), and no JSON string can hold a raw control
@@ -66,6 +68,7 @@ class CompiledGrammar:
 
     grammar_type: GrammarType
     grammar: str
+    reasoning: tuple[str, str]  # the block before the answer (after_reasoning); ("", ""): none
     _compiled: xgrammar.CompiledGrammar = field(repr=False)
     _owner: GrammarCompiler = field(repr=False)
 
@@ -101,7 +104,7 @@ class GrammarCompiler:
         threads = max_threads or min(8, os.cpu_count() or 1)
         # xgrammar's own cache is keyed the same way; ours returns the very same object and bounds the count.
         self._xgr = xgrammar.GrammarCompiler(self._info, max_threads=threads, cache_enabled=False)
-        self._cache: OrderedDict[tuple[GrammarType, str], CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self.bitmask_words = (vocab_size + 31) // 32
@@ -111,8 +114,12 @@ class GrammarCompiler:
         self._eos_only_mask = torch.zeros(vocab_size, dtype=torch.bool)
         self._eos_only_mask[stop] = True
 
-    def compile(self, grammar_type: GrammarType, grammar: str) -> CompiledGrammar:
-        """The compiled grammar, from the cache when this (type, text) was compiled before."""
+    def compile(
+        self, grammar_type: GrammarType, grammar: str, *, reasoning: tuple[str, str] = ("", "")
+    ) -> CompiledGrammar:
+        """The compiled grammar, from the cache when this (type, text, reasoning) was compiled
+        before. `reasoning`: (opening tag, closing tag) of a block before the answer, see
+        after_reasoning; an empty closing tag: none."""
         try:
             grammar_type = GrammarType(grammar_type)
         except ValueError:
@@ -125,21 +132,28 @@ class GrammarCompiler:
             )
         if not isinstance(grammar, str):
             raise InvalidRequestError(f"{FIELD}: must be a string, got {type(grammar).__name__}")
-        key = (grammar_type, grammar)
+        reasoning = _reasoning_tags(reasoning)
+        key = (grammar_type, grammar, reasoning)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
             compiled = CompiledGrammar(
-                grammar_type, grammar, self._compile(grammar_type, grammar), self
+                grammar_type,
+                grammar,
+                reasoning,
+                self._compile(grammar_type, grammar, reasoning),
+                self,
             )
             self._cache[key] = compiled
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
             return compiled
 
-    def _compile(self, grammar_type: GrammarType, grammar: str) -> xgrammar.CompiledGrammar:
+    def _compile(
+        self, grammar_type: GrammarType, grammar: str, reasoning: tuple[str, str]
+    ) -> xgrammar.CompiledGrammar:
         if grammar_type == GrammarType.JSON:
             try:
                 schema = json.loads(grammar)
@@ -151,12 +165,19 @@ class GrammarCompiler:
                     f"got {type(schema).__name__}"
                 )
             try:
-                return self._xgr.compile_grammar(json_schema_ebnf(schema))
+                ebnf = json_schema_ebnf(schema)
+                if reasoning[1]:
+                    answer = {"type": "grammar", "grammar": ebnf}
+                    return self._xgr.compile_structural_tag(after_reasoning(answer, *reasoning))
+                return self._xgr.compile_grammar(ebnf)
             except UnsupportedSchema as e:
                 raise InvalidRequestError(f"{FIELD}: {e}") from None
             except (RuntimeError, ValueError, TypeError) as e:
                 raise InvalidRequestError(f"{FIELD}: invalid JSON schema: {_clean(e)}") from None
         try:
+            if reasoning[1]:
+                answer = {"type": "regex", "pattern": grammar}
+                return self._xgr.compile_structural_tag(after_reasoning(answer, *reasoning))
             return self._xgr.compile_regex(grammar)
         except (RuntimeError, ValueError, TypeError) as e:
             raise InvalidRequestError(f"{FIELD}: invalid regex: {_clean(e)}") from None
@@ -388,6 +409,39 @@ def _check_pattern_path(pattern: str) -> None:
             f"JSON schema `pattern` {pattern!r} cannot match inside a JSON string "
             "without characters that JSON must escape"
         )
+
+
+# Between a reasoning block's closing tag and the answer, the whitespace models write there
+# (Qwen3: a blank line); bounded, so that a sampler cannot spend its tokens on it.
+_AFTER_REASONING = {"type": "regex", "pattern": "[ \\t\\r\\n]{0,4}"}
+
+
+def after_reasoning(answer: dict, start: str, end: str) -> str:
+    """An xgrammar structural tag (JSON): a reasoning block, then `answer` (a structural-tag
+    format). The block is any text up to the closing tag `end`; with an opening tag `start` it is
+    optional and opens with it, without one the text starts inside it. One automaton over the
+    text, so a tag spelled in several tokens (or in one) is matched alike; the alternative, a
+    grammar switched on once the closing token is seen, would miss a tag written in pieces."""
+    tag = {"type": "tag", "begin": start, "content": {"type": "any_text"}, "end": end}
+    block = {"type": "sequence", "elements": [tag, _AFTER_REASONING]}
+    if start:
+        block = {"type": "optional", "content": block}
+    sequence = {"type": "sequence", "elements": [block, answer]}
+    return json.dumps({"type": "structural_tag", "format": sequence})
+
+
+def _reasoning_tags(reasoning) -> tuple[str, str]:
+    if (
+        not isinstance(reasoning, tuple)
+        or len(reasoning) != 2
+        or not all(isinstance(tag, str) for tag in reasoning)
+    ):
+        raise InvalidRequestError("parameters.grammar_reasoning_*: must be two strings")
+    if reasoning[0] and not reasoning[1]:
+        raise InvalidRequestError(
+            "parameters.grammar_reasoning_start: needs grammar_reasoning_end (the closing tag)"
+        )
+    return reasoning
 
 
 _SURROGATE_LEAD = 0xED

@@ -36,6 +36,9 @@ from router.http.lifecycle import DrainGate, DrainingServer, Lifecycle
 from router.http.messages_api import messages_routes
 from router.http.metrics import RouterMetrics
 from router.http.openai_api import openai_routes
+from router.http.reasoning import parser_for
+from router.http.response_store import ResponseStore
+from router.http.responses_api import responses_routes
 from router.http.state import RouterState
 from router.http.tgi_api import service_routes, tgi_routes
 from router.http.validation import MAX_TOP_N_TOKENS
@@ -157,9 +160,11 @@ def create_app(
     traces: tracing.Tracing | None = None,
     payload_limit: int = DEFAULT_PAYLOAD_LIMIT,
     lifecycle: Lifecycle | None = None,
+    responses: ResponseStore | None = None,
 ) -> FastAPI:
     """The HTTP app: TGI's routes, OpenAI's, Anthropic's Messages, and the service routes, over one
-    state; every error in the route's shape (router/http/errors.py)."""
+    state; every error in the route's shape (router/http/errors.py). `responses`: the Responses
+    API's store."""
     app = FastAPI(
         title="bucketserve router", docs_url=None, redoc_url=None
     )  # their assets come from a CDN
@@ -173,6 +178,7 @@ def create_app(
     tgi_routes(app, state)
     openai_routes(app, state)
     embedding_routes(app, state)
+    responses_routes(app, state, responses)
     messages_routes(app, state)
     service_routes(app, state)
     front_page_routes(app, state)
@@ -213,6 +219,7 @@ async def build_state(
     await scheduler.start()
     state = RouterState(scheduler, tokenizer, client, info, metrics, **state_fields)
     state.images = image_policy(config, tokenizer)
+    state.reasoning = parser_for(config.reasoning_parser, getattr(tokenizer, "chat_template", None))
     return state
 
 
@@ -279,7 +286,14 @@ async def serve_over(config: RouterConfig, client: ShardClient, tokenizer, **sta
         raise
     traces = tracing.Tracing.to_otlp(config.otlp_endpoint) if config.otlp_endpoint else None
     lifecycle = Lifecycle()
-    app: FastAPI = create_app(state, config.access, traces, config.payload_limit, lifecycle)
+    app: FastAPI = create_app(
+        state,
+        config.access,
+        traces,
+        config.payload_limit,
+        lifecycle,
+        responses=ResponseStore(config.max_stored_responses),
+    )
     server = DrainingServer(
         uvicorn.Config(app, host=config.hostname, port=config.port, log_level="warning"),
         lifecycle,

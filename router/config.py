@@ -8,9 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import SharedKnobs, knob, nested
+from router.http.reasoning import CHOICES as REASONING_PARSERS
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PAYLOAD_LIMIT = 2_000_000  # bytes, TGI's default
+DEFAULT_STORED_RESPONSES = 1024  # the Responses API's store (router/http/response_store.py)
 TGI_MODEL_ALIAS = "tgi"  # the model name TGI's clients and docs send; always accepted
 
 
@@ -63,6 +65,15 @@ class RouterConfig(SharedKnobs):
         "a request that names another model gets 404; `tgi` is always accepted (default: the "
         "model directory's name)",
     )
+    reasoning_parser: str = knob(
+        "auto",
+        "split a reasoning model's thinking (`<think>...</think>`) from its answer: chat "
+        "completions return it as `reasoning_content`, and grammars (tools, json_schema) "
+        "constrain the answer after it. qwen3: the block the reply opens with; deepseek_r1: all "
+        "text before `</think>`; auto (default): from the chat template where it is plain (it "
+        "writes `<think>`: qwen3, or DeepSeek's: deepseek_r1), else none; none: off",
+        choices=REASONING_PARSERS,
+    )
     hostname: str = knob("127.0.0.1", "the HTTP address")
     port: int = knob(8080, "the HTTP port")
     max_concurrent_requests: int = knob(
@@ -110,6 +121,11 @@ class RouterConfig(SharedKnobs):
     max_images_per_request: int = knob(8, "the most images a request may hold")
     max_image_bytes: int = knob(20 * 1024 * 1024, "the largest image file, in bytes")
     image_url_timeout: float = knob(10.0, "seconds an image URL may take, redirects included")
+    max_stored_responses: int = knob(
+        DEFAULT_STORED_RESPONSES,
+        "the most responses of /v1/responses kept in memory for `previous_response_id` and "
+        "GET /v1/responses/{id}; beyond it the least recently used is evicted (0: none kept)",
+    )
     parent_pid: int | None = knob(
         None, "stop when this process is gone (the launcher sets it)", env="BUCKETSERVE_PARENT_PID"
     )

@@ -120,6 +120,9 @@ BUCKETSERVE_EXTENSIONS = {
     ("NextTokenChooserParameters", Field("presence_penalty", 1000, "", "float")),
     ("NextTokenChooserParameters", Field("logit_bias_ids", 1001, "repeated", "uint32")),
     ("NextTokenChooserParameters", Field("logit_bias_values", 1002, "repeated", "float")),
+    # a reasoning model's block before the answer a grammar constrains (TGI's: the whole text)
+    ("NextTokenChooserParameters", Field("grammar_reasoning_start", 1003, "", "string")),
+    ("NextTokenChooserParameters", Field("grammar_reasoning_end", 1004, "", "string")),
     ("StoppingCriteriaParameters", Field("min_new_tokens", 1000, "", "uint32")),
     # `n` / `best_of` siblings share one prefill; a shard that skips it computes each prompt itself.
     ("Request", Field("prefill_source", 1000, "optional", "uint64")),

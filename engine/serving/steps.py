@@ -161,7 +161,12 @@ def _compile_grammar(ctx: StepContext, request: Request):
     grammar_type = GrammarType(request.parameters.grammar_type)
     if grammar_type == GrammarType.NONE:
         return None
-    compiled = ctx.grammars().compile(grammar_type, request.parameters.grammar)
+    parameters = request.parameters
+    compiled = ctx.grammars().compile(
+        grammar_type,
+        parameters.grammar,
+        reasoning=(parameters.grammar_reasoning_start, parameters.grammar_reasoning_end),
+    )
     if (
         not ctx.grammars().new_state(compiled).allowed_mask().any()
     ):  # `[^\s\S]`: nothing could be sampled

@@ -44,6 +44,8 @@ def parameters_from_pb(
         grammar_type=grammar_type,
         presence_penalty=message.presence_penalty,
         logit_bias=logit_bias_from_pb(message, request_id),
+        grammar_reasoning_start=message.grammar_reasoning_start,
+        grammar_reasoning_end=message.grammar_reasoning_end,
     )
 
 
@@ -316,6 +318,8 @@ def parameters_to_pb(parameters: eb.NextTokenChooserParameters) -> pb.NextTokenC
         presence_penalty=parameters.presence_penalty,
         logit_bias_ids=list(parameters.logit_bias),
         logit_bias_values=list(parameters.logit_bias.values()),
+        grammar_reasoning_start=parameters.grammar_reasoning_start,
+        grammar_reasoning_end=parameters.grammar_reasoning_end,
     )
 
 

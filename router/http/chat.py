@@ -8,6 +8,7 @@ past calls and their results become plain text for it too.
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any
 
@@ -28,9 +29,13 @@ def template_reads_tools(tokenizer) -> bool:
     return "tools" in (getattr(tokenizer, "chat_template", None) or "")
 
 
-def render(tokenizer, messages: list[dict], tools: list[dict]) -> str:
-    """The templated prompt; ValidationError (422) when the template refuses the messages."""
+def render(
+    tokenizer, messages: list[dict], tools: list[dict], template_kwargs: dict | None = None
+) -> str:
+    """The templated prompt; ValidationError (422) when the template refuses the messages.
+    `template_kwargs`: the template's own switches (`enable_thinking`), see check_template_kwargs."""
     check(len(messages) > 0, "`messages` cannot be empty")
+    check_template_kwargs(tokenizer, template_kwargs)
     if not getattr(tokenizer, "chat_template", None):
         raise ValidationError("this model has no chat template: use /v1/completions")
     native = template_reads_tools(tokenizer)
@@ -38,13 +43,30 @@ def render(tokenizer, messages: list[dict], tools: list[dict]) -> str:
         messages = [as_text(m) for m in messages]
         if tools:
             messages = [{"role": "system", "content": TOOLS_INTRO + json.dumps(tools)}, *messages]
-    kwargs = {"tools": tools} if tools and native else {}
+    kwargs = {**(template_kwargs or {}), **({"tools": tools} if tools and native else {})}
     try:
         return tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, **kwargs
         )
     except Exception as error:  # noqa: BLE001 - jinja2 errors and the template's raise_exception alike
         raise ValidationError(f"the chat template refused the messages: {error}") from None
+
+
+def check_template_kwargs(tokenizer, template_kwargs: dict | None) -> None:
+    """`chat_template_kwargs` (vLLM's and SGLang's field) reach the template as its variables:
+    switches such as Qwen3's `enable_thinking`. A name apply_chat_template takes itself is refused:
+    it would change what the router asks for (tokens instead of text, another template, tools)."""
+    if not template_kwargs:
+        return
+    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages"}
+    reserved = sorted(set(template_kwargs) & own)
+    check(
+        not reserved,
+        f"`chat_template_kwargs` cannot set {', '.join(f'`{n}`' for n in reserved)}: "
+        "they are the chat template's call, not its variables",
+    )
+    invalid = sorted(name for name in template_kwargs if not name.isidentifier())
+    check(not invalid, f"`chat_template_kwargs` names must be identifiers. Given: {invalid[:3]}")
 
 
 def as_text(message: dict) -> dict:

@@ -43,25 +43,27 @@ class GrammarCheck:
                 )
             return self._compiler
 
-    def __call__(self, grammar: str, grammar_type: GrammarType) -> None:
+    def __call__(
+        self, grammar: str, grammar_type: GrammarType, reasoning: tuple[str, str] = ("", "")
+    ) -> None:
         # Most requests have no grammar: they must not wait for the compiler, whose first build
         # (xgrammar and torch imported, the vocabulary decoded) took 0.4-1.7 s.
         if grammar_type == GrammarType.NONE:
             return
         if self.on_shard_thread is not None:
-            return self.on_shard_thread(lambda: self._check(grammar, grammar_type))
-        self._check(grammar, grammar_type)
+            return self.on_shard_thread(lambda: self._check(grammar, grammar_type, reasoning))
+        self._check(grammar, grammar_type, reasoning)
 
     def prepare(self) -> None:
         """Build the compiler now rather than on the first grammar request."""
         self._get()
 
-    def _check(self, grammar: str, grammar_type: GrammarType) -> None:
+    def _check(self, grammar: str, grammar_type: GrammarType, reasoning: tuple[str, str]) -> None:
         compiler = self._get()
         if compiler is None:
             return
         try:
-            compiled = compiler.compile(grammar_type, grammar)
+            compiled = compiler.compile(grammar_type, grammar, reasoning=reasoning)
         except InvalidRequestError as error:
             raise ValidationError(str(error).replace("parameters.grammar", "`grammar`")) from None
         if not compiler.new_state(compiled).allowed_mask().any():

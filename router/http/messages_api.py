@@ -13,6 +13,7 @@ As Anthropic's API does, the text of a reply ends before the stop sequence that 
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 
@@ -27,6 +28,7 @@ from router.http.errors import error_json, error_response
 from router.http.messages_request import CountRequest, MessagesRequest, chat_request
 from router.http.messages_stream import MessageEvents, error_event
 from router.http.openai_api import ChatRequest, answering_model, chat_parameters, chat_prompt
+from router.http.reasoning import ReplyReasoning
 from router.http.state import RouterState, collect, events, submit
 from router.http.validation import Parameters, ValidationError, prompt_ids
 from router.images.decode import ImageError
@@ -69,17 +71,28 @@ def cut_at_stop(text: str, stops: list[str]) -> tuple[str, str | None]:
     return text[:position], stop
 
 
-def reply(body: ChatRequest, generation: Generation) -> tuple[list[dict], str, str | None]:
-    """The last generation's content blocks, stop reason and stop sequence."""
+def reply(
+    body: ChatRequest, generation: Generation, reasoning: ReplyReasoning | None = None
+) -> tuple[list[dict], str, str | None]:
+    """The last generation's content blocks, stop reason and stop sequence; a reasoning model's
+    thinking (router/http/reasoning.py) comes first, as a `thinking` block."""
     last = generation.generated_text
+    split = reasoning.split(last.text) if reasoning is not None else None
+    answer = split.content if split is not None else last.text
+    thought = [thinking_block(split.reasoning)] if split is not None and split.reasoning else []
     reason = STOP_REASONS[FinishReason(last.finish_reason)]
     plan = body.tool_plan()
     if plan.active:  # JSON written under the tools' grammar, parsed as chat completions does
-        message, tool_reason = tools.reply_message(last.text, reason, plan)
+        message, tool_reason = tools.reply_message(answer, reason, plan)
         blocks = content_blocks(message["content"], message.get("tool_calls") or [])
-        return blocks, TOOL_REASONS.get(tool_reason, tool_reason), None
-    text, stop = cut_at_stop(last.text, body.stop if reason == "stop_sequence" else [])
-    return content_blocks(text, []), reason, stop
+        return thought + blocks, TOOL_REASONS.get(tool_reason, tool_reason), None
+    text, stop = cut_at_stop(answer, body.stop if reason == "stop_sequence" else [])
+    return thought + content_blocks(text, []), reason, stop
+
+
+def thinking_block(text: str) -> dict:
+    # no signature: the thinking is the model's own text, not Anthropic's encrypted record
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def message(envelope: dict, blocks: list[dict], reason: str, stop: str | None, usage: dict) -> dict:
@@ -122,8 +135,13 @@ def unknown_model(state: RouterState, name: str) -> JSONResponse | None:
     return error_json(state.metrics, 404, message, "not_found", "not_found", True, True)
 
 
-def message_parameters(state: RouterState, body: MessagesRequest, chat: ChatRequest) -> Parameters:
-    return chat_parameters(state, chat).model_copy(update={"top_k": body.top_k})
+def message_parameters(
+    state: RouterState,
+    body: MessagesRequest,
+    chat: ChatRequest,
+    reasoning: ReplyReasoning | None = None,
+) -> Parameters:
+    return chat_parameters(state, chat, reasoning).model_copy(update={"top_k": body.top_k})
 
 
 async def create(state: RouterState, body: MessagesRequest, http_request: HttpRequest):
@@ -131,18 +149,21 @@ async def create(state: RouterState, body: MessagesRequest, http_request: HttpRe
         chat = chat_request(body)
         state.scheduler.check_admission()  # before templating
         prompt = await state.offload(chat_prompt, state, chat)
-        parameters = message_parameters(state, body, chat)
+        reasoning = ReplyReasoning.for_prompt(state.reasoning, prompt)
+        parameters = message_parameters(state, body, chat, reasoning)
         # The chat template already wrote the special tokens the model expects.
         generations, length, stream = await submit(state, prompt, parameters, False)
         envelope = new_envelope(state, chat)
         if not body.stream:
             done = await collect(state, generations, stream)
-            blocks, reason, stop = reply(chat, done[-1])
+            blocks, reason, stop = reply(chat, done[-1], reasoning)
             usage = {"input_tokens": length, "output_tokens": output_tokens(done)}
             return JSONResponse(message(envelope, blocks, reason, stop, usage))
     except Exception as error:  # noqa: BLE001 - every failure gets an error body
         return anthropic_error(state, error)
-    render = MessageEvents(envelope, chat, length, reply)
+    # a reasoning model's reply is sent in whole blocks at its end: thinking, then text or tools
+    answer = functools.partial(reply, reasoning=reasoning)
+    render = MessageEvents(envelope, chat, length, answer, whole=reasoning is not None)
     return StreamingResponse(
         streamed(render, events(state, http_request, generations, stream, render, error_event)),
         media_type="text/event-stream",

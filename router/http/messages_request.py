@@ -110,7 +110,9 @@ class ToolChoice(BaseModel):
 
 
 class Thinking(BaseModel):
-    """Accepted: a model that thinks in tags gets its thinking split out by a reasoning parser."""
+    """`enabled` / `disabled` set the chat template's `enable_thinking`; a model that thinks in tags
+    gets its thinking split out by the reasoning parser (router/http/reasoning.py) as a `thinking`
+    block. `budget_tokens` is accepted and not enforced."""
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None
@@ -163,6 +165,9 @@ def chat_request(body: CountRequest) -> ChatRequest:
     }
     if isinstance(body, MessagesRequest):
         fields.update(sampling(body))
+    if body.thinking is not None and body.thinking.type != "adaptive":
+        # the chat template's switch (Qwen3's), as vLLM passes it
+        fields["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}
     chat = ChatRequest(**fields)
     try:
         chat.tool_plan()  # the tools' schemas checked once, named as Anthropic names them

@@ -41,6 +41,9 @@ def block_events(index: int, block: dict) -> list[str]:
     """A whole block: its start (empty), one delta with its content, its stop."""
     if block["type"] == "tool_use":
         start, delta = {**block, "input": {}}, input_delta(block["input"])
+    elif block["type"] == "thinking":
+        start = {**block, "thinking": ""}
+        delta = {"type": "thinking_delta", "thinking": block["thinking"]}
     else:
         start, delta = {"type": "text", "text": ""}, text_delta(block["text"])
     return [
@@ -70,14 +73,17 @@ class MessageEvents:
     """Renders one message's generations as Anthropic's events. `reply(body, generation)` turns
     the last generation into (content blocks, stop reason, stop sequence), as a whole reply does."""
 
-    def __init__(self, envelope: dict, body, prompt_tokens: int, reply: Callable):
+    def __init__(
+        self, envelope: dict, body, prompt_tokens: int, reply: Callable, whole: bool = False
+    ):
         self.envelope, self.body, self.prompt_tokens, self.reply = (
             envelope,
             body,
             prompt_tokens,
             reply,
         )
-        self.whole = body.tool_plan().active  # a grammar's JSON: sent at its end
+        # a grammar's JSON, or a reply with thinking before its text (`whole`): sent at its end
+        self.whole = whole or body.tool_plan().active
         self.stops = [] if self.whole else list(body.stop or [])
         self.seen, self.sent, self.started = "", "", False
 

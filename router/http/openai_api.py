@@ -31,6 +31,7 @@ from router.http.openai_render import (
     sse,
     usage,
 )
+from router.http.reasoning import ReplyReasoning
 from router.http.state import (
     RouterState,
     collect_all,
@@ -41,7 +42,14 @@ from router.http.state import (
     submit_many,
 )
 from router.http.tools import Tool, ToolChoice, ToolPlan
-from router.http.validation import Grammar, Parameters, ValidationError, check, check_text
+from router.http.validation import (
+    AnswerGrammar,
+    Grammar,
+    Parameters,
+    ValidationError,
+    check,
+    check_text,
+)
 from router.sched import fanout
 
 MAX_TOP_LOGPROBS = 5
@@ -100,6 +108,7 @@ class ChatRequest(Sampling):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's `enable_thinking`
 
     _plan: ToolPlan | None = PrivateAttr(default=None)
 
@@ -209,7 +218,7 @@ def chat_prompt(state: RouterState, body: ChatRequest) -> str:
     ]
     for message in messages:
         check_text("messages", message["role"] + message["content"])
-    return chat.render(state.tokenizer, messages, body.tool_plan().tools)
+    return chat.render(state.tokenizer, messages, body.tool_plan().tools, body.chat_template_kwargs)
 
 
 def message_text(message: Message, images=None) -> str:
@@ -275,7 +284,9 @@ def error_event(error: Exception) -> str:
 # --- chat completions -----------------------------------------------------------------------------
 
 
-def chat_parameters(state: RouterState, body: ChatRequest) -> Parameters:
+def chat_parameters(
+    state: RouterState, body: ChatRequest, reasoning: ReplyReasoning | None = None
+) -> Parameters:
     top = body.top_logprobs or 0
     check(
         0 <= top <= MAX_TOP_LOGPROBS,
@@ -292,23 +303,41 @@ def chat_parameters(state: RouterState, body: ChatRequest) -> Parameters:
         body,
         body.max_completion_tokens or body.max_tokens,
         top,
-        plan.grammar or response_grammar(body.response_format),
+        answer_grammar(plan.grammar or response_grammar(body.response_format), reasoning),
     )
 
 
-def chat_choice(body: ChatRequest, index: int, generations: list[Generation]) -> dict:
+def answer_grammar(grammar: Grammar | None, reasoning: ReplyReasoning | None) -> Grammar | None:
+    """The grammar of a reasoning model's answer: its reasoning block goes first, unconstrained
+    (router/http/reasoning.py)."""
+    block = reasoning.grammar_block if reasoning is not None else None
+    if grammar is None or block is None:
+        return grammar
+    start, end = block
+    return AnswerGrammar(
+        type=grammar.type, value=grammar.value, reasoning_start=start, reasoning_end=end
+    )
+
+
+def chat_choice(
+    body: ChatRequest,
+    index: int,
+    generations: list[Generation],
+    reasoning: ReplyReasoning | None = None,
+) -> dict:
     last = generations[-1]
     logprobs = None
     if body.logprobs:
         logprobs = {
             "content": [e for g in generations for e in chat_logprobs(g, bool(body.top_logprobs))]
         }
-    message, reason = (
-        {"role": "assistant", "content": last.generated_text.text},
-        finish_reason(last),
-    )
+    split = reasoning.split(last.generated_text.text) if reasoning is not None else None
+    answer = split.content if split is not None else last.generated_text.text
+    message, reason = {"role": "assistant", "content": answer}, finish_reason(last)
     if body.tool_plan().active:
-        message, reason = tools.reply_message(last.generated_text.text, reason, body.tool_plan())
+        message, reason = tools.reply_message(answer, reason, body.tool_plan())
+    if split is not None:
+        message["reasoning_content"] = split.reasoning or None
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
@@ -318,13 +347,28 @@ def chat_response(
     sequences: list[list[Generation]],
     prompt_tokens: int,
     check: ReplyCheck | None = None,
+    reasoning: ReplyReasoning | None = None,
 ) -> dict:
-    """One choice per sequence; usage counts the prompt once and every sequence's tokens."""
-    choices = [chat_choice(body, i, generations) for i, generations in enumerate(sequences)]
+    """One choice per sequence; usage counts the prompt once and every sequence's tokens (and,
+    for a reasoning model, those that wrote its reasoning)."""
+    choices = [
+        chat_choice(body, i, generations, reasoning) for i, generations in enumerate(sequences)
+    ]
     if check is not None:
         for choice in choices:
             check(choice["message"]["content"], choice["finish_reason"])
-    return envelope.wrap(choices, usage=usage(prompt_tokens, generated_tokens(sequences)))
+    thought = None
+    if reasoning is not None:
+        thought = sum(reasoning.tokens(token_texts(generations)) for generations in sequences)
+    return envelope.wrap(choices, usage=usage(prompt_tokens, generated_tokens(sequences), thought))
+
+
+def token_texts(generations: list[Generation]) -> list[str]:
+    return [
+        "" if special else text
+        for g in generations
+        for text, special in zip(g.tokens.texts, g.tokens.is_special)
+    ]
 
 
 def reply_check(state: RouterState, envelope: Envelope, body: ChatRequest) -> ReplyCheck | None:
@@ -345,18 +389,24 @@ async def chat_completions(state: RouterState, body: ChatRequest, http_request: 
         check_n(state, body)
         state.scheduler.check_admission()  # before templating
         prompt = await state.offload(chat_prompt, state, body)
+        reasoning = ReplyReasoning.for_prompt(state.reasoning, prompt)
         # The chat template already wrote the special tokens the model expects.
         sequences, length, streams = await submit_many(
-            state, prompt, chat_parameters(state, body), body.n, "n", add_special_tokens=False
+            state,
+            prompt,
+            chat_parameters(state, body, reasoning),
+            body.n,
+            "n",
+            add_special_tokens=False,
         )
         check = reply_check(state, envelope, body)
         if not body.stream:
             done = await collect_all(state, sequences, streams)
-            return JSONResponse(chat_response(envelope, body, done, length, check))
+            return JSONResponse(chat_response(envelope, body, done, length, check, reasoning))
     except Exception as error:  # noqa: BLE001 - every failure gets an error body
         return error_response(state, error, openai=True)
     envelope.kind = "chat.completion.chunk"
-    renderers = [ChatChunks(envelope, body, index, check) for index in range(body.n)]
+    renderers = [ChatChunks(envelope, body, index, check, reasoning) for index in range(body.n)]
     return stream_choices(
         state, http_request, envelope, body, renderers, sequences, streams, length
     )

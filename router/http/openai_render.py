@@ -19,6 +19,7 @@ import jsonschema
 
 from engine.batch import FinishReason, Generation
 from router.http import tools
+from router.http.reasoning import Delta, ReplyReasoning
 from router.http.state import finite
 
 log = logging.getLogger(__name__)
@@ -74,12 +75,17 @@ class ReplyCheck:
             )
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict:
+    """`reasoning_tokens`: of the completion's tokens, those that wrote its reasoning (None: the
+    model's reasoning is not parsed)."""
+    counts = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if reasoning_tokens is not None:
+        counts["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return counts
 
 
 def logprob_entry(text: str, logprob: float | None) -> dict:
@@ -144,11 +150,41 @@ def sse(payload: Any) -> str:
 
 class ChatChunks:
     """Renders one choice's generations as `chat.completion.chunk` events: the role first, a chunk
-    per token, the finish reason on the last (ChoiceStreams adds usage and `[DONE]`)."""
+    per token, the finish reason on the last (ChoiceStreams adds usage and `[DONE]`). A reasoning
+    model's reasoning goes as `reasoning_content` deltas, split from the answer as it comes."""
 
-    def __init__(self, envelope: Envelope, body, index: int = 0, check: ReplyCheck | None = None):
+    def __init__(
+        self,
+        envelope: Envelope,
+        body,
+        index: int = 0,
+        check: ReplyCheck | None = None,
+        reasoning: ReplyReasoning | None = None,
+    ):
         self.envelope, self.body, self.index, self.started = envelope, body, index, False
         self.text, self.tools, self.check = StreamedText(), body.tool_plan().active, check
+        self.reasoning = reasoning
+        self.split = reasoning.stream() if reasoning is not None else None
+
+    @property
+    def reasoning_tokens(self) -> int | None:
+        return self.split.tokens if self.split is not None else None
+
+    def delta(self, text: str, pieces: int = 1, last: bool = False) -> dict:
+        """A token's delta: its text, or what of it is certain to be reasoning and answer."""
+        if self.split is None:
+            return {"content": text}
+        part = self.split.feed(text, pieces)
+        if last:
+            rest = self.split.finish()
+            part = Delta(part.reasoning + rest.reasoning, part.content + rest.content)
+        delta = {"reasoning_content": part.reasoning} if part.reasoning else {}
+        if part.content or not part.reasoning:
+            delta["content"] = "" if self.tools else part.content  # tools: the answer at the end
+        return delta
+
+    def answer(self, text: str) -> str:
+        return self.reasoning.split(text).content if self.reasoning is not None else text
 
     def chunk(self, delta: dict, logprobs=None, reason=None) -> str:
         choice = {
@@ -163,32 +199,43 @@ class ChatChunks:
         out = [] if self.started else [self.chunk({"role": "assistant", "content": ""})]
         self.started = True
         if self.tools:  # a constrained reply is sent once whole, as content or as tool_calls deltas
-            return out + self.tool_reply(generation)
+            return out + self.thinking(generation) + self.tool_reply(generation)
         tokens, logprobs = (
             generation.tokens,
             chat_logprobs(generation, bool(self.body.top_logprobs)),
         )
         for i, text in enumerate(tokens.texts):
-            content = self.text.add("" if tokens.is_special[i] else text)
+            delta = self.delta(self.text.add("" if tokens.is_special[i] else text))
             out.append(
-                self.chunk(
-                    {"content": content}, {"content": [logprobs[i]]} if self.body.logprobs else None
-                )
+                self.chunk(delta, {"content": [logprobs[i]]} if self.body.logprobs else None)
             )
         last = generation.generated_text
         if last is not None:
             reason = finish_reason(generation)
-            out.append(self.chunk({"content": self.text.rest(last.text)}, reason=reason))
+            out.append(self.chunk(self.delta(self.text.rest(last.text), 0, True), reason=reason))
             if self.check is not None:
-                self.check(last.text, reason)
+                self.check(self.answer(last.text), reason)
         return out
+
+    def thinking(self, generation: Generation) -> list[str]:
+        """A constrained reply's reasoning, streamed as it comes (its answer comes whole)."""
+        if self.split is None:
+            return []
+        tokens, last = generation.tokens, generation.generated_text
+        deltas = [
+            self.delta(self.text.add("" if s else t))
+            for t, s in zip(tokens.texts, tokens.is_special)
+        ]
+        if last is not None:
+            deltas.append(self.delta(self.text.rest(last.text), 0, True))
+        return [self.chunk(d) for d in deltas if d.get("reasoning_content")]
 
     def tool_reply(self, generation: Generation) -> list[str]:
         last = generation.generated_text
         if last is None:
             return []
         deltas, reason = tools.reply_deltas(
-            last.text, finish_reason(generation), self.body.tool_plan()
+            self.answer(last.text), finish_reason(generation), self.body.tool_plan()
         )
         return [self.chunk(delta) for delta in deltas] + [self.chunk({}, reason=reason)]
 
@@ -233,7 +280,10 @@ class ChoiceStreams:
         if self.open:
             return out
         if self.include_usage:
-            out.append(sse(self.envelope.wrap([], usage=usage(self.prompt_tokens, self.generated))))
+            thought = [getattr(r, "reasoning_tokens", None) for r in self.renderers]
+            counted = sum(thought) if None not in thought else None
+            counts = usage(self.prompt_tokens, self.generated, counted)
+            out.append(sse(self.envelope.wrap([], usage=counts)))
         return out + [sse("[DONE]")]
 
 

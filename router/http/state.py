@@ -22,6 +22,7 @@ from router.http import errors
 from router.http.errors import classify, error_body, error_payload  # noqa: F401 - the routes' error helpers
 from router.http.grammar_check import GrammarCheck
 from router.http.metrics import RouterMetrics
+from router.http.reasoning import Parser
 from router.http.tracing import traced
 from router.http.validation import (
     Limits,
@@ -60,6 +61,7 @@ class RouterState:
         None  # the longest token's length in characters: bounds a prompt's token count
     )
     images: ImagePolicy | None = None  # the model's images (None, or spec None: a text model)
+    reasoning: Parser | None = None  # --reasoning-parser's, for this model's chat template
 
     def __post_init__(self):
         if self.grammar_check is None:

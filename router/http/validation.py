@@ -41,6 +41,20 @@ class Grammar(BaseModel):
     value: Any
 
 
+class AnswerGrammar(Grammar):
+    """A grammar for the answer a reasoning model writes after its reasoning block: the chat
+    APIs build it (router/http/reasoning.py); no request body spells it."""
+
+    reasoning_start: str  # the block's opening tag; "": the reply starts inside the block
+    reasoning_end: str
+
+
+def reasoning_tags(grammar: Grammar | None) -> tuple[str, str]:
+    if isinstance(grammar, AnswerGrammar):
+        return grammar.reasoning_start, grammar.reasoning_end
+    return "", ""
+
+
 class Parameters(BaseModel):
     model_config = ConfigDict(extra="ignore")
     max_new_tokens: int | None = None
@@ -259,14 +273,14 @@ def build_request(
     images: ImagePolicy | None = None,
 ) -> tuple[Request, list[int]]:
     """The protocol request for `inputs` with TGI parameters `p`, and its prompt's token ids.
-    `grammar_check(text, type)` compiles a grammar as the shard will (router/http/grammar_check.py);
-    `images`: the model's images, where the prompt may hold some (router/images/)."""
+    `grammar_check(text, type, reasoning)` compiles a grammar as the shard will
+    (router/http/grammar_check.py); `images`: the model's images, where the prompt may hold some (router/images/)."""
     check_sampling(p)
     check_adapter(p.adapter_id, limits)
     grammar, grammar_type = grammar_fields(p.grammar)
     check_text("grammar", grammar)
     if grammar_check is not None:
-        grammar_check(grammar, grammar_type)
+        grammar_check(grammar, grammar_type, reasoning_tags(p.grammar))
     try:
         pictured = image_prompt(inputs, images) if images is not None else None
     except ImageError as error:
@@ -320,4 +334,6 @@ def chooser_parameters(
         grammar_type=grammar_type,
         presence_penalty=p.presence_penalty or 0.0,
         logit_bias=dict(p.logit_bias or {}),
+        grammar_reasoning_start=reasoning_tags(p.grammar)[0],
+        grammar_reasoning_end=reasoning_tags(p.grammar)[1],
     )
