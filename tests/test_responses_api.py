@@ -18,6 +18,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from router.http.response_store import ResponseStore
+from router.http.responses_request import input_messages
 from tests.test_router_http import shard_and_router
 from tests.test_server import short_socket_dir
 
@@ -483,3 +484,39 @@ def test_the_store_keeps_the_most_recently_used_within_its_count_and_size():
     sized.put(stored_response("z", "z" * 500), [])  # larger than the whole store: not kept
     assert sized.get("z") is None and sized.get("y") is not None
     assert ResponseStore(max_count=0).get("none") is None
+
+
+def test_input_items_become_the_messages_chat_completions_takes():
+    image = "data:image/png;base64,AAAA"
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {
+            "type": "message",
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": "Look: "},
+                {"type": "input_image", "image_url": image, "detail": "auto"},
+            ],
+        },
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "On it."}]},
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "clock", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c2", "output": "12:00"},
+    ]
+    calls = [
+        {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}},
+        {"id": "c2", "type": "function", "function": {"name": "clock", "arguments": "{}"}},
+    ]
+    assert input_messages(items) == [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Look: "},
+                {"type": "image_url", "image_url": {"url": image}},
+            ],
+        },
+        {"role": "assistant", "content": [{"type": "text", "text": "On it."}], "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c2", "content": "12:00", "name": "clock"},
+    ]

@@ -26,7 +26,6 @@ from router.http.validation import ValidationError
 LABELS = {"safety_identifier", "prompt_cache_key", "prompt_cache_retention", "service_tier"}
 LABELS |= {"stream_options"}  # its one option, `include_obfuscation`, pads events we do not pad
 OUR_BEHAVIOUR = {"truncation": "disabled", "background": False, "include": [], "top_logprobs": 0}
-OUR_BEHAVIOUR |= {"max_tool_calls": None, "conversation": None, "prompt": None}
 MAX_METADATA = 16  # OpenAI's limits on `metadata`: pairs, key and value lengths
 MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -135,11 +134,13 @@ def thinking_switch(reasoning: Reasoning | None) -> dict | None:
 
 
 def check_fields(body: ResponsesRequest) -> None:
-    """Refuse (naming them) the fields we do not honour, unless they hold our behaviour's value."""
+    """Refuse (naming them) the fields we do not honour, unless null or our behaviour's value."""
     refused = sorted(
         name
         for name, value in (body.model_extra or {}).items()
-        if name not in LABELS and not (name in OUR_BEHAVIOUR and value == OUR_BEHAVIOUR[name])
+        if name not in LABELS
+        and value is not None  # null: the field's default
+        and not (name in OUR_BEHAVIOUR and value == OUR_BEHAVIOUR[name])
     )
     require(
         not refused,
