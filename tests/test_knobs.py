@@ -154,6 +154,8 @@ def different(flag):
         return Path("/tmp/knob-test")
     if flag.dest == "lora_adapters":
         return (("a", "/adapters/a"), ("b", "b"))
+    if flag.dest == "dtype":  # checked by its own parser (engine.config.dtype_name)
+        return "float32"
     if flag.meta["repeat"]:
         return ("https://a.example", "https://b.example")
     return f"value-of-{flag.dest}"
