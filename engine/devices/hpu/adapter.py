@@ -21,6 +21,7 @@ import torch
 
 from engine.devices.base import DeviceAdapter, kind_of
 from engine.devices.cpu.adapter import compile_static
+from engine.devices.dynamo import call_compiled
 from engine.devices.graph_inputs import check_tensor_inputs
 from engine.devices.hpu import attention as hpu_attention
 from engine.devices.hpu.env import apply_environment, check_bridge_mode
@@ -125,7 +126,7 @@ class HPUAdapter(DeviceAdapter):
                 out = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
         elif self.graph_mode == "compile" and graphed:
             self.stats[("compiled", kind_of(shape))] += 1
-            out = self._compiled(fn)(*args)
+            out = call_compiled(self, shape, self._compiled(fn), fn, args, warming)
         else:
             self.stats[("bypass" if not graphed else "lazy", kind_of(shape))] += 1
             out = fn(*args)
