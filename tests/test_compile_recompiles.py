@@ -2,6 +2,8 @@
 that would compile is refused under torch's `fail_on_recompile` stance, as strict mode refuses an
 unwarmed shape, and dynamo's own counters say what compiled and when. Real inductor on CPU."""
 
+import os
+
 import pytest
 import torch
 
@@ -60,3 +62,14 @@ def test_warming_after_serving_began_counts_as_warmup():
     adapter.warm(("decode", 2), row_sums, torch.ones(2, 8))
     counts = graph_counts(adapter)
     assert counts["graph_compiles_serving"] == 0 and counts["graph_recompiles_serving"] == 0
+
+
+def test_inductors_caches_live_in_the_bucketserve_cache_unless_the_user_chose(
+    monkeypatch, tmp_path
+):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    get_adapter("cpu", graph_mode="compile", cache_dir=tmp_path)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/mine")
+    get_adapter("cpu", graph_mode="compile", cache_dir=tmp_path)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/mine"
