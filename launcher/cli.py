@@ -85,6 +85,8 @@ def resolve(config: LauncherConfig, console: Console) -> tuple[LauncherConfig, D
         os.environ,
         list_adapters,
         warn=lambda message: console.line(f"warning: {message}"),
+        graph_mode=engine.graph_mode,
+        world_size=config.world_size,
     )
     check_placement(engine.quantize, device.name, stages)
     if device.name == "cpu":
@@ -97,7 +99,10 @@ def resolve(config: LauncherConfig, console: Console) -> tuple[LauncherConfig, D
     check_stages(engine.model_id, stages)
     base = config.uds_path or unique_socket_base()
     check_socket_base(base, config.num_shard)
-    return replace(config, engine=replace(engine, device=device.name), uds_path=base), device
+    # The shards run the graph mode their environment was made for (HPU: the release's default).
+    graph_mode = device.graph_mode or engine.graph_mode
+    engine = replace(engine, device=device.name, graph_mode=graph_mode)
+    return replace(config, engine=engine, uds_path=base), device
 
 
 def check_single_process(config: LauncherConfig) -> None:

@@ -253,6 +253,7 @@ def test_the_launcher_gives_every_hpu_shard_the_same_module_list_and_the_bridge_
     # the user's, none is made up (not 0..N-1), as upstream does; each rank takes its LOCAL_RANK.
     from engine.devices.probe import Probe, resolve_device
 
+    FakeHabana(release="1.22.0").install_metadata(monkeypatch)  # lazy mode is its default
     gaudi = lambda asked: [Probe("hpu", True, count=8)]  # noqa: E731
     plan = resolve_device("hpu", 4, {}, lambda: ["hpu"], probe=gaudi)
     envs = [plan.env(rank) for rank in range(4)]

@@ -173,6 +173,8 @@ GRAPH_COUNTERS = (
     "graph_compiles_serving",
     "graph_breaks_warmup",
     "graph_breaks_serving",
+    "graph_recompiles_warmup",
+    "graph_recompiles_serving",
 )
 SPEC_COUNTERS = ("spec_steps", "spec_proposed", "spec_accepted", "spec_emitted")
 SPEC_RATIOS = ("spec_acceptance_rate", "spec_mean_accepted_length")

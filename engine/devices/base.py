@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Hashable
@@ -87,6 +88,10 @@ class DeviceAdapter(ABC):
             )
         self.graph_mode = graph_mode
         self.rank, self.world_size, self.cache_dir = rank, world_size, cache_dir
+        if graph_mode == "compile" and cache_dir is not None:
+            # inductor's FX graph and AOT autograd caches under ours (a user's setting wins): a
+            # second start loads the kernels the first one compiled
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache_dir) / "inductor"))
         self.shapes = ShapeRegistry(strict_shapes)
         self.stats: Counter = Counter()  # "replay", "capture", "bypass", ... per kind of shape
         self._profiling = False

@@ -53,6 +53,7 @@ class DevicePlan:
     ids: tuple[str, ...] = ()
     env_extra: tuple[tuple[str, str], ...] = ()  # the same for every rank
     shared_list: bool = False  # every rank sees the whole list and takes its LOCAL_RANK-th (Habana)
+    graph_mode: str | None = None  # where the launcher chose it (HPU: per Habana release)
 
     def env(self, rank: int) -> dict[str, str]:
         env = dict(self.env_extra)
@@ -188,15 +189,20 @@ def resolve_device(
     list_adapters: Callable[[], list[str]],
     probe=probe_devices,
     warn=lambda message: None,
+    graph_mode: str | None = None,
+    world_size: int | None = None,
 ) -> DevicePlan:
     """The device plan for --device; a DeviceError (one line) when it cannot be used for num_shard ranks.
-    `list_adapters` names the devices the engine has adapters for (called only when needed: it imports torch)."""
+    `list_adapters` names the devices the engine has adapters for (called only when needed: it imports torch).
+    `graph_mode` (--graph-mode, None: the device's default) and `world_size` (every rank of every
+    node, default num_shard) decide the environment a device's runtime must start in (HPU)."""
+    launch = Launch(graph_mode, world_size or num_shard)
     if requested not in DEVICES:
         raise DeviceError(f"unknown device {requested!r} (choose from {', '.join(DEVICES)})")
     if requested == "cpu":
         return cpu_plan(num_shard, environ)
     if requested == "auto":
-        return auto_plan(probe(ACCELERATORS), num_shard, environ, list_adapters(), warn)
+        return auto_plan(probe(ACCELERATORS), num_shard, environ, list_adapters(), warn, launch)
     adapters = list_adapters()
     found = probe((requested,))[0]
     if not found.usable:
@@ -206,14 +212,24 @@ def resolve_device(
             f"--device {requested}: the device is present but this engine has no {requested} "
             f"adapter yet (available: {', '.join(adapters)})"
         )
-    return plan_for(found, num_shard, environ)
+    return plan_for(found, num_shard, environ, launch)
 
 
-def auto_plan(found: list[Probe], num_shard: int, environ, adapters: list[str], warn) -> DevicePlan:
+@dataclass(frozen=True)
+class Launch:
+    """What the device's environment depends on besides the device: --graph-mode and the ranks."""
+
+    graph_mode: str | None = None
+    world_size: int = 1
+
+
+def auto_plan(
+    found: list[Probe], num_shard: int, environ, adapters: list[str], warn, launch: Launch
+) -> DevicePlan:
     usable = [p for p in found if p.usable]
     for p in usable:
         if p.device in adapters:
-            return plan_for(p, num_shard, environ)
+            return plan_for(p, num_shard, environ, launch)
         warn(
             f"a {p.device} device is present but this engine has no {p.device} adapter yet: not "
             "using it"
@@ -221,7 +237,7 @@ def auto_plan(found: list[Probe], num_shard: int, environ, adapters: list[str], 
     return cpu_plan(num_shard, environ)
 
 
-def plan_for(found: Probe, num_shard: int, environ) -> DevicePlan:
+def plan_for(found: Probe, num_shard: int, environ, launch: Launch = Launch()) -> DevicePlan:
     var = VISIBILITY_VARS["rocm" if found.rocm else found.device]
     if found.count < num_shard:
         raise DeviceError(
@@ -237,28 +253,36 @@ def plan_for(found: Probe, num_shard: int, environ) -> DevicePlan:
     )
     if found.device == "hpu":
         return hpu_plan(
-            tuple(preset[:num_shard]) if len(preset) >= num_shard else (), num_shard, environ
+            tuple(preset[:num_shard]) if len(preset) >= num_shard else (), launch, environ
         )
     return DevicePlan(found.device, var, ids)
 
 
-def hpu_plan(ids: tuple[str, ...], num_shard: int, environ) -> DevicePlan:
+def hpu_plan(ids: tuple[str, ...], launch: Launch, environ) -> DevicePlan:
     """Habana's process assignment: each shard acquires a Gaudi by its LOCAL_RANK (the launcher sets
     it) among those the container sees (HABANA_VISIBLE_DEVICES, which Docker's Habana runtime and
     Kubernetes' device plugin set to whatever cards they hand out). HABANA_VISIBLE_MODULES lists
     module ids, which are the host's, not 0..N-1 of the container: as TGI and vllm-gaudi, the
     launcher sets none of its own, and passes a list the user set (`ids`) to every process whole.
-    The bridge's mode must be in the environment before a shard imports torch; shards run the
-    default graph mode, HPU graphs (lazy)."""
+    The bridge's mode must be in the environment before a shard imports torch: the graph mode asked
+    for, else the installed release's default (engine/devices/hpu/release.py), which the shards are
+    then given too; lazy mode on an image without it is refused here, before any shard starts."""
     from engine.config import default_cache_dir
+    from engine.devices.hpu.release import installed_stack
     from engine.devices.hpu.vars import launch_environment
 
-    extra = tuple(
-        sorted(launch_environment("graphs", num_shard, default_cache_dir(), environ).items())
-    )
+    stack = installed_stack()
+    graph_mode = launch.graph_mode or stack.default_graph_mode(environ)
+    problem = stack.mode_problem(graph_mode)
+    if problem is not None:
+        raise DeviceError(problem)
+    variables = launch_environment(graph_mode, launch.world_size, default_cache_dir(), environ)
+    extra = tuple(sorted(variables.items()))
     if not ids:
-        return DevicePlan("hpu", None, (), extra)
-    return DevicePlan("hpu", VISIBILITY_VARS["hpu"], ids, extra, shared_list=True)
+        return DevicePlan("hpu", None, (), extra, graph_mode=graph_mode)
+    return DevicePlan(
+        "hpu", VISIBILITY_VARS["hpu"], ids, extra, shared_list=True, graph_mode=graph_mode
+    )
 
 
 def cpu_plan(num_shard: int, environ) -> DevicePlan:

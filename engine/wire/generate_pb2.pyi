@@ -346,7 +346,7 @@ class DecodeResponse(_message.Message):
     def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., concat_ns: _Optional[int] = ..., stats: _Optional[_Union[ServingStats, _Mapping]] = ...) -> None: ...
 
 class ServingStats(_message.Message):
-    __slots__ = ("prefill_real", "prefill_padded", "decode_real", "decode_padded", "unwarmed_shapes", "prefill_forwards", "decode_forwards", "copied_prompts", "chunked_prompts", "prefill_chunks", "lookahead_runs", "lookahead_steps", "plan_prefill_buckets", "plan_decode_buckets", "warmed_buckets", "warmup_buckets", "buckets_used", "buckets", "images_encoded", "encoder_ns", "image_cache_hits", "graph_compiles_warmup", "graph_compiles_serving", "graph_breaks_warmup", "graph_breaks_serving", "spec_steps", "spec_proposed", "spec_accepted", "spec_emitted", "spec_acceptance_rate", "spec_mean_accepted_length", "spec_k")
+    __slots__ = ("prefill_real", "prefill_padded", "decode_real", "decode_padded", "unwarmed_shapes", "prefill_forwards", "decode_forwards", "copied_prompts", "chunked_prompts", "prefill_chunks", "lookahead_runs", "lookahead_steps", "plan_prefill_buckets", "plan_decode_buckets", "warmed_buckets", "warmup_buckets", "buckets_used", "buckets", "images_encoded", "encoder_ns", "image_cache_hits", "graph_compiles_warmup", "graph_compiles_serving", "graph_breaks_warmup", "graph_breaks_serving", "graph_recompiles_warmup", "graph_recompiles_serving", "spec_steps", "spec_proposed", "spec_accepted", "spec_emitted", "spec_acceptance_rate", "spec_mean_accepted_length", "spec_k")
     PREFILL_REAL_FIELD_NUMBER: _ClassVar[int]
     PREFILL_PADDED_FIELD_NUMBER: _ClassVar[int]
     DECODE_REAL_FIELD_NUMBER: _ClassVar[int]
@@ -372,6 +372,8 @@ class ServingStats(_message.Message):
     GRAPH_COMPILES_SERVING_FIELD_NUMBER: _ClassVar[int]
     GRAPH_BREAKS_WARMUP_FIELD_NUMBER: _ClassVar[int]
     GRAPH_BREAKS_SERVING_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_RECOMPILES_WARMUP_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_RECOMPILES_SERVING_FIELD_NUMBER: _ClassVar[int]
     SPEC_STEPS_FIELD_NUMBER: _ClassVar[int]
     SPEC_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -404,6 +406,8 @@ class ServingStats(_message.Message):
     graph_compiles_serving: int
     graph_breaks_warmup: int
     graph_breaks_serving: int
+    graph_recompiles_warmup: int
+    graph_recompiles_serving: int
     spec_steps: int
     spec_proposed: int
     spec_accepted: int
@@ -411,7 +415,7 @@ class ServingStats(_message.Message):
     spec_acceptance_rate: float
     spec_mean_accepted_length: float
     spec_k: int
-    def __init__(self, prefill_real: _Optional[int] = ..., prefill_padded: _Optional[int] = ..., decode_real: _Optional[int] = ..., decode_padded: _Optional[int] = ..., unwarmed_shapes: _Optional[int] = ..., prefill_forwards: _Optional[int] = ..., decode_forwards: _Optional[int] = ..., copied_prompts: _Optional[int] = ..., chunked_prompts: _Optional[int] = ..., prefill_chunks: _Optional[int] = ..., lookahead_runs: _Optional[int] = ..., lookahead_steps: _Optional[int] = ..., plan_prefill_buckets: _Optional[int] = ..., plan_decode_buckets: _Optional[int] = ..., warmed_buckets: _Optional[int] = ..., warmup_buckets: _Optional[int] = ..., buckets_used: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[BucketUse, _Mapping]]] = ..., images_encoded: _Optional[int] = ..., encoder_ns: _Optional[int] = ..., image_cache_hits: _Optional[int] = ..., graph_compiles_warmup: _Optional[int] = ..., graph_compiles_serving: _Optional[int] = ..., graph_breaks_warmup: _Optional[int] = ..., graph_breaks_serving: _Optional[int] = ..., spec_steps: _Optional[int] = ..., spec_proposed: _Optional[int] = ..., spec_accepted: _Optional[int] = ..., spec_emitted: _Optional[int] = ..., spec_acceptance_rate: _Optional[float] = ..., spec_mean_accepted_length: _Optional[float] = ..., spec_k: _Optional[int] = ...) -> None: ...
+    def __init__(self, prefill_real: _Optional[int] = ..., prefill_padded: _Optional[int] = ..., decode_real: _Optional[int] = ..., decode_padded: _Optional[int] = ..., unwarmed_shapes: _Optional[int] = ..., prefill_forwards: _Optional[int] = ..., decode_forwards: _Optional[int] = ..., copied_prompts: _Optional[int] = ..., chunked_prompts: _Optional[int] = ..., prefill_chunks: _Optional[int] = ..., lookahead_runs: _Optional[int] = ..., lookahead_steps: _Optional[int] = ..., plan_prefill_buckets: _Optional[int] = ..., plan_decode_buckets: _Optional[int] = ..., warmed_buckets: _Optional[int] = ..., warmup_buckets: _Optional[int] = ..., buckets_used: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[BucketUse, _Mapping]]] = ..., images_encoded: _Optional[int] = ..., encoder_ns: _Optional[int] = ..., image_cache_hits: _Optional[int] = ..., graph_compiles_warmup: _Optional[int] = ..., graph_compiles_serving: _Optional[int] = ..., graph_breaks_warmup: _Optional[int] = ..., graph_breaks_serving: _Optional[int] = ..., graph_recompiles_warmup: _Optional[int] = ..., graph_recompiles_serving: _Optional[int] = ..., spec_steps: _Optional[int] = ..., spec_proposed: _Optional[int] = ..., spec_accepted: _Optional[int] = ..., spec_emitted: _Optional[int] = ..., spec_acceptance_rate: _Optional[float] = ..., spec_mean_accepted_length: _Optional[float] = ..., spec_k: _Optional[int] = ...) -> None: ...
 
 class BucketUse(_message.Message):
     __slots__ = ("phase", "batch_size", "length", "context_blocks", "forwards", "real", "padded")

@@ -84,6 +84,10 @@ def status(state: RouterState) -> dict:
         ),
         "padding": phases,
         "unwarmed_shapes": stats.get("unwarmed_shapes"),
+        "graphs_after_warmup": {  # what compiled once serving began (the device's or torch's count)
+            kind: stats.get(f"graph_{kind}_serving")
+            for kind in ("compiles", "recompiles", "breaks")
+        },
         "kv_cache": {
             "blocks_used": allocator.num_used,
             "blocks_total": allocator.num_blocks - 1,
@@ -213,8 +217,11 @@ function render(s) {
   const p = s.padding;
   $("waste").textContent = p.prefill ? `prefill ${pct(p.prefill.waste)}` : "\u2013";
   $("decode-waste").textContent = p.decode ? `decode ${pct(p.decode.waste)} of rows` : "";
+  const g = s.graphs_after_warmup || {};
   $("unwarmed").textContent = s.unwarmed_shapes == null ? "" :
-    `Forwards at shapes warmup did not run: ${s.unwarmed_shapes}.`;
+    `Forwards at shapes warmup did not run: ${s.unwarmed_shapes}.` + (g.compiles == null ? "" :
+    ` After warmup: ${g.compiles} graphs compiled, ${g.recompiles} recompiles, ` +
+    `${g.breaks} graph breaks.`);
   $("shards").textContent = s.shards_available ? "" : "The shards are unavailable.";
   $("shards").className = s.shards_available ? "" : "down";
   $("plan").textContent = planText(s);

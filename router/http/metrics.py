@@ -132,6 +132,7 @@ def graph_counters(stats: dict):
     for kind, text in (
         ("compiles", "device graphs compiled (or captured)"),
         ("breaks", "device graphs cut by a host read or a data-dependent shape"),
+        ("recompiles", "graphs torch compiled again for a frame (serving: refused, compile mode)"),
     ):
         if f"graph_{kind}_warmup" not in stats:  # a shard of an older version
             continue

@@ -11,7 +11,11 @@ commit of):
   `bypass_hpu_graphs=True` runs the module eagerly; `module.clear_cache()` drops every graph.
 - PT_HPU_LAZY_MODE is read once, when the bridge is imported (with `import torch` in current
   releases, through torch's device-backend autoload); unset means eager (the 1.21+ default), and
-  `htorch.utils.internal.is_lazy()` answers what was read then.
+  `htorch.utils.internal.is_lazy()` answers what was read then. On an upstream-PyTorch image
+  (`fork=False`) there is no lazy mode: the bridge runs eagerly whatever the variable says.
+- The installed packages' metadata, as pip has it: habana-torch-plugin at the release
+  ("1.22.0.740"), and torch as Habana's fork names itself ("2.6.0+hpu_1.21.2-76.gitabf798b") or,
+  on an upstream image, as torch's own build.
 - `habana_frameworks.torch.distributed.hccl` registers the "hccl" backend when it is imported.
 - `habana_frameworks.torch.utils.experimental._get_device_type()` against `synDeviceType`, and the
   FP8 ops `torch.ops.hpu.cast_to_fp8_v2(input, scale, stochastic_rounding, is_amax, dtype)` ->
@@ -28,6 +32,7 @@ Where the bridge differs from this fake, the fake is the stricter one.
 from __future__ import annotations
 
 import os
+from importlib import metadata
 
 import torch
 
@@ -85,8 +90,11 @@ class FakeHabana:
         memory: tuple[int, int] = (60 << 30, 96 << 30),
         graph_bytes: int = 0,
         hardware: str = "gaudi2",
+        release: str = "1.22.0",
+        fork: bool = True,
     ):
         self.devices, self.memory, self.hardware = devices, memory, hardware
+        self.release, self.fork = release, fork
         self.fp8_gemms = 0
         self.graph_bytes = graph_bytes  # device memory each captured graph holds (0: free)
         self.lazy: bool | None = None  # PT_HPU_LAZY_MODE as read at import
@@ -195,7 +203,8 @@ class FakeHabana:
 
     def install(self, monkeypatch) -> None:
         """Import time: the lazy mode is read now, from the environment as it is."""
-        self.lazy = os.environ.get("PT_HPU_LAZY_MODE", "0") == "1"
+        self.lazy = self.fork and os.environ.get("PT_HPU_LAZY_MODE", "0") == "1"
+        self.install_metadata(monkeypatch)
         hpu = fake_module(
             "habana_frameworks.torch.hpu",
             wrap_in_hpu_graph=self.wrap_in_hpu_graph,
@@ -243,6 +252,16 @@ class FakeHabana:
             "torch.ops.hpu", cast_to_fp8_v2=self.cast_to_fp8_v2, fp8_gemm_v2=self.fp8_gemm_v2
         )
         monkeypatch.setattr(torch.ops, "hpu", ops, raising=False)
+
+    def install_metadata(self, monkeypatch) -> None:
+        """What `pip list` shows on the image: the plugin's release and the torch build."""
+        base = torch.__version__.partition("+")[0]
+        versions = {
+            "habana-torch-plugin": f"{self.release}.740",
+            "torch": f"{base}+hpu_{self.release}-76.gitabf798b" if self.fork else base,
+        }
+        installed = metadata.version
+        monkeypatch.setattr(metadata, "version", lambda name: versions.get(name) or installed(name))
 
     def _register_hccl(self, module) -> None:
         self.hccl_imported = True

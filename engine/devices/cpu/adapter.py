@@ -5,13 +5,23 @@ import torch
 
 from engine.devices.base import DeviceAdapter
 from engine.devices.cpu.memory import huge_page_zeros, keep_freed_memory
+from engine.devices.dynamo import call_compiled
 
 log = logging.getLogger(__name__)
 
 
 class CompiledGraphs:
     """graph_for of an adapter whose graphs are torch.compile graphs (inductor): in compile mode one
-    static-shape graph per bucket, in eager mode the function itself."""
+    static-shape graph per bucket, in eager mode the function itself. Once serving, a call that
+    would compile is refused by torch itself (engine/devices/dynamo.py)."""
+
+    def forward(self, shape, fn, args, warming):
+        graphed = (
+            warming or shape in self.shapes.warmed
+        ) and shape not in self.shapes.without_graph
+        if self.graph_mode == "eager" or not graphed:
+            return super().forward(shape, fn, args, warming)
+        return call_compiled(self, shape, self.graph_for(shape, fn), fn, args, warming)
 
     def graph_for(self, shape, fn):
         if self.graph_mode == "eager":

@@ -16,6 +16,7 @@ import torch
 from engine.devices.base import DeviceAdapter, kind_of
 from engine.devices.cpu.adapter import compile_static
 from engine.devices.cuda.graphs import GraphSet
+from engine.devices.dynamo import call_compiled
 from engine.devices.probe import VISIBILITY_VARS, DeviceError, require
 
 GRAPHED_KINDS = ("decode",)
@@ -118,7 +119,7 @@ class CUDAAdapter(DeviceAdapter):
             self.stats[("replay", kind)] += 1
             return self.graphs.replay(shape, args)
         if self.graph_mode == "compile" and (warming or shape in self.shapes.warmed):
-            return self._compile(fn)(*args)
+            return call_compiled(self, shape, self._compile(fn), fn, args, warming)
         self.stats[("eager" if warming or shape in self.shapes.warmed else "bypass", kind)] += 1
         return fn(*args)
 

@@ -1,7 +1,8 @@
 """Intel Gaudi (HPU), the first-class target.
 
-Graph modes:
-- "graphs" (default): lazy mode with the model wrapped once by `wrap_in_hpu_graph`; every warmed
+Graph modes (the default follows the installed release, engine/devices/hpu/release.py: "compile"
+from Habana 1.23 and wherever torch is upstream's, "graphs" on 1.21 and 1.22):
+- "graphs": lazy mode with the model wrapped once by `wrap_in_hpu_graph`; every warmed
   bucket is captured during warmup and replayed afterwards, and any other shape bypasses the
   graphs per call (a capture at serving time would stall the batch and grow device memory).
 - "lazy": lazy mode without graphs (each forward is traced and its recipe looked up).
@@ -20,11 +21,13 @@ import torch
 
 from engine.devices.base import DeviceAdapter, kind_of
 from engine.devices.cpu.adapter import compile_static
+from engine.devices.dynamo import call_compiled
 from engine.devices.graph_inputs import check_tensor_inputs
 from engine.devices.hpu import attention as hpu_attention
 from engine.devices.hpu.env import apply_environment, check_bridge_mode
+from engine.devices.hpu.release import installed_stack
 from engine.devices.hpu.vars import hpu_environment
-from engine.devices.probe import require
+from engine.devices.probe import DeviceError, require
 
 
 class HPUAdapter(DeviceAdapter):
@@ -33,14 +36,23 @@ class HPUAdapter(DeviceAdapter):
     default_dtype = torch.bfloat16
     default_block_size = 128  # the matrix engine's preferred tile
     graph_modes = ("graphs", "lazy", "compile")
-    default_graph_mode = "graphs"
+    default_graph_mode = "graphs"  # 1.21 and 1.22; __init__ asks the installed release
     torch_device_type = "hpu"
     quantize_modes = ("fp8",)  # FP8 checkpoints through fp8_gemm_v2 (engine/devices/fp8.py)
 
     def __init__(self, graph_mode: str | None = None, strict_shapes: bool = True, **options):
+        stack = installed_stack()
+        graph_mode = graph_mode or stack.default_graph_mode(os.environ)
         super().__init__(graph_mode, strict_shapes, **options)
         environment = hpu_environment(self.graph_mode, self.world_size, self.cache_dir)
-        self.htorch = load_habana(lambda: apply_environment(environment, os.environ))
+
+        def before_import():  # the stack is installed: whether it has the mode, then its variables
+            problem = stack.mode_problem(self.graph_mode)
+            if problem is not None:
+                raise DeviceError(problem)
+            apply_environment(environment, os.environ)
+
+        self.htorch = load_habana(before_import)
         self.lazy = self.graph_mode != "compile"
         check_bridge_mode(self.htorch, self.lazy, self.graph_mode)
         if self.world_size > 1:
@@ -114,7 +126,7 @@ class HPUAdapter(DeviceAdapter):
                 out = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
         elif self.graph_mode == "compile" and graphed:
             self.stats[("compiled", kind_of(shape))] += 1
-            out = self._compiled(fn)(*args)
+            out = call_compiled(self, shape, self._compiled(fn), fn, args, warming)
         else:
             self.stats[("bypass" if not graphed else "lazy", kind_of(shape))] += 1
             out = fn(*args)
