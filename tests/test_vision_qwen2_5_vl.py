@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from engine.serving.shard import Shard
-from engine.vision.grids import fit_to_grid, natural_grid
 from engine.vision.spec import spec_of_dir
 from launcher.generate import request_length, run_requests
 from tests.helpers import tiny_config
@@ -95,17 +94,15 @@ def image_processor(model_dir):
     return transformers.AutoImageProcessor.from_pretrained(model_dir)
 
 
-def fitted_images(model_dir, chunks: list) -> list:
-    """The prompt's images as PIL images, each at its planned grid (as the shard resizes them)."""
+def decoded_images(chunks: list) -> list:
+    """The prompt's images as PIL images, as they are (the processor picks each one's grid)."""
     from PIL import Image
 
-    spec, resample = spec_of_dir(model_dir), image_processor(model_dir).resample
-    decoded = [
+    return [
         Image.open(io.BytesIO(getattr(c, "data", c))).convert("RGB")
         for c in chunks
         if not isinstance(c, str)
     ]
-    return [fit_to_grid(i, spec, resample) for i in decoded]
 
 
 def reference_inputs(model_dir, chunks: list) -> dict:
@@ -116,7 +113,7 @@ def reference_inputs(model_dir, chunks: list) -> dict:
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     processor = image_processor(model_dir)
-    images = fitted_images(model_dir, chunks)
+    images = decoded_images(chunks)
     pixels = processor(images=images, return_tensors="pt") if images else {}
     counts = iter(
         (grid.prod() // processor.merge_size**2).item() for grid in pixels.get("image_grid_thw", [])
@@ -153,8 +150,9 @@ def qwen_dir(tmp_path_factory, smollm_dir):
 
 
 def test_tower_on_host_metadata_equals_transformers_tower(qwen_dir):
-    """The tower run on its host-built layout (as the encoder runs it) gives transformers' own
-    tower's features exactly, at grids with one window and with several (edge windows short)."""
+    """The tower run on its host-built layout padded to a bucket (as the encoder runs it) gives
+    transformers' own tower's features, at grids with one window and with several (edge windows
+    short), unpadded and padded (the padding attends to itself only)."""
     import transformers
 
     from engine.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration as Ours
@@ -165,42 +163,39 @@ def test_tower_on_host_metadata_equals_transformers_tower(qwen_dir):
     ).model.visual.eval()
     ours = SimpleNamespace(visual=visual)
     torch.manual_seed(0)
-    for thw in [(1, 4, 4), (1, 8, 12), (1, 2, 26), (1, 14, 6)]:
+    for thw, bucket in [((1, 4, 4), 4), ((1, 8, 12), 32), ((1, 2, 26), 16), ((1, 14, 6), 24)]:
+        tokens = thw[1] * thw[2] // 4
         pixels = torch.randn(thw[1] * thw[2], 3 * 2 * 2 * 2)
+        padded = torch.cat([pixels, torch.randn((bucket - tokens) * 4, pixels.shape[1])])
         with torch.inference_mode():
             expected = visual(pixels, grid_thw=torch.tensor([thw])).pooler_output
-            layout, full, windows = tower_layout(visual, thw)
-            got = Ours._tower_forward(ours, full, windows, pixels, *layout)
-        assert torch.equal(got, expected), thw
-        assert full == (thw[1] * thw[2],) and sum(windows) == full[0]
+            layout = tower_layout(visual, thw, bucket)
+            got = Ours._tower_forward(ours, padded, *layout)
+        assert got.shape[0] == bucket
+        torch.testing.assert_close(got[:tokens], expected, rtol=1e-5, atol=1e-5, msg=str(thw))
 
 
-SIZES = [(24, 16), (20, 36), (40, 40), (50, 12), (33, 47), (8, 8), (90, 7), (5, 60)]
-PROMPTS = [  # text and images, in order; (20, 36) and (33, 47) are resized to a planned grid
+SIZES = [(24, 16), (20, 36), (40, 40), (66, 13), (33, 47), (8, 8), (90, 7), (5, 60)]
+PROMPTS = [  # text and images, in order; (20, 36) and (33, 47) are off the token ladder
     ["Describe this picture: ", png_image(24, 16, 1), " in detail."],
     ["Once upon a time, in a land far away"],
     [png_image(20, 36, 2), " and ", png_image(40, 40, 3), " differ how?"],
-    ["Three: ", png_image(50, 12, 4), png_image(33, 47, 5), " then ", png_image(24, 16, 1), "."],
+    ["Three: ", png_image(66, 13, 4), png_image(33, 47, 5), " then ", png_image(24, 16, 1), "."],
 ]
 
 
 def test_token_counts_follow_transformers_processor(qwen_dir):
-    """The router's count of an image (spec.tokens) is the processor's, at the planned grid; an
-    image whose own grid is planned is counted as the processor counts it unresized."""
+    """The router's count of an image (spec.tokens) is the processor's own, for every size."""
     from PIL import Image
 
     spec, processor = spec_of_dir(qwen_dir), image_processor(qwen_dir)
     for width, height in SIZES:
         image = Image.open(io.BytesIO(image_bytes(width, height))).convert("RGB")
-        fitted = fit_to_grid(image, spec, processor.resample)
-        grid = processor(images=[fitted], return_tensors="pt")["image_grid_thw"][0]
+        grid = processor(images=[image], return_tensors="pt")["image_grid_thw"][0]
         expected = (grid.prod() // processor.merge_size**2).item()
         assert spec.tokens(width, height) == expected, (width, height)
-        if fitted is image:  # its own grid is planned: counted as the processor counts it
-            patches = processor.get_number_of_image_patches(height, width, {})
-            assert patches // processor.merge_size**2 == expected, (width, height)
-    resized = [s for s in SIZES if spec.grid(*s) != natural_grid(spec, *s)]
-    assert resized and len(resized) < len(SIZES)  # both kinds are covered
+        patches = processor.get_number_of_image_patches(height, width, {})
+        assert patches // processor.merge_size**2 == expected, (width, height)
 
 
 def serve(model_dir, prompts: list, prefill_tokens: int = 0, **overrides) -> tuple[Shard, dict]:
@@ -226,7 +221,7 @@ def test_qwen2_5_vl_matches_transformers_on_mixed_batches(qwen_dir, references):
         assert done[i].token_ids == expected, f"prompt {i}"
     assert shard.adapter.shapes.strict and not shard.adapter.shapes.unwarmed
     assert shard.vision.stats["images_encoded"] == 5  # one image repeated: encoded once
-    # the 3-image prompt (127 tokens) outgrows the longest prefill bucket (120): it is computed
+    # the 3-image prompt (124 tokens) does not fit the step beside the others: it is computed
     # in two chunks, the second (its last image and text) at its own 3-row positions
     assert shard.chunk_stats["chunked_prompts"] == 1
 
@@ -281,13 +276,14 @@ def test_a_preempted_image_request_resumes_exact(qwen_dir, references):
     assert sum(shard.adapter.shapes.unwarmed.values()) == 0
 
 
-def test_grids_are_recorded_fitted_and_profiled(qwen_dir, tmp_path):
-    """--record-shapes writes each tower run at its grid's size key; a fitted plan on that trace
-    holds that grid (and every other: the router counts tokens at any planned grid); a warmup
-    profile times every grid, and a shard served with it warms every grid."""
+def test_token_buckets_are_recorded_fitted_and_profiled(qwen_dir, tmp_path):
+    """--record-shapes writes each tower run at its image's token count; a fitted plan on that
+    trace holds the bucket of that count (and every other: the router admits any image the
+    processor takes); a warmup profile times every bucket, and a shard served with it warms
+    every bucket."""
     from engine.buckets.images import ImageBucket
     from engine.buckets.shapes import Shape, load_shapes
-    from engine.vision.grids import grid_key
+    from engine.vision.grids import token_buckets
     from engine.warmup.profile import measure, write_profile
 
     settings = dict(
@@ -297,9 +293,11 @@ def test_grids_are_recorded_fitted_and_profiled(qwen_dir, tmp_path):
     shard = Shard(tiny_config(qwen_dir, record_shapes=str(trace), **settings), show_progress=False)
     shard.warmup()
     run_requests(shard, [image_request(0, PROMPTS[0], 2)])
-    key = grid_key(spec_of_dir(qwen_dir).grid(24, 16))
-    assert [s for s in load_shapes(trace) if s.phase == "image"] == [Shape("image", 1, key)]
-    every = {ImageBucket(1, grid_key(grid)) for grid in shard.vision.grids}
+    tokens = spec_of_dir(qwen_dir).tokens(24, 16)
+    assert [s for s in load_shapes(trace) if s.phase == "image"] == [Shape("image", 1, tokens)]
+    every = {ImageBucket(1, t) for t in token_buckets(FACTOR, MIN_PIXELS, MAX_PIXELS)}
+    assert set(shard.vision.planned) == every
+    key = shard.vision.planned_size(tokens)
 
     fitted = Shard(
         tiny_config(qwen_dir, bucket_strategy="fitted", bucket_shapes=str(trace), **settings),
@@ -309,7 +307,7 @@ def test_grids_are_recorded_fitted_and_profiled(qwen_dir, tmp_path):
     assert ImageBucket(1, key) in fitted.runner.plan.images
     assert set(fitted.runner.plan.images) == every == set(fitted.vision.planned)
 
-    entries = measure(fitted, 1)  # warmup-profile's timings: one entry a grid
+    entries = measure(fitted, 1)  # warmup-profile's timings: one entry a bucket
     timed = {(e["batch_size"], e["size"]) for e in entries if e["phase"] == "image"}
     assert timed == {(b.count, b.size) for b in every}
     assert all(e["latency_s"] > 0 for e in entries if e["phase"] == "image")

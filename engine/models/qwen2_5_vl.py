@@ -1,18 +1,19 @@
 """Qwen2.5-VL: transformers' own vision tower and patch merger (replicated on every rank) beside our
 native Qwen2 decoder with multimodal rope (M-RoPE, engine/layers/mrope.py). An image runs through
-the tower at its planned grid (engine/vision/grids.py) and its features take the places of its
-image tokens in the prompt's embeddings.
+the tower at the grid its processor picks (engine/vision/grids.py) and its features take the
+places of its image tokens in the prompt's embeddings.
 
 Inputs past the text model's (after the LoRA index, where adapters are loaded): in a prefill, the
 image embeddings [rows, width, hidden] and the M-RoPE positions [3, rows, width]; in a decode,
 each row's position delta [rows] (the rope turns at position + delta on all three rows), so every
 bucket keeps its one static shape.
 
-The tower runs on metadata built on the host from the planned grid (`tower_at`): transformers'
+The tower runs on metadata built on the host from the image's grid (`tower_layout`): transformers'
 own forward derives its rotary positions, window order and attention spans from `grid_thw` on the
 device (`.tolist()`, `unique_consecutive`, a split by tensor lengths), each a graph break. Here they
-are index tensors made once per grid and the spans Python ints of that grid's graph, so the
-device runs transformers' blocks at the grid's static shapes, op for op as its forward does."""
+are index tensors, and the spans become each patch's span number, so one graph serves every grid
+of a planned token count: the image's patches padded to that count (engine/vision/grids.py), the
+padding a span of its own, which the image never attends to."""
 
 from __future__ import annotations
 
@@ -80,20 +81,20 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
             return module, kind, None
         return super().checkpoint_target(name)
 
-    def tower_at(self, thw: tuple[int, int, int]) -> tuple:
-        """(the tower's run at grid `thw` (t, h, w in patches), its host-built TowerLayout): the
-        run is made once per grid, so a device keying graphs by the callable sees one a grid."""
-        found = self._tower_runs.get(thw)
+    def tower_run(self, tokens: int):
+        """The tower's run at a bucket of `tokens` merged patches: made once per bucket, so a
+        device keying graphs by the callable sees one a bucket."""
+        found = self._tower_runs.get(tokens)
         if found is None:
-            layout, full, windows = tower_layout(self.visual, thw)
-            run = functools.partial(self._tower_forward, full, windows)
-            found = self._tower_runs[thw] = (run, layout)
+            found = self._tower_runs[tokens] = functools.partial(self._tower_forward)
         return found
 
     @torch.inference_mode()
-    def _tower_forward(self, full, windows, pixels, position_ids, window_index, reverse_index):
-        """transformers' Qwen2_5_VisionTransformerPretrainedModel.forward on host-built metadata:
-        `full` and `windows` are the lengths of the full and windowed attention's spans."""
+    def _tower_forward(
+        self, pixels, position_ids, window_index, reverse_index, full_spans, window_spans
+    ):
+        """transformers' Qwen2_5_VisionTransformerPretrainedModel.forward on host-built metadata
+        (TowerLayout): each patch attends to the patches of its own span only."""
         visual = self.visual
         hidden = visual.patch_embed(pixels.to(visual.patch_embed.proj.weight.dtype))
         patches = hidden.shape[0]
@@ -102,9 +103,10 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         rope = tuple(
             visual.permute_input_for_window_attn(f, window_index, seq_len=patches) for f in rope
         )
+        full, windows = (span_mask(spans, hidden.dtype) for spans in (full_spans, window_spans))
         for number, block in enumerate(visual.blocks):
-            spans = full if number in visual.fullatt_block_indexes else windows
-            hidden = hidden + span_attention(block.attn, block.norm1(hidden), rope, spans)
+            mask = full if number in visual.fullatt_block_indexes else windows
+            hidden = hidden + span_attention(block.attn, block.norm1(hidden), rope, mask)
             hidden = hidden + block.mlp(block.norm2(hidden))
         return visual.merger(hidden)[reverse_index, :]
 
@@ -141,23 +143,25 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
 
 
 class TowerLayout(NamedTuple):
-    """The tower's metadata at one grid, built on the host (its graph's tensor inputs)."""
+    """The tower's metadata for one image padded to a bucket, built on the host (its graph's
+    tensor inputs); patches are in window order from `window_index` on."""
 
     position_ids: torch.Tensor  # [patches, 2] each patch's (row, column), merge-block major
     window_index: torch.Tensor  # [tokens] the merged patches in window order
     reverse_index: torch.Tensor  # [tokens] window order back to the grid's
+    full_spans: torch.Tensor  # [patches] the full attention's span of each patch
+    window_spans: torch.Tensor  # [patches] the windowed attention's span of each patch
 
 
-def tower_layout(visual, thw: tuple[int, int, int]) -> tuple[TowerLayout, tuple, tuple]:
-    """(TowerLayout, full attention's span lengths, windowed attention's) of one image at `thw`,
-    by transformers' own vision_utils on a host grid_thw."""
-    from transformers.vision_utils import (
-        get_vision_cu_seqlens,
-        get_vision_position_ids,
-        get_vision_window_index,
-    )
+def tower_layout(visual, thw: tuple[int, int, int], tokens: int) -> TowerLayout:
+    """The TowerLayout of one image at `thw` (t, h, w in patches) padded to `tokens` merged
+    patches, by transformers' own vision_utils on a host grid_thw: the padding comes after the
+    image in both orders and is one span of its own in both attentions."""
+    from transformers.vision_utils import get_vision_position_ids, get_vision_window_index
 
     grid_thw = torch.tensor([thw])
+    unit = visual.spatial_merge_size**2
+    real = thw[0] * thw[1] * thw[2] // unit
     position_ids = get_vision_position_ids(grid_thw, visual.spatial_merge_size)
     window_index, cu_windows = get_vision_window_index(
         grid_thw,
@@ -165,17 +169,29 @@ def tower_layout(visual, thw: tuple[int, int, int]) -> tuple[TowerLayout, tuple,
         window_size=visual.window_size,
         patch_size=visual.patch_size,
     )
-    layout = TowerLayout(position_ids, window_index, torch.argsort(window_index))
-    return layout, lengths_of(get_vision_cu_seqlens(grid_thw)), lengths_of(cu_windows)
+    padding = tokens - real
+    window_index = torch.cat([window_index, torch.arange(real, tokens)])
+    lengths = (cu_windows[1:] - cu_windows[:-1]).long()  # in patches
+    pad = torch.full((padding * unit,), -1, dtype=torch.long)  # the padding's span in both
+    return TowerLayout(
+        position_ids=torch.cat([position_ids, position_ids.new_zeros((padding * unit, 2))]),
+        window_index=window_index,
+        reverse_index=torch.argsort(window_index),
+        full_spans=torch.cat([torch.zeros(real * unit, dtype=torch.long), pad]),
+        window_spans=torch.cat([torch.arange(len(lengths)).repeat_interleave(lengths), pad]),
+    )
 
 
-def lengths_of(cumulative: torch.Tensor) -> tuple[int, ...]:
-    return tuple((cumulative[1:] - cumulative[:-1]).tolist())
+def span_mask(spans: torch.Tensor, dtype) -> torch.Tensor:
+    """[1, 1, patches, patches] the additive mask that keeps each patch to its own span."""
+    same = spans.unsqueeze(0) == spans.unsqueeze(1)
+    blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=spans.device)
+    return torch.where(same, torch.zeros((), dtype=dtype, device=spans.device), blocked)[None, None]
 
 
-def span_attention(attn, hidden: torch.Tensor, rope: tuple, spans: tuple[int, ...]):
-    """transformers' Qwen2_5_VLVisionAttention.forward (its path without flash attention) with
-    the spans' lengths given as Python ints: each span attends within itself."""
+def span_attention(attn, hidden: torch.Tensor, rope: tuple, mask: torch.Tensor):
+    """transformers' Qwen2_5_VLVisionAttention.forward (its path without flash attention) over
+    the whole run at once, each patch kept to its own span by `mask` (span_mask)."""
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
         ALL_ATTENTION_FUNCTIONS,
         apply_rotary_pos_emb_vision,
@@ -190,12 +206,16 @@ def span_attention(attn, hidden: torch.Tensor, rope: tuple, spans: tuple[int, ..
     query, key, value = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
     implementation = attn.config._attn_implementation
     if "flash" in (implementation or ""):
-        implementation = "sdpa"  # flash attention would need the spans as device tensors
+        implementation = "sdpa"  # flash attention would need the spans as lengths
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-    parts = [
-        interface(
-            attn, q, k, v, attention_mask=None, scaling=attn.scaling, dropout=0.0, is_causal=False
-        )[0]
-        for q, k, v in zip(*(torch.split(t, list(spans), dim=2) for t in (query, key, value)))
-    ]
-    return attn.proj(torch.cat(parts, dim=1).reshape(rows, -1).contiguous())
+    out = interface(
+        attn,
+        query,
+        key,
+        value,
+        attention_mask=mask,
+        scaling=attn.scaling,
+        dropout=0.0,
+        is_causal=False,
+    )[0]
+    return attn.proj(out.reshape(rows, -1).contiguous())

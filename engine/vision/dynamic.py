@@ -1,7 +1,8 @@
-"""The image encoder of a dynamic-resolution model (Qwen2.5-VL): each image resized to its planned
-grid of merged patches (engine/vision/grids.py), preprocessed by the model's own processor, and
-run through the tower at that grid: a warmed image bucket of one image, whose size key is its
-grid's (engine/vision/grids.py, `grid_key`); and each prompt's M-RoPE positions."""
+"""The image encoder of a dynamic-resolution model (Qwen2.5-VL): each image preprocessed by the
+model's own processor at the grid of merged patches it picks (as transformers' own), and run
+through the tower padded to the smallest planned token count that holds it: a warmed image bucket
+of one image, whose size key is that count (engine/vision/grids.py); and each prompt's M-RoPE
+positions."""
 
 from __future__ import annotations
 
@@ -12,24 +13,16 @@ import torch
 
 from engine.batch import ImageInput, Request
 from engine.buckets.images import ImageBucket, ImageLimits
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, UnwarmedShapeError
 from engine.vision.encoder import ImageEncoder, images_of, to_host
-from engine.vision.grids import fit_to_grid, grid_key, key_grid, plan_grids, rope_index
+from engine.vision.grids import rope_index, token_buckets
 
 
 class DynamicResolutionEncoder(ImageEncoder):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._towers: dict[tuple[int, int], tuple] = {}  # grid -> (run, metadata on the device)
-
     def _image_limits(self, max_images: int) -> ImageLimits:
-        """Its tower runs one image at a time, at each of the planned grids (`grids`)."""
-        return ImageLimits(1, tuple(grid_key(grid) for grid in self.grids))
-
-    @property
-    def grids(self) -> tuple[tuple[int, int], ...]:
+        """Its tower runs one image at a time, at each of the planned token counts."""
         spec = self.spec
-        return plan_grids(spec.factor, spec.min_pixels, spec.max_pixels)
+        return ImageLimits(1, token_buckets(spec.factor, spec.min_pixels, spec.max_pixels))
 
     def rope_index(self, request: Request, ids: list[int]) -> tuple[torch.Tensor, int]:
         """The prompt's [3, tokens] M-RoPE positions and the delta of the positions after it."""
@@ -37,21 +30,25 @@ class DynamicResolutionEncoder(ImageEncoder):
         return rope_index(ids, self.spec.image_token_id, grids)
 
     def _encode(self, request_id: int, images: list[ImageInput]) -> list[torch.Tensor]:
-        """Each image's [tokens, hidden], one tower run per image at its planned grid."""
+        """Each image's [tokens, hidden], one tower run per image, padded to its bucket."""
         start = time.perf_counter_ns()
         features = []
         for image in images:
-            pixels, grid = self._patches(request_id, image)
+            pixels, thw = self._patches(request_id, image)
+            tokens = thw[0] * thw[1] * thw[2] // (self.spec.factor // self.spec.patch_size) ** 2
             if self.recorder is not None:
-                self.recorder.image(1, grid_key(grid))
-            features.append(to_host(self._run_tower(pixels, grid)))  # joined on the host
+                self.recorder.image(1, tokens)
+            bucket = self._bucket(request_id, image, tokens)
+            out = self._run_tower(pixels, thw, bucket)
+            features.append(to_host(out)[:tokens])  # joined on the host
         self.adapter.synchronize()
         self.stats["images_encoded"] += len(images)
         self.stats["encoder_ns"] += time.perf_counter_ns() - start
         return features
 
     def _patches(self, request_id: int, image: ImageInput) -> tuple[torch.Tensor, tuple]:
-        """[patches, channels * temporal * patch * patch] of the image at its planned grid."""
+        """[patches, channels * temporal * patch * patch] of the image at the grid its processor
+        picks, and that grid (t, h, w in patches)."""
         from PIL import Image
 
         try:
@@ -60,49 +57,63 @@ class DynamicResolutionEncoder(ImageEncoder):
             raise InvalidRequestError(
                 f"request {request_id}: an image is unreadable: {error}"
             ) from None
-        grid = self.spec.grid(image.width, image.height)
-        fitted = fit_to_grid(decoded, self.spec, self.processor.resample)
-        out = self.processor(images=[fitted], return_tensors="pt")
+        out = self.processor(images=[decoded], return_tensors="pt")
+        thw = tuple(out["image_grid_thw"][0].tolist())
+        rows, columns = self.spec.grid(image.width, image.height)
         merge = self.spec.factor // self.spec.patch_size
-        if out["image_grid_thw"][0].tolist() != [1, grid[0] * merge, grid[1] * merge]:
-            raise InvalidRequestError(  # the processor's settings differ from the planned grids
-                f"request {request_id}: the processor's grid {out['image_grid_thw'][0].tolist()} "
-                f"is not the planned {grid}"
+        if thw != (1, rows * merge, columns * merge):
+            raise InvalidRequestError(  # the processor's settings differ from the config's
+                f"request {request_id}: the processor's grid {list(thw)} is not the counted "
+                f"{rows}x{columns} merged patches"
             )
-        return out["pixel_values"], grid
+        return out["pixel_values"], thw
 
-    def _run_tower(self, pixels: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        run, layout = self._tower_at(grid)
-        return self.adapter.run(self._shape(grid), run, self.adapter.to_device(pixels), *layout)
+    def _bucket(self, request_id: int, image: ImageInput, tokens: int) -> int:
+        """The smallest warmed token count that holds the image's (strict: refused where none
+        does; lenient: its own count)."""
+        size = self.planned_size(tokens)
+        if size is not None:
+            return size
+        if self.adapter.shapes.strict:
+            warmed = ", ".join(str(b.size) for b in self.planned)
+            raise UnwarmedShapeError(
+                f"request {request_id}: an image of {image.width}x{image.height} pixels takes "
+                f"{tokens} tokens, more than any warmed image bucket holds (tokens: {warmed})"
+            )
+        return tokens
 
-    def _tower_at(self, grid: tuple[int, int]) -> tuple:
-        """(the tower's run at the grid, its metadata on the device): built on the host from the
-        grid and copied once, so the device reads nothing back to learn the image's layout."""
-        found = self._towers.get(grid)
-        if found is None:
-            run, layout = self.model.tower_at(self._thw(grid))
-            found = self._towers[grid] = (run, tuple(self.adapter.to_device(t) for t in layout))
-        return found
+    def _run_tower(self, pixels: torch.Tensor, thw: tuple, tokens: int) -> torch.Tensor:
+        """The tower at a bucket of `tokens` merged patches; its metadata is built on the host
+        and copied, so the device reads nothing back to learn the image's layout."""
+        from engine.models.qwen2_5_vl import tower_layout
 
-    def _thw(self, grid: tuple[int, int]) -> tuple[int, int, int]:
-        """The tower's grid (t, h, w), in patches."""
-        merge = self.spec.factor // self.spec.patch_size
-        return 1, grid[0] * merge, grid[1] * merge
+        layout = tower_layout(self.model.visual, thw, tokens)
+        padded = torch.zeros((layout.full_spans.shape[0], pixels.shape[1]), dtype=pixels.dtype)
+        padded[: len(pixels)] = pixels
+        inputs = [self.adapter.to_device(t) for t in (padded, *layout)]
+        return self.adapter.run(self._shape(tokens), self.model.tower_run(tokens), *inputs)
 
-    def _shape(self, grid: tuple[int, int]) -> tuple:
-        return ("vision", *grid)
+    def _shape(self, tokens: int) -> tuple:
+        return ("vision", tokens)
 
     def shape(self, bucket: ImageBucket) -> tuple:
-        return self._shape(key_grid(bucket.size))
+        return self._shape(bucket.size)
 
     def _dummy(self, bucket: ImageBucket) -> tuple:
-        """(the tower's run at the bucket's grid, zero pixels and its metadata on the device)."""
-        grid = key_grid(bucket.size)
-        merge = self.spec.factor // self.spec.patch_size
-        patches = grid[0] * grid[1] * merge * merge
-        run, layout = self._tower_at(grid)
-        pixels = self.adapter.to_device(torch.zeros((patches, self.model.patch_width)))
-        return run, (pixels, *layout)
+        """(the tower's run at the bucket, zero pixels and metadata of its shapes)."""
+        from engine.models.qwen2_5_vl import TowerLayout
+
+        tokens = bucket.size
+        patches = tokens * (self.spec.factor // self.spec.patch_size) ** 2
+        layout = TowerLayout(
+            position_ids=torch.zeros((patches, 2), dtype=torch.long),
+            window_index=torch.arange(tokens),
+            reverse_index=torch.arange(tokens),
+            full_spans=torch.zeros(patches, dtype=torch.long),
+            window_spans=torch.zeros(patches, dtype=torch.long),
+        )
+        pixels = torch.zeros((patches, self.model.patch_width))
+        return self.model.tower_run(tokens), [self.adapter.to_device(t) for t in (pixels, *layout)]
 
     def warm_bucket(self, bucket: ImageBucket, graph: bool = True) -> None:
         run, inputs = self._dummy(bucket)

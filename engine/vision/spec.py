@@ -59,10 +59,11 @@ class ImageSpec:
         return self.tokens_per_image + _unpadded_grid_tokens(self, width, height)
 
     def grid(self, width: int, height: int) -> tuple[int, int]:
-        """Qwen2.5-VL: the planned (rows, columns) of merged patches the image is served at."""
-        from engine.vision.grids import nearest_grid
+        """Qwen2.5-VL: the (rows, columns) of merged patches the image is served at: the one its
+        processor resizes it to (`smart_resize`), as transformers serves it."""
+        from engine.vision.grids import natural_grid
 
-        return nearest_grid(self, width, height)
+        return natural_grid(self, width, height)
 
     def tiles(self, width: int, height: int) -> int:
         """The tower's inputs for one image: 1 for LLaVA; the base tile and the grid's."""
