@@ -30,7 +30,8 @@ def env_int(name: str) -> int | None:
 
 
 def distributed_address() -> tuple[str, int]:
-    """Where rank 0 of a shard group listens: MASTER_ADDR and MASTER_PORT, as the launcher sets them."""
+    """Where rank 0 of a shard group listens: MASTER_ADDR and MASTER_PORT, as the launcher sets
+    them."""
     return os.environ.get("MASTER_ADDR", "127.0.0.1"), env_int("MASTER_PORT") or 29500
 
 
@@ -376,7 +377,8 @@ class EngineConfig(SharedKnobs):
 
 
 def torch_dtype(name: str | None, default):
-    """The torch dtype for a CLI name, or `default` (the device's automatic choice) for auto or none."""
+    """The torch dtype for a CLI name, or `default` (the device's automatic choice) for auto or
+    none."""
     import torch
 
     if name is None or name == "auto":

@@ -1,25 +1,30 @@
-"""Grammar-constrained decoding for TGI's `grammar` parameter (GRAMMAR_TYPE_JSON and GRAMMAR_TYPE_REGEX).
+"""Grammar-constrained decoding for TGI's `grammar` parameter (GRAMMAR_TYPE_JSON and
+GRAMMAR_TYPE_REGEX).
 
-The constraint is xgrammar's: its compiler turns a JSON schema or a regex into a pushdown automaton over the
-tokenizer's vocabulary (byte-level, byte-fallback and raw vocabularies are detected from the Hugging Face
-tokenizer), and one matcher per request walks it token by token and writes the next-token bitmask. This module
-only adapts that to the shard:
+The constraint is xgrammar's: its compiler turns a JSON schema or a regex into a pushdown automaton
+over the tokenizer's vocabulary (byte-level, byte-fallback and raw vocabularies are detected from
+the Hugging Face tokenizer), and one matcher per request walks it token by token and writes the
+next-token bitmask. This module only adapts that to the shard:
 
-- GrammarCompiler: built once per shard for one tokenizer and one logits vocabulary size; compiles and caches
-  grammars by (type, text) and turns xgrammar's errors into InvalidRequestError naming `parameters.grammar`.
-- GrammarState: one per request, kept on its Sequence. All of a request's grammar state is in it (there is no
+- GrammarCompiler: built once per shard for one tokenizer and one logits vocabulary size; compiles
+and caches
+  grammars by (type, text) and turns xgrammar's errors into InvalidRequestError naming
+  `parameters.grammar`.
+- GrammarState: one per request, kept on its Sequence. All of a request's grammar state is in it
+(there is no
   batch-level state), so filtering and concatenating batches need nothing from this module.
-- fill_masks: the bool [n, vocab] `allowed` rows of a batch in one call, for sampling.choose(allowed=...).
+- fill_masks: the bool [n, vocab] `allowed` rows of a batch in one call, for
+sampling.choose(allowed=...).
 
 Semantics (as TGI with outlines): the whole generated text must match the grammar, unless the
 request names a reasoning block (after_reasoning): then the text up to the block's closing tag is
 free and the grammar constrains the answer after it. A JSON schema is compiled in
-strict mode (no properties beyond those listed) with compact separators, ", " and ": ", so that a sampler cannot
-spend its tokens on whitespace; a schema keyword that the grammar cannot enforce is refused
-(engine/grammar_schema.py lists the supported ones), and no JSON string can hold a raw control
-character (json_schema_ebnf). Once the text matches completely the EOS tokens become allowed, and when nothing
-else can follow they are the only allowed tokens. Token ids past the tokenizer's vocabulary (padding of the logits)
-and special tokens other than EOS are never allowed.
+strict mode (no properties beyond those listed) with compact separators, ", " and ": ", so that a
+sampler cannot spend its tokens on whitespace; a schema keyword that the grammar cannot enforce is
+refused (engine/grammar_schema.py lists the supported ones), and no JSON string can hold a raw
+control character (json_schema_ebnf). Once the text matches completely the EOS tokens become
+allowed, and when nothing else can follow they are the only allowed tokens. Token ids past the
+tokenizer's vocabulary (padding of the logits) and special tokens other than EOS are never allowed.
 
 Generated text is always valid UTF-8. xgrammar 0.2.9's character classes (a negated class, `.`, a
 range up to U+10FFFF) also take the UTF-8 encodings of the surrogates U+D800-U+DFFF, the bytes ED
@@ -55,8 +60,8 @@ log = logging.getLogger(__name__)
 FIELD = "parameters.grammar"
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept per shard (least recently used dropped first)
 
-# xgrammar's C++ errors read "[03:34:49] /project/cpp/regex_converter.cc:94: Regex parsing error ...":
-# the user gets the part after the source location.
+# xgrammar's C++ errors read "[03:34:49] /project/cpp/regex_converter.cc:94: Regex parsing error
+# ...": the user gets the part after the source location.
 _CPP_PREFIX = re.compile(
     r"^(\[[0-9:]+\]\s*)?\S+\.(cc|h|cpp):\d+:\s*(Check failed: .*? is false: )?"
 )
@@ -64,7 +69,8 @@ _CPP_PREFIX = re.compile(
 
 @dataclass(frozen=True, eq=False)
 class CompiledGrammar:
-    """A grammar compiled for one GrammarCompiler's vocabulary. Immutable and shared by all requests using it."""
+    """A grammar compiled for one GrammarCompiler's vocabulary. Immutable and shared by all requests
+    using it."""
 
     grammar_type: GrammarType
     grammar: str
@@ -102,7 +108,8 @@ class GrammarCompiler:
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop
         )
         threads = max_threads or min(8, os.cpu_count() or 1)
-        # xgrammar's own cache is keyed the same way; ours returns the very same object and bounds the count.
+        # xgrammar's own cache is keyed the same way; ours returns the very same object and bounds
+        # the count.
         self._xgr = xgrammar.GrammarCompiler(self._info, max_threads=threads, cache_enabled=False)
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
@@ -195,7 +202,8 @@ class GrammarCompiler:
 
 
 class GrammarState:
-    """One request's position in its grammar. Copies (copy.copy, copy.deepcopy, fork) are independent."""
+    """One request's position in its grammar. Copies (copy.copy, copy.deepcopy, fork) are
+    independent."""
 
     __slots__ = (
         "_compiler",
@@ -228,7 +236,8 @@ class GrammarState:
 
     @property
     def terminated(self) -> bool:
-        """An EOS token was consumed after a complete match (or the grammar was broken): only EOS is allowed."""
+        """An EOS token was consumed after a complete match (or the grammar was broken): only EOS is
+        allowed."""
         return self.failed or self._matcher.is_terminated()
 
     def allowed_mask(self) -> torch.Tensor:
@@ -242,9 +251,9 @@ class GrammarState:
     def advance(self, token_id: int) -> None:
         """Consume a generated token.
 
-        A token the grammar forbids (the caller did not apply the mask) does not raise, since one request must not
-        fail its batch: the state is marked `failed`, logged, and from then on allows only EOS and reports
-        is_finished, so the request ends. EOS after EOS is ignored.
+        A token the grammar forbids (the caller did not apply the mask) does not raise, since one
+        request must not fail its batch: the state is marked `failed`, logged, and from then on
+        allows only EOS and reports is_finished, so the request ends. EOS after EOS is ignored.
         """
         token_id = int(token_id)
         self._finished = None
@@ -308,10 +317,11 @@ class GrammarState:
 
 
 def fill_masks(states: Sequence[GrammarState | None], out: torch.Tensor) -> torch.Tensor:
-    """Fill out[i] (bool, [>= len(states), vocab_size]) with states[i]'s allowed tokens; a None row allows all.
+    """Fill out[i] (bool, [>= len(states), vocab_size]) with states[i]'s allowed tokens; a None row
+    allows all.
 
-    All live matchers are filled by xgrammar in one multithreaded call and unpacked at once; rows past len(states)
-    are left alone. `out` may live on any device. Returns `out`.
+    All live matchers are filled by xgrammar in one multithreaded call and unpacked at once; rows
+    past len(states) are left alone. `out` may live on any device. Returns `out`.
     """
     n = len(states)
     if out.dtype != torch.bool or out.dim() != 2 or out.shape[0] < n:
@@ -365,8 +375,8 @@ def allowed_masks(states: Sequence[GrammarState | None], vocab_size: int) -> tor
 
 @lru_cache(maxsize=1)
 def _batch_matcher() -> xgrammar.BatchGrammarMatcher:
-    # "auto" sizes xgrammar's pool from the cores; a fixed count above what is free (2 threads on a busy 2-core
-    # machine) made an 8-row fill take milliseconds instead of ~50 us.
+    # "auto" sizes xgrammar's pool from the cores; a fixed count above what is free (2 threads on a
+    # busy 2-core machine) made an 8-row fill take milliseconds instead of ~50 us.
     return xgrammar.BatchGrammarMatcher(max_threads="auto")
 
 
@@ -482,7 +492,8 @@ def _pack(token_ids: list[int], words: int) -> torch.Tensor:
 if sys.byteorder == "little":
 
     def _unpack(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """bool [n, vocab_size] from an int32 [n, words] bitmask; numpy's unpackbits is ~4x faster than shifts."""
+        """bool [n, vocab_size] from an int32 [n, words] bitmask; numpy's unpackbits is ~4x faster
+        than shifts."""
         flags = np.unpackbits(bits.numpy().view(np.uint8), axis=-1, bitorder="little")
         return torch.from_numpy(flags.view(np.bool_)[:, :vocab_size])
 else:  # pragma: no cover - no big-endian machine runs this

@@ -1,4 +1,5 @@
-"""Paged KV cache: per layer one K and one V tensor of [num_blocks * block_size, kv_heads, head_dim].
+"""Paged KV cache: per layer one K and one V tensor of [num_blocks * block_size, kv_heads,
+head_dim].
 
 A token's slot is block * block_size + offset. Block 0 is reserved: padding tokens write there and
 padding blocks read from it, so real blocks are never touched by padding.
@@ -66,7 +67,8 @@ class KVCache:
         device,
         zeros=None,
     ):
-        """`zeros(shape, dtype)`: the device adapter's allocator of zero-filled tensors (default torch.zeros)."""
+        """`zeros(shape, dtype)`: the device adapter's allocator of zero-filled tensors (default
+        torch.zeros)."""
         self.num_blocks, self.block_size = num_blocks, block_size
         self.copied_prompts = 0  # copy_slots calls: prompts shared instead of computed
         shape = (num_blocks * block_size, kv_heads, head_dim)
@@ -75,9 +77,10 @@ class KVCache:
         self.extras: list[torch.Tensor] = []  # other per-slot tensors copy_slots carries along
 
     def copy_slots(self, source: torch.Tensor, target: torch.Tensor) -> None:
-        """Every layer's K and V at slots `source` copied to slots `target` (equal-length index tensors
-        on the cache's device). Callers pad both to one fixed length with RESERVED_BLOCK's slot 0, so
-        graph devices see a single shape and padding copies the reserved slot onto itself."""
+        """Every layer's K and V at slots `source` copied to slots `target` (equal-length index
+        tensors on the cache's device). Callers pad both to one fixed length with RESERVED_BLOCK's
+        slot 0, so graph devices see a single shape and padding copies the reserved slot onto
+        itself."""
         for keys, values in self.layers:
             keys.index_copy_(0, target, keys.index_select(0, source))
             values.index_copy_(0, target, values.index_select(0, source))

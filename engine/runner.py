@@ -153,7 +153,8 @@ class ModelRunner:
         return stack_rows(parts, count)
 
     def _context_blocks(self, seq: PrefillInput) -> int:
-        """Blocks the context spans: a later chunk may continue a context that ends inside a block."""
+        """Blocks the context spans: a later chunk may continue a context that ends inside a
+        block."""
         return -(-len(seq.context_slots) // self.block_size)
 
     def _prefill_with_context(
@@ -218,8 +219,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def verify(self, bucket: VerifyBucket, seqs: list[PrefillInput]) -> torch.Tensor:
-        """Speculative decoding's verify forward (engine/speculative/): each row's latest token and its
-        proposals after its cached context, padded to the bucket; logits [rows, width, vocab] at
+        """Speculative decoding's verify forward (engine/speculative/): each row's latest token and
+        its proposals after its cached context, padded to the bucket; logits [rows, width, vocab] at
         every position of every real row."""
         if self.recorder is not None:
             self.recorder.verify(
@@ -255,7 +256,8 @@ class ModelRunner:
         )
 
     def _run(self, shape, *inputs, fn=None) -> torch.Tensor:
-        """One forward at a bucket shape, timed to its end (asynchronous devices are synchronized)."""
+        """One forward at a bucket shape, timed to its end (asynchronous devices are
+        synchronized)."""
         start = time.perf_counter_ns()
         out = self.adapter.run(shape, fn or self.model, *inputs)
         self.adapter.synchronize()
@@ -270,9 +272,10 @@ class ModelRunner:
         graph: bool = True,
         plain: bool = True,
     ) -> None:
-        """Run one bucket on dummy rows that read and write only the reserved block (graph=False: warmed
-        to run without a device graph, as when the graph memory budget is spent; plain=False: a
-        prefill bucket's prompt-logprobs variant alone, which takes all the plain one's memory)."""
+        """Run one bucket on dummy rows that read and write only the reserved block (graph=False:
+        warmed to run without a device graph, as when the graph memory budget is spent; plain=False:
+        a prefill bucket's prompt-logprobs variant alone, which takes all the plain one's
+        memory)."""
         if isinstance(bucket, VerifyBucket):
             self._warm_verify(bucket, graph)
         elif isinstance(bucket, PrefillBucket):
@@ -402,7 +405,8 @@ class ModelRunner:
             block_groups=self._to_device(owners),
             block_bias=self._to_device(bias),
         )
-        # Where nothing is compiled, a step's shapes may follow its rows: padded per-row blocks (rows.py).
+        # Where nothing is compiled, a step's shapes may follow its rows: padded per-row blocks
+        # (rows.py).
         rows = (
             None
             if self.adapter.warm_runs_forward
@@ -434,15 +438,17 @@ class ModelRunner:
         )
 
     def _lora_index(self, adapters: list[int], rows: int, width: int = 1) -> tuple:
-        """The model's last input when LoRA adapters are loaded: every token's adapter slot (padding: none).
-        Its shape is the bucket's whatever the mix of adapters, so the warmed graph serves every mix."""
+        """The model's last input when LoRA adapters are loaded: every token's adapter slot
+        (padding: none). Its shape is the bucket's whatever the mix of adapters, so the warmed graph
+        serves every mix."""
         if self.model.lora_set is None:
             return ()
         per_row = adapters + [NO_ADAPTER] * (rows - len(adapters))
         return (self._to_device(torch.tensor(per_row, dtype=torch.long).repeat_interleave(width)),)
 
     def _warm_adapter(self, row: int) -> int:
-        """Warmup rows cycle through every adapter, then none: even one-row buckets run an adapter."""
+        """Warmup rows cycle through every adapter, then none: even one-row buckets run an
+        adapter."""
         count = len(self.model.lora_set.names) if self.model.lora_set is not None else 0
         slot = row % (count + 1)
         return NO_ADAPTER if slot == count else slot

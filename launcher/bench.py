@@ -38,7 +38,8 @@ class Workload:
 
 
 def make_prompts(tokenizer, workload: Workload) -> list[str]:
-    """Prompts whose lengths are spread evenly over [min_tokens, max_tokens], each cut at its own offset."""
+    """Prompts whose lengths are spread evenly over [min_tokens, max_tokens], each cut at its own
+    offset."""
     ids = tokenizer(SOURCE_TEXT * (workload.max_tokens // 40 + 2), add_special_tokens=False)[
         "input_ids"
     ]
@@ -102,8 +103,9 @@ def transformers_runner(model_path, prompts: list[str], workload: Workload, dtyp
     @torch.inference_mode()
     def run_once() -> dict:
         start = time.perf_counter()
-        # One batch runs until its longest request is done (min_new_tokens keeps every row going, like
-        # ignore_eos_token on our side); each request wanted only its own length, which is what counts.
+        # One batch runs until its longest request is done (min_new_tokens keeps every row going,
+        # like ignore_eos_token on our side); each request wanted only its own length, which is what
+        # counts.
         longest = max(workload.output_lengths())
         model.generate(**batch, max_new_tokens=longest, min_new_tokens=longest, **kwargs)
         seconds = time.perf_counter() - start

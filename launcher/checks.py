@@ -154,7 +154,8 @@ def check_socket_base(base: str, num_shard: int) -> None:
 
 
 def check_socket_free(path: str) -> None:
-    """A stale socket is fine (the shard replaces it); a live server or a regular file is not ours to take."""
+    """A stale socket is fine (the shard replaces it); a live server or a regular file is not ours
+    to take."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:

@@ -55,7 +55,8 @@ def config_from_args(args: argparse.Namespace) -> LauncherConfig:
 
 
 def resolve(config: LauncherConfig, console: Console) -> tuple[LauncherConfig, DevicePlan]:
-    """Check everything that can be checked before a shard starts; the concrete config and device."""
+    """Check everything that can be checked before a shard starts; the concrete config and
+    device."""
     config = resolve_cluster(config, os.environ)
     engine, router = config.engine, config.router
     check_limits(

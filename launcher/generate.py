@@ -20,7 +20,8 @@ class Completion:
 
 
 def chat_prompt(tokenizer, prompt: str) -> str:
-    """The prompt as one user turn of the model's chat template, ready for the assistant's answer."""
+    """The prompt as one user turn of the model's chat template, ready for the assistant's
+    answer."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("--chat: this model's tokenizer has no chat template")
     return tokenizer.apply_chat_template(
@@ -60,7 +61,8 @@ def warm_for(
         raise InvalidRequestError(
             f"a prompt of {max(lengths)} tokens exceeds --max-input-tokens {limit}"
         )
-    # A model that recomputes a sequence's cache at some position (Phi-3 longrope) prefills it whole.
+    # A model that recomputes a sequence's cache at some position (Phi-3 longrope) prefills it
+    # whole.
     longest = max(max(lengths), recompute_length(shard.model, max(lengths) + max_new_tokens))
     return shard.warmup(
         max_input_tokens=longest,

@@ -53,7 +53,8 @@ class Result:
 
 
 def arrival_times(n: int, rate: float, poisson: bool, seed: int) -> list[float]:
-    """Send offsets from the start: exponential gaps (a Poisson process) or a fixed 1/rate interval."""
+    """Send offsets from the start: exponential gaps (a Poisson process) or a fixed 1/rate
+    interval."""
     rng, t, out = random.Random(seed), 0.0, []
     for _ in range(n):
         out.append(t)
@@ -62,7 +63,8 @@ def arrival_times(n: int, rate: float, poisson: bool, seed: int) -> list[float]:
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
-    """`--prompt` texts plus `--prompts-file` lines: `{"prompt": ...}` as `bucketserve generate`, or raw text."""
+    """`--prompt` texts plus `--prompts-file` lines: `{"prompt": ...}` as `bucketserve generate`, or
+    raw text."""
     prompts = list(args.prompt or [])
     if args.prompts_file:
         for line in Path(args.prompts_file).read_text().splitlines():
@@ -77,7 +79,8 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def request_body(prompt: str, max_new_tokens: int) -> dict:
-    # details: the generated token count for TPOT; /generate_stream sends it on the last event anyway
+    # details: the generated token count for TPOT; /generate_stream sends it on the last event
+    # anyway
     return {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "details": True}}
 
 
@@ -85,7 +88,8 @@ def request_body(prompt: str, max_new_tokens: int) -> dict:
 
 
 def parse_event(line: str) -> dict | None:
-    """One SSE line of TGI's `/generate_stream`: `data:{json}` (the space after the colon is optional)."""
+    """One SSE line of TGI's `/generate_stream`: `data:{json}` (the space after the colon is
+    optional)."""
     if not line.startswith("data:"):
         return None  # blank separators, comments (":...") and other fields carry nothing we use
     payload = line[len("data:") :].strip()
@@ -171,7 +175,8 @@ def progress_bar(n: int, enabled: bool):
 
 
 async def run_load(args: argparse.Namespace, prompts: list[str]) -> tuple[list[Result], float]:
-    """Send every request at its arrival time without waiting for earlier ones; (results, duration)."""
+    """Send every request at its arrival time without waiting for earlier ones; (results,
+    duration)."""
     offsets = arrival_times(args.requests, args.rate, args.arrivals == "poisson", args.seed)
     # no connection cap: httpx's default of 100 would queue requests client-side and close the loop
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -220,7 +225,8 @@ def distribution(values: list[float | None]) -> dict:
 
 
 def sent_rate(results: list[Result]) -> float | None:
-    """The rate actually achieved: far below --rate means this client, not the server, was the limit."""
+    """The rate actually achieved: far below --rate means this client, not the server, was the
+    limit."""
     last = results[-1].sent if results else 0.0
     return (len(results) - 1) / last if len(results) > 1 and last > 0 else None
 

@@ -30,7 +30,8 @@ class RouterFailure(Exception):
 
 
 def warming_status(seconds: float, latest: str) -> str:
-    """The progress line while the router warms the shards up; its last log line, once it has one."""
+    """The progress line while the router warms the shards up; its last log line, once it has
+    one."""
     latest = latest[-100:].strip()
     return f"router: warming up the shards, {seconds:.0f}s" + (f"; {latest}" if latest else "")
 
@@ -112,7 +113,8 @@ class RouterProcess:
         return RouterFailure(f"the router {message}; its last {len(lines)} log line(s):", lines)
 
     def stop(self, grace: float) -> None:
-        """SIGTERM, then SIGKILL after `grace` seconds: before the shards, so no request meets a dead one."""
+        """SIGTERM, then SIGKILL after `grace` seconds: before the shards, so no request meets a
+        dead one."""
         if self.process.poll() is None:
             self.process.terminate()
             try:

@@ -125,8 +125,9 @@ class ShardGroup:
 
     def _env(self, rank: int) -> dict[str, str]:
         env = child_environment(os.environ, drop=INHERITED_VARS_DROPPED)
-        # BUCKETSERVE_PARENT_PID: a shard stops by itself once this launcher is gone (even SIGKILLed).
-        # RANK: in the whole group (launcher/cluster.py); LOCAL_*, GROUP_RANK: torchrun's names.
+        # BUCKETSERVE_PARENT_PID: a shard stops by itself once this launcher is gone (even
+        # SIGKILLed). RANK: in the whole group (launcher/cluster.py); LOCAL_*, GROUP_RANK:
+        # torchrun's names.
         env.update(
             RANK=str(self.config.first_rank + rank),
             LOCAL_RANK=str(rank),
@@ -177,7 +178,8 @@ class ShardGroup:
 
     def warm_up(self) -> None:
         """Warm every shard for the launch's limits, all ranks at once (their forwards meet in
-        collectives). A router warms shards once, at its start: after a restart the launcher must."""
+        collectives). A router warms shards once, at its start: after a restart the launcher
+        must."""
         limits = self.config.engine
         request = pb.WarmupRequest(
             max_input_tokens=limits.max_input_tokens,
@@ -233,7 +235,8 @@ class ShardGroup:
     # --- stop ----------------------------------------------------------------------------------
 
     def stop(self, grace: float) -> None:
-        """SIGTERM every shard, SIGKILL what is left after `grace` seconds, then remove the sockets."""
+        """SIGTERM every shard, SIGKILL what is left after `grace` seconds, then remove the
+        sockets."""
         for shard in self.shards:
             if shard.process.poll() is None:
                 signal_group(shard.process.pid, signal.SIGTERM)

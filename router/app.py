@@ -1,8 +1,9 @@
-"""Wiring: connect to the shards, warm them up with the router's limits, then build the scheduler and the app.
+"""Wiring: connect to the shards, warm them up with the router's limits, then build the scheduler
+and the app.
 
-The same sequence as TGI's v3 router: ServiceDiscovery, ClearCache, Info, Warmup; the KV capacity in the
-Warmup answer sizes the router's block allocator (one block more than the answer's tokens fill: block 0
-is reserved for padding).
+The same sequence as TGI's v3 router: ServiceDiscovery, ClearCache, Info, Warmup; the KV capacity in
+the Warmup answer sizes the router's block allocator (one block more than the answer's tokens fill:
+block 0 is reserved for padding).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ PARENT_POLL_S = 0.5
 
 
 def warmup_batch(max_input: int, max_prefill: int, max_total: int, max_batch: int) -> Batch:
-    """TGI's warmup: '_test ' prompts truncated to fill max_prefill_tokens, every logits processor on."""
+    """TGI's warmup: '_test ' prompts truncated to fill max_prefill_tokens, every logits processor
+    on."""
     requests, tokens = [], 0
     while tokens < max_prefill and len(requests) < max_batch:
         truncate = min(max_input, max_prefill - tokens)

@@ -96,7 +96,8 @@ class ShardClient(Protocol):
     async def close(self) -> None: ...
 
     def serving_stats(self) -> dict[str, int] | None:
-        """The first shard's padding and unwarmed-shape counts as of its last step (None: unknown)."""
+        """The first shard's padding and unwarmed-shape counts as of its last step (None:
+        unknown)."""
 
 
 def minimum_warmup(results: list[WarmupResult]) -> WarmupResult:
@@ -155,8 +156,8 @@ class GrpcShardClient:
         wait: float | None = None,
         secret: str | None = None,
     ) -> GrpcShardClient:
-        """`wait`: seconds to wait for the master shard to come up (gRPC's wait_for_ready retries the
-        connection), as when the router starts while the shards are still loading the model."""
+        """`wait`: seconds to wait for the master shard to come up (gRPC's wait_for_ready retries
+        the connection), as when the router starts while the shards are still loading the model."""
         async with grpc.aio.insecure_channel(master_url, options=CHANNEL_OPTIONS) as channel:
             stub = pb_grpc.TextGenerationServiceStub(channel)
             try:
@@ -299,7 +300,8 @@ def is_unavailable(response) -> bool:
 
 
 def step_result(responses: list) -> StepResult:
-    """Prefill/Decode answers of all ranks: their generations, and the batch as the first rank has it."""
+    """Prefill/Decode answers of all ranks: their generations, and the batch as the first rank has
+    it."""
     generations = [convert.generation_from_pb(g) for r in responses for g in r.generations]
     first = responses[0]
     return generations, convert.cached_batch_from_pb(first.batch) if first.HasField(
@@ -307,7 +309,8 @@ def step_result(responses: list) -> StepResult:
     ) else None
 
 
-# --- in process: the same interface over an engine.serving.shard.Shard ---------------------------------
+# --- in process: the same interface over an engine.serving.shard.Shard
+# ---------------------------------
 
 
 class InProcessClient:

@@ -1,10 +1,11 @@
 """Attention over the paged KV cache.
 
 Every forward first writes the new keys and values into the cache by slot, then attends:
-prefill over the padded prompt batch (prompt.py), prefill that continues cached context (context.py),
-decode over a flat list of KV blocks (flat.py), or, with the pure-torch kernels, over each row's
-blocks padded to the longest row in one fused call (rows.py: eager CPU, and any batch-1 bucket).
-Imports nothing else of the engine: devices may register faster kernels for it (backend.py).
+prefill over the padded prompt batch (prompt.py), prefill that continues cached context
+(context.py), decode over a flat list of KV blocks (flat.py), or, with the pure-torch kernels, over
+each row's blocks padded to the longest row in one fused call (rows.py: eager CPU, and any batch-1
+bucket). Imports nothing else of the engine: devices may register faster kernels for it
+(backend.py).
 """
 
 from typing import NamedTuple
@@ -40,7 +41,8 @@ class DecodeMetadata(NamedTuple):
     block_groups: torch.Tensor  # [num_blocks] owner row (0 for padding blocks)
     block_bias: torch.Tensor  # [num_blocks, block_size] 0 where valid, a large negative past usage
     block_masked: torch.Tensor | None = None  # derived once per forward by prepare_metadata
-    # Where nothing is compiled (rows.py): each row's blocks padded to the longest row, and their bias.
+    # Where nothing is compiled (rows.py): each row's blocks padded to the longest row, and their
+    # bias.
     row_table: torch.Tensor | None = None  # [batch, width]
     row_bias: torch.Tensor | None = (
         None  # [batch, width * block_size] 0 where valid, a large negative past

@@ -1,4 +1,5 @@
-"""Prefill with context: new tokens attend to KV already in the paged cache, then to each other causally.
+"""Prefill with context: new tokens attend to KV already in the paged cache, then to each other
+causally.
 
 A prefix-cache hit or the next chunk of a chunked prompt computes only its new tokens; the tokens
 before them (the context) are read from the cache by slot. Everything the kernel needs is a tensor
@@ -25,13 +26,14 @@ def context_attention(
     softcap: float | None = None,
     groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] (the new tokens, right-padded);
-    key_cache/value_cache: [slots, kv_heads, dim]; context_slots: [batch, context] the cache slot of
-    each context token (padding: a slot of the reserved block); context_lens: [batch] tokens of context per row (0 for a row without one).
-    Returns q's shape. Row r's new token i sits at position context_lens[r] + i.
-    `groups` [batch, seq] (Gemma 3): the image of each new token (-1 for text); a new token of an
-    image sees the image's later new tokens too (its earlier ones, new or in context, it sees
-    causally: a chunk never ends inside an image, engine/serving/chunks.py)."""
+    """q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] (the new tokens,
+    right-padded); key_cache/value_cache: [slots, kv_heads, dim]; context_slots: [batch, context]
+    the cache slot of each context token (padding: a slot of the reserved block); context_lens:
+    [batch] tokens of context per row (0 for a row without one). Returns q's shape. Row r's new
+    token i sits at position context_lens[r] + i. `groups` [batch, seq] (Gemma 3): the image of each
+    new token (-1 for text); a new token of an image sees the image's later new tokens too (its
+    earlier ones, new or in context, it sees causally: a chunk never ends inside an image,
+    engine/serving/chunks.py)."""
     batch, seq, heads, dim = q.shape
     kv_heads = k.shape[2]
     keys = torch.cat(

@@ -36,13 +36,16 @@ def flat_attention(
     kv_heads = key_cache.shape[1]
     group = heads // kv_heads
 
-    # Each block gets its owner's query by index, not by a one-hot matmul (that costs blocks x batch).
+    # Each block gets its owner's query by index, not by a one-hot matmul (that costs blocks x
+    # batch).
     qb = (q * scale).index_select(0, block_groups).view(num_blocks, kv_heads, group, dim)
-    # One gather of the blocks in use, kept in the cache's layout [blocks, block_size, kv_heads, dim].
+    # One gather of the blocks in use, kept in the cache's layout [blocks, block_size, kv_heads,
+    # dim].
     keys = key_cache.view(-1, block_size, kv_heads, dim).index_select(0, block_list)
     values = value_cache.view(-1, block_size, kv_heads, dim).index_select(0, block_list)
     # Per kv head, its query heads meet only its keys (GQA: no cross-group products); the slices are
-    # strided views that bmm takes as they are, where a [blocks, kv_heads, ...] transpose would be copied.
+    # strided views that bmm takes as they are, where a [blocks, kv_heads, ...] transpose would be
+    # copied.
     scores = torch.stack(
         [torch.bmm(qb[:, h], keys[:, :, h].transpose(1, 2)) for h in range(kv_heads)], 1
     )
@@ -117,8 +120,8 @@ def flat_mask(
     block_size: int,
     dtype: torch.dtype,
 ):
-    """block_mapping (one-hot owner, zero rows for padding), owner rows clamped for indexing, and the
-    bias that masks every position past a block's usage."""
+    """block_mapping (one-hot owner, zero rows for padding), owner rows clamped for indexing, and
+    the bias that masks every position past a block's usage."""
     owned = (block_groups >= 0).unsqueeze(1)
     mapping = F.one_hot(block_groups.clamp(min=0), batch) * owned
     # A large but finite bias: a padding block is fully masked, and -inf there would give NaN.

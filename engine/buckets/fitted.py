@@ -1,4 +1,5 @@
-"""The `fitted` strategy: for a recorded trace and a budget of graphs, the buckets that pad it least.
+"""The `fitted` strategy: for a recorded trace and a budget of graphs, the buckets that pad it
+least.
 
 Published strategies place buckets on a fixed grid, wherever traffic is. Here the budget goes where
 the trace is dense, under the same coverage guarantees: a prefill bucket for the longest prompt
@@ -10,8 +11,9 @@ largest possible block count (any decode within the limits runs unsplit).
   only shrinks as others are added (diminishing returns), which is when greedy choices are good.
 - Decode: exact within a family. The runner picks the fewest rows first, so a decode shape lands
   in the smallest batch value that holds it and the problem separates: choose batch values (a 1-D
-  dynamic program on rows; batch sizes 1, 2 and 4 are always among them), then block values inside each batch group (a 1-D dynamic program per
-  group), and share the graphs among groups by a knapsack over their cost curves.
+  dynamic program on rows; batch sizes 1, 2 and 4 are always among them), then block values inside
+  each batch group (a 1-D dynamic program per group), and share the graphs among groups by a
+  knapsack over their cost curves.
 - Prefill and decode share max_graphs: each phase gives a cost curve over graph counts, and the
   split minimises prefill waste plus decode waste (rows and blocks weighted equally).
 """
@@ -47,7 +49,8 @@ def _round_up(value: int, step: int) -> int:
 
 
 def _prefill_points(limits: BucketLimits, counts: Counter, seq_step: int) -> Counter:
-    """(batch, length rounded up to seq_step) -> occurrences; bucket lengths are on that grid too."""
+    """(batch, length rounded up to seq_step) -> occurrences; bucket lengths are on that grid
+    too."""
     points = Counter()
     for (b, s), n in counts.items():
         if prefill_outside(limits, b, s) is None:
@@ -64,8 +67,9 @@ def _prefill_candidates(limits: BucketLimits, points: Counter) -> list[PrefillBu
 
 
 def _chunked_tokens(candidates: list[PrefillBucket], points: list[tuple[int, int]]) -> np.ndarray:
-    """[candidate, point] padded tokens of running the point in chunks of that bucket (inf: too short).
-    An upper bound on the runner's optimal split, exact when one bucket holds the whole batch."""
+    """[candidate, point] padded tokens of running the point in chunks of that bucket (inf: too
+    short). An upper bound on the runner's optimal split, exact when one bucket holds the whole
+    batch."""
     rows = np.array([b for b, _ in points], dtype=np.float64)
     lengths = np.array([s for _, s in points])
     cand_b = np.array([c.batch_size for c in candidates], dtype=np.float64)[:, None]
@@ -177,7 +181,8 @@ class _DecodeGroups:
 
 
 def _knapsack(curves: list[list[tuple[float, list[int]]]], budget: int):
-    """Share `budget` graphs among groups (each at least one): best[g] = (cost, per-group counts)."""
+    """Share `budget` graphs among groups (each at least one): best[g] = (cost, per-group
+    counts)."""
     best = {0: (0.0, [])}
     for curve in curves:
         step = {}
@@ -197,8 +202,8 @@ def mandatory_decode_batches(limits: BucketLimits) -> list[int]:
 
 def _batch_curve(rows: Counter, ends: list[int], max_layers: int) -> list[tuple[float, list[int]]]:
     """[(row padding, batch values)] for each count of batch values that holds the mandatory ones
-    (`ends`: mandatory_decode_batches). Those cut the batch axis into segments fitted independently, then
-    the values are shared among the segments like block values among groups."""
+    (`ends`: mandatory_decode_batches). Those cut the batch axis into segments fitted independently,
+    then the values are shared among the segments like block values among groups."""
     curves = []
     for lo, hi in zip([0] + ends[:-1], ends):
         points = Counter({b: n for b, n in rows.items() if lo < b <= hi}) or Counter({hi: 0})
@@ -242,7 +247,8 @@ def _decode_buckets(groups: _DecodeGroups, bounds, per_group: list[int]) -> list
 
 
 def fit_plan(limits: BucketLimits, shapes, max_graphs: int, seq_step: int) -> BucketPlan:
-    """The plan of at most max_graphs buckets that pads the trace `shapes` least (see module doc)."""
+    """The plan of at most max_graphs buckets that pads the trace `shapes` least (see module
+    doc)."""
     mandatory = mandatory_decode_batches(limits)
     if max_graphs < 1 + len(mandatory):
         raise ValueError(

@@ -63,8 +63,9 @@ class DecodeBucket:
 
 @dataclass(frozen=True)
 class VerifyBucket:
-    """Speculative decoding's verify step (engine/speculative/): `width` query tokens per row (a row's
-    latest token and its proposals, padded) over at most `context_blocks` cached KV blocks a row."""
+    """Speculative decoding's verify step (engine/speculative/): `width` query tokens per row (a
+    row's latest token and its proposals, padded) over at most `context_blocks` cached KV blocks a
+    row."""
 
     batch_size: int
     width: int
@@ -157,7 +158,8 @@ class BucketPlan:
     # splitting minimise time instead of padded tokens: on a real device a bigger bucket can be as
     # fast as a smaller one (memory-bound decode), which token counts cannot see.
     latency: Mapping | None = field(default=None, compare=False, repr=False)
-    # Speculative decoding's verify buckets (engine/speculative/buckets.py); none without --speculate.
+    # Speculative decoding's verify buckets (engine/speculative/buckets.py); none without
+    # --speculate.
     verify: tuple[VerifyBucket, ...] = ()
     # A vision-language model's tower shapes (engine/buckets/images.py); none for a text model.
     # Warmed with the rest, but not among `buckets`: the tower runs them, not the runner.
@@ -181,7 +183,8 @@ class BucketPlan:
         return self.prefill + self.decode + self.verify
 
     def subset(self, keep: Iterable) -> BucketPlan:
-        """The plan restricted to the buckets in `keep` (e.g. those warmed so far), same latencies."""
+        """The plan restricted to the buckets in `keep` (e.g. those warmed so far), same
+        latencies."""
         keep = set(keep)
         return BucketPlan(
             tuple(b for b in self.prefill if b in keep),
@@ -319,7 +322,8 @@ class BucketPlan:
 
     @cached_property
     def _decode_index(self) -> tuple[list[int], list[list[int]], list[list[DecodeBucket]]]:
-        """Decode batch sizes ascending; for each, its buckets' block counts and buckets, ascending."""
+        """Decode batch sizes ascending; for each, its buckets' block counts and buckets,
+        ascending."""
         by_size: dict[int, list[DecodeBucket]] = {}
         for bucket in sorted(set(self.decode), key=lambda b: (b.batch_size, b.num_blocks)):
             by_size.setdefault(bucket.batch_size, []).append(bucket)
@@ -416,8 +420,8 @@ def _prefill_buckets(
 
 
 def max_context_blocks(limits: BucketLimits) -> int:
-    """Most blocks of cached context a prompt (or its last chunk) can continue: at least its last token
-    is computed."""
+    """Most blocks of cached context a prompt (or its last chunk) can continue: at least its last
+    token is computed."""
     return -(-(max(limits.max_input_tokens, limits.max_prompt_tokens) - 1) // limits.block_size)
 
 

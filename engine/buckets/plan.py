@@ -113,9 +113,9 @@ def with_context(plan: BucketPlan, limits: BucketLimits) -> BucketPlan:
 
 
 def fitted_context_plan(plan: BucketPlan, limits: BucketLimits, shapes) -> BucketPlan:
-    """Context buckets fitted to a trace's recorded contexts: each one's rows, its new tokens rounded up
-    to whole blocks and its context to an exponential point; and one cover bucket (one row, the
-    longest chunk, the most context) so that every context within the limits runs."""
+    """Context buckets fitted to a trace's recorded contexts: each one's rows, its new tokens
+    rounded up to whole blocks and its context to an exponential point; and one cover bucket (one
+    row, the longest chunk, the most context) so that every context within the limits runs."""
     top = max_context_blocks(limits)
     points = exponential_range(1, 1, top)
     buckets = {PrefillBucket(1, plan.max_prefill_seq_len, top)}

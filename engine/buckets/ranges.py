@@ -112,8 +112,8 @@ def padding_range(
     loses at most `bound` of the bucket, wherever that grid allows it.
 
     Built from the top down: below a kept value v, the next kept value is the smallest grid value c
-    from which c + 1 pads to v within the bound ((v - c - 1) / v <= bound); when the grid has no such
-    value below v, the one just below v is kept (a coarse grid cannot do better there).
+    from which c + 1 pads to v within the bound ((v - c - 1) / v <= bound); when the grid has no
+    such value below v, the one just below v is kept (a coarse grid cannot do better there).
     """
     _check_range_args(min_value, step, max_value)
     if not 0 < bound < 1:

@@ -2,10 +2,12 @@
 
 One line per forward request the runner received, before any bucket padding or splitting:
   {"phase": "prefill", "batch_size": b, "seq_len": s}      s: the longest prompt of the batch
-  {"phase": "prefill", "batch_size": b, "seq_len": s, "context_blocks": c}   s new tokens after c cached blocks
-  {"phase": "decode", "batch_size": b, "num_blocks": k}    k: KV blocks of the whole batch
-  {"phase": "verify", "batch_size": b, "width": w, "context_blocks": c}   speculative decoding:
-      w tokens a row (its latest and its proposals) after at most c cached blocks (engine/speculative/)
+  {"phase": "prefill", "batch_size": b, "seq_len": s, "context_blocks": c}   s new tokens after c
+  cached blocks {"phase": "decode", "batch_size": b, "num_blocks": k}    k: KV blocks of the whole
+  batch {"phase": "verify", "batch_size": b, "width": w, "context_blocks": c}   speculative
+  decoding:
+      w tokens a row (its latest and its proposals) after at most c cached blocks
+      (engine/speculative/)
   {"phase": "image", "batch_size": n, "size": s}    a vision tower's run: n inputs (images, or
       tiles) of size s (a tile's side in pixels, or a dynamic-resolution model's own size key),
       all the inputs of one encode, before they are split or padded (engine/buckets/images.py)

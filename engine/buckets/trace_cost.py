@@ -1,4 +1,5 @@
-"""What a bucket plan costs on a recorded trace: real vs padded work per phase, as the runner would pad.
+"""What a bucket plan costs on a recorded trace: real vs padded work per phase, as the runner would
+pad.
 
 A prefill shape (b, s) is b prompts padded to s (its longest); the runner may split it over
 several buckets, choosing the split with the fewest padded tokens (or the least time with a

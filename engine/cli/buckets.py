@@ -52,7 +52,8 @@ def add_plan_args(parser: argparse.ArgumentParser, strategy_default: str | None)
 
 
 def limits_from_args(args, block_size: int, max_kv_blocks: int | None = None) -> BucketLimits:
-    """The limits; without a KV size, the blocks max_batch_size sequences of max_total_tokens need."""
+    """The limits; without a KV size, the blocks max_batch_size sequences of max_total_tokens
+    need."""
     per_sequence = -(-args.max_total_tokens // block_size)
     return BucketLimits(
         args.max_batch_size,

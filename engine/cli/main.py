@@ -24,7 +24,8 @@ EXIT_USAGE = 2
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """A command-line mistake is one `error:` line (exit 2): argparse's usage block would bury it."""
+    """A command-line mistake is one `error:` line (exit 2): argparse's usage block would bury
+    it."""
 
     def error(self, message):
         self.exit(EXIT_USAGE, f"error: {message} (see --help)\n")
@@ -51,7 +52,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         logging.getLogger("engine").setLevel(args.log_level.upper())
     settings = server_config(args)
     config = engine_config(args)
-    # The model loads before the socket exists: a launcher that waits for the socket then finds a ready shard.
+    # The model loads before the socket exists: a launcher that waits for the socket then finds a
+    # ready shard.
     shard = on_a_passing_thread(
         lambda: Shard(
             config, rank=settings.rank, world_size=settings.world_size, show_progress=args.verbose
@@ -141,8 +143,9 @@ def add_serve_command(commands) -> None:
 
 
 def build_parser(prog: str = "python -m engine", extra_commands=()) -> argparse.ArgumentParser:
-    """The engine's commands; `extra_commands` (functions of the subparsers) let a higher layer add its
-    own, such as the `bucketserve` command's generate and bench, without the engine importing it."""
+    """The engine's commands; `extra_commands` (functions of the subparsers) let a higher layer add
+    its own, such as the `bucketserve` command's generate and bench, without the engine importing
+    it."""
     parser = OneLineParser(prog=prog, description="bucketserve engine")
     commands = parser.add_subparsers(dest="command", required=True)
     for add in extra_commands:

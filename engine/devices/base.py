@@ -155,8 +155,9 @@ class DeviceAdapter(ABC):
         return True
 
     def prepare_transformers(self, causal_lm_class):
-        """The class the transformers fallback builds for `causal_lm_class`: a device may adapt transformers
-        first (HPU: optimum-habana, engine/devices/hpu/optimum.py). Elsewhere the class itself."""
+        """The class the transformers fallback builds for `causal_lm_class`: a device may adapt
+        transformers first (HPU: optimum-habana, engine/devices/hpu/optimum.py). Elsewhere the class
+        itself."""
         return causal_lm_class
 
     def prepare_model(self, model, dtype: torch.dtype) -> None:
@@ -169,7 +170,8 @@ class DeviceAdapter(ABC):
         self.prepare_model(model, dtype)
 
     def reset(self) -> None:
-        """Forget the warmed shapes (and graphs): a new KV cache was bound, so they must be warmed again."""
+        """Forget the warmed shapes (and graphs): a new KV cache was bound, so they must be warmed
+        again."""
         self.shapes.clear()
 
     def release_memory(self, model) -> None:
@@ -196,8 +198,8 @@ class DeviceAdapter(ABC):
             self._profiling = False
 
     def warm(self, shape: Hashable, fn: Callable, *args, graph: bool = True):
-        """Run `fn` once at `shape` during warmup (capturing or compiling a graph where the device does;
-        with graph=False the shape is warmed to run without one)."""
+        """Run `fn` once at `shape` during warmup (capturing or compiling a graph where the device
+        does; with graph=False the shape is warmed to run without one)."""
         if not (self._profiling or self.warm_runs_forward):
             self.shapes.mark_warmed(shape, graph)
             return None

@@ -1,9 +1,10 @@
 """Which device the shards run on, whether it is really usable here, and what each rank may see.
 
-The adapters say how to run on a device; this says whether the device is present. The real check (importing the vendor stack, counting devices) runs in a throwaway child
-process: on Gaudi, importing habana_frameworks can acquire the device, and a launcher holding it
-would lock its own shards out. A cheap in-process look at how torch was built answers first, so a
-machine without the stack gets its error at once.
+The adapters say how to run on a device; this says whether the device is present. The real check
+(importing the vendor stack, counting devices) runs in a throwaway child process: on Gaudi,
+importing habana_frameworks can acquire the device, and a launcher holding it would lock its own
+shards out. A cheap in-process look at how torch was built answers first, so a machine without the
+stack gets its error at once.
 
 `python -m engine.devices.probe cuda hpu` prints the probes as JSON (what the child runs).
 """
@@ -140,7 +141,8 @@ def require(device: str, before_import: Callable[[], None] = lambda: None) -> Pr
 
 
 def absent_by_build(device: str) -> Probe | None:
-    """A negative answer without touching any device: the stack is not installed or torch lacks it."""
+    """A negative answer without touching any device: the stack is not installed or torch lacks
+    it."""
     if device == "hpu":
         return probe_hpu() if importlib.util.find_spec("habana_frameworks") is None else None
     return None if _built_for(device) else safe_probe(device)
@@ -155,7 +157,8 @@ def _built_for(device: str) -> bool:
 
 
 def probe_in_child(devices: tuple[str, ...]) -> list[Probe]:
-    """The probes that need the vendor stack, run in a child so the launcher never holds a device."""
+    """The probes that need the vendor stack, run in a child so the launcher never holds a
+    device."""
     command = [sys.executable, "-m", "engine.devices.probe", *devices]
     try:
         done = subprocess.run(
@@ -192,10 +195,11 @@ def resolve_device(
     graph_mode: str | None = None,
     world_size: int | None = None,
 ) -> DevicePlan:
-    """The device plan for --device; a DeviceError (one line) when it cannot be used for num_shard ranks.
-    `list_adapters` names the devices the engine has adapters for (called only when needed: it imports torch).
-    `graph_mode` (--graph-mode, None: the device's default) and `world_size` (every rank of every
-    node, default num_shard) decide the environment a device's runtime must start in (HPU)."""
+    """The device plan for --device; a DeviceError (one line) when it cannot be used for num_shard
+    ranks. `list_adapters` names the devices the engine has adapters for (called only when needed:
+    it imports torch). `graph_mode` (--graph-mode, None: the device's default) and `world_size`
+    (every rank of every node, default num_shard) decide the environment a device's runtime must
+    start in (HPU)."""
     launch = Launch(graph_mode, world_size or num_shard)
     if requested not in DEVICES:
         raise DeviceError(f"unknown device {requested!r} (choose from {', '.join(DEVICES)})")
@@ -244,7 +248,8 @@ def plan_for(found: Probe, num_shard: int, environ, launch: Launch = Launch()) -
             f"--num-shard {num_shard} needs {num_shard} {found.device} devices, {found.count} "
             "visible"
         )
-    # Honour a list the user already narrowed (CUDA_VISIBLE_DEVICES=2,3): rank r gets its r-th entry.
+    # Honour a list the user already narrowed (CUDA_VISIBLE_DEVICES=2,3): rank r gets its r-th
+    # entry.
     preset = [i.strip() for i in environ.get(var, "").split(",") if i.strip()]
     ids = (
         tuple(preset[:num_shard])
@@ -286,7 +291,8 @@ def hpu_plan(ids: tuple[str, ...], launch: Launch, environ) -> DevicePlan:
 
 
 def cpu_plan(num_shard: int, environ) -> DevicePlan:
-    """CPU shards share the cores: without a split, N ranks each start a thread per core and thrash."""
+    """CPU shards share the cores: without a split, N ranks each start a thread per core and
+    thrash."""
     if "OMP_NUM_THREADS" in environ or num_shard == 1:
         return DevicePlan("cpu")
     threads = max(1, len(os.sched_getaffinity(0)) // num_shard)

@@ -35,7 +35,8 @@ class Fp8Weight(nn.Module):
 
 
 def row_scales(scale: torch.Tensor, rows: int) -> torch.Tensor:
-    """A checkpoint's weight_scale (per tensor: one value; per channel: [rows] or [rows, 1]) per row."""
+    """A checkpoint's weight_scale (per tensor: one value; per channel: [rows] or [rows, 1]) per
+    row."""
     if scale.numel() == 1:
         return scale.float().reshape(1).expand(rows).clone()
     if scale.numel() != rows:

@@ -122,7 +122,8 @@ def qkv_parallel(
 
 def kv_partition(kv_heads: int, parallel: Parallel) -> tuple[int, int]:
     """(kv heads on this rank, index of its first). With fewer kv heads than ranks, each kv head
-    is replicated on world_size / kv_heads consecutive ranks (the ranks whose query heads use it)."""
+    is replicated on world_size / kv_heads consecutive ranks (the ranks whose query heads use
+    it)."""
     if kv_heads >= parallel.world_size:
         local = parallel.split(kv_heads, "key/value heads")
         return local, parallel.rank * local
@@ -160,7 +161,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
         out = project(self, x, None)
         if lora is not None and self.lora is not None:
-            # A partial LoRA delta (this rank's columns of A) joins the partial product: one all-reduce sums both.
+            # A partial LoRA delta (this rank's columns of A) joins the partial product: one
+            # all-reduce sums both.
             out = self.lora.add_to(out, x, lora)
         out = all_reduce_sum(out, self.parallel)
         return out + self.bias if self.bias is not None else out

@@ -33,27 +33,32 @@ class LoraOps(ABC):
     def pack(
         self, a: torch.Tensor, b: list[torch.Tensor]
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """This implementation's layout of a: [adapters, parts, rank, in] and b[part]: [adapters, out, rank]."""
+        """This implementation's layout of a: [adapters, parts, rank, in] and b[part]: [adapters,
+        out, rank]."""
 
     @abstractmethod
     def selector(
         self, index: torch.Tensor, num_adapters: int, rank: int, dtype: torch.dtype
     ) -> torch.Tensor:
-        """Per-forward tensor choosing each token's adapter, shared by every layer; index: [tokens]."""
+        """Per-forward tensor choosing each token's adapter, shared by every layer; index:
+        [tokens]."""
 
     @abstractmethod
     def shrink(self, x: torch.Tensor, a: torch.Tensor, selector: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, in] -> [tokens, parts, k]: each part's x·Aᵀ (k: this implementation's width)."""
+        """x: [tokens, in] -> [tokens, parts, k]: each part's x·Aᵀ (k: this implementation's
+        width)."""
 
     @abstractmethod
     def expand(
         self, out: torch.Tensor, y: torch.Tensor, b: torch.Tensor, selector: torch.Tensor
     ) -> None:
-        """Add y·Bᵀ into out ([tokens, part's out], may be a column slice of a fused output); y: [tokens, k]."""
+        """Add y·Bᵀ into out ([tokens, part's out], may be a column slice of a fused output); y:
+        [tokens, k]."""
 
 
 class DenseLora(LoraOps):
-    """Stacked adapters: A as one [parts * adapters * rank, in] matrix, B as [adapters * rank, out] per part."""
+    """Stacked adapters: A as one [parts * adapters * rank, in] matrix, B as [adapters * rank, out]
+    per part."""
 
     name = "dense"
 
@@ -65,7 +70,8 @@ class DenseLora(LoraOps):
         ]
 
     def selector(self, index, num_adapters, rank, dtype):
-        # A comparison, not F.one_hot, which validates its input with a device sync. -1 gives a zero row.
+        # A comparison, not F.one_hot, which validates its input with a device sync. -1 gives a zero
+        # row.
         chosen = (index.unsqueeze(1) == torch.arange(num_adapters, device=index.device)).to(dtype)
         return chosen.repeat_interleave(rank, dim=1)  # [tokens, adapters * rank]
 
@@ -114,7 +120,8 @@ def lora_ops(name: str) -> LoraOps:
 
 @dataclass(frozen=True)
 class LoraSet:
-    """The adapters a model serves: their names in slot order, the padded rank, the implementation."""
+    """The adapters a model serves: their names in slot order, the padded rank, the
+    implementation."""
 
     names: tuple[str, ...]
     rank: int

@@ -3,7 +3,8 @@
 A router picks each token's top-k experts; the block's output is their outputs weighted by the
 router's probabilities. The usual implementation loops over the experts that were hit, gathering
 their tokens: shapes that change with every batch, which graph devices cannot replay. Both
-implementations here have shapes fixed by the bucket alone, like the LoRA ops (engine/layers/lora.py):
+implementations here have shapes fixed by the bucket alone, like the LoRA ops
+(engine/layers/lora.py):
 
 - `dense`: every expert runs over every token, and a routing-weight mask (zero for the experts a
   token did not pick) combines them. num_experts / top_k times the arithmetic, in a few large GEMMs:
@@ -32,8 +33,9 @@ class MoeOps(ABC):
 
     @abstractmethod
     def experts(self, x, gate_up, down, weights, ids, act) -> torch.Tensor:
-        """x: [tokens, hidden]; gate_up: [experts, 2 * inter, hidden]; down: [experts, hidden, inter];
-        weights, ids: [tokens, top_k]. The weighted sum of each token's chosen experts: [tokens, hidden]."""
+        """x: [tokens, hidden]; gate_up: [experts, 2 * inter, hidden]; down: [experts, hidden,
+        inter]; weights, ids: [tokens, top_k]. The weighted sum of each token's chosen experts:
+        [tokens, hidden]."""
 
 
 class DenseMoe(MoeOps):

@@ -3,7 +3,8 @@
 - Int8Weight: one scale per output row, w = codes * scale (aten._weight_int8pack_mm). Its codes are
   plain int8 rows, so it also serves embedding lookups (a tied LM head and embedding share one).
 - Int4Weight: groups of `group` inputs with a scale and a zero each, w = (codes - 8) * scale + zero
-  (aten._weight_int4pack_mm_for_cpu's convention; GGUF's Q4_1 q*d+m is zero = m + 8d, Q4_0 zero = 0).
+  (aten._weight_int4pack_mm_for_cpu's convention; GGUF's Q4_1 q*d+m is zero = m + 8d, Q4_0 zero =
+  0).
 
 Activations run in the dtype the scales were stored in (the model's): the kernels require it, and
 they are fast only with bfloat16 activations (float32 is exact and slow, for tests).
@@ -19,7 +20,8 @@ INT4_GROUP = 32  # GGUF's block size, and the group of our own int4 quantization
 INT4_ROW_MULTIPLE = 16  # the CPU int4 packer requires the row count to be a multiple of 16
 # Above this many rows (a prefill), dequantizing the weight once and running one bfloat16 GEMM beats
 # the packed kernels, whose cost grows with every row (measured, one thread, all 30 layers of the
-# embedded model: int4 kernel about 3.3 ms a row, dequantize-then-GEMM about 0.5 s whatever the rows).
+# embedded model: int4 kernel about 3.3 ms a row, dequantize-then-GEMM about 0.5 s whatever the
+# rows).
 DEQUANTIZE_ROWS = 128
 
 
@@ -102,7 +104,8 @@ class Int4Weight(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight the kernel multiplies by: unpacked where the layout check passed, else
-        read back through the kernel itself with an identity input (slow with float32 activations)."""
+        read back through the kernel itself with an identity input (slow with float32
+        activations)."""
         if self.unpackable:
             return self.dequantized(torch.float32)[: self.out_features].contiguous()
         eye = torch.eye(self.in_features)
@@ -112,11 +115,11 @@ class Int4Weight(nn.Module):
         return columns.t()[: self.out_features].contiguous()
 
 
-# _convert_weight_to_int4pack_for_cpu's layouts (torch 2.13, aten/src/ATen/native/cpu/int4mm_kernel.cpp,
-# weight_to_int4pack_kernel), as (rows a block, halves): per block, a [K, rows / 2] byte array. With
-# halves, byte j holds row j in its low nibble and row j + rows / 2 in its high one; without, rows 2j
-# and 2j + 1. AVX512 builds pack blocks of 64 rows in halves, AVX2 builds 32, the rest 32 in pairs; a
-# last, partial block is always in pairs.
+# _convert_weight_to_int4pack_for_cpu's layouts (torch 2.13,
+# aten/src/ATen/native/cpu/int4mm_kernel.cpp, weight_to_int4pack_kernel), as (rows a block, halves):
+# per block, a [K, rows / 2] byte array. With halves, byte j holds row j in its low nibble and row j
+# + rows / 2 in its high one; without, rows 2j and 2j + 1. AVX512 builds pack blocks of 64 rows in
+# halves, AVX2 builds 32, the rest 32 in pairs; a last, partial block is always in pairs.
 INT4_LAYOUTS = ((64, True), (32, True), (32, False))
 
 

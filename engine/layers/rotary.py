@@ -133,7 +133,8 @@ def position_angles(rope: RopeConfig, head_dim: int, max_positions: int) -> torc
     positions = torch.arange(max_positions).float()
     dim = rope.rotary_dim(head_dim)
     if rope.rope_type == "longrope":
-        # Per position, for tables and tests; a forward selects per sequence (RotaryEmbedding.cos_sin).
+        # Per position, for tables and tests; a forward selects per sequence
+        # (RotaryEmbedding.cos_sin).
         short, long = longrope_angles(rope, head_dim, max_positions)
         is_long = (positions >= rope.original_max_position_embeddings).unsqueeze(1)
         return torch.where(is_long, long, short)
@@ -173,8 +174,9 @@ class RotaryEmbedding(nn.Module):
             rope.original_max_position_embeddings if rope.rope_type == "longrope" else None
         )
         if torch.empty(0).is_meta:
-            # Built on the meta device (engine.weights.loader.build_model), the tables are only placeholders
-            # until rebuild_rotary: computing them there runs Python decompositions (seconds).
+            # Built on the meta device (engine.weights.loader.build_model), the tables are only
+            # placeholders until rebuild_rotary: computing them there runs Python decompositions
+            # (seconds).
             size = (2 if self.long_from else 1, max_positions, rope.rotary_dim(head_dim))
             self.register_buffer("cos", torch.empty(size), persistent=False)
             self.register_buffer("sin", torch.empty(size), persistent=False)

@@ -170,7 +170,8 @@ class TransformersCausalLM(nn.Module):
     @staticmethod
     def _logits_to_keep(ids, logits_indices, decode: bool):
         """Project only the positions whose logits are asked for: each row's last token in a
-        prefill (a [rows, 1] tensor of positions), everything in decode or when every position is."""
+        prefill (a [rows, 1] tensor of positions), everything in decode or when every position
+        is."""
         if decode or logits_indices.numel() == ids.numel():
             return 0
         return (logits_indices % ids.shape[1]).view(-1, 1)

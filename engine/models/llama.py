@@ -32,7 +32,8 @@ from engine.models.config import FULL, SLIDING, ModelConfig
 
 
 class LayerContext(NamedTuple):
-    """What every layer of one attention type shares in a forward: rope cos/sin and attention metadata."""
+    """What every layer of one attention type shares in a forward: rope cos/sin and attention
+    metadata."""
 
     rope: tuple[torch.Tensor, torch.Tensor]
     meta: AttentionMetadata
@@ -138,15 +139,16 @@ class LlamaForCausalLM(nn.Module):
     }
     decoder_layer = LlamaDecoderLayer
     stage = None  # engine.pipeline.stage.PipelineStage when this model is one stage of a pipeline
-    # EAGLE-3 (engine/speculative/eagle3.py): the layers (distinct, ascending) whose input, the residual
-    # stream entering them (vLLM's `hidden_states + residual`), every forward stores concatenated
-    # in `aux_cache` at the tokens' KV slots: one in-graph write at the bucket's shape, as the KV
-    # cache's own.
+    # EAGLE-3 (engine/speculative/eagle3.py): the layers (distinct, ascending) whose input, the
+    # residual stream entering them (vLLM's `hidden_states + residual`), every forward stores
+    # concatenated in `aux_cache` at the tokens' KV slots: one in-graph write at the bucket's shape,
+    # as the KV cache's own.
     aux_layers: tuple[int, ...] = ()
     aux_cache: torch.Tensor | None = None  # [KV slots, len(aux_layers) * hidden]
     # A device kernel that runs every layer of a forward at once, fn(hidden, rope, meta) -> hidden,
     # or None where it does not take that forward; set by the device adapter where plain_decoder()
-    # holds (the CPU one's engine.devices.cpu.kernels.FusedDecoder). None runs the layers one by one.
+    # holds (the CPU one's engine.devices.cpu.kernels.FusedDecoder). None runs the layers one by
+    # one.
     fused_decode = None
     # Likewise fn(hidden, logits_indices) -> the float32 logits of final_logits (norm and LM head)
     # in one call, or None where it does not take them.
@@ -184,8 +186,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids, positions, meta: AttentionMetadata, logits_indices, lora_index=None
     ) -> torch.Tensor:
-        """Logits (float32, full vocabulary) of the tokens at `logits_indices` of the flattened batch.
-        `lora_index`: each token's adapter slot (-1: none), shaped like input_ids; None without adapters."""
+        """Logits (float32, full vocabulary) of the tokens at `logits_indices` of the flattened
+        batch. `lora_index`: each token's adapter slot (-1: none), shaped like input_ids; None
+        without adapters."""
         if self.stage is not None:  # one stage of a pipeline (engine/pipeline/stage.py)
             return self.stage.forward(self, input_ids, positions, meta, logits_indices, lora_index)
         hidden = self.run_layers(self.embed(input_ids), positions, meta, lora_index)
@@ -212,9 +215,9 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def plain_decoder(self) -> bool:
-        """Whether every layer is the plain pre-norm Llama layer, which a fused decode kernel may run
-        in place of the modules: RMS norms, full attention with whole-head rope and no q/k norms,
-        cap or output bias, a SiLU MLP without biases, one shard, no pipeline stage."""
+        """Whether every layer is the plain pre-norm Llama layer, which a fused decode kernel may
+        run in place of the modules: RMS norms, full attention with whole-head rope and no q/k
+        norms, cap or output bias, a SiLU MLP without biases, one shard, no pipeline stage."""
         config = self.config
         plain_config = (
             self.parallel.world_size == 1

@@ -4,11 +4,12 @@ Its fused tensors are split into our per-part layout on load, so each rank reads
 heads' rows of q, k and v (and of gate and up) out of the stacked tensor. Its `longrope` (`su`)
 rope scaling and partial rotary factor are handled by engine/layers/rotary.py.
 
-transformers' Phi-3 drops its KV cache when a sequence first outgrows original_max_position_embeddings
-(Phi3ForCausalLM.prepare_inputs_for_generation) and recomputes it all with the long factors, which
-changes every layer's keys and values, not only their rotation. `recompute_cache_at` names that
-position: the decode step that would feed it prefills the whole sequence instead
-(engine/serving/recompute.py), so greedy tokens stay equal to transformers' past the boundary.
+transformers' Phi-3 drops its KV cache when a sequence first outgrows
+original_max_position_embeddings (Phi3ForCausalLM.prepare_inputs_for_generation) and recomputes it
+all with the long factors, which changes every layer's keys and values, not only their rotation.
+`recompute_cache_at` names that position: the decode step that would feed it prefills the whole
+sequence instead (engine/serving/recompute.py), so greedy tokens stay equal to transformers' past
+the boundary.
 """
 
 from engine.layers.linear import STACKED

@@ -1,12 +1,14 @@
 """Next-token choice for a batch in which every row keeps its own sampling parameters.
 
-The semantics follow TGI's HeterogeneousNextTokenChooser (server/text_generation_server/utils/tokens.py,
-logits_process.py and watermark.py): watermark -> repetition penalty -> frequency penalty -> (bucketserve's
-extensions: OpenAI's presence penalty, then logit_bias) -> grammar mask ->
-temperature -> top-k -> top-p -> typical-p -> argmax or a random draw, and the reported log-probabilities are
-log_softmax of the processed scores. Every processor runs only when some row of the batch needs it and leaves the
-other rows' scores bit-for-bit unchanged, so a row gets the same result alone or in any batch. Where this module
-departs from TGI on purpose, the comment says so.
+The semantics follow TGI's HeterogeneousNextTokenChooser
+(server/text_generation_server/utils/tokens.py,
+logits_process.py and watermark.py): watermark -> repetition penalty -> frequency penalty ->
+(bucketserve's extensions: OpenAI's presence penalty, then logit_bias) -> grammar mask ->
+temperature -> top-k -> top-p -> typical-p -> argmax or a random draw, and the reported
+log-probabilities are log_softmax of the processed scores. Every processor runs only when some row
+of the batch needs it and leaves the other rows' scores bit-for-bit unchanged, so a row gets the
+same result alone or in any batch. Where this module departs from TGI on purpose, the comment says
+so.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ _MAX_SEED = 2**64 - 1  # torch.Generator takes any unsigned 64-bit seed, as TGI'
 def validate_parameters(request_id: int, params: NextTokenChooserParameters) -> None:
     """Raise InvalidRequestError naming the first parameter the chooser cannot honour.
 
-    Ranges are TGI's router ranges widened to the proto defaults the router sends for "unset" (top_p = typical_p = 1,
-    top_k = 0) and to temperature 0, the OpenAI spelling of greedy. NaN fails every comparison, so it is rejected too.
+    Ranges are TGI's router ranges widened to the proto defaults the router sends for "unset" (top_p
+    = typical_p = 1, top_k = 0) and to temperature 0, the OpenAI spelling of greedy. NaN fails every
+    comparison, so it is rejected too.
     """
     p = params
     rules = (
@@ -81,7 +84,8 @@ def validate_parameters(request_id: int, params: NextTokenChooserParameters) -> 
 def is_sampling(params: NextTokenChooserParameters) -> bool:
     """Whether the row draws at random rather than taking the argmax.
 
-    Like TGI, any non-default warper turns sampling on even without do_sample; temperature 0 turns it off.
+    Like TGI, any non-default warper turns sampling on even without do_sample; temperature 0 turns
+    it off.
     """
     if params.temperature == 0:
         return False
@@ -96,8 +100,9 @@ def is_sampling(params: NextTokenChooserParameters) -> bool:
 
 @dataclass
 class SamplingState:
-    """A request's chooser state. It lives on the request's Sequence, so it survives batch filtering and concatenation;
-    penalties need nothing more because they are recomputed from the token history at every step."""
+    """A request's chooser state. It lives on the request's Sequence, so it survives batch filtering
+    and concatenation; penalties need nothing more because they are recomputed from the token
+    history at every step."""
 
     params: NextTokenChooserParameters
     seed: int  # the seed in use, reported back in GeneratedText.seed
@@ -111,9 +116,9 @@ def new_sampling_state(
 ) -> SamplingState:
     """Validate `params` and seed the request's generator.
 
-    seed None means "unset" (the dataclass default), so it is replaced by `unset_seed`, else by a fresh random 64-bit
-    seed; 0 is a seed like any other, as on the wire. TGI's router always sends a seed, so None only comes from
-    direct callers. Shards of one model must draw the
+    seed None means "unset" (the dataclass default), so it is replaced by `unset_seed`, else by a
+    fresh random 64-bit seed; 0 is a seed like any other, as on the wire. TGI's router always sends
+    a seed, so None only comes from direct callers. Shards of one model must draw the
     same token, so a sharded engine passes an `unset_seed` that every rank agrees on.
     """
     validate_parameters(request_id, params)
@@ -135,8 +140,8 @@ class Choice:
 
 @dataclass(frozen=True)
 class _Rows:
-    """One batch's parameters as columns. Warper columns hold neutral values on rows that do not sample, so a warper
-    leaves those rows untouched."""
+    """One batch's parameters as columns. Warper columns hold neutral values on rows that do not
+    sample, so a warper leaves those rows untouched."""
 
     sampling: list[bool]
     watermark: list[bool]
@@ -202,11 +207,13 @@ def choose(
     top_n: list[int],
     allowed: torch.Tensor | None = None,
 ) -> Choice:
-    """One next token per row of `logits` [n, vocab], each row with its own parameters and generator.
+    """One next token per row of `logits` [n, vocab], each row with its own parameters and
+    generator.
 
-    histories[i] is row i's prompt followed by its generated tokens; prompt_lens only checks that the prompt is there,
-    since TGI's penalties count prompt and generated tokens alike. allowed (bool [n, vocab], True = allowed) masks
-    tokens a grammar forbids. Work stays on logits.device; only one uniform per sampling row comes from the CPU.
+    histories[i] is row i's prompt followed by its generated tokens; prompt_lens only checks that
+    the prompt is there, since TGI's penalties count prompt and generated tokens alike. allowed
+    (bool [n, vocab], True = allowed) masks tokens a grammar forbids. Work stays on logits.device;
+    only one uniform per sampling row comes from the CPU.
     """
     _check_batch(logits, states, histories, prompt_lens, top_n, allowed)
     if logits.shape[0] == 0:
@@ -235,8 +242,9 @@ def process_scores(
     allowed: torch.Tensor | None = None,
     prompt_lens: list[int] | None = None,
 ) -> torch.Tensor:
-    """The scores choose() picks from: `logits` after every row's processors and warpers. `logits` is not modified;
-    when no row needs a processor the result is `logits` itself (as float32), so treat it as read-only."""
+    """The scores choose() picks from: `logits` after every row's processors and warpers. `logits`
+    is not modified; when no row needs a processor the result is `logits` itself (as float32), so
+    treat it as read-only."""
     return _process(logits, _Rows.of(states), histories, allowed, prompt_lens)
 
 
@@ -292,12 +300,13 @@ def _check_batch(logits, states, histories, prompt_lens, top_n, allowed) -> None
 
 @functools.lru_cache(maxsize=64)
 def _green_list(previous_token: int, vocab_size: int) -> torch.Tensor:
-    """The watermark's green token ids after `previous_token`: the head of a permutation seeded by it. Read-only.
+    """The watermark's green token ids after `previous_token`: the head of a permutation seeded by
+    it. Read-only.
 
-    TGI draws the permutation with a generator on the model's device, so its GPU green lists differ from its CPU
-    ones; this one always uses the CPU so that a detector gets the same list wherever the text was generated.
-    A CPU randperm of a 150k vocabulary takes milliseconds, and frequent tokens come back often: hence the cache
-    (64 lists of int32, about 20 MB at that vocabulary).
+    TGI draws the permutation with a generator on the model's device, so its GPU green lists differ
+    from its CPU ones; this one always uses the CPU so that a detector gets the same list wherever
+    the text was generated. A CPU randperm of a 150k vocabulary takes milliseconds, and frequent
+    tokens come back often: hence the cache (64 lists of int32, about 20 MB at that vocabulary).
     """
     generator = torch.Generator(device="cpu")
     generator.manual_seed(WATERMARK_HASH_KEY * previous_token)
@@ -306,7 +315,8 @@ def _green_list(previous_token: int, vocab_size: int) -> torch.Tensor:
 
 
 def _watermark_(scores: torch.Tensor, watermark: list[bool], histories: list[list[int]]) -> None:
-    # One green list per row and step, as in TGI; watermarking is rare enough that a loop over its rows is fine.
+    # One green list per row and step, as in TGI; watermarking is rare enough that a loop over its
+    # rows is fine.
     for i in (i for i, on in enumerate(watermark) if on):
         green = _green_list(histories[i][-1], scores.shape[1]).to(scores.device)
         bonus = torch.full(
@@ -321,21 +331,23 @@ def _penalties_(scores: torch.Tensor, rows: _Rows, histories: list[list[int]]) -
     """TGI's repetition then frequency penalty, both over prompt and generated tokens."""
     counts, lengths = _token_counts(histories, rows.needs_penalty(), scores)
     if any(r != 1.0 for r in rows.repetition_penalty):
-        # CTRL (Keskar et al. 2019): every token already seen moves towards "less likely" by the factor penalty.
+        # CTRL (Keskar et al. 2019): every token already seen moves towards "less likely" by the
+        # factor penalty.
         penalty = _column(rows.repetition_penalty, scores)
         penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
         scores.copy_(torch.where(counts > 0, penalized, scores))
     if any(f != 0.0 for f in rows.frequency_penalty):
-        # TGI subtracts penalty * (occurrences / history length), not OpenAI's penalty * occurrences.
+        # TGI subtracts penalty * (occurrences / history length), not OpenAI's penalty *
+        # occurrences.
         scores.sub_(counts / lengths * _column(rows.frequency_penalty, scores))
 
 
 def _token_counts(
     histories: list[list[int]], needed: list[bool], like: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """How often each token occurs in each needed row's history ([n, vocab], zero on other rows), and every row's
-    history length ([n, 1]). TGI divides by the batch's padded width and counts the padding as token 0; the row's own
-    length keeps a row's penalty independent of its batch."""
+    """How often each token occurs in each needed row's history ([n, vocab], zero on other rows),
+    and every row's history length ([n, 1]). TGI divides by the batch's padded width and counts the
+    padding as token 0; the row's own length keeps a row's penalty independent of its batch."""
     row_index = [i for i, history in enumerate(histories) if needed[i] for _ in history]
     token_index = [t for i, history in enumerate(histories) if needed[i] for t in history]
     counts = torch.zeros_like(like)
@@ -352,8 +364,8 @@ def _token_counts(
 def _presence_(
     scores: torch.Tensor, penalty: list[float], histories: list[list[int]], prompt_lens: list[int]
 ) -> None:
-    """OpenAI's presence penalty: every token generated so far (not the prompt's, as OpenAI and vLLM define it)
-    loses `penalty` once, however often it occurs."""
+    """OpenAI's presence penalty: every token generated so far (not the prompt's, as OpenAI and vLLM
+    define it) loses `penalty` once, however often it occurs."""
     rows = [i for i, p in enumerate(penalty) if p for _ in histories[i][prompt_lens[i] :]]
     tokens = [t for i, p in enumerate(penalty) if p for t in histories[i][prompt_lens[i] :]]
     if not tokens:
@@ -364,7 +376,8 @@ def _presence_(
 
 
 def _logit_bias_(scores: torch.Tensor, biases: list[dict[int, float]]) -> None:
-    """OpenAI's logit_bias, a sparse [rows, vocab] addition; ids past the logits' vocabulary are ignored."""
+    """OpenAI's logit_bias, a sparse [rows, vocab] addition; ids past the logits' vocabulary are
+    ignored."""
     vocab = scores.shape[1]
     entries = [
         (i, token, bias)
@@ -395,7 +408,8 @@ def _warpers_(scores: torch.Tensor, rows: _Rows) -> None:
 
 
 def _top_k_(scores: torch.Tensor, top_k: list[int]) -> None:
-    """Keep each row's k best scores, with every score tied with the k-th (as TGI); k = 0 keeps all."""
+    """Keep each row's k best scores, with every score tied with the k-th (as TGI); k = 0 keeps
+    all."""
     vocab = scores.shape[1]
     k = [min(k, vocab) for k in top_k]
     best = scores.topk(max(k), dim=1).values
@@ -406,10 +420,12 @@ def _top_k_(scores: torch.Tensor, top_k: list[int]) -> None:
 
 
 def _top_p_(scores: torch.Tensor, top_p: list[float]) -> None:
-    """Nucleus: keep the most likely tokens until their mass reaches p; the best token always stays."""
+    """Nucleus: keep the most likely tokens until their mass reaches p; the best token always
+    stays."""
     ascending, order = scores.sort(dim=1)
     tail_mass = ascending.softmax(dim=1).cumsum(dim=1)
-    # A token goes when it and every less likely token together weigh at most 1 - p (TGI's form of the rule).
+    # A token goes when it and every less likely token together weigh at most 1 - p (TGI's form of
+    # the rule).
     drop = tail_mass <= 1 - _column(top_p, scores)
     drop[:, -1] = False
     drop &= _active(top_p, scores)  # p = 1 rows: leave even underflowed tokens alone
@@ -417,8 +433,8 @@ def _top_p_(scores: torch.Tensor, top_p: list[float]) -> None:
 
 
 def _typical_p_(scores: torch.Tensor, typical_p: list[float]) -> None:
-    """Locally typical sampling (Meister et al. 2022): keep the tokens whose surprise is nearest the entropy,
-    in that order, until their mass reaches p."""
+    """Locally typical sampling (Meister et al. 2022): keep the tokens whose surprise is nearest the
+    entropy, in that order, until their mass reaches p."""
     log_probs = scores.log_softmax(dim=1)
     entropy = -(log_probs * log_probs.exp()).nansum(
         dim=1, keepdim=True
@@ -444,18 +460,20 @@ def skip_draws(state: SamplingState, steps: int) -> None:
 
 
 def _draw(scores: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row from softmax(scores), by inverting the row's CDF at a uniform from the row's own generator.
+    """One token per row from softmax(scores), by inverting the row's CDF at a uniform from the
+    row's own generator.
 
-    torch.multinomial (and TGI's exponential race) need random numbers made on the logits' device; this needs one
-    uniform per row, drawn on the CPU, so a seed means the same tokens on every device and the vocabulary-sized work
-    stays on the device.
+    torch.multinomial (and TGI's exponential race) need random numbers made on the logits' device;
+    this needs one uniform per row, drawn on the CPU, so a seed means the same tokens on every
+    device and the vocabulary-sized work stays on the device.
     """
     uniforms = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
     probs = scores.softmax(dim=1)
     cdf = probs.double().cumsum(dim=1)
     total = cdf[:, -1:]
     target = uniforms.to(scores.device).unsqueeze(1) * total
-    # u * total may round up to total; staying below it lands on the last token with mass at the farthest.
+    # u * total may round up to total; staying below it lands on the last token with mass at the
+    # farthest.
     target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
     drawn = torch.searchsorted(cdf, target, right=True).squeeze(1)
     # A parallel cumsum can give a masked (zero-mass) token a sliver of the CDF; never return one.
@@ -464,8 +482,9 @@ def _draw(scores: torch.Tensor, generators: list[torch.Generator]) -> torch.Tens
 
 
 def _top_tokens(logprobs: torch.Tensor, top_n: list[int]) -> list[list[tuple[int, float]]]:
-    """Each row's top_n most likely tokens, best first. As TGI: tokens tied with the n-th come too, and tokens with
-    log-probability -inf never do (they are not candidates, and JSON cannot carry -inf)."""
+    """Each row's top_n most likely tokens, best first. As TGI: tokens tied with the n-th come too,
+    and tokens with log-probability -inf never do (they are not candidates, and JSON cannot carry
+    -inf)."""
     vocab = logprobs.shape[1]
     n = [min(max(k, 0), vocab) for k in top_n]
     if max(n, default=0) == 0:
@@ -494,8 +513,9 @@ def _unsort(sorted_mask: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 
 def allowed_tokens(ctx, sequences, logits):
-    """[rows, vocab] mask of allowed tokens (a grammar's, and no EOS before min_new_tokens), or None when no row
-    restricts its tokens. `ctx` is the step's StepContext (its eos_token_ids), `sequences` its rows."""
+    """[rows, vocab] mask of allowed tokens (a grammar's, and no EOS before min_new_tokens), or None
+    when no row restricts its tokens. `ctx` is the step's StepContext (its eos_token_ids),
+    `sequences` its rows."""
     early = [
         i
         for i, s in enumerate(sequences)

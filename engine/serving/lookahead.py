@@ -58,7 +58,8 @@ def run_ahead(runner: ModelRunner, sequences: list[Sequence], inputs: list[Decod
 def logits_using(
     ahead: Ahead | None, runner: ModelRunner, sequences: list[Sequence], inputs: list[DecodeInput]
 ) -> torch.Tensor:
-    """Logits [len(sequences), vocab] of this step, the rows the lookahead computed taken from it."""
+    """Logits [len(sequences), vocab] of this step, the rows the lookahead computed taken from
+    it."""
     found = [ahead.row_of(seq) if ahead is not None else None for seq in sequences]
     if all(row is None for row in found):
         return decode_logits(runner, sequences, inputs)

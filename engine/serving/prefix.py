@@ -29,7 +29,8 @@ def check_prefix(contents: BlockContents, request: Request, token_ids: list[int]
 
 
 def check_cache_len(request: Request, total_tokens: int, block_size: int, enabled: bool) -> None:
-    """`total_tokens`: the prompt (and a resumed request's generated tokens), all to be in the cache."""
+    """`total_tokens`: the prompt (and a resumed request's generated tokens), all to be in the
+    cache."""
     cache_len = request.cache_len
     if not cache_len:
         return

@@ -55,7 +55,8 @@ class Sequence:
         return self.request.stopping_parameters.max_new_tokens
 
     def slots(self, start: int, end: int) -> list[int]:
-        """Cache slots of positions [start, end): the router's when it sent them, else from blocks."""
+        """Cache slots of positions [start, end): the router's when it sent them, else from
+        blocks."""
         if len(self.router_slots) >= end:
             return self.router_slots[start:end]
         return slots_for(self.blocks, start, end, self.block_size)

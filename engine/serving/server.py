@@ -363,7 +363,8 @@ async def serve(shard, config: ServerConfig) -> None:
             watcher.cancel()
         await server.stop()
         # Progressive warmup's thread must end before the interpreter does: a thread still inside
-        # a torch kernel at exit aborts the process ("terminate called without an active exception").
+        # a torch kernel at exit aborts the process ("terminate called without an active
+        # exception").
         await loop.run_in_executor(None, shard.close)
 
 

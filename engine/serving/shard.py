@@ -1,4 +1,5 @@
-"""One shard: the generate.v3 operations (warmup, prefill, decode, filter, clear) in plain Python."""
+"""One shard: the generate.v3 operations (warmup, prefill, decode, filter, clear) in plain
+Python."""
 
 from __future__ import annotations
 
@@ -105,7 +106,8 @@ class Shard:
         self.world = Parallel(rank, world_size)
         init_distributed(self.world, self.adapter.dist_backend, *distributed_address())
         self.parallel, self.pipe = join_grid(rank, world_size, config.pipeline_parallel_size)
-        # Several steps in flight on a pipeline: who runs shard code when (engine/pipeline/turns.py).
+        # Several steps in flight on a pipeline: who runs shard code when
+        # (engine/pipeline/turns.py).
         self.turns = StepTurns() if self.pipe is not None else None
         check_same_model(config, self.world)
         # Requests without a seed get one derived from this, which rank 0 picks for the whole group.
@@ -369,7 +371,8 @@ class Shard:
         """A one-token prompt and one decode step through the model, in a block freed after: where
         warmup runs no bucket (eager CPU), a process's first forward pays one-time set-up that would
         otherwise fall on the first request (the embedded model's first prefill took 216-309 ms
-        against 31-50 ms after, 2026-12-04). A pipeline stage's forward needs its peers': skipped."""
+        against 31-50 ms after, 2026-12-04). A pipeline stage's forward needs its peers':
+        skipped."""
         if getattr(self.model, "stage", None) is not None:
             return
         blocks = self.allocator.allocate(1)
@@ -450,8 +453,8 @@ class Shard:
                 self.vision.recorder = self.recorder
 
     def serving_stats(self) -> dict:
-        """Padding and unwarmed-shape counts since warmup, for the router's metrics; and for its front
-        page the plan's size, warmup progress, and the busiest buckets (bucket_counts)."""
+        """Padding and unwarmed-shape counts since warmup, for the router's metrics; and for its
+        front page the plan's size, warmup progress, and the busiest buckets (bucket_counts)."""
         padding, unwarmed = self.runner.padding, sum(self.adapter.shapes.unwarmed.values())
         progress, plan = self.warmup_progress(), self.runner.plan
         return {
@@ -476,8 +479,9 @@ class Shard:
 
     @_exclusive
     def health(self) -> None:
-        """Touch the device: a failed or hung device fails this instead of a user's request. Under the
-        device lock: progressive warmup may be capturing a graph, which a stray device op would break."""
+        """Touch the device: a failed or hung device fails this instead of a user's request. Under
+        the device lock: progressive warmup may be capturing a graph, which a stray device op would
+        break."""
         probe = torch.ones(1, device=self.adapter.torch_device) + 1
         self.adapter.synchronize()
         if probe.item() != 2:
@@ -513,7 +517,8 @@ class Shard:
     def decode(
         self, batches: list[CachedBatch], grown: dict[int, list[int]] | None = None
     ) -> tuple[list[Generation], CachedBatch | None]:
-        """`grown`: request id -> KV blocks the router added to it for this step (on-demand allocation)."""
+        """`grown`: request id -> KV blocks the router added to it for this step (on-demand
+        allocation)."""
         check_decode(batches)
         start, ctx = self._start_step()
         joined = time.perf_counter_ns()
@@ -745,8 +750,9 @@ NO_IMAGES = {"images_encoded": 0, "encoder_ns": 0, "image_cache_hits": 0}  # a t
 
 def bucket_counts(bucket, forwards: int, real: int, padded: int) -> list:
     """One bucket's use, compact: ["prefill", batch, seq_len, context_blocks, forwards, real tokens,
-    padded tokens] or ["decode", batch, num_blocks, forwards, real rows, padded rows]; a verify bucket
-    (engine/speculative/) as ["verify", batch, width, context_blocks, forwards, real rows, padded rows]."""
+    padded tokens] or ["decode", batch, num_blocks, forwards, real rows, padded rows]; a verify
+    bucket (engine/speculative/) as ["verify", batch, width, context_blocks, forwards, real rows,
+    padded rows]."""
     if isinstance(bucket, VerifyBucket):
         return [
             "verify",

@@ -80,7 +80,8 @@ def admit_requests(
     ctx: StepContext, requests: list[Request], resume: dict[int, list[int]]
 ) -> list[Sequence]:
     """Sequences for new requests; every request is checked before any block is allocated.
-    `resume`: request id -> the tokens it generated before a shard restart (engine/serving/resume.py)."""
+    `resume`: request id -> the tokens it generated before a shard restart
+    (engine/serving/resume.py)."""
     tokenized = [_tokenize(ctx, request) for request in requests]
     for request, ids in zip(requests, tokenized):
         _check_admission(ctx, request, ids, resume.get(request.id))

@@ -1,4 +1,5 @@
-"""The shard's own step spans, on only with `--otlp-endpoint` (TGI's shards trace their steps the same way).
+"""The shard's own step spans, on only with `--otlp-endpoint` (TGI's shards trace their steps the
+same way).
 
 A router that traces sends, with each Prefill or Decode, the span context of every traced request
 in the step (the step request's `traceparents` field: request id -> W3C traceparent,

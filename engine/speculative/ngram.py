@@ -14,8 +14,8 @@ MIN_NGRAM = 1
 
 
 class NgramIndex:
-    """For every n-gram (MIN_NGRAM..MAX_NGRAM tokens) of one sequence, where it last ended, among the
-    positions that have a following token."""
+    """For every n-gram (MIN_NGRAM..MAX_NGRAM tokens) of one sequence, where it last ended, among
+    the positions that have a following token."""
 
     def __init__(self) -> None:
         self._last_end: dict[tuple[int, ...], int] = {}

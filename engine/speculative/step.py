@@ -186,7 +186,8 @@ def propose(speculator: Speculator, seq, block_size: int, k: int | None = None) 
 def settle_shadows(speculator: Speculator, sequences: list) -> None:
     """n-gram rows: what of the proposals noted on plain steps (`note_shadows`) the tokens chosen
     since then match goes into the recent acceptance, as a verify step's outcome would: for greedy
-    and seeded rows alike a verify step accepts exactly the proposed tokens plain decoding chooses."""
+    and seeded rows alike a verify step accepts exactly the proposed tokens plain decoding
+    chooses."""
     proposed = accepted = rows = 0
     for seq in sequences:
         if seq.speculation is not None:
@@ -220,8 +221,9 @@ def speculative_step(
     """The step's generations, or None where it does not speculate (the caller decodes plainly):
     the recent acceptance does not pay for a verify step (Speculator.tokens_for), no row proposed
     anything, the batch is too large, or no warmed verify bucket holds it.
-    `adapters`: each row's LoRA slot; `advance(ctx, sequences, logits)` chooses and appends one token per row (steps._advance);
-    `record(ctx, sequences)` notes the KV blocks they filled (steps.record_contents)."""
+    `adapters`: each row's LoRA slot; `advance(ctx, sequences, logits)` chooses and appends one
+    token per row (steps._advance); `record(ctx, sequences)` notes the KV blocks they filled
+    (steps.record_contents)."""
     speculator, runner = ctx.speculator, ctx.runner
     if len(sequences) > speculator.max_batch:
         return None

@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 def split_free_memory(
     free_bytes: int, kv_fraction: float, graph_fraction: float, captures_graphs: bool
 ) -> tuple[int, int]:
-    """(bytes for the KV cache, bytes for graphs) out of the free memory after the largest prefill."""
+    """(bytes for the KV cache, bytes for graphs) out of the free memory after the largest
+    prefill."""
     usable = int(free_bytes * kv_fraction)
     graphs = int(usable * graph_fraction) if captures_graphs else 0
     return usable - graphs, graphs

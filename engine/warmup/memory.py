@@ -11,9 +11,9 @@ from engine.sampling.penalty_counts import table_bytes
 
 
 def profile_free_memory(model, adapter, dtype, block_size: int, limits: ServingLimits) -> int:
-    """Free memory after the largest prefill, run on a one-block cache (padding writes only block 0),
-    less the static sampler's penalty count tables (engine/sampling/penalty_counts.py), which are
-    made after the KV cache and live as long as it.
+    """Free memory after the largest prefill, run on a one-block cache (padding writes only block
+    0), less the static sampler's penalty count tables (engine/sampling/penalty_counts.py), which
+    are made after the KV cache and live as long as it.
 
     Where warming runs no forward (eager CPU), neither does this: activations come and go in host
     memory, and what the KV cache does not take of it (kv_cache_memory_fraction) is their room;

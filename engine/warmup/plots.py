@@ -1,4 +1,5 @@
-"""PNG plots of a warmup profile: step latency over the bucket grid, and each strategy's padding waste."""
+"""PNG plots of a warmup profile: step latency over the bucket grid, and each strategy's padding
+waste."""
 
 from __future__ import annotations
 

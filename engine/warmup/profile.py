@@ -26,8 +26,9 @@ PROFILE_VERSION = 1
 def fingerprint(
     model_path, adapter, dtype, world_size: int, block_size: int, quantize: str = "none"
 ) -> dict:
-    """The model (its directory name and config.json digest), device, graph mode, dtype, ranks, block size,
-    and the weight quantization when there is one (left out otherwise, so older profiles still match)."""
+    """The model (its directory name and config.json digest), device, graph mode, dtype, ranks,
+    block size, and the weight quantization when there is one (left out otherwise, so older profiles
+    still match)."""
     config = Path(model_path) / "config.json"
     digest = hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.is_file() else None
     return {
@@ -209,8 +210,9 @@ def write_profile(out_dir: Path, shard, entries: list[dict], strategy: str, extr
 
 
 def summary_table(entries: list[dict]) -> str:
-    """One line per bucket. `ctx blocks`: a prefill bucket's context blocks (a prefill that continues
-    cached context); without it, buckets that differ only there would look like duplicates."""
+    """One line per bucket. `ctx blocks`: a prefill bucket's context blocks (a prefill that
+    continues cached context); without it, buckets that differ only there would look like
+    duplicates."""
     lines = [
         f"{'phase':8} {'bs':>4} {'seq/blocks':>10} {'ctx blocks':>10} {'warm s':>8} "
         f"{'median ms':>10} {'memory MiB':>11}"

@@ -64,7 +64,8 @@ class BackgroundTurn:
 
 def covering_set(plan: BucketPlan, limits: BucketLimits) -> list:
     """Buckets enough to serve any batch within the limits, by splitting it:
-    - the prefill bucket for one prompt of max_input_tokens (split_prefill can run every prompt alone);
+    - the prefill bucket for one prompt of max_input_tokens (split_prefill can run every prompt
+    alone);
     - the decode bucket for one sequence of max_total_tokens (split_decode can run every row alone);
     - the decode bucket for a full batch of full sequences, so that decoding, a forward per
       generated token, does not run one forward per row while the rest warms;
@@ -110,7 +111,8 @@ class BackgroundWarmup:
         self.runner, self.plan, self.warmed, self.remaining = runner, plan, warmed, remaining
         self.total = plan.graphs
         self._stop = threading.Event()
-        # A plain lock (tests pass one) is taken as it is; the shard's DeviceLock lets steps go first.
+        # A plain lock (tests pass one) is taken as it is; the shard's DeviceLock lets steps go
+        # first.
         turn = BackgroundTurn(lock) if isinstance(lock, DeviceLock) else lock
         self._args = (prompt_logprobs, show_progress, turn, phases)
         self.thread = threading.Thread(target=self._run, name="background-warmup", daemon=True)

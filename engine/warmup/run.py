@@ -225,7 +225,8 @@ def run_warmup(
     counts += f" + {len(plan.verify)} verify" if plan.verify else ""
     counts += f" + {len(plan.images)} image" if plan.images else ""
     if mode == "none":
-        # Nothing warmed: strict shape checking would refuse every forward, so every shape runs eagerly.
+        # Nothing warmed: strict shape checking would refuse every forward, so every shape runs
+        # eagerly.
         runner.adapter.shapes.strict = False
         log.warning(
             "--warmup none: no bucket is warmed; every forward runs eagerly (compiling on graph "

@@ -39,8 +39,9 @@ class PhaseLog:
         self._last = now
 
     def summary(self) -> str:
-        """Total time and memory, then per phase, e.g. '3.2s, free memory -1.10 GiB: largest prefill 0.4s ...'.
-        Memory only where the adapter's memory is its own device's (not the CPU's system memory)."""
+        """Total time and memory, then per phase, e.g. '3.2s, free memory -1.10 GiB: largest prefill
+        0.4s ...'. Memory only where the adapter's memory is its own device's (not the CPU's system
+        memory)."""
         memory = getattr(self.adapter, "own_memory", True)
         parts, free = [], self.free_at_start
         for name, seconds, after in self.phases:
@@ -67,7 +68,8 @@ class BucketWarmup:
 
 
 def warmup_order(buckets) -> list:
-    """Largest first, so memory peaks early: a bucket that does not fit fails in the first seconds."""
+    """Largest first, so memory peaks early: a bucket that does not fit fails in the first
+    seconds."""
     return sorted(
         buckets,
         key=lambda b: (

@@ -61,7 +61,8 @@ def causal_lm_class(model_dir: Path):
 
 
 def load_transformers_model(model_dir: Path, placement: Placement, prepare=None):
-    """`prepare(cls)`: the device adapter's hook, which may adapt transformers and pick the class to build."""
+    """`prepare(cls)`: the device adapter's hook, which may adapt transformers and pick the class to
+    build."""
     hf_config, cls = causal_lm_class(model_dir)
     if prepare is not None:
         cls = prepare(cls)
@@ -153,14 +154,16 @@ def _one_line(err: Exception) -> str:
 
 def local_kv_heads(hf_config, kv_heads: int, world_size: int) -> int:
     """The kv heads each rank's attention sees (and caches): split when the TP plan shards k_proj
-    column-wise, all of them when it gathers k_proj's output (Olmo2) or leaves attention replicated."""
+    column-wise, all of them when it gathers k_proj's output (Olmo2) or leaves attention
+    replicated."""
     plan = getattr(hf_config, "base_model_tp_plan", None) or {}
     styles = [style for name, style in plan.items() if name.endswith(".k_proj")]
     return kv_heads // world_size if world_size > 1 and styles == ["colwise"] else kv_heads
 
 
 def fallback_config(hf_config, architecture: str) -> ModelConfig:
-    """The fields the engine itself needs (cache geometry, limits, stop tokens) from a transformers config."""
+    """The fields the engine itself needs (cache geometry, limits, stop tokens) from a transformers
+    config."""
     text = hf_config.get_text_config()
     hidden, heads = text.hidden_size, text.num_attention_heads
     layers = text.num_hidden_layers

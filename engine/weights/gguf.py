@@ -1,6 +1,7 @@
 """GGUF tensors read as they are stored: Q4_0 and Q4_1 blocks become int4 codes with a scale and a
 zero per 32 inputs (engine.layers.quant.Int4Weight's form) without passing through float; other
-types are dequantized by the `gguf` package (then quantized to the serving mode by engine.weights.quantize).
+types are dequantized by the `gguf` package (then quantized to the serving mode by
+engine.weights.quantize).
 
 Block layouts (ggml's, 32 weights a block, little-endian): Q4_0 = d:f16, 16 bytes of nibbles,
 w = (q - 8) d; Q4_1 = d:f16, m:f16, 16 bytes, w = q d + m. Byte j holds weight j in its low nibble
@@ -66,7 +67,8 @@ class GgufInt4:
 
 
 def decode_q4(raw: np.ndarray, rows: int, cols: int, with_min: bool) -> GgufInt4:
-    """Q4_1 (with_min) or Q4_0 blocks, `raw` [rows, bytes] uint8, as int4 codes, scales and zeros."""
+    """Q4_1 (with_min) or Q4_0 blocks, `raw` [rows, bytes] uint8, as int4 codes, scales and
+    zeros."""
     head = 4 if with_min else 2
     # a copy: the reader maps the file read-only
     blocks = torch.from_numpy(np.array(raw, dtype=np.uint8)).reshape(rows, cols // BLOCK, head + 16)
@@ -98,7 +100,8 @@ def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
 def read_weights(
     path: Path, num_heads: int, num_kv_heads: int
 ) -> dict[str, GgufInt4 | torch.Tensor]:
-    """Every tensor of a Llama GGUF file by our checkpoint name: GgufInt4 for Q4_0/Q4_1, float32 else."""
+    """Every tensor of a Llama GGUF file by our checkpoint name: GgufInt4 for Q4_0/Q4_1, float32
+    else."""
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFReader
     from gguf.quants import dequantize

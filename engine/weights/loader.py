@@ -150,7 +150,8 @@ def _expected_pieces(model) -> set[tuple[str, object]]:
 
 
 def _load_one(model, name: str, source) -> list[tuple[str, object]]:
-    """Copy one checkpoint tensor (this rank's slice of it) into its parameter; returns the pieces filled."""
+    """Copy one checkpoint tensor (this rank's slice of it) into its parameter; returns the pieces
+    filled."""
     if name.endswith(IGNORED_WEIGHTS) or (
         name == "lm_head.weight" and model.config.tie_word_embeddings
     ):
@@ -188,7 +189,8 @@ def load_quantized(
     model_id, model_dir: Path, config: ModelConfig, placement: Placement
 ) -> torch.nn.Module:
     """A native model with quantized linear weights: straight from a Llama GGUF file's blocks, else
-    quantized from the float32 checkpoint (the norms and other small weights come from model_dir)."""
+    quantized from the float32 checkpoint (the norms and other small weights come from
+    model_dir)."""
     from engine.weights.gguf import read_weights
     from engine.weights.quantize import QUANTIZE_MODES, WEIGHT_ONLY, quantize_model
 
@@ -275,9 +277,10 @@ def load(
     prepare_fallback=None,
     pipe: Pipe | None = None,
 ) -> LoadedModel:
-    """`implementation`: native (ours), transformers (the fallback) or auto (native when we have one).
-    `prepare_fallback(cls)`: the device's hook before the fallback builds its class (DeviceAdapter.prepare_transformers).
-    `placement`: its dtype, device, parallel part, MoE kernel and quantization."""
+    """`implementation`: native (ours), transformers (the fallback) or auto (native when we have
+    one). `prepare_fallback(cls)`: the device's hook before the fallback builds its class
+    (DeviceAdapter.prepare_transformers). `placement`: its dtype, device, parallel part, MoE kernel
+    and quantization."""
     from transformers import AutoTokenizer
 
     model_dir = resolve_model_dir(model_id, cache_dir)

@@ -1,11 +1,11 @@
 """Load PEFT LoRA adapters from local directories into the model's projections.
 
 An adapter directory holds `adapter_config.json` and `adapter_model.safetensors` with tensors named
-like `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` ([r, in]) and `...lora_B.weight`
-([out, r]). Each projection gets one LoraWeights holding every adapter, padded to the largest rank
-loaded (every adapter is known at start, so that rank fixes the shapes for good). Under tensor
-parallelism each rank reads only its slice, split like the base weight it adapts: B's rows for a
-column-parallel projection, A's columns for a row-parallel one.
+like `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` ([r, in]) and
+`...lora_B.weight` ([out, r]). Each projection gets one LoraWeights holding every adapter, padded to
+the largest rank loaded (every adapter is known at start, so that rank fixes the shapes for good).
+Under tensor parallelism each rank reads only its slice, split like the base weight it adapts: B's
+rows for a column-parallel projection, A's columns for a row-parallel one.
 """
 
 from __future__ import annotations
@@ -176,7 +176,8 @@ def _layer_weights(
     lora_set: LoraSet,
     parallel: Parallel,
 ) -> LoraWeights:
-    """[adapters, parts, rank, in] A and per-part [adapters, out, rank] B, zero where an adapter is absent."""
+    """[adapters, parts, rank, in] A and per-part [adapters, out, rank] B, zero where an adapter is
+    absent."""
     order = (
         [p for p in layer.parts if p in parts]
         if isinstance(layer, ColumnParallelLinear)
@@ -204,7 +205,8 @@ def _local_rows(layer, part) -> int:
 
 
 def _read_pair(reader, adapter: PeftAdapter, module: str, layer, part, parallel: Parallel):
-    """This rank's slices of one module's A and B, after checking their full shapes against the base."""
+    """This rank's slices of one module's A and B, after checking their full shapes against the
+    base."""
     rank, keys = adapter.rank, adapter.modules[module]
     if part is not None:  # column-parallel: every rank needs all of A and its own rows of B
         rows, start, local = layer.parts[part]

@@ -27,8 +27,9 @@ WEIGHT_ONLY = ("int8", "int4")
 def quantize_model(
     model: torch.nn.Module, mode: str, dtype: torch.dtype, gguf: dict | None = None
 ) -> None:
-    """Quantize every linear and vocabulary weight of `model` in place. `gguf`: the file's weights by
-    checkpoint name (engine.weights.gguf.read_weights); without it the model's loaded weights are used."""
+    """Quantize every linear and vocabulary weight of `model` in place. `gguf`: the file's weights
+    by checkpoint name (engine.weights.gguf.read_weights); without it the model's loaded weights are
+    used."""
     names = _checkpoint_names(model) if gguf is not None else {}
     for module_name, module in list(model.named_modules()):
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):

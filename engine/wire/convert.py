@@ -68,9 +68,9 @@ def stopping_from_pb(message: pb.StoppingCriteriaParameters) -> eb.StoppingCrite
 
 
 def request_text(message: pb.Request) -> str:
-    """The prompt. TGI routers send it twice: as text chunks, and as `inputs` where images are inlined
-    as markdown. The text chunks win, and image chunks are dropped, as TGI's own text models do:
-    TGI's warmup adds an image to its first request whatever the model."""
+    """The prompt. TGI routers send it twice: as text chunks, and as `inputs` where images are
+    inlined as markdown. The text chunks win, and image chunks are dropped, as TGI's own text models
+    do: TGI's warmup adds an image to its first request whatever the model."""
     chunks = message.input_chunks.chunks if message.HasField("input_chunks") else []
     texts = [chunk.text for chunk in chunks if chunk.WhichOneof("chunk") == "text"]
     if texts:
@@ -283,7 +283,8 @@ def stats_to_pb(stats: dict) -> pb.ServingStats:
 
 
 def bucket_use_to_pb(entry: list) -> pb.BucketUse:
-    """Shard.bucket_counts' compact row: a prefill row names its context blocks, a decode row not."""
+    """Shard.bucket_counts' compact row: a prefill row names its context blocks, a decode row
+    not."""
     if entry[0] in ("prefill", "verify"):  # verify: its width is the length
         phase, batch, length, context, forwards, real, padded = entry
     else:

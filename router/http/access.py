@@ -1,12 +1,14 @@
-"""Who may call the router and how a request is named: API keys, CORS, and the `x-request-id` header.
+"""Who may call the router and how a request is named: API keys, CORS, and the `x-request-id`
+header.
 
-One ASGI middleware (not Starlette's BaseHTTPMiddleware: that one runs the route in another task and hides a
-client's disconnect from streaming routes) gives every request an id, sends it back as `x-request-id`, puts it
-in every log line written while the request runs (a logging filter reads a context variable) and, when an API
-key is set, answers 401 to a request without `Authorization: Bearer <key>` or `x-api-key: <key>` (the header
-Anthropic's API reads). `/health` and `/metrics` stay
-open, so probes and Prometheus need no key. CORS is Starlette's middleware, outside this one, so preflight
-requests (which carry no key) are answered and 401 answers carry the CORS headers a browser needs to read them.
+One ASGI middleware (not Starlette's BaseHTTPMiddleware: that one runs the route in another task and
+hides a client's disconnect from streaming routes) gives every request an id, sends it back as
+`x-request-id`, puts it in every log line written while the request runs (a logging filter reads a
+context variable) and, when an API key is set, answers 401 to a request without `Authorization:
+Bearer <key>` or `x-api-key: <key>` (the header Anthropic's API reads). `/health` and `/metrics`
+stay open, so probes and Prometheus need no key. CORS is Starlette's middleware, outside this one,
+so preflight requests (which carry no key) are answered and 401 answers carry the CORS headers a
+browser needs to read them.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from router.http.errors import anthropic_error, is_anthropic
 log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/metrics", "/live"})  # probes need no key
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
-# A caller's own id is kept when it is a plain token; anything else (a header injection attempt) gets a new one.
+# A caller's own id is kept when it is a plain token; anything else (a header injection attempt)
+# gets a new one.
 CALLER_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 

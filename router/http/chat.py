@@ -1,9 +1,10 @@
-"""Chat messages to a prompt through the model's chat template, with tools, and TGI's `/chat_tokenize`.
+"""Chat messages to a prompt through the model's chat template, with tools, and TGI's
+`/chat_tokenize`.
 
-A template that raises for some message sequence (a system message where it allows none, roles that do not
-alternate) is the request's fault: 422 with the template's own message. A template that does not know tools
-(it never reads `tools`) gets them as text in a system message, so the model still sees what it may call;
-past calls and their results become plain text for it too.
+A template that raises for some message sequence (a system message where it allows none, roles that
+do not alternate) is the request's fault: 422 with the template's own message. A template that does
+not know tools (it never reads `tools`) gets them as text in a system message, so the model still
+sees what it may call; past calls and their results become plain text for it too.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def render(
     tokenizer, messages: list[dict], tools: list[dict], template_kwargs: dict | None = None
 ) -> str:
     """The templated prompt; ValidationError (422) when the template refuses the messages.
-    `template_kwargs`: the template's own switches (`enable_thinking`), see check_template_kwargs."""
+    `template_kwargs`: the template's own switches (`enable_thinking`), see
+    check_template_kwargs."""
     check(len(messages) > 0, "`messages` cannot be empty")
     check_template_kwargs(tokenizer, template_kwargs)
     if not getattr(tokenizer, "chat_template", None):
@@ -91,7 +93,8 @@ def template_message(
     tool_call_id: str | None,
     name: str | None,
 ) -> dict:
-    """One OpenAI message as the dict chat templates read; a call's arguments as a dict (HF's convention)."""
+    """One OpenAI message as the dict chat templates read; a call's arguments as a dict (HF's
+    convention)."""
     message: dict[str, Any] = {"role": role, "content": content}
     if tool_calls:
         message["tool_calls"] = [

@@ -1,5 +1,5 @@
-"""One error shape on every route, for every status: TGI's body on TGI's routes, OpenAI's on `/v1/*`,
-Anthropic's (with its statuses) on `/v1/messages`.
+"""One error shape on every route, for every status: TGI's body on TGI's routes, OpenAI's on
+`/v1/*`, Anthropic's (with its statuses) on `/v1/messages`.
 
 Route handlers, FastAPI's own refusals (404, 405, a body that is not JSON or not the schema), the
 request-size limit (413, 415) and unexpected exceptions (500) all answer through `error_json`, and
@@ -181,7 +181,8 @@ def install_error_handlers(app: FastAPI, metrics) -> None:
         )
 
 
-# --- the request-body limit (TGI's --payload-limit) ------------------------------------------------
+# --- the request-body limit (TGI's --payload-limit)
+# ------------------------------------------------
 
 BODY_METHODS = ("POST", "PUT", "PATCH")
 GONE = object()

@@ -31,7 +31,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class ShardStatsCollector:
-    """The last serving stats a shard reported; nothing before the first step (or from TGI's shards)."""
+    """The last serving stats a shard reported; nothing before the first step (or from TGI's
+    shards)."""
 
     def __init__(self, client):
         self.client = client
@@ -114,7 +115,8 @@ SPECULATION_COUNTERS = (
 
 
 def speculation_metrics(stats: dict):
-    """--speculate's counters and ratios (engine/speculative/step.py); nothing from a shard without it."""
+    """--speculate's counters and ratios (engine/speculative/step.py); nothing from a shard without
+    it."""
     if not stats.get("spec_k"):
         return
     for name, text in SPECULATION_COUNTERS:
@@ -143,8 +145,9 @@ def graph_counters(stats: dict):
 
 
 class KvCollector:
-    """Prefix-cache hits, cached blocks, evictions (router/sched/prefix_cache.py), preemptions and chunked
-    admissions (router/sched/preemption.py, router/sched/batching.py); read at each scrape."""
+    """Prefix-cache hits, cached blocks, evictions (router/sched/prefix_cache.py), preemptions and
+    chunked admissions (router/sched/preemption.py, router/sched/batching.py); read at each
+    scrape."""
 
     def __init__(self, scheduler):
         self.scheduler = scheduler

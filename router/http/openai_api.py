@@ -77,7 +77,8 @@ class StreamOptions(BaseModel):
 
 
 class Sampling(BaseModel):
-    """The fields both completion APIs share; the others are kept to be refused (`check_implemented`)."""
+    """The fields both completion APIs share; the others are kept to be refused
+    (`check_implemented`)."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
@@ -205,7 +206,8 @@ def check_implemented(body: Sampling) -> None:
 
 
 def chat_prompt(state: RouterState, body: ChatRequest) -> str:
-    """The prompt of a conversation, its tools included (on a validation thread: templating is CPU work)."""
+    """The prompt of a conversation, its tools included (on a validation thread: templating is CPU
+    work)."""
     check(
         len(body.messages) <= MAX_MESSAGES,
         f"`messages` may hold up to {MAX_MESSAGES} messages. Given: {len(body.messages)}",
@@ -436,7 +438,8 @@ def stream_choices(
 def completion_prompt(state: RouterState, body: CompletionRequest) -> tuple[str, bool]:
     """The prompt's text, and whether tokenizing it adds the special tokens. Token ids (what
     KV-aware routers such as vllm-router's kv_aware send) are decoded to the text they spell and
-    tokenized back without additions: ids that came from the model's tokenizer come back the same."""
+    tokenized back without additions: ids that came from the model's tokenizer come back the
+    same."""
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
         vocabulary = len(state.tokenizer)

@@ -31,7 +31,8 @@ def finish_reason(generation: Generation) -> str:
 
 def reply_problem(response_format: dict | None, text: str) -> str | None:
     """Why a finished reply does not match its `response_format` (None: it does, or the format
-    asks for no JSON): json_object wants a JSON object, json_schema (and TGI's `json`) its schema."""
+    asks for no JSON): json_object wants a JSON object, json_schema (and TGI's `json`) its
+    schema."""
     kind = (response_format or {}).get("type")
     if kind == "json_schema":
         schema = (response_format.get("json_schema") or {}).get("schema")
@@ -241,7 +242,8 @@ class ChatChunks:
 
 
 class CompletionChunks:
-    """Renders one choice's generations as `text_completion` events, the finish reason on the last."""
+    """Renders one choice's generations as `text_completion` events, the finish reason on the
+    last."""
 
     def __init__(self, envelope: Envelope, choice, index: int = 0):
         self.envelope, self.choice, self.index, self.text = envelope, choice, index, StreamedText()

@@ -1,10 +1,10 @@
 """The Responses API's stored responses: what `previous_response_id` continues and what
 `GET /v1/responses/{id}` returns, kept in this router's memory only.
 
-The store is bounded twice, by count (`--max-stored-responses`) and by size (a stored conversation may hold images as data
-URLs), and evicts the least recently used response first: a continued or fetched response is used
-again. A response that is evicted, deleted or kept by another router replica is simply not found.
-Nothing survives a restart.
+The store is bounded twice, by count (`--max-stored-responses`) and by size (a stored conversation
+may hold images as data URLs), and evicts the least recently used response first: a continued or
+fetched response is used again. A response that is evicted, deleted or kept by another router
+replica is simply not found. Nothing survives a restart.
 """
 
 from __future__ import annotations

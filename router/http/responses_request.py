@@ -324,7 +324,8 @@ def tool_choice(choice: str | dict | None) -> Any:
 
 
 def response_format(text: TextConfig | None) -> dict | None:
-    """`text.format` as chat's `response_format`, its schema checked here to name Responses' field."""
+    """`text.format` as chat's `response_format`, its schema checked here to name Responses'
+    field."""
     fmt = (text.format if text else None) or {"type": "text"}
     kind = fmt.get("type")
     if kind in ("text", "json_object"):

@@ -89,14 +89,16 @@ def error_response(state: RouterState, error: Exception, openai: bool = False) -
     return errors.error_response(state.metrics, error, openai)
 
 
-# --- running a request ------------------------------------------------------------------------------
+# --- running a request
+# ------------------------------------------------------------------------------
 
 
 async def submit(
     state: RouterState, inputs: str, parameters: Parameters, add_special_tokens: bool = True
 ) -> tuple[AsyncIterator[Generation], int, Any]:
     """Validate and queue; the stream of generations (timed for metrics), the prompt length, and the
-    scheduler's stream (to close on a disconnect). An overloaded router refuses before tokenizing."""
+    scheduler's stream (to close on a disconnect). An overloaded router refuses before
+    tokenizing."""
     state.scheduler.check_admission()
     request, ids = await validated(state, inputs, parameters, add_special_tokens)
     return queue(state, request, len(ids), lookup_ids(state, ids, request))
@@ -146,8 +148,9 @@ async def submit_many(
     name: str,
     add_special_tokens: bool = True,
 ) -> tuple[list[AsyncIterator[Generation]], int, Any]:
-    """`count` sequences for one prompt that share its prefill (router/sched/fanout.py): their generation
-    streams, the prompt length, and one handle that closes them all. `name` is the field asking."""
+    """`count` sequences for one prompt that share its prefill (router/sched/fanout.py): their
+    generation streams, the prompt length, and one handle that closes them all. `name` is the field
+    asking."""
     problem = fanout.check_count(name, count, state.scheduler.limits.max_batch_size)
     if problem:
         raise ValidationError(problem)

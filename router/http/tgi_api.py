@@ -1,10 +1,10 @@
 """TGI's HTTP API over the scheduler: `/generate`, `/generate_stream`, `/` (the Python client's),
-`/tokenize`, `/health`, `/info`, `/metrics`. Its peer router/http/openai_api.py serves the OpenAI routes;
-both build on router/http/state.py, and router/app.py assembles them.
+`/tokenize`, `/health`, `/info`, `/metrics`. Its peer router/http/openai_api.py serves the OpenAI
+routes; both build on router/http/state.py, and router/app.py assembles them.
 
 Bodies, events and errors follow text-generation-inference's documented schema, so TGI's own clients
-work unchanged. The router tokenizes each prompt to count its tokens; the shard tokenizes it again to
-run it.
+work unchanged. The router tokenizes each prompt to count its tokens; the shard tokenizes it again
+to run it.
 """
 
 from __future__ import annotations
@@ -220,7 +220,8 @@ class TokenizeRequest(BaseModel):
 
 
 async def tokenize(state: RouterState, body: TokenizeRequest) -> JSONResponse:
-    """TGI's /tokenize: each token's id, text and character span in `inputs` (tokenized off the event loop)."""
+    """TGI's /tokenize: each token's id, text and character span in `inputs` (tokenized off the
+    event loop)."""
     try:
         check(body.inputs != "", "`inputs` cannot be empty")
         check_text("inputs", body.inputs)

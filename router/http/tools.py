@@ -1,8 +1,9 @@
-"""OpenAI tool calling, valid by construction: the tools' JSON schemas become one grammar for the reply.
+"""OpenAI tool calling, valid by construction: the tools' JSON schemas become one grammar for the
+reply.
 
-The reply the model writes is JSON, constrained by xgrammar on the shard (TGI's JSON grammar type), so it
-always parses, always names a declared function and always carries arguments that match that function's
-schema. What the model writes:
+The reply the model writes is JSON, constrained by xgrammar on the shard (TGI's JSON grammar type),
+so it always parses, always names a declared function and always carries arguments that match that
+function's schema. What the model writes:
 
 - a named `tool_choice`: one call of that function, `{"name": N, "arguments": {...}}` (one
   object: once it closes, only the end of the reply can follow);
@@ -86,7 +87,8 @@ NO_TOOLS = ToolPlan([], None, True)
 
 
 def plan(tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | None) -> ToolPlan:
-    """The plan for `tools` under `tool_choice`; OpenAI's defaults: `auto` when tools exist, parallel calls on."""
+    """The plan for `tools` under `tool_choice`; OpenAI's defaults: `auto` when tools exist,
+    parallel calls on."""
     if not tools:
         check(choice in (None, "none"), "`tool_choice` needs `tools`")
         return NO_TOOLS
@@ -203,7 +205,8 @@ class Reply:
 
 
 def parse_reply(text: str) -> Reply | None:
-    """The model's constrained JSON as content or tool calls; None when it is cut short (max_tokens)."""
+    """The model's constrained JSON as content or tool calls; None when it is cut short
+    (max_tokens)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
@@ -289,7 +292,8 @@ def reply_message(text: str, length_reason: str, plan: ToolPlan | None = None) -
 def reply_deltas(
     text: str, length_reason: str, plan: ToolPlan | None = None
 ) -> tuple[list[dict], str]:
-    """The same reply as stream deltas: the content, or one `tool_calls` delta per call (with its index)."""
+    """The same reply as stream deltas: the content, or one `tool_calls` delta per call (with its
+    index)."""
     message, reason = reply_message(text, length_reason, plan)
     if not message.get("tool_calls"):
         return [{"content": message["content"]}], reason

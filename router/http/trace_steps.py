@@ -58,7 +58,8 @@ class TracedClient:
         return result
 
     async def decode(self, batches: list[CachedBatch], grown=None, **options):
-        """A decode step; a chunked prompt's later chunks run here too, under its still open `prefill`."""
+        """A decode step; a chunked prompt's later chunks run here too, under its still open
+        `prefill`."""
         ids = [i for b in batches for i in b.request_ids]
         traced = {i: self.requests[i] for i in ids if i in self.requests}
         spans = {

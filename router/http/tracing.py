@@ -1,13 +1,13 @@
 """OpenTelemetry tracing of requests, on only with `--otlp-endpoint`.
 
-One span per HTTP request (named like the route, with the request id), and under it one span each for
-the time it waited in the queue, its prefill (the Prefill step that admits it to its first token) and its
-decode (first token to the last). The phase spans are opened and closed by the shard steps themselves
-(router/http/trace_steps.py), whose step requests carry their context: the shards' own step spans
-nest under them, as TGI's do.
+One span per HTTP request (named like the route, with the request id), and under it one span each
+for the time it waited in the queue, its prefill (the Prefill step that admits it to its first
+token) and its decode (first token to the last). The phase spans are opened and closed by the shard
+steps themselves (router/http/trace_steps.py), whose step requests carry their context: the shards'
+own step spans nest under them, as TGI's do.
 
-Off, it costs nothing: opentelemetry is not imported, no middleware is installed, the scheduler's client
-is not wrapped, and `traced` hands the stream back untouched after one context-variable read.
+Off, it costs nothing: opentelemetry is not imported, no middleware is installed, the scheduler's
+client is not wrapped, and `traced` hands the stream back untouched after one context-variable read.
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ def install(app, tracing: Tracing | None, scheduler=None) -> None:
 
 
 def traced(generations: AsyncIterator, stream, arrival: float) -> AsyncIterator:
-    """`generations`, recording the queue, prefill and decode spans of the request when it is traced."""
+    """`generations`, recording the queue, prefill and decode spans of the request when it is
+    traced."""
     current = SPAN.get()
     if current is None:
         return generations

@@ -1,4 +1,5 @@
-"""TGI's request schema and checks: what a `/generate` body may say, turned into a protocol `Request`.
+"""TGI's request schema and checks: what a `/generate` body may say, turned into a protocol
+`Request`.
 
 The OpenAI endpoints build the same `Parameters` from their own fields, so every request, whichever
 API it came through, passes the same checks with TGI's messages.
@@ -106,7 +107,8 @@ def check(condition: bool, message: str) -> None:
 
 
 def check_text(name: str, text: str) -> None:
-    """Text must be valid Unicode (JSON can spell an unpaired surrogate, `\ud800`; no wire carries it)."""
+    """Text must be valid Unicode (JSON can spell an unpaired surrogate, `\ud800`; no wire carries
+    it)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -192,7 +194,8 @@ def check_adapter(adapter_id: str | None, limits: Limits) -> None:
 
 
 def grammar_fields(grammar: Grammar | None) -> tuple[str, GrammarType]:
-    """TGI's `grammar` parameter as the protocol's (text, type); a JSON schema goes as its JSON text."""
+    """TGI's `grammar` parameter as the protocol's (text, type); a JSON schema goes as its JSON
+    text."""
     if grammar is None:
         return "", GrammarType.NONE
     if grammar.type == "regex":
@@ -274,7 +277,8 @@ def build_request(
 ) -> tuple[Request, list[int]]:
     """The protocol request for `inputs` with TGI parameters `p`, and its prompt's token ids.
     `grammar_check(text, type, reasoning)` compiles a grammar as the shard will
-    (router/http/grammar_check.py); `images`: the model's images, where the prompt may hold some (router/images/)."""
+    (router/http/grammar_check.py); `images`: the model's images, where the prompt may hold some
+    (router/images/)."""
     check_sampling(p)
     check_adapter(p.adapter_id, limits)
     grammar, grammar_type = grammar_fields(p.grammar)

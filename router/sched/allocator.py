@@ -1,4 +1,5 @@
-"""KV blocks and slots that the router assigns to each request (docs/architecture.md#kv-blocks-and-slots).
+"""KV blocks and slots that the router assigns to each request
+(docs/architecture.md#kv-blocks-and-slots).
 
 A v3 router owns the shards' KV cache layout: every request carries its `blocks` and its `slots`
 (slot = block * block_size + offset), one slot per token. Block 0 is never handed out: the shards

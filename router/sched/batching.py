@@ -1,8 +1,8 @@
 """Which queued requests the scheduler admits into its next Prefill, and the batch it sends.
 
 Requests leave the head of the FIFO queue while the batch has rows, the prefill budget has room and
-their KV blocks fit (router/sched/kv_blocks.py); the head waits, never skipped. When the shards chunk
-prompts (Info.support_chunking), a prompt longer than the budget left is admitted with
+their KV blocks fit (router/sched/kv_blocks.py); the head waits, never skipped. When the shards
+chunk prompts (Info.support_chunking), a prompt longer than the budget left is admitted with
 chunk_len = that room: the shard computes the rest in the following steps, next to the decodes.
 The members of an `n`/`best_of` group (router/sched/fanout.py) are admitted together, sharing one
 prefill, when their prompt fits the budget; a longer one splits them into lone requests.
@@ -77,7 +77,8 @@ def _allocate(allocator: BlockAllocator, group: list[Entry], longest: int | None
 
 
 def _chunk(head: Entry, budget: int, stats: SchedulerStats) -> int:
-    """A lone request's chunk_len (None: its whole prompt fits); returns the tokens it computes now."""
+    """A lone request's chunk_len (None: its whole prompt fits); returns the tokens it computes
+    now."""
     computed = head.prefill_length - head.allocation.cache_len
     head.chunk_len = budget if computed > budget else None
     if head.chunk_len is not None:

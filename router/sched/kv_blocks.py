@@ -21,8 +21,8 @@ def _lookup_ids(entry: Entry) -> list[int] | None:
 
 def admit(allocator, entry: Entry, longest_prefill: int | None) -> Allocation | None:
     """Blocks for the request, its cached prefix reused; None when they do not fit now (it waits).
-    With `longest_prefill` (the shards resume requests: router/sched/preemption.py), blocks for what it
-    prefills only, more coming as it decodes, if it could be resumed at any point (its prompt and
+    With `longest_prefill` (the shards resume requests: router/sched/preemption.py), blocks for what
+    it prefills only, more coming as it decodes, if it could be resumed at any point (its prompt and
     generated tokens always fit one prefill); otherwise blocks for all of max_new_tokens at once."""
     ids, adapter, tokens = (
         _lookup_ids(entry),
@@ -36,7 +36,8 @@ def admit(allocator, entry: Entry, longest_prefill: int | None) -> Allocation | 
 
 def group_fits(allocator, group: list[Entry], longest_prefill: int | None) -> bool:
     """Whether every member of an n/best_of group (one prompt, one budget) would be admitted now.
-    Asked before any member allocates, so a group that has to wait counts no prefix-cache lookups."""
+    Asked before any member allocates, so a group that has to wait counts no prefix-cache
+    lookups."""
     head = group[0]
     return allocator.fits(
         _tokens_now(head, longest_prefill),
@@ -70,7 +71,8 @@ def prefilled(allocator, entries: list[Entry]) -> None:
 
 def _whole_images(ids: list[int], end: int) -> int:
     """A chunk's end moved back to the start of an image it would cut: the shard computes an
-    image's tokens in one forward (engine/serving/chunks.py), so they may not be in the cache yet."""
+    image's tokens in one forward (engine/serving/chunks.py), so they may not be in the cache
+    yet."""
     if 0 < end < len(ids) and is_image_key(ids[end]) and image_start(ids, end) < end:
         return image_start(ids, end)
     return end
@@ -85,7 +87,8 @@ def first_token(allocator, entry: Entry) -> None:
 
 def finished(allocator, entry: Entry) -> None:
     """Before its blocks go back: what the cache holds of a request that decoded (its prompt and
-    every generated token but the last, which was never fed back): the next turn of a chat finds it."""
+    every generated token but the last, which was never fed back): the next turn of a chat finds
+    it."""
     if entry.token_ids is not None and entry.allocation is not None and entry.generated:
         allocator.register(
             entry.allocation, entry.token_ids + entry.generated[:-1], entry.request.adapter_id

@@ -1,8 +1,9 @@
 """KV blocks on demand (docs/architecture.md#kv-on-demand): before each Decode, every request
-in the step gets the block its next token needs. When none is left, the newest request is preempted: the shard drops it
-(FilterBatch), its blocks go back (its full blocks stay in the prefix cache), and it waits at the
-head of the queue. Readmitted, it is prefilled again from its prompt and the tokens it generated
-(the resume path of engine/serving/resume.py), so its stream goes on without a duplicate or a gap.
+in the step gets the block its next token needs. When none is left, the newest request is preempted:
+the shard drops it (FilterBatch), its blocks go back (its full blocks stay in the prefix cache), and
+it waits at the head of the queue. Readmitted, it is prefilled again from its prompt and the tokens
+it generated (the resume path of engine/serving/resume.py), so its stream goes on without a
+duplicate or a gap.
 
 This module decides who gets a block and who gives theirs back; the scheduler owns the queue and
 the shard's batches, and asks it with what it holds (`grow`, `park`).

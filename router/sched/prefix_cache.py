@@ -61,7 +61,8 @@ class PrefixCache:
         self.listener = listener
         listener.cleared()
 
-    # --- the allocator's face -----------------------------------------------------------------------
+    # --- the allocator's face
+    # -----------------------------------------------------------------------
 
     @property
     def num_free(self) -> int:
@@ -144,7 +145,8 @@ class PrefixCache:
                 else:
                     heapq.heappush(self._free, block)
 
-    # --- the prefix cache ---------------------------------------------------------------------------
+    # --- the prefix cache
+    # ---------------------------------------------------------------------------
 
     def register(self, allocation: Allocation, token_ids: list[int], adapter: str | None) -> None:
         """`token_ids` are in the allocation's blocks now (a prefill or decode completed): its full
@@ -228,7 +230,8 @@ class PrefixCache:
         self._refs[block] = self._refs.get(block, 0) + 1
 
     def _take(self) -> int:
-        """A block for new tokens: a never-cached one first, else the least recently used cached one."""
+        """A block for new tokens: a never-cached one first, else the least recently used cached
+        one."""
         if self._free:
             block = heapq.heappop(self._free)
         else:

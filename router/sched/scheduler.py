@@ -6,8 +6,9 @@ the shard concatenates), hands each generation to its request's stream, and drop
 cancelled requests (`FilterBatch`, or `ClearCache` when none remain). This is what TGI's v3 router
 does, so the same loop drives our shards in process or over gRPC.
 
-The scheduler owns KV blocks too (router/sched/kv_blocks.py): a request gets blocks for its prompt and its
-new tokens at admission, reusing cached prefix blocks, and gives them back once no shard batch lists it.
+The scheduler owns KV blocks too (router/sched/kv_blocks.py): a request gets blocks for its prompt
+and its new tokens at admission, reusing cached prefix blocks, and gives them back once no shard
+batch lists it.
 
 Shards of several pipeline stages (Info.pipeline_stages) get as many batches in flight, one per
 lane, each lane running this loop on its own batch (router/sched/lanes.py).
@@ -61,9 +62,9 @@ class Scheduler:
         lookahead: bool = True,
     ):
         self.client, self.allocator, self.limits = client, allocator, limits
-        # Async scheduling: a Decode sent while nothing waits asks the shards to run the batch's next
-        # forward right after answering (engine/serving/lookahead.py); the next iteration then decodes
-        # that batch before admitting anyone, so the early forward is used whole, not split.
+        # Async scheduling: a Decode sent while nothing waits asks the shards to run the batch's
+        # next forward right after answering (engine/serving/lookahead.py); the next iteration then
+        # decodes that batch before admitting anyone, so the early forward is used whole, not split.
         self.lookahead, self._ahead_pending = lookahead, False
         self.chunking = chunking  # the shards chunk long prompts (Info.support_chunking)
         self.rewarm, self.on_step = rewarm, on_step
@@ -140,7 +141,8 @@ class Scheduler:
     def submit_group(
         self, requests: list[Request], input_length: int, token_ids: list[int] | None = None
     ) -> list[RequestStream]:
-        """Queue requests with one prompt, admitted together to share its prefill (router/sched/fanout.py)."""
+        """Queue requests with one prompt, admitted together to share its prefill
+        (router/sched/fanout.py)."""
         fanout.check_group(
             requests, input_length, self.limits, self.allocator, self._entries, self.chunking
         )
@@ -153,7 +155,8 @@ class Scheduler:
         return [RequestStream(self, entry) for entry in entries]
 
     def check_admission(self, count: int = 1) -> None:
-        """Raise Overloaded or ShardsUnavailable now: callers ask before expensive work (tokenizing)."""
+        """Raise Overloaded or ShardsUnavailable now: callers ask before expensive work
+        (tokenizing)."""
         if self._stopped is not None:
             raise ShardsUnavailable(f"the server is stopping ({self._stopped}): retry elsewhere")
         if not self.available:
@@ -265,8 +268,8 @@ class Scheduler:
         self.available = True
 
     def _resize(self, capacity_tokens: int) -> None:
-        """New shards may have another KV capacity and hold no cached prefix. No request holds blocks
-        now (all were requeued without them): the allocator is replaced."""
+        """New shards may have another KV capacity and hold no cached prefix. No request holds
+        blocks now (all were requeued without them): the allocator is replaced."""
         size, blocks = self.allocator.block_size, capacity_tokens // self.allocator.block_size + 1
         assert self.allocator.idle, "resizing an allocator with blocks in use"
         if blocks != self.allocator.num_blocks:
@@ -381,12 +384,14 @@ class Scheduler:
                 self._release(entry)
 
     def _resumable(self, entry: Entry) -> bool:
-        """Only shards that read the generated tokens resume (ours, not TGI's); they must fit a prefill."""
+        """Only shards that read the generated tokens resume (ours, not TGI's); they must fit a
+        prefill."""
         longest = self._longest_resume()
         return longest is not None and entry.prefill_length <= longest
 
     def _longest_resume(self) -> int | None:
-        """The longest prompt + generated tokens the shards can resume (None: they resume nothing)."""
+        """The longest prompt + generated tokens the shards can resume (None: they resume
+        nothing)."""
         if not getattr(self.client, "resumes", False):
             return None
         return (
@@ -469,7 +474,8 @@ class Scheduler:
             entry.finished = generation.generated_text is not None
 
     async def _keep(self, cached: CachedBatch | None, entries: list[Entry]) -> CachedBatch | None:
-        """The batch without its finished and cancelled requests; those that left give back blocks."""
+        """The batch without its finished and cancelled requests; those that left give back
+        blocks."""
         kept = await self._prune(cached, entries)
         listed = set(kept.request_ids) if kept is not None else set()
         for entry in entries:

@@ -53,7 +53,8 @@ class Entry:
 
     @property
     def prefill_length(self) -> int:
-        """Tokens its next prefill computes: the prompt, and after a shard restart what it generated."""
+        """Tokens its next prefill computes: the prompt, and after a shard restart what it
+        generated."""
         return self.input_length + len(self.generated)
 
     @property
@@ -97,7 +98,8 @@ class RequestStream:
             self._scheduler.cancel_entry(self._entry)
 
     def __del__(self) -> None:
-        # A consumer that went away without closing (an HTTP client disconnect) still frees its blocks.
+        # A consumer that went away without closing (an HTTP client disconnect) still frees its
+        # blocks.
         try:
             self.close()
         except Exception:  # noqa: BLE001 - the loop may already be closed at interpreter exit

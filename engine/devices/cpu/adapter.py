@@ -98,7 +98,8 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
         return f"{path} (CPU kernels at ISA level {isa.level()}{capped})"
 
     def _has_avx2_bf16_product(self) -> bool:
-        """Whether eager bfloat16 gets fma_linear: kernels built (not turned off) with AVX2 and FMA."""
+        """Whether eager bfloat16 gets fma_linear: kernels built (not turned off) with AVX2 and
+        FMA."""
         import engine.devices.cpu.kernels as cpu_kernels
 
         if getattr(self, "graph_mode", "eager") != "eager":  # inductor's graphs: torch's product
@@ -107,9 +108,9 @@ class CPUAdapter(CompiledGraphs, DeviceAdapter):
 
     def prepare_model(self, model, dtype: torch.dtype) -> None:
         """Eager bfloat16: the fused C++ kernels (engine.devices.cpu.kernels) for decode attention,
-        the norms, rope, SiLU and the projections (AMX tiles where the CPU runs them, else AVX512-BF16
-        dot products, else AVX2 FMA; what none takes, or all without the kernels, prepacked for
-        oneDNN where it packs bfloat16). Compile mode
+        the norms, rope, SiLU and the projections (AMX tiles where the CPU runs them, else
+        AVX512-BF16 dot products, else AVX2 FMA; what none takes, or all without the kernels,
+        prepacked for oneDNN where it packs bfloat16). Compile mode
         leaves the weights to inductor; float32 keeps the pure-torch path, whose greedy output is
         exact."""
         self._prepare(model, dtype, draft=False)

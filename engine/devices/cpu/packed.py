@@ -1,4 +1,5 @@
-"""bfloat16 linear weights prepacked for oneDNN, the CPU adapter's form of a dense decoder projection.
+"""bfloat16 linear weights prepacked for oneDNN, the CPU adapter's form of a dense decoder
+projection.
 
 F.linear hands oneDNN a plain row-major weight on every call, which it reorders into its blocked
 layout each time. Packing once at start (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's
@@ -26,7 +27,8 @@ class PackedBf16Weight(nn.Module):
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        # The batch-size hint 1 favours decode; prefill's large batches run about as fast as F.linear.
+        # The batch-size hint 1 favours decode; prefill's large batches run about as fast as
+        # F.linear.
         self.register_buffer(
             "packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
         )

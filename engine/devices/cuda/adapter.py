@@ -52,7 +52,8 @@ class CUDAAdapter(DeviceAdapter):
         if self.graph_mode == "compile":
             require_compiler()
         self.rocm = found.rocm
-        # One visible device per rank when the launcher narrowed visibility; otherwise rank r takes device r.
+        # One visible device per rank when the launcher narrowed visibility; otherwise rank r takes
+        # device r.
         self.index = self.rank % max(1, found.count)
         torch.cuda.set_device(self.index)
         self.graphs = GraphSet(torch.cuda)
@@ -78,7 +79,8 @@ class CUDAAdapter(DeviceAdapter):
         torch.cuda.synchronize(self.index)
 
     def empty_cache(self) -> None:
-        """The caching allocator keeps freed blocks reserved, and mem_get_info counts them as used."""
+        """The caching allocator keeps freed blocks reserved, and mem_get_info counts them as
+        used."""
         self.synchronize()
         torch.cuda.empty_cache()
 

@@ -33,7 +33,8 @@ class GraphSet:
         return key in self.captured
 
     def capture(self, key: Hashable, fn: Callable, inputs: tuple) -> None:
-        """Record `fn(*inputs)`; `inputs` become the graph's static buffers (the caller lets go of them)."""
+        """Record `fn(*inputs)`; `inputs` become the graph's static buffers (the caller lets go of
+        them)."""
         check_tensor_inputs(inputs)
         if self.pool is None:
             self.pool = self.cuda.graph_pool_handle()

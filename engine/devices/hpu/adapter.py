@@ -6,9 +6,9 @@ from Habana 1.23 and wherever torch is upstream's, "graphs" on 1.21 and 1.22):
   bucket is captured during warmup and replayed afterwards, and any other shape bypasses the
   graphs per call (a capture at serving time would stall the batch and grow device memory).
 - "lazy": lazy mode without graphs (each forward is traced and its recipe looked up).
-- "compile": `torch.compile(backend="hpu_backend")`, one static graph per warmed bucket (eager bridge).
-In the lazy modes a step marker cuts the graph after each decoder layer; graph inputs are checked
-to be tensors only. The bridge reads PT_HPU_LAZY_MODE once, when torch is imported, so the
+- "compile": `torch.compile(backend="hpu_backend")`, one static graph per warmed bucket (eager
+bridge). In the lazy modes a step marker cuts the graph after each decoder layer; graph inputs are
+checked to be tensors only. The bridge reads PT_HPU_LAZY_MODE once, when torch is imported, so the
 launcher puts it in each shard's environment (engine/devices/hpu/env.py); here we only check it.
 """
 
@@ -56,7 +56,8 @@ class HPUAdapter(DeviceAdapter):
         self.lazy = self.graph_mode != "compile"
         check_bridge_mode(self.htorch, self.lazy, self.graph_mode)
         if self.world_size > 1:
-            # Registers the "hccl" backend with torch.distributed; init_process_group needs it first.
+            # Registers the "hccl" backend with torch.distributed; init_process_group needs it
+            # first.
             importlib.import_module("habana_frameworks.torch.distributed.hccl")
         if self.lazy:
             self.step_marker = self.htorch.core.mark_step
@@ -153,7 +154,8 @@ class HPUAdapter(DeviceAdapter):
 
 
 def load_habana(before_import):
-    """habana_frameworks.torch, after checking that a Gaudi device is visible (DeviceError if not)."""
+    """habana_frameworks.torch, after checking that a Gaudi device is visible (DeviceError if
+    not)."""
     require("hpu", before_import)
     import habana_frameworks.torch as htorch
     import habana_frameworks.torch.core  # noqa: F401 - mark_step

@@ -1,6 +1,7 @@
 """Gaudi attention kernels behind our attention contracts: Habana's FusedSDPA for prefill (with
-the cached context folded in, for prefix-cache hits and later chunks) and vllm-hpu-extension's flat_pa (any supported release, engine/devices/hpu/ops.py) for decode.
-Whatever is missing runs in pure torch, said once as a WARNING with the reason."""
+the cached context folded in, for prefix-cache hits and later chunks) and vllm-hpu-extension's
+flat_pa (any supported release, engine/devices/hpu/ops.py) for decode. Whatever is missing runs in
+pure torch, said once as a WARNING with the reason."""
 
 from __future__ import annotations
 
@@ -86,10 +87,10 @@ def load_fused_sdpa():
 def fused_prefill(
     fused, q, k, v, scale: float, lengths: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim], right-padded prompts (the kernel
-    takes grouped kv heads as they are). `lengths`, each row's real length, lets the kernel skip the
-    padding's work, as TGI passes valid_seq_lengths; without them every row counts as full (causality
-    alone keeps real tokens from seeing the padding after them)."""
+    """q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim], right-padded prompts (the
+    kernel takes grouped kv heads as they are). `lengths`, each row's real length, lets the kernel
+    skip the padding's work, as TGI passes valid_seq_lengths; without them every row counts as full
+    (causality alone keeps real tokens from seeing the padding after them)."""
     batch, seq = q.shape[:2]
     if lengths is None:
         lengths = torch.full((batch,), seq, dtype=torch.int32, device=q.device)

@@ -26,7 +26,8 @@ def apply_environment(wanted: dict[str, str], environ: MutableMapping[str, str])
 
 
 def check_bridge_mode(htorch, lazy: bool, graph_mode: str) -> None:
-    """The mode the bridge started in (it read PT_HPU_LAZY_MODE at import) against the one we need."""
+    """The mode the bridge started in (it read PT_HPU_LAZY_MODE at import) against the one we
+    need."""
     running = bool(htorch.utils.internal.is_lazy())
     if running != lazy:
         started = "lazy" if running else "eager"

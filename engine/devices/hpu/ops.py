@@ -72,7 +72,8 @@ class FlatPA:
         return f"{self.package} {layout}"
 
     def configure(self, model_type: str) -> None:
-        """Set the extension's runtime config once, before any op reads it (and outside any graph)."""
+        """Set the extension's runtime config once, before any op reads it (and outside any
+        graph)."""
         if self.configured or self.environment is None:
             return
         model_config = SimpleNamespace(hf_config=SimpleNamespace(model_type=model_type))

@@ -1,22 +1,23 @@
 """optimum-habana on the transformers fallback (HPU only): `adapt_transformers_to_gaudi()`, with the
 Gaudi model classes that would bypass our paged KV cache taken back out.
 
-What optimum-habana does (read in huggingface/optimum-habana v1.19.1, commit 1aa991e4, the release for
-Gaudi software 1.22 / torch 2.7.1, file optimum/habana/transformers/modeling_utils.py):
+What optimum-habana does (read in huggingface/optimum-habana v1.19.1, commit 1aa991e4, the release
+for Gaudi software 1.22 / torch 2.7.1, file optimum/habana/transformers/modeling_utils.py):
 `adapt_transformers_to_gaudi()` (no arguments) replaces, in place and for the whole process, methods
 of transformers (GenerationMixin's generation loop, Conv1D.forward, ...) and whole classes in the
 transformers modeling modules (`modeling_llama.LlamaForCausalLM = GaudiLlamaForCausalLM`,
 `LlamaAttention = GaudiLlamaAttention`, the same for Mistral, Qwen2/3, Gemma 1/2, Mixtral, Phi,
 Starcoder2, Falcon, GPT-NeoX, ...). Those Gaudi attention classes keep their own KV cache (KVCache
-modules) and call FusedSDPA themselves: none of them looks its attention function up in transformers'
-ALL_ATTENTION_FUNCTIONS in v1.19.1 (v1.20.0 adds it for gpt_oss and whisper only). Our fallback only
-works through that interface, so such a variant is refused here: the model keeps the un-adapted
-transformers class (its module names are put back), with a warning that says why; the process-wide
-adaptations stay. A variant whose module does use the interface is served as optimum-habana built it.
+modules) and call FusedSDPA themselves: none of them looks its attention function up in
+transformers' ALL_ATTENTION_FUNCTIONS in v1.19.1 (v1.20.0 adds it for gpt_oss and whisper only). Our
+fallback only works through that interface, so such a variant is refused here: the model keeps the
+un-adapted transformers class (its module names are put back), with a warning that says why; the
+process-wide adaptations stay. A variant whose module does use the interface is served as
+optimum-habana built it.
 
 optimum-habana pins transformers (v1.19.1: >= 4.51, < 4.52; v1.20.0: < 4.56); bucketserve needs
-transformers >= 4.56, and v1.19.1 cannot be imported with transformers 5 (68 of its imported names are
-gone, e.g. transformers.modeling_attn_mask_utils). An import that fails is reported once and the
+transformers >= 4.56, and v1.19.1 cannot be imported with transformers 5 (68 of its imported names
+are gone, e.g. transformers.modeling_attn_mask_utils). An import that fails is reported once and the
 fallback runs un-adapted.
 """
 
@@ -73,8 +74,9 @@ def adapt_for_fallback(cls):
 
 
 def routes_through_interface(variant) -> bool:
-    """Whether the variant's modeling module looks attention up in transformers' ALL_ATTENTION_FUNCTIONS
-    (as code, not in a comment); a module whose source cannot be read is not trusted to."""
+    """Whether the variant's modeling module looks attention up in transformers'
+    ALL_ATTENTION_FUNCTIONS (as code, not in a comment); a module whose source cannot be read is not
+    trusted to."""
     try:
         tree = ast.parse(inspect.getsource(sys.modules[variant.__module__]))
     except (OSError, TypeError, KeyError, SyntaxError):
@@ -119,7 +121,8 @@ def _is_gaudi(obj) -> bool:
 
 
 def _original(cls):
-    """A class resolved after an earlier adaptation may be the Gaudi variant: its transformers base."""
+    """A class resolved after an earlier adaptation may be the Gaudi variant: its transformers
+    base."""
     while _is_gaudi(cls):
         cls = next(base for base in cls.__mro__[1:] if not _is_gaudi(base))
     return cls

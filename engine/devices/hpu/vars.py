@@ -1,6 +1,6 @@
-"""The Habana runtime variables a shard needs, as plain values: the launcher (engine/devices/probe.py)
-puts them in each shard's environment and the HPU adapter checks them (engine/devices/hpu/env.py).
-No imports from the rest of engine/devices, so both can use it."""
+"""The Habana runtime variables a shard needs, as plain values: the launcher
+(engine/devices/probe.py) puts them in each shard's environment and the HPU adapter checks them
+(engine/devices/hpu/env.py). No imports from the rest of engine/devices, so both can use it."""
 
 from __future__ import annotations
 

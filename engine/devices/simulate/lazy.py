@@ -1,11 +1,11 @@
 """Gaudi's lazy mode, simulated on CPU tensors.
 
-Lazy mode records every op on a device tensor and runs the recorded graph at `mark_step()`. The graph
-is compiled once per key (its ops, their shapes, dtypes and scalar arguments) and cached, so a new
-key at serving time is a compile that stalls the batch. A host read of a device tensor whose graph is
-still pending (`.item()`, `.tolist()`, `.cpu()`, `bool(t)`) or an op whose output shape depends on
-the data (`nonzero`, a boolean index) runs the pending graph there: a graph break. Gaudi has no
-float64: an op that makes one is refused.
+Lazy mode records every op on a device tensor and runs the recorded graph at `mark_step()`. The
+graph is compiled once per key (its ops, their shapes, dtypes and scalar arguments) and cached, so a
+new key at serving time is a compile that stalls the batch. A host read of a device tensor whose
+graph is still pending (`.item()`, `.tolist()`, `.cpu()`, `bool(t)`) or an op whose output shape
+depends on the data (`nonzero`, a boolean index) runs the pending graph there: a graph break. Gaudi
+has no float64: an op that makes one is refused.
 
 Device tensors are the ones the adapter put on the device (inputs, weights, the KV cache), the
 outputs of ops that read one, and everything made inside a forward. Host-side metadata building

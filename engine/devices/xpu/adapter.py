@@ -51,7 +51,8 @@ class XPUAdapter(CompiledGraphs, DeviceAdapter):
     def memory_info(self) -> tuple[int, int]:
         """Free is what this process has not reserved. torch.xpu.mem_get_info is not used: it exists
         only from torch 2.6, raises on integrated GPUs, and its free figure does not drop with this
-        process's own allocations (pytorch#161381), which would size the KV cache past the memory."""
+        process's own allocations (pytorch#161381), which would size the KV cache past the
+        memory."""
         total = int(torch.xpu.get_device_properties(self.index).total_memory)
         return total - int(torch.xpu.memory_reserved(self.index)), total
 
@@ -72,7 +73,8 @@ def distributed_backend() -> str:
 
 
 def check_backend(backend: str, torch_version: str) -> None:
-    """torch's own "xccl" backend arrived in torch 2.7; before it, only the oneCCL bindings ("ccl")."""
+    """torch's own "xccl" backend arrived in torch 2.7; before it, only the oneCCL bindings
+    ("ccl")."""
     if backend == "xccl" and version_tuple(torch_version) < XCCL_SINCE:
         raise DeviceError(
             f"--num-shard > 1 on xpu needs collectives: torch {torch_version} has no xccl "

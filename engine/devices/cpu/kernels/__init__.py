@@ -11,8 +11,8 @@ products (dot_linear.cpp), else AVX2 fused multiply-adds over weights widened in
 through F.linear reorders the plain weight on every call, which at decode batch
 sizes costs more than the product). --quantize's int4 and int8 weights have their own layouts and
 AVX512-BF16 products (int4_linear.cpp, int8_linear.cpp); a draft model's int8 LM head is screened
-in int4 and its best rescored in int8 (screened_head.cpp). decoder.cpp runs a whole decode step, or a
-prefill's packed rows, of a plain Llama-family decoder through these in one call, its threads held
+in int4 and its best rescored in int8 (screened_head.cpp). decoder.cpp runs a whole decode step, or
+a prefill's packed rows, of a plain Llama-family decoder through these in one call, its threads held
 for the whole call (crew.cpp) instead of forked per kernel; its greedy_steps runs several greedy
 decode steps of one row (a draft model's proposals) with the final norm, LM head and argmax in the
 same call, a forward feeding besides its token what prompt lookup guesses follows it. Each is
@@ -21,13 +21,13 @@ tested against the pure-torch path, which stays the reference, the fallback wher
 
 The README's set-up (`make`, or `python -m engine.devices.cpu.kernels`) builds them once, about a
 minute on two cores, into bucketserve's cache dir, keyed by the source, the compiler flags,
-torch's version and the CPU; a start then imports the built library and never runs the compiler. A start that
-finds none builds it then (a cache dir cleared since set-up). Each build compiles in a directory of
-its own and moves the library into place, so builders that meet (worktrees, test workers) neither
-wait on each other's lock file nor leave one behind when killed. BUCKETSERVE_CPU_KERNELS=0 turns
-the kernels off. Which of them a build holds and serves follows the ISA level, the CPU's or the
-cap BUCKETSERVE_CPU_ISA sets (engine/devices/cpu/isa.py): a library of its own per level, each
-class below naming the level it needs.
+torch's version and the CPU; a start then imports the built library and never runs the compiler. A
+start that finds none builds it then (a cache dir cleared since set-up). Each build compiles in a
+directory of its own and moves the library into place, so builders that meet (worktrees, test
+workers) neither wait on each other's lock file nor leave one behind when killed.
+BUCKETSERVE_CPU_KERNELS=0 turns the kernels off. Which of them a build holds and serves follows the
+ISA level, the CPU's or the cap BUCKETSERVE_CPU_ISA sets (engine/devices/cpu/isa.py): a library of
+its own per level, each class below naming the level it needs.
 """
 
 from __future__ import annotations
