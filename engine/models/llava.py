@@ -11,6 +11,17 @@ from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 
 
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A fresh host tensor of a device tensor's values, so what runs on it afterwards (LLaVA-NeXT's
+    packing, whose shapes follow each image's grid) is no device op and compiles no graph. Through
+    numpy: on the simulator's CPU `.cpu()` hands back the device tensor itself, and numpy's copy is
+    the host read that it is (numpy has no bfloat16: its bits travel as int16)."""
+    host = tensor.detach().cpu()
+    if host.dtype == torch.bfloat16:
+        return torch.from_numpy(host.view(torch.int16).numpy().copy()).view(torch.bfloat16)
+    return torch.from_numpy(host.numpy().copy())
+
+
 class LlavaForConditionalGeneration(LlamaForCausalLM):
     takes_images = True  # the runner passes image embeddings to its prefills
     hf_config_class = "LlavaConfig"

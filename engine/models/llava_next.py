@@ -12,7 +12,7 @@ import torch
 
 from engine.distributed import SINGLE, Parallel
 from engine.models.config import ModelConfig
-from engine.models.llava import LlavaForConditionalGeneration
+from engine.models.llava import LlavaForConditionalGeneration, to_host
 
 
 class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
@@ -46,8 +46,6 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
         """Each image's [tokens, hidden] from its tiles' [tiles, tokens per tile, hidden] and its
         (height, width): transformers' LlavaNextModel.pack_image_features itself."""
         from transformers.models.llava_next.modeling_llava_next import LlavaNextModel
-
-        from engine.vision.encoder import to_host  # the tiles' features are on the host
 
         owner = SimpleNamespace(config=self.hf_config)
         packed, _ = LlavaNextModel.pack_image_features(

@@ -14,7 +14,8 @@ import torch
 from engine.batch import ImageInput, Request
 from engine.buckets.images import ImageBucket, ImageLimits
 from engine.errors import InvalidRequestError, UnwarmedShapeError
-from engine.vision.encoder import ImageEncoder, images_of, to_host
+from engine.models.llava import to_host
+from engine.vision.encoder import ImageEncoder, images_of
 from engine.vision.grids import rope_index, token_buckets
 
 

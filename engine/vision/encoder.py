@@ -29,6 +29,7 @@ import torch
 from engine.batch import ImageInput, Request
 from engine.buckets.images import ImageBucket, ImageLimits, image_grid, split_run
 from engine.errors import InvalidRequestError, UnwarmedShapeError
+from engine.models.llava import to_host
 from engine.vision.keys import image_spans, keyed_ids
 from engine.vision.spec import ImageSpec
 
@@ -55,17 +56,6 @@ def sized(request_id: int, chunk):
             f"request {request_id}: an image is unreadable: {error}"
         ) from None
     return replace(chunk, width=width, height=height)
-
-
-def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A fresh host tensor of a device tensor's values, so what runs on it afterwards (LLaVA-NeXT's
-    packing, whose shapes follow each image's grid) is no device op and compiles no graph. Through
-    numpy: on the simulator's CPU `.cpu()` hands back the device tensor itself, and numpy's copy is
-    the host read that it is (numpy has no bfloat16: its bits travel as int16)."""
-    host = tensor.detach().cpu()
-    if host.dtype == torch.bfloat16:
-        return torch.from_numpy(host.view(torch.int16).numpy().copy()).view(torch.bfloat16)
-    return torch.from_numpy(host.numpy().copy())
 
 
 class ImageEncoder:
