@@ -53,7 +53,7 @@ def test_a_prompt_is_tokenized_once(smollm_dir, prefix_caching, truncate):
         None,
         info,
         SimpleNamespace(timed=lambda s, a: s),
-        grammar_check=lambda text, kind: None,
+        grammar_check=lambda text, kind, reasoning: None,
     )
     prompt = "The quick brown fox jumps over the lazy dog."
     asyncio.run(submit(state, prompt, Parameters(max_new_tokens=4, truncate=truncate)))
