@@ -51,6 +51,17 @@ def tiny_config(model_dir, **overrides) -> EngineConfig:
     return EngineConfig(**{**settings, **overrides})
 
 
+def shard_options(limits: ServingLimits, block_size: int) -> dict:
+    """The shard config fields that plan its buckets for `limits`, with KV blocks of `block_size`."""
+    return dict(
+        block_size=block_size,
+        max_batch_size=limits.max_batch_size,
+        max_prefill_tokens=limits.max_prefill_tokens,
+        max_input_tokens=limits.max_input_tokens,
+        max_total_tokens=limits.max_total_tokens,
+    )
+
+
 def tiny_shard(model_dir, *, warmup: bool | ServingLimits = True, **overrides):
     """A shard on `model_dir` with `tiny_config(model_dir, **overrides)`.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import ServingLimits
-from tests.helpers import PROMPTS, tiny_shard
+from tests.helpers import PROMPTS, shard_options, tiny_shard
 from tests.test_simulate_traffic_router import serve
 
 pytestmark = pytest.mark.slow
@@ -19,13 +19,7 @@ BLOCK = 16
 LIMITS = ServingLimits(
     max_batch_size=2, max_prefill_tokens=32, max_input_tokens=32, max_total_tokens=48
 )
-SHARD = dict(
-    block_size=BLOCK,
-    max_batch_size=LIMITS.max_batch_size,
-    max_prefill_tokens=LIMITS.max_prefill_tokens,
-    max_input_tokens=LIMITS.max_input_tokens,
-    max_total_tokens=LIMITS.max_total_tokens,
-)
+SHARD = shard_options(LIMITS, BLOCK)
 SHARED = "The moon landing was in 1969 and the crew came home after eight days. "  # a full block
 WAVES = [
     [

@@ -29,20 +29,14 @@ from router.sched import fanout
 from router.sched.prefix_cache import PrefixCache
 from router.sched.scheduler import Scheduler
 from tests.family_models import build_family_model
-from tests.helpers import PROMPTS, tiny_shard
+from tests.helpers import PROMPTS, shard_options, tiny_shard
 
 pytestmark = pytest.mark.slow
 BLOCK = 16
 LIMITS = ServingLimits(
     max_batch_size=4, max_prefill_tokens=32, max_input_tokens=96, max_total_tokens=128
 )
-SHARD = dict(
-    block_size=BLOCK,
-    max_batch_size=LIMITS.max_batch_size,
-    max_prefill_tokens=LIMITS.max_prefill_tokens,
-    max_input_tokens=LIMITS.max_input_tokens,
-    max_total_tokens=LIMITS.max_total_tokens,
-)
+SHARD = shard_options(LIMITS, BLOCK)
 ROUTER_BLOCKS = 10  # 9 usable blocks of 16: two long prompts and their growth do not fit at once
 # Two prefixes of more than three blocks (prefix-cache hits), longer than the longest prefill
 # bucket (32 tokens: chunked); the tails keep a prompt within max_input_tokens (not truncated).
