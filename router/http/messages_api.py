@@ -132,7 +132,9 @@ def unknown_model(state: RouterState, name: str) -> JSONResponse | None:
     if name in (state.info["model_id"], TGI_MODEL_ALIAS, *state.limits.adapters):
         return None
     message = f"model: the model `{name}` is not served here"
-    return error_json(state.metrics, 404, message, "not_found", "not_found", True, True)
+    return error_json(
+        state.metrics, 404, message, "not_found", "not_found", openai=True, anthropic=True
+    )
 
 
 def message_parameters(
